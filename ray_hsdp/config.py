@@ -1,0 +1,154 @@
+"""Typed, validated configuration of a shard group and of the Serve application around it.
+
+Every field carries a description and the default a user would pick. Validation errors name the
+field and the rule, the way vllm-omni's ``--use-hsdp`` flags report them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+#: The model name that stands for the embedded tiny Wan pipeline (written on first use).
+TINY_MODEL = "tiny"
+
+#: Pipeline components sharded by default: the transformers (both experts of a two-expert
+#: pipeline) and the text encoders. VAEs are small next to them and stay replicated.
+DEFAULT_SHARD_COMPONENTS = ("transformer", "transformer_2", "text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+def cache_dir() -> Path:
+    """Folder for files ray_hsdp writes for itself (the embedded tiny model); ``RAY_HSDP_HOME`` moves it."""
+    return Path(os.environ.get("RAY_HSDP_HOME", Path.home() / ".cache" / "ray_hsdp"))
+
+
+class GroupConfig(BaseModel):
+    """How one shard group loads, shards and runs a diffusers pipeline."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(
+        TINY_MODEL,
+        description=f"Path of a diffusers pipeline folder, or {TINY_MODEL!r} for the embedded tiny Wan pipeline.",
+    )
+    model_name: str | None = Field(
+        None, description="Name the model is served under; defaults to the folder's name."
+    )
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="Device kind of the ranks: 'cuda' (NCCL), 'cpu' (gloo), or 'auto' (cuda if the Ray cluster has GPUs)."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Parameter dtype; 'auto' is bfloat16 on cuda and float32 on cpu."
+    )
+    world_size: int | None = Field(
+        None, ge=1, description="Total ranks of the pool (replicate_size x shard_size); checked when given."
+    )
+    replicate_size: int = Field(1, ge=1, description="Number of shard groups (Serve replicas).")
+    shard_size: int = Field(
+        -1,
+        description="Ranks per shard group; each holds 1/shard_size of every sharded module. "
+        "-1: world_size // replicate_size, or 2 when world_size is not given.",
+    )
+    mode: Literal["batch", "replicated"] = Field(
+        "batch",
+        description="'batch': each rank runs its own request (S requests at a time); "
+        "'replicated': every rank runs the same request (memory-only HSDP).",
+    )
+    shard_components: tuple[str, ...] = Field(
+        DEFAULT_SHARD_COMPONENTS, description="Pipeline components to shard when present; all others stay replicated."
+    )
+    min_num_params: int = Field(
+        50_000_000, ge=1, description="Size rule of the last policy fallback: a submodule this large becomes an FSDP unit."
+    )
+    reshard_after_forward: bool = Field(
+        True, description="Free the gathered weights of an FSDP unit after its forward (memory) instead of keeping them (speed)."
+    )
+    cpus_per_rank: float = Field(1.0, ge=0, description="CPUs reserved per rank in its placement-group bundle.")
+    batch_wait_s: float = Field(
+        0.02, ge=0, description="How long the group waits for compatible requests to fill a wave before it starts."
+    )
+    rendezvous_timeout_s: float = Field(120.0, gt=0, description="Deadline for the ranks to form their process group.")
+    collective_timeout_s: float = Field(600.0, gt=0, description="Timeout of every collective of the process group.")
+    load_timeout_s: float = Field(1800.0, gt=0, description="Deadline for the ranks to load and shard the pipeline.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Deadline for one wave of requests to finish.")
+    allow_pickle: bool = Field(False, description="Also load pickle (.bin) checkpoints; only safetensors otherwise.")
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> GroupConfig:
+        if self.shard_size == 0 or self.shard_size < -1:
+            raise ValueError(f"shard_size must be >= 1 (or -1 for auto), got {self.shard_size}")
+        if self.world_size is not None:
+            if self.world_size % self.replicate_size:
+                raise ValueError(
+                    f"world_size={self.world_size} is not divisible by replicate_size={self.replicate_size}"
+                )
+            if self.shard_size != -1 and self.replicate_size * self.shard_size != self.world_size:
+                raise ValueError(
+                    f"replicate_size x shard_size must equal world_size: "
+                    f"{self.replicate_size} x {self.shard_size} != {self.world_size}"
+                )
+        if not self.model:
+            raise ValueError("model must name a diffusers pipeline folder or 'tiny'")
+        if not self.shard_components:
+            raise ValueError("shard_components must name at least one pipeline component")
+        return self
+
+    @property
+    def resolved_shard_size(self) -> int:
+        """The shard size with ``-1`` resolved."""
+        if self.shard_size != -1:
+            return self.shard_size
+        return self.world_size // self.replicate_size if self.world_size is not None else 2
+
+    @property
+    def served_model_name(self) -> str:
+        """The name clients use in the ``model`` field."""
+        if self.model_name:
+            return self.model_name
+        return "tiny-wan" if self.model == TINY_MODEL else Path(self.model).name
+
+    def resolve_device(self, cluster_has_gpus: bool) -> GroupConfig:
+        """Returns a copy with ``device`` and ``dtype`` made concrete.
+
+        Args:
+            cluster_has_gpus: Whether the Ray cluster offers GPUs (decides ``device='auto'``).
+        """
+        device = self.device if self.device != "auto" else ("cuda" if cluster_has_gpus else "cpu")
+        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+        return self.model_copy(update={"device": device, "dtype": dtype})
+
+
+def parse_size(size: str) -> tuple[int, int]:
+    """Parses ``"WxH"`` into ``(width, height)``.
+
+    Raises:
+        ValueError: The text is not two positive integers joined by ``x``, or a side is not a multiple of 16.
+    """
+    parts = size.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"size must be 'WxH' with integer width and height, e.g. '64x64'; got {size!r}")
+    width, height = int(parts[0]), int(parts[1])
+    if width < 16 or height < 16 or width % 16 or height % 16:
+        raise ValueError(f"width and height must be positive multiples of 16; got {width}x{height}")
+    return width, height
+
+
+class AppConfig(GroupConfig):
+    """The Serve application: one shard group per replica plus request defaults and limits."""
+
+    default_size: str = Field("832x480", description="Image size ('WxH') when a request gives none.")
+    default_steps: int = Field(30, ge=1, description="Denoising steps when a request gives none.")
+    default_guidance_scale: float = Field(5.0, ge=0, description="Guidance scale when a request gives none.")
+    max_n: int = Field(4, ge=1, description="Largest number of images one request may ask for.")
+    max_steps: int = Field(200, ge=1, description="Largest num_inference_steps a request may ask for.")
+    max_pixels: int = Field(1280 * 1280, ge=256, description="Largest width x height a request may ask for.")
+
+    @model_validator(mode="after")
+    def _check_default_size(self) -> AppConfig:
+        width, height = parse_size(self.default_size)
+        if width * height > self.max_pixels:
+            raise ValueError(f"default_size {self.default_size} exceeds max_pixels={self.max_pixels}")
+        return self

@@ -1,0 +1,83 @@
+"""One rank's view of its group: rendezvous, process group, device mesh, teardown."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ray_hsdp.topology import MESH_DIM_NAMES
+
+#: NVLink multicast (NVLS) hangs or fails on the lent GPU hosts and in many containers; every
+#: rank process runs with it off.
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def apply_nccl_env() -> None:
+    """Sets :data:`NCCL_ENV` in this process unless the user set the variables already."""
+    for key, value in NCCL_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def node_ip() -> str:
+    """This node's IP address as Ray knows it (falls back to the host's own resolution)."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray the host name is the best we have
+        return socket.gethostbyname(socket.gethostname())
+
+
+def free_port(host: str) -> int:
+    """A TCP port on ``host`` that was free a moment ago (the caller retries if it is taken since)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def backend_for(device: str) -> str:
+    """NCCL on GPUs, gloo on CPUs."""
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def init_process_group(device: str, master: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+    """Joins the group's process group on an explicit ``tcp://`` rendezvous.
+
+    Args:
+        device: ``"cuda"`` or ``"cpu"``.
+        master: IP address of rank 0.
+        port: Port rank 0 listens on.
+        rank: This rank's index in the group.
+        world_size: Ranks in the group.
+        timeout_s: Deadline of the rendezvous and of every later collective.
+    """
+    if device == "cuda":
+        # Ray masks CUDA_VISIBLE_DEVICES to this actor's GPU, so it is always cuda:0 here.
+        torch.cuda.set_device(0)
+    kwargs = {}
+    if device == "cuda":
+        kwargs["device_id"] = torch.device("cuda", 0)
+    dist.init_process_group(
+        backend=backend_for(device),
+        init_method=f"tcp://{master}:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+        **kwargs,
+    )
+
+
+def build_mesh(device: str, mesh_shape: tuple[int, int]) -> DeviceMesh:
+    """The group's ``("replicate", "shard")`` mesh on its own device type."""
+    return init_device_mesh(device, mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
+
+
+def destroy_process_group() -> None:
+    """Leaves the process group; a no-op when none was formed."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,102 @@
+"""The rank actor: one process, one device, one shard of the group's pipeline."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+
+from ray_hsdp import distributed
+from ray_hsdp.config import GroupConfig
+from ray_hsdp.request import GenerationRequest, GenerationResult
+from ray_hsdp.topology import ParallelDims
+
+logger = logging.getLogger("ray_hsdp")
+
+
+#: ``ping`` and ``memory`` run on their own thread, so a health check is answered while a long
+#: request runs on the default one.
+CONCURRENCY_GROUPS = {"control": 1}
+
+
+class Rank:
+    """One rank of a shard group; the group turns this class into a Ray actor.
+
+    Args:
+        rank: Index in the group (0..S-1), which is also its shard index.
+        config: The group's configuration, with device and dtype resolved.
+    """
+
+    def __init__(self, rank: int, config: GroupConfig):
+        distributed.apply_nccl_env()
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s rank=" + str(rank) + " %(message)s")
+        self.rank = rank
+        self.config = config
+        self.dims = ParallelDims(config.replicate_size, config.resolved_shard_size)
+        self.pipeline = None
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a port free on it: rank 0's answer is the group's rendezvous address."""
+        ip = distributed.node_ip()
+        return ip, distributed.free_port(ip)
+
+    def join(self, master: str, port: int) -> dict:
+        """Joins the process group and builds the mesh.
+
+        Returns:
+            Where this rank runs: rank, node id and IP, pid, device.
+        """
+        if self.dims.shard_size > 1:
+            distributed.init_process_group(
+                self.config.device, master, port, self.rank, self.dims.shard_size, self.config.collective_timeout_s
+            )
+            self.mesh = distributed.build_mesh(self.config.device, self.dims.group_mesh_shape)
+        else:
+            self.mesh = None
+        return {
+            "rank": self.rank,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": distributed.node_ip(),
+            "pid": os.getpid(),
+            "device": self.config.device,
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+        }
+
+    def load(self) -> dict:
+        """Loads the pipeline and shards its components; returns the memory report."""
+        from ray_hsdp.loading import load_pipeline
+        from ray_hsdp.sharded_pipeline import ShardedPipeline
+
+        pipe = load_pipeline(self.config.model, self.config.dtype, self.config.allow_pickle)
+        self.pipeline = ShardedPipeline(pipe, self.config.device, self.rank)
+        if self.rank == 0:
+            logger.info(
+                "HSDP Inference: replicate_size=%d, shard_size=%d", self.dims.replicate_size, self.dims.shard_size
+            )
+        if self.mesh is not None:
+            self.pipeline.shard(
+                self.mesh, self.config.shard_components, self.config.min_num_params, self.config.reshard_after_forward
+            )
+        return self.memory()
+
+    def run(self, request: GenerationRequest) -> GenerationResult:
+        """Runs one request; every rank of the group must be running a request of the same wave key."""
+        if self.pipeline is None:
+            raise RuntimeError(f"rank {self.rank} has no pipeline loaded")
+        return self.pipeline.run(request)
+
+    @ray.method(concurrency_group="control")
+    def memory(self, units: bool = False) -> dict:
+        """The memory report of this rank (see ``ShardedPipeline.memory``)."""
+        report = self.pipeline.memory(units=units) if self.pipeline is not None else {}
+        return {"rank": self.rank, "shard_index": self.rank, "device": self.config.device, **report}
+
+    @ray.method(concurrency_group="control")
+    def ping(self) -> int:
+        """Answers with the rank index; the group's health check."""
+        return self.rank
+
+    def leave(self) -> None:
+        """Destroys the process group (the actor is killed right after)."""
+        distributed.destroy_process_group()

@@ -1,0 +1,71 @@
+"""What a rank is asked to compute and what it hands back; shared by the group, ranks and Serve."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation job in diffusers terms.
+
+    Attributes:
+        prompt: Text prompt.
+        negative_prompt: Negative prompt; ``None`` for the pipeline's default.
+        width: Output width in pixels.
+        height: Output height in pixels.
+        num_frames: Frames of the output; 1 for an image.
+        num_inference_steps: Denoising steps.
+        guidance_scale: Classifier-free guidance scale; guidance is on when it is above 1.
+        seed: Seed of the initial noise (a CPU ``torch.Generator``, so results match across devices).
+        n: Outputs for this prompt, run as one batch.
+        request_id: Caller's id, carried through for logs and results.
+    """
+
+    prompt: str
+    negative_prompt: str | None = None
+    width: int = 64
+    height: int = 64
+    num_frames: int = 1
+    num_inference_steps: int = 2
+    guidance_scale: float = 5.0
+    seed: int = 0
+    n: int = 1
+    request_id: str = ""
+
+    @property
+    def guidance(self) -> bool:
+        """Whether classifier-free guidance runs (a second forward per step)."""
+        return self.guidance_scale > 1.0
+
+    @property
+    def wave_key(self) -> tuple:
+        """Requests with equal keys issue the same collectives in the same order.
+
+        Until the tick protocol exists, only such requests may share a wave: the step count and the
+        guidance switch decide how many forwards each sharded module runs.
+        """
+        return (self.num_inference_steps, self.guidance, self.width, self.height, self.num_frames)
+
+
+@dataclass
+class GenerationResult:
+    """The output of one request.
+
+    Attributes:
+        frames: Float array in [0, 1], shape ``(n, num_frames, height, width, 3)``.
+        seed: The seed that was used.
+        rank: Index of the rank that computed it.
+        elapsed_s: Seconds the rank spent in the pipeline.
+        request_id: The request's id.
+        peak_device_bytes: Peak device memory allocated during the request (0 on CPU).
+    """
+
+    frames: np.ndarray
+    seed: int
+    rank: int
+    elapsed_s: float
+    request_id: str = ""
+    peak_device_bytes: int = 0

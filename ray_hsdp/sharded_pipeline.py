@@ -1,0 +1,120 @@
+"""A diffusers pipeline whose large components are sharded over the group's mesh."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ray_hsdp.memory import module_memory, peak_device_bytes, unit_memory
+from ray_hsdp.request import GenerationRequest, GenerationResult
+from ray_hsdp.sharding import apply_fsdp, resolve_plan
+
+logger = logging.getLogger("ray_hsdp")
+
+
+def components(pipe) -> dict[str, nn.Module]:
+    """The ``nn.Module`` components of a diffusers pipeline, by name."""
+    return {name: c for name, c in pipe.components.items() if isinstance(c, nn.Module)}
+
+
+class ShardedPipeline:
+    """Owns one rank's copy of a pipeline: its sharded and replicated components.
+
+    Args:
+        pipe: A loaded diffusers pipeline (on the CPU).
+        device: ``"cuda"`` or ``"cpu"``.
+        rank: This rank's index in its group.
+    """
+
+    def __init__(self, pipe, device: str, rank: int):
+        self.pipe = pipe
+        self.device = device
+        self.rank = rank
+        self.sharded: dict[str, int] = {}
+        self._call_params = set(inspect.signature(pipe.__call__).parameters)
+        pipe.set_progress_bar_config(disable=True)
+        pipe.to("cuda" if device == "cuda" else "cpu")
+
+    def shard(
+        self, mesh: DeviceMesh, shard_components: tuple[str, ...], min_num_params: int, reshard_after_forward: bool
+    ) -> dict[str, int]:
+        """Shards the named components present in the pipeline.
+
+        Returns:
+            Component name -> number of FSDP units (root not counted).
+        """
+        for name, module in components(self.pipe).items():
+            if name not in shard_components:
+                continue
+            plan = resolve_plan(module, min_num_params)
+            self.sharded[name] = apply_fsdp(module, plan, mesh, reshard_after_forward)
+        if not self.sharded:
+            raise ValueError(
+                f"None of shard_components={list(shard_components)} is a module of this pipeline "
+                f"(its modules: {sorted(components(self.pipe))}); nothing would be sharded"
+            )
+        return self.sharded
+
+    def _kwargs(self, request: GenerationRequest) -> dict:
+        kwargs = {
+            "prompt": request.prompt,
+            "negative_prompt": request.negative_prompt,
+            "height": request.height,
+            "width": request.width,
+            "num_inference_steps": request.num_inference_steps,
+            "guidance_scale": request.guidance_scale,
+            "generator": torch.Generator("cpu").manual_seed(request.seed),
+            "output_type": "np",
+        }
+        # Video pipelines take frames and "videos per prompt"; image pipelines take neither.
+        if "num_frames" in self._call_params:
+            kwargs["num_frames"] = request.num_frames
+        elif request.num_frames != 1:
+            raise ValueError(f"{type(self.pipe).__name__} makes images; num_frames must be 1")
+        per_prompt = next(
+            (k for k in ("num_videos_per_prompt", "num_images_per_prompt") if k in self._call_params), None
+        )
+        if per_prompt:
+            kwargs[per_prompt] = request.n
+        elif request.n != 1:
+            raise ValueError(f"{type(self.pipe).__name__} makes one output per prompt; n must be 1")
+        return {k: v for k, v in kwargs.items() if k in self._call_params}
+
+    @torch.no_grad()
+    def run(self, request: GenerationRequest) -> GenerationResult:
+        """Runs one request through the pipeline."""
+        if self.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        output = self.pipe(**self._kwargs(request))
+        frames = output.frames if hasattr(output, "frames") else output.images
+        frames = np.asarray(frames, dtype=np.float32)
+        if frames.ndim == 4:  # images: (n, H, W, C) -> (n, 1, H, W, C)
+            frames = frames[:, None]
+        return GenerationResult(
+            frames=frames,
+            seed=request.seed,
+            rank=self.rank,
+            elapsed_s=time.perf_counter() - start,
+            request_id=request.request_id,
+            peak_device_bytes=peak_device_bytes(self.device),
+        )
+
+    def memory(self, units: bool = False) -> dict:
+        """Bytes held on this rank, per component and in total.
+
+        Args:
+            units: Also report each FSDP unit's local and full bytes.
+        """
+        per_component = {name: module_memory(m) for name, m in components(self.pipe).items()}
+        total = {key: sum(c[key] for c in per_component.values()) for key in next(iter(per_component.values()))}
+        out = {"components": per_component, "total": total, "sharded_components": dict(self.sharded)}
+        if units:
+            out["units"] = {name: unit_memory(components(self.pipe)[name]) for name in self.sharded}
+        return out

@@ -1,0 +1,37 @@
+"""Generic FSDP2 application: shard the units of a plan bottom-up, then the root."""
+
+from __future__ import annotations
+
+import logging
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+
+from ray_hsdp.sharding.policy import ShardPlan
+
+logger = logging.getLogger("ray_hsdp")
+
+
+def apply_fsdp(root: nn.Module, plan: ShardPlan, mesh: DeviceMesh, reshard_after_forward: bool) -> int:
+    """Applies ``fully_shard`` to every unit of ``plan`` and then to ``root``.
+
+    Args:
+        root: The module to shard; becomes the root FSDP unit.
+        plan: Units (deepest first) and the submodules that stay replicated.
+        mesh: The group's ``("replicate", "shard")`` mesh; FSDP2 shards over ``shard``.
+        reshard_after_forward: The group's setting; the plan's own value wins when set.
+
+    Returns:
+        The number of units sharded, the root not counted.
+    """
+    model_class = type(root).__name__  # fully_shard renames the class (FSDP<name>)
+    reshard = plan.reshard_after_forward if plan.reshard_after_forward is not None else reshard_after_forward
+    for _, unit in plan.units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
+    ignored = {p for _, module in plan.replicated for p in module.parameters()}
+    # The root's gathered weights are used again at the next call of the same root; keeping them
+    # would hold a full copy of every non-unit parameter, so the root reshards like its units.
+    fully_shard(root, mesh=mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
+    logger.info("Sharded %d modules + root (%s, %s)", len(plan.units), model_class, plan.source)
+    return len(plan.units)

@@ -1,0 +1,161 @@
+"""Sharding policies: which submodules of a model become FSDP units, and how they are resolved.
+
+Resolution order (DESIGN section 4): a policy registered for the model's class name; the model's
+own ``_hsdp_shard_conditions``; its ``_repeated_blocks`` / ``_no_split_modules`` class names; a size
+rule. Nothing matching is an error, never a silent unsharded run. This module names no model
+class: per-model facts live in ``ray_hsdp.sharding.policies``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+
+import torch.nn as nn
+
+#: ``(qualified_name, module) -> bool``, the form of vllm-omni's ``_hsdp_shard_conditions``.
+ShardCondition = Callable[[str, nn.Module], bool]
+
+
+class ShardingPolicyError(ValueError):
+    """No FSDP unit could be found for a model that should be sharded."""
+
+
+@dataclass(frozen=True)
+class ShardingPolicy:
+    """The per-model rule of which modules become FSDP units.
+
+    Attributes:
+        units: ``fnmatch`` patterns on qualified module names (``"blocks.*"``); every matching
+            submodule becomes its own FSDP unit.
+        keep_replicated: Patterns of submodules whose parameters stay whole on every rank
+            (small embedders, modules kept in fp32); they are left out of the root unit.
+        reshard_after_forward: Per-policy override of the group's setting; ``None`` keeps it.
+        note: Why the policy is shaped this way, shown in logs.
+    """
+
+    units: tuple[str, ...]
+    keep_replicated: tuple[str, ...] = ()
+    reshard_after_forward: bool | None = None
+    note: str = ""
+
+
+@dataclass
+class ShardPlan:
+    """What the sharding code does to one model: resolved from a policy or a fallback.
+
+    Attributes:
+        units: ``(qualified_name, module)`` of each FSDP unit, deepest first (bottom-up).
+        replicated: ``(qualified_name, module)`` of each submodule whose parameters stay whole.
+        source: Which rule produced the units (for logs and errors).
+        reshard_after_forward: ``None`` when the group's setting applies.
+    """
+
+    units: list[tuple[str, nn.Module]]
+    replicated: list[tuple[str, nn.Module]] = field(default_factory=list)
+    source: str = ""
+    reshard_after_forward: bool | None = None
+
+
+_REGISTRY: dict[str, ShardingPolicy] = {}
+
+
+def register_policy(*class_names: str, policy: ShardingPolicy) -> ShardingPolicy:
+    """Registers ``policy`` for models whose class is named one of ``class_names``.
+
+    Returns:
+        The policy, so a policy module can keep a name for it.
+    """
+    for name in class_names:
+        _REGISTRY[name] = policy
+    return policy
+
+
+def registered_policy(model: nn.Module) -> ShardingPolicy | None:
+    """The policy registered for the class of ``model`` (or of its nearest registered base class)."""
+    for cls in type(model).__mro__:
+        if cls.__name__ in _REGISTRY:
+            return _REGISTRY[cls.__name__]
+    return None
+
+
+def name_matches(name: str, pattern: str) -> bool:
+    """``fnmatch`` per dotted segment, so ``"blocks.*"`` matches ``blocks.3`` but not ``blocks.3.attn1``."""
+    names, patterns = name.split("."), pattern.split(".")
+    return len(names) == len(patterns) and all(fnmatchcase(n, p) for n, p in zip(names, patterns))
+
+
+def _matching(model: nn.Module, predicate: Callable[[str, nn.Module], bool]) -> list[tuple[str, nn.Module]]:
+    return [(name, module) for name, module in model.named_modules() if name and predicate(name, module)]
+
+
+def _size_rule_units(model: nn.Module, min_num_params: int) -> list[tuple[str, nn.Module]]:
+    """Post-order: a submodule becomes a unit once its parameters not yet in a unit reach the bound."""
+    units: list[tuple[str, nn.Module]] = []
+
+    def visit(name: str, module: nn.Module) -> int:
+        remaining = sum(p.numel() for p in module.parameters(recurse=False))
+        for child_name, child in module.named_children():
+            remaining += visit(f"{name}.{child_name}" if name else child_name, child)
+        if name and remaining >= min_num_params:
+            units.append((name, module))
+            return 0
+        return remaining
+
+    visit("", model)
+    return units
+
+
+def _deepest_first(units: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    # FSDP2 requires children to be sharded before their parents.
+    return sorted(units, key=lambda item: item[0].count("."), reverse=True)
+
+
+def resolve_plan(model: nn.Module, min_num_params: int) -> ShardPlan:
+    """Resolves which submodules of ``model`` become FSDP units.
+
+    Args:
+        model: The module to shard (a pipeline component).
+        min_num_params: Bound of the size rule, the last fallback.
+
+    Returns:
+        The plan, units deepest first.
+
+    Raises:
+        ShardingPolicyError: No rule yields a unit; the message names the model class.
+    """
+    cls = type(model).__name__
+    policy = registered_policy(model)
+    if policy is not None:
+        units = _matching(model, lambda name, _: any(name_matches(name, p) for p in policy.units))
+        if not units:
+            raise ShardingPolicyError(
+                f"The sharding policy registered for {cls} matches no submodule (patterns {policy.units}); "
+                "the policy does not fit this model"
+            )
+        replicated = _matching(model, lambda name, _: any(name_matches(name, p) for p in policy.keep_replicated))
+        return ShardPlan(_deepest_first(units), replicated, f"policy for {cls}", policy.reshard_after_forward)
+
+    conditions: list[ShardCondition] = list(getattr(model, "_hsdp_shard_conditions", None) or [])
+    if conditions:
+        units = _matching(model, lambda name, module: any(cond(name, module) for cond in conditions))
+        if units:
+            return ShardPlan(_deepest_first(units), source=f"{cls}._hsdp_shard_conditions")
+
+    for attribute in ("_repeated_blocks", "_no_split_modules"):
+        class_names = set(getattr(model, attribute, None) or [])
+        if class_names:
+            units = _matching(model, lambda _, module, names=class_names: type(module).__name__ in names)
+            if units:
+                return ShardPlan(_deepest_first(units), source=f"{cls}.{attribute}")
+
+    units = _size_rule_units(model, min_num_params)
+    if units:
+        return ShardPlan(_deepest_first(units), source=f"size rule (min_num_params={min_num_params})")
+    raise ShardingPolicyError(
+        f"No sharding rule matches {cls}: no policy is registered for it, it has no "
+        f"_hsdp_shard_conditions, _repeated_blocks or _no_split_modules that match a submodule, and no "
+        f"submodule has min_num_params={min_num_params:,} parameters. Register a policy with "
+        "ray_hsdp.sharding.register_policy, lower min_num_params, or leave the component out of shard_components."
+    )
