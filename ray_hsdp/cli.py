@@ -1,0 +1,227 @@
+"""``ray-hsdp``: demo, serve, generate, make-tiny."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import logging
+import sys
+import time
+from pathlib import Path
+
+from ray_hsdp.config import TINY_MODEL
+
+
+def _format_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def memory_table(ranks: list[dict], component: str = "transformer") -> str:
+    """A text table of each rank's memory: what it holds of ``component`` and in total."""
+    rows = [
+        ("rank", "node", "device", f"{component} local", f"{component} full", "share",
+         "sharded local (all)", "replicated", "buffers"),
+    ]
+    for r in ranks:
+        comp = r["components"].get(component, {"sharded_local": 0, "sharded_full": 0})
+        share = comp["sharded_local"] / comp["sharded_full"] if comp["sharded_full"] else 1.0
+        total = r["total"]
+        rows.append((
+            str(r["rank"]), r.get("node_ip", "?"), r["device"],
+            _format_bytes(comp["sharded_local"]), _format_bytes(comp["sharded_full"]), f"{share:.1%}",
+            _format_bytes(total["sharded_local"]), _format_bytes(total["replicated"]), _format_bytes(total["buffers"]),
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _save_images(response: dict, stem: Path) -> list[Path]:
+    paths = []
+    for i, item in enumerate(response["data"]):
+        path = stem.with_name(f"{stem.name}-{i}.png") if len(response["data"]) > 1 else stem.with_suffix(".png")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(base64.b64decode(item["b64_json"]))
+        paths.append(path)
+    return paths
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from ray_hsdp.tiny import make_tiny
+
+    path = make_tiny(args.directory, two_experts=args.two_experts, overwrite=args.overwrite)
+    print(f"Wrote the tiny Wan pipeline to {path}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from ray_hsdp.serve import build_app
+
+    start = time.perf_counter()
+    ray.init(num_cpus=max(4, args.shard_size + 1), include_dashboard=False, log_to_driver=args.verbose)
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    config = {
+        "model": args.model, "device": "cpu", "shard_size": args.shard_size,
+        "default_size": args.size, "default_steps": args.steps,
+    }
+    try:
+        handle = serve.run(build_app(config), name="ray_hsdp_demo", route_prefix="/")
+        prompts = [args.prompt, "A red fox runs through the snowy forest at dawn."][: args.shard_size]
+        # One request per rank: in batch mode the group runs them at the same time.
+        calls = [handle.generate.remote({"prompt": p, "seed": args.seed + i}) for i, p in enumerate(prompts)]
+        responses = [c.result() for c in calls]
+        pool = handle.pool.remote().result()
+        out = Path(args.out)
+        written = []
+        for i, response in enumerate(responses):
+            written += _save_images(response, out.with_name(f"{out.stem}-{i}") if len(responses) > 1 else out)
+        print(f"\nray_hsdp demo: {pool['model']}, replicate_size={pool['replicate_size']}, "
+              f"shard_size={pool['shard_size']}, mode={pool['mode']}, device={pool['device']}")
+        for response, prompt in zip(responses, prompts):
+            print(f"  rank {response['rank']} ran {prompt!r} (seed {response['seed']}) in {response['elapsed_s']:.2f}s")
+        print("\nImages written:")
+        for path in written:
+            print(f"  {path.resolve()}")
+        print("\nPer-rank memory (parameter bytes each rank holds):")
+        print(memory_table(pool["ranks"]))
+        print(f"\nDemo took {time.perf_counter() - start:.1f}s")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from ray_hsdp.serve import build_app
+
+    shard_size = args.hsdp_shard_size if args.use_hsdp else 1
+    replicate_size = args.hsdp_replicate_size if args.use_hsdp else 1
+    if args.usp and args.usp > 1:
+        print("error: --usp (sequence parallel) is not implemented yet", file=sys.stderr)
+        return 2
+    ray.init(address=args.address, ignore_reinit_error=True)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    config = {
+        "model": args.model, "device": args.device, "dtype": args.dtype, "mode": args.mode,
+        "shard_size": shard_size, "replicate_size": replicate_size,
+    }
+    if args.default_size:
+        config["default_size"] = args.default_size
+    if args.default_steps:
+        config["default_steps"] = args.default_steps
+    serve.run(build_app(config), name="ray_hsdp", route_prefix="/")
+    print(f"Serving {args.model} on http://{args.host}:{args.port} (POST /v1/images/generations); Ctrl-C stops")
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import ray
+
+    from ray_hsdp.config import GroupConfig, parse_size
+    from ray_hsdp.group import ShardGroup
+    from ray_hsdp.request import GenerationRequest
+    from ray_hsdp.serve.schema import image_response
+
+    width, height = parse_size(args.size)
+    ray.init(address=args.address, ignore_reinit_error=True, log_to_driver=args.verbose)
+    config = GroupConfig(model=args.model, device=args.device, shard_size=args.shard_size, mode=args.mode)
+    request = GenerationRequest(
+        prompt=args.prompt, width=width, height=height, num_inference_steps=args.steps,
+        guidance_scale=args.guidance_scale, seed=args.seed, n=args.n,
+    )
+    with ShardGroup(config) as group:
+        result = group.generate([request])[0]
+        ranks = group.memory()
+    for path in _save_images(image_response(result, config.served_model_name), Path(args.out)):
+        print(f"wrote {path.resolve()}")
+    print(memory_table(ranks))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ray-hsdp", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-tiny", help="write the tiny Wan pipeline (seeded random weights) to a folder")
+    p.add_argument("directory")
+    p.add_argument("--two-experts", action="store_true", help="a Wan2.2-style pipeline with transformer_2")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=cmd_make_tiny)
+
+    p = sub.add_parser("demo", help="serve the tiny model on one group of 2 CPU ranks, generate, print memory")
+    p.add_argument("--model", default=TINY_MODEL)
+    p.add_argument("--prompt", default="A cat and a dog baking a cake together in a kitchen.")
+    p.add_argument("--shard-size", type=int, default=2)
+    p.add_argument("--size", default="64x64")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--out", default="out/demo.png", help="image path (a suffix -i is added per request)")
+    p.add_argument("--verbose", action="store_true", help="show the ranks' logs")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("serve", help="serve a diffusers pipeline folder over HTTP")
+    p.add_argument("model", help="diffusers pipeline folder, or 'tiny'")
+    p.add_argument("--use-hsdp", action="store_true", help="shard the weights over each group's GPUs")
+    p.add_argument("--hsdp-shard-size", type=int, default=-1, help="ranks per shard group (-1: 2)")
+    p.add_argument("--hsdp-replicate-size", type=int, default=1, help="number of shard groups")
+    p.add_argument("--usp", type=int, default=1, help="sequence-parallel degree (not implemented yet)")
+    p.add_argument("--mode", choices=["batch", "replicated"], default="batch")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    p.add_argument("--default-size", help="image size when a request gives none, 'WxH'")
+    p.add_argument("--default-steps", type=int, help="denoising steps when a request gives none")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1 unless told otherwise)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local cluster)")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("generate", help="run one request on a shard group without Serve")
+    p.add_argument("model", nargs="?", default=TINY_MODEL)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--size", default="64x64")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--guidance-scale", type=float, default=5.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n", type=int, default=1)
+    p.add_argument("--shard-size", type=int, default=2)
+    p.add_argument("--mode", choices=["batch", "replicated"], default="batch")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--address", default=None)
+    p.add_argument("--out", default="out/generate.png")
+    p.add_argument("--verbose", action="store_true")
+    p.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``ray-hsdp`` console script."""
+    logging.basicConfig(level=logging.WARNING)
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

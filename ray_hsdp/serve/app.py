@@ -1,0 +1,34 @@
+"""The app builder a Serve YAML points at: ``import_path: ray_hsdp.serve:build_app``."""
+
+from __future__ import annotations
+
+import ray
+from ray.serve import Application
+
+from ray_hsdp.config import AppConfig
+from ray_hsdp.serve.deployment import HSDPServer
+from ray_hsdp.topology import PLACEMENT_STRATEGY, ParallelDims
+
+
+def build_app(args: dict) -> Application:
+    """Builds the ray_hsdp application: ``replicate_size`` replicas, each one shard group.
+
+    Args:
+        args: ``AppConfig`` fields (the ``args`` of a Serve YAML application).
+
+    Returns:
+        The bound deployment, ready for ``serve.run`` or a Serve config.
+    """
+    if not ray.is_initialized():
+        ray.init()
+    config = AppConfig(**args).resolve_device(ray.cluster_resources().get("GPU", 0) > 0)
+    dims = ParallelDims(config.replicate_size, config.resolved_shard_size)
+    return HSDPServer.options(
+        num_replicas=dims.replicate_size,
+        placement_group_bundles=dims.bundles(config.device, config.cpus_per_rank),
+        placement_group_strategy=PLACEMENT_STRATEGY,
+        # The replica process only routes; its bundle's resources belong to rank 0.
+        ray_actor_options={"num_cpus": 0},
+        # Enough in flight to fill every wave of the group, twice over.
+        max_ongoing_requests=4 * dims.shard_size,
+    ).bind(config.model_dump())

@@ -1,0 +1,116 @@
+"""The Serve deployment: one replica owns one shard group and answers HTTP and handle calls."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from ray import serve
+
+from ray_hsdp.config import AppConfig
+from ray_hsdp.group import GroupFailedError, ShardGroup
+from ray_hsdp.serve.schema import ImageGenerationRequest, RequestLimitError, image_response, to_generation_request
+
+logger = logging.getLogger("ray_hsdp")
+
+api = FastAPI(title="ray_hsdp", description="FSDP2-sharded diffusion serving on Ray")
+
+
+def _error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param}})
+
+
+@api.exception_handler(RequestValidationError)
+async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+    problems = []
+    for err in exc.errors():
+        where = ".".join(str(part) for part in err.get("loc", ()) if part != "body")
+        problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    first = next((e.get("loc") for e in exc.errors()), ())
+    param = str(first[-1]) if first and first[-1] != "body" else None
+    return _error(400, "; ".join(problems) or "invalid request", "invalid_request_error", param)
+
+
+@api.exception_handler(RequestLimitError)
+async def _over_limit(_: Request, exc: RequestLimitError) -> JSONResponse:
+    return _error(400, str(exc), "invalid_request_error")
+
+
+@api.exception_handler(GroupFailedError)
+async def _group_failed(_: Request, exc: GroupFailedError) -> JSONResponse:
+    return _error(503, str(exc), "server_error")
+
+
+class UnknownModelError(LookupError):
+    """The request names a model this deployment does not serve."""
+
+
+@api.exception_handler(UnknownModelError)
+async def _unknown_model(_: Request, exc: UnknownModelError) -> JSONResponse:
+    return _error(404, str(exc), "invalid_request_error", "model")
+
+
+@serve.deployment
+@serve.ingress(api)
+class HSDPServer:
+    """One Serve replica = one shard group, placed in the replica's own placement group.
+
+    Args:
+        config: ``AppConfig`` fields as a dict (what the app builder passes).
+    """
+
+    def __init__(self, config: dict):
+        self.config = AppConfig(**config)
+        self.model_name = self.config.served_model_name
+        self.group = ShardGroup(self.config, placement_group=ray.util.get_current_placement_group()).start()
+
+    async def generate(self, request: dict | ImageGenerationRequest) -> dict:
+        """Generates images for one request (the handle's entry point; HTTP uses the same path).
+
+        Args:
+            request: The ``/v1/images/generations`` body, as a dict or the schema object.
+
+        Returns:
+            The OpenAI images response: ``created``, ``data[i].b64_json``, plus ``seed`` and ``rank``.
+        """
+        body = request if isinstance(request, ImageGenerationRequest) else ImageGenerationRequest.model_validate(request)
+        if body.model is not None and body.model != self.model_name:
+            raise UnknownModelError(f"model {body.model!r} is not served here; available: [{self.model_name!r}]")
+        job = to_generation_request(body, self.config, request_id=uuid.uuid4().hex)
+        result = await asyncio.wrap_future(self.group.submit(job))
+        return image_response(result, self.model_name)
+
+    def pool(self) -> dict:
+        """Topology of this replica's group and each rank's memory report."""
+        return {**self.group.describe(), "ranks": self.group.memory()}
+
+    def check_health(self) -> None:
+        """Serve's replica health check: every rank must answer within the deadline."""
+        self.group.check_health()
+
+    def __del__(self) -> None:
+        group = getattr(self, "group", None)
+        if group is not None:
+            group.shutdown()
+
+    @api.post("/v1/images/generations")
+    async def images_generations(self, body: ImageGenerationRequest) -> dict:
+        return await self.generate(body)
+
+    @api.get("/v1/models")
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "ray_hsdp"}]}
+
+    @api.get("/health")
+    def health(self) -> dict:
+        self.group.check_health()
+        return {"status": "ok"}
+
+    @api.get("/v1/pool")
+    def pool_route(self) -> dict:
+        return self.pool()

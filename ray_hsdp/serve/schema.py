@@ -1,0 +1,97 @@
+"""HTTP and handle request/response schema, OpenAI-shaped, and its mapping to a generation request."""
+
+from __future__ import annotations
+
+import base64
+import io
+import secrets
+import time
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, field_validator
+
+from ray_hsdp.config import AppConfig, parse_size
+from ray_hsdp.request import GenerationRequest, GenerationResult
+
+MAX_PROMPT_CHARS = 4000
+MAX_SEED = 2**63 - 1
+
+
+class ImageGenerationRequest(BaseModel):
+    """``POST /v1/images/generations``: OpenAI's fields plus the diffusers extensions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: StrictStr = Field(..., min_length=1, max_length=MAX_PROMPT_CHARS, description="Text prompt.")
+    model: StrictStr | None = Field(None, description="Served model name; the deployment's model when omitted.")
+    n: StrictInt = Field(1, ge=1, description="Number of images.")
+    size: StrictStr | None = Field(None, description="'WxH', each a multiple of 16; the server default when omitted.")
+    response_format: Literal["b64_json"] = Field("b64_json", description="Only base64 PNG is returned.")
+    user: StrictStr | None = Field(None, description="OpenAI's end-user id; accepted and ignored.")
+    negative_prompt: StrictStr | None = Field(None, max_length=MAX_PROMPT_CHARS, description="Negative prompt.")
+    num_inference_steps: StrictInt | None = Field(None, ge=1, description="Denoising steps.")
+    guidance_scale: StrictFloat | StrictInt | None = Field(None, ge=0, description="Classifier-free guidance scale.")
+    seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED, description="Noise seed; random when omitted.")
+
+    @field_validator("size")
+    @classmethod
+    def _size_is_wxh(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_size(value)
+        return value
+
+
+class RequestLimitError(ValueError):
+    """A request exceeds one of the server's configured limits."""
+
+
+def to_generation_request(body: ImageGenerationRequest, config: AppConfig, request_id: str) -> GenerationRequest:
+    """Applies the server's defaults and limits to an HTTP or handle request.
+
+    Raises:
+        RequestLimitError: ``n``, the step count or the pixel count is above the configured cap.
+    """
+    width, height = parse_size(body.size or config.default_size)
+    if width * height > config.max_pixels:
+        raise RequestLimitError(f"size {width}x{height} exceeds the limit of {config.max_pixels} pixels")
+    if body.n > config.max_n:
+        raise RequestLimitError(f"n={body.n} exceeds the limit max_n={config.max_n}")
+    steps = body.num_inference_steps or config.default_steps
+    if steps > config.max_steps:
+        raise RequestLimitError(f"num_inference_steps={steps} exceeds the limit max_steps={config.max_steps}")
+    guidance = body.guidance_scale if body.guidance_scale is not None else config.default_guidance_scale
+    return GenerationRequest(
+        prompt=body.prompt,
+        negative_prompt=body.negative_prompt,
+        width=width,
+        height=height,
+        num_frames=1,
+        num_inference_steps=steps,
+        guidance_scale=float(guidance),
+        seed=body.seed if body.seed is not None else secrets.randbelow(2**31),
+        n=body.n,
+        request_id=request_id,
+    )
+
+
+def encode_png(frame: np.ndarray) -> str:
+    """Base64 PNG of one ``(H, W, 3)`` float frame in [0, 1]."""
+    from PIL import Image
+
+    pixels = (np.clip(frame, 0.0, 1.0) * 255).round().astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def image_response(result: GenerationResult, model: str) -> dict:
+    """The OpenAI images response for one result, with our ``seed`` and ``rank`` extensions."""
+    return {
+        "created": int(time.time()),
+        "model": model,
+        "data": [{"b64_json": encode_png(image[0])} for image in result.frames],
+        "seed": result.seed,
+        "rank": result.rank,
+        "elapsed_s": round(result.elapsed_s, 4),
+    }
