@@ -1,0 +1,75 @@
+import pytest
+from pydantic import ValidationError
+
+from ray_hsdp.config import AppConfig, GroupConfig, parse_size
+from ray_hsdp.topology import ParallelDims
+
+
+def test_defaults_are_a_usable_group():
+    config = GroupConfig()
+    assert config.mode == "batch"
+    assert config.resolved_shard_size == 2
+    assert config.served_model_name == "tiny-wan"
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"shard_size": 0}, "shard_size must be >= 1"),
+        ({"shard_size": -3}, "shard_size must be >= 1"),
+        ({"replicate_size": 0}, "greater than or equal to 1"),
+        ({"world_size": 4, "replicate_size": 2, "shard_size": 4}, "2 x 4 != 4"),
+        ({"world_size": 6, "replicate_size": 4}, "not divisible by replicate_size=4"),
+        ({"mode": "sequence"}, "'batch' or 'replicated'"),
+        ({"device": "tpu"}, "'auto', 'cuda' or 'cpu'"),
+        ({"dtype": "int8"}, "'auto', 'float32', 'bfloat16' or 'float16'"),
+        ({"shard_components": ()}, "at least one pipeline component"),
+        ({"model": ""}, "model must name"),
+        ({"shard_sise": 2}, "Extra inputs are not permitted"),
+        ({"collective_timeout_s": 0}, "greater than 0"),
+    ],
+)
+def test_bad_group_config_names_the_problem(fields, message):
+    with pytest.raises(ValidationError, match=message):
+        GroupConfig(**fields)
+
+
+def test_world_size_resolves_shard_size():
+    assert GroupConfig(world_size=8, replicate_size=2).resolved_shard_size == 4
+    assert GroupConfig(world_size=4, replicate_size=2, shard_size=2).resolved_shard_size == 2
+
+
+def test_auto_device_and_dtype():
+    gpu = GroupConfig().resolve_device(cluster_has_gpus=True)
+    cpu = GroupConfig().resolve_device(cluster_has_gpus=False)
+    assert (gpu.device, gpu.dtype) == ("cuda", "bfloat16")
+    assert (cpu.device, cpu.dtype) == ("cpu", "float32")
+    assert GroupConfig(device="cpu", dtype="bfloat16").resolve_device(True).device == "cpu"
+
+
+@pytest.mark.parametrize("size", ["64", "64x", "x64", "axb", "64x64x5", "-64x64", "65x64", "64x8", "0x0"])
+def test_parse_size_rejects(size):
+    with pytest.raises(ValueError):
+        parse_size(size)
+
+
+def test_parse_size_accepts_width_then_height():
+    assert parse_size("96x64") == (96, 64)
+    assert parse_size("832X480") == (832, 480)
+
+
+def test_app_config_checks_default_size():
+    with pytest.raises(ValidationError, match="multiples of 16"):
+        AppConfig(default_size="100x100")
+    with pytest.raises(ValidationError, match="exceeds max_pixels"):
+        AppConfig(default_size="1024x1024", max_pixels=512 * 512)
+
+
+def test_parallel_dims_bundles_and_mesh():
+    dims = ParallelDims(replicate_size=2, shard_size=4)
+    assert dims.world_size == 8
+    assert dims.group_mesh_shape == (1, 4)
+    assert dims.bundles("cuda", 2) == [{"GPU": 1.0, "CPU": 2.0}] * 4
+    assert dims.bundles("cpu", 0) == [{"CPU": 1.0}] * 4
+    with pytest.raises(ValueError):
+        ParallelDims(0, 2)

@@ -1,0 +1,116 @@
+"""Shard groups on real Ray placement groups with gloo: parity, memory, wave rules, teardown."""
+
+import pytest
+import ray
+from conftest import max_abs_diff, reference_frames
+from ray.util.placement_group import placement_group_table
+
+from ray_hsdp.config import GroupConfig
+from ray_hsdp.group import IncompatibleWaveError, ShardGroup, check_wave, pick_wave
+from ray_hsdp.request import GenerationRequest
+
+TOL = 1e-5
+
+
+def request(prompt, seed, **overrides):
+    fields = dict(prompt=prompt, seed=seed, width=64, height=64, num_frames=5, num_inference_steps=2)
+    return GenerationRequest(**{**fields, **overrides})
+
+
+@pytest.fixture(scope="module")
+def batch_group(ray_cluster, tiny_model):
+    with ShardGroup(GroupConfig(model=tiny_model, device="cpu", shard_size=2, mode="batch")) as group:
+        yield group
+
+
+@pytest.fixture(scope="module")
+def replicated_group(ray_cluster, tiny_model):
+    with ShardGroup(GroupConfig(model=tiny_model, device="cpu", shard_size=2, mode="replicated")) as group:
+        yield group
+
+
+def test_batch_mode_runs_two_prompts_at_once_each_equal_to_unsharded(batch_group, reference_pipe):
+    requests = [request("A cat and a dog baking a cake", 11), request("A red fox runs through the snow", 12)]
+    results = batch_group.generate(requests)
+    assert sorted(r.rank for r in results) == [0, 1]  # one request per rank, in one wave
+    for req, result in zip(requests, results):
+        ref = reference_frames(reference_pipe, req)
+        assert result.frames.shape == ref.shape == (1, 5, 64, 64, 3)
+        assert max_abs_diff(result.frames, ref) <= TOL
+    # The two prompts really differ: parity is not trivially satisfied.
+    assert max_abs_diff(results[0].frames, results[1].frames) > 1e-3
+
+
+def test_replicated_mode_equals_unsharded(replicated_group, reference_pipe):
+    req = request("An astronaut rides a horse on the moon", 7, negative_prompt="low quality", num_frames=1)
+    (result,) = replicated_group.generate([req])
+    assert result.rank == 0
+    assert max_abs_diff(result.frames, reference_frames(reference_pipe, req)) <= TOL
+
+
+def test_requests_that_cannot_share_a_wave_run_in_separate_waves(batch_group, reference_pipe):
+    requests = [
+        request("A cat bakes", 1, num_inference_steps=3),
+        request("A boat sails", 2, guidance_scale=1.0),
+        request("A robot paints", 3, width=96, n=2),
+        request("A dog bakes", 4, num_inference_steps=3),
+    ]
+    results = batch_group.generate(requests)
+    for req, result in zip(requests, results):
+        assert max_abs_diff(result.frames, reference_frames(reference_pipe, req)) <= TOL
+    assert results[2].frames.shape == (2, 5, 64, 96, 3)
+
+
+def test_a_wave_that_would_hang_is_refused(batch_group):
+    with pytest.raises(IncompatibleWaveError, match="num_inference_steps, guidance on/off"):
+        batch_group.run_wave([request("a", 1), request("b", 2, num_inference_steps=3)])
+    with pytest.raises(IncompatibleWaveError, match="at most 2"):
+        batch_group.run_wave([request("a", 1)] * 3)
+    with pytest.raises(IncompatibleWaveError, match="at least one"):
+        check_wave([], 2)
+    # The group still serves after a refused wave.
+    assert len(batch_group.run_wave([request("a", 1)])) == 1
+
+
+def test_replicated_wave_holds_one_request(replicated_group):
+    with pytest.raises(IncompatibleWaveError, match="at most 1"):
+        replicated_group.run_wave([request("a", 1), request("b", 2)])
+
+
+def test_pick_wave_takes_the_oldest_and_its_compatible_followers():
+    pending = [request("a", 1), request("b", 2, num_inference_steps=3), request("c", 3), request("d", 4)]
+    assert pick_wave(pending, 2) == [0, 2]
+    assert pick_wave(pending[1:], 2) == [0]
+    assert pick_wave([], 2) == []
+
+
+def test_each_rank_holds_about_half_of_every_sharded_module(batch_group):
+    ranks = batch_group.memory(units=True)
+    assert [r["shard_index"] for r in ranks] == [0, 1]
+    assert set(ranks[0]["sharded_components"]) == {"transformer", "text_encoder"}
+    for component in ("transformer", "text_encoder"):
+        full = ranks[0]["components"][component]["sharded_full"]
+        assert full > 0
+        local = [r["components"][component]["sharded_local"] for r in ranks]
+        assert sum(local) == full
+        assert all(0.45 <= x / full <= 0.55 for x in local), (component, local, full)
+        for unit, sizes in ranks[0]["units"][component].items():
+            unit_local = [r["units"][component][unit]["local"] for r in ranks]
+            assert sum(unit_local) == sizes["full"] > 0
+            assert all(x / sizes["full"] <= 0.6 for x in unit_local), (component, unit, unit_local)
+    # The VAE is not sharded: every rank holds all of it.
+    vae = [r["components"]["vae"] for r in ranks]
+    assert all(v["sharded_full"] == 0 and v["replicated"] > 0 for v in vae)
+
+
+def test_shutdown_removes_everything_and_is_safe_twice(ray_cluster, tiny_model):
+    group = ShardGroup(GroupConfig(model=tiny_model, device="cpu", shard_size=2)).start()
+    ranks, pg = list(group.ranks), group._pg
+    group.shutdown()
+    group.shutdown()
+    assert placement_group_table(pg)["state"] == "REMOVED"
+    for rank in ranks:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(rank.ping.remote(), timeout=30)
+    with pytest.raises(RuntimeError, match="shut down"):
+        group.submit(request("a", 1))
