@@ -141,6 +141,7 @@ class ShardGroup:
                 ).remote(i, self.config)
                 for i in range(self.dims.shard_size)
             ]
+            ray.get([r.prepare.remote() for r in self.ranks], timeout=self.config.load_timeout_s)
             master, port = ray.get(self.ranks[0].address.remote(), timeout=self.config.rendezvous_timeout_s)
             try:
                 self.placement = ray.get(

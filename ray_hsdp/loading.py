@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -25,7 +27,9 @@ def resolve_model_path(model: str) -> Path:
     """Turns a config's ``model`` into a pipeline folder on this node.
 
     ``"tiny"`` is written on first use. The writer is seeded, so every node that writes it gets the
-    same weights; a file lock keeps ranks of one node from writing it at once.
+    same weights; a file lock keeps ranks of one node from writing it at once, and the folder
+    appears only when complete (written aside, then renamed), so a killed writer leaves no half.
+    Call it before the process group exists: transformers writes weights only on distributed rank 0.
 
     Raises:
         FileNotFoundError: ``model`` is not a diffusers pipeline folder.
@@ -36,7 +40,10 @@ def resolve_model_path(model: str) -> Path:
         with FileLock(str(path) + ".lock"):
             if not is_pipeline_folder(path):
                 logger.info("Writing the embedded tiny Wan pipeline to %s", path)
-                make_tiny(path, overwrite=True)
+                staging = Path(tempfile.mkdtemp(prefix=".tiny-wan-", dir=path.parent))
+                make_tiny(staging, overwrite=True)
+                shutil.rmtree(path, ignore_errors=True)
+                staging.rename(path)
         return path
     path = Path(model).expanduser()
     if not is_pipeline_folder(path):
@@ -47,11 +54,11 @@ def resolve_model_path(model: str) -> Path:
     return path
 
 
-def load_pipeline(model: str, dtype: str, allow_pickle: bool = False):
+def load_pipeline(path: Path, dtype: str, allow_pickle: bool = False):
     """Loads the pipeline on the CPU with the plain diffusers loader.
 
     Args:
-        model: A pipeline folder or ``"tiny"``.
+        path: A pipeline folder (see ``resolve_model_path``).
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         allow_pickle: Permit pickle ``.bin`` weights; only safetensors otherwise.
     """
@@ -62,7 +69,6 @@ def load_pipeline(model: str, dtype: str, allow_pickle: bool = False):
     # Ranks log to Ray's console; progress bars of every rank would drown the log lines we want.
     diffusers_logging.disable_progress_bar()
     transformers_logging.disable_progress_bar()
-    path = resolve_model_path(model)
     return DiffusionPipeline.from_pretrained(
         path, dtype=DTYPES[dtype], use_safetensors=None if allow_pickle else True
     )

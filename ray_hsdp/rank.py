@@ -35,6 +35,17 @@ class Rank:
         self.config = config
         self.dims = ParallelDims(config.replicate_size, config.resolved_shard_size)
         self.pipeline = None
+        self.model_path = None
+
+    def prepare(self) -> str:
+        """Finds the model folder on this node, writing the embedded tiny model if needed.
+
+        Runs before the process group exists: model writers save only on distributed rank 0.
+        """
+        from ray_hsdp.loading import resolve_model_path
+
+        self.model_path = resolve_model_path(self.config.model)
+        return str(self.model_path)
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a port free on it: rank 0's answer is the group's rendezvous address."""
@@ -68,7 +79,9 @@ class Rank:
         from ray_hsdp.loading import load_pipeline
         from ray_hsdp.sharded_pipeline import ShardedPipeline
 
-        pipe = load_pipeline(self.config.model, self.config.dtype, self.config.allow_pickle)
+        if self.model_path is None:
+            raise RuntimeError("prepare() must run before load()")
+        pipe = load_pipeline(self.model_path, self.config.dtype, self.config.allow_pickle)
         self.pipeline = ShardedPipeline(pipe, self.config.device, self.rank)
         if self.rank == 0:
             logger.info(

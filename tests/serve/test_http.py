@@ -1,0 +1,162 @@
+"""HTTP end to end: ``serve run serve_configs/tiny_cpu.yaml`` on 127.0.0.1, then real requests."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+import yaml
+from conftest import free_port, reference_frames
+from PIL import Image
+
+from ray_hsdp.request import GenerationRequest
+
+ROOT = Path(__file__).resolve().parents[2]
+APP = "ray_hsdp"
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, tmp_path_factory):
+    """The shipped YAML, deployed by the ``serve run`` CLI on a free port of 127.0.0.1."""
+    from ray import serve
+
+    config = yaml.safe_load((ROOT / "serve_configs" / "tiny_cpu.yaml").read_text())
+    port = free_port()
+    config["http_options"]["port"] = port
+    path = tmp_path_factory.mktemp("serve") / "tiny_cpu.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = open(path.with_suffix(".log"), "w")
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).with_name("serve")), "run", str(path)],
+        cwd=ROOT, env=os.environ.copy(), stdout=log, stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if requests.get(f"{base}/health", timeout=5).status_code == 200:
+                break
+        except requests.RequestException:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"serve run did not come up; log:\n{path.with_suffix('.log').read_text()[-4000:]}")
+        time.sleep(1)
+    yield base
+    proc.send_signal(signal.SIGINT)  # serve run shuts Serve down on Ctrl-C
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    serve.shutdown()
+    log.close()
+
+
+def decode_png(b64: str) -> Image.Image:
+    return Image.open(io.BytesIO(base64.b64decode(b64)))
+
+
+def test_generation_returns_png_of_requested_size_equal_to_unsharded(server, reference_pipe):
+    body = {"prompt": "A small boat sails across a calm lake", "size": "96x64", "seed": 5, "num_inference_steps": 2}
+    response = requests.post(f"{server}/v1/images/generations", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    payload = response.json()
+    assert payload["seed"] == 5 and payload["model"] == "tiny-wan"
+    (item,) = payload["data"]
+    image = decode_png(item["b64_json"])
+    assert image.format == "PNG" and image.size == (96, 64) and image.mode == "RGB"
+    ref = reference_frames(
+        reference_pipe,
+        GenerationRequest(prompt=body["prompt"], width=96, height=64, num_inference_steps=2, guidance_scale=5.0, seed=5),
+    )
+    expected = (np.clip(ref[0, 0], 0, 1) * 255).round()
+    assert np.abs(np.asarray(image, dtype=np.float64) - expected).max() <= 1
+
+
+def test_server_defaults_and_n(server):
+    response = requests.post(f"{server}/v1/images/generations", json={"prompt": "a teapot", "n": 2}, timeout=120)
+    assert response.status_code == 200, response.text
+    images = [decode_png(d["b64_json"]) for d in response.json()["data"]]
+    assert [im.size for im in images] == [(64, 64), (64, 64)]  # default_size of the YAML
+
+
+BAD_REQUESTS = [
+    ({"size": "64x64"}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": 123}, "prompt"),
+    ({"prompt": "a", "size": "64"}, "WxH"),
+    ({"prompt": "a", "size": "sixtyxfour"}, "WxH"),
+    ({"prompt": "a", "size": "72x64"}, "multiples of 16"),
+    ({"prompt": "a", "size": 64}, "size"),
+    ({"prompt": "a", "n": 0}, "n"),
+    ({"prompt": "a", "n": "2"}, "n"),
+    ({"prompt": "a", "n": 1.5}, "n"),
+    ({"prompt": "a", "n": 99}, "max_n"),
+    ({"prompt": "a", "num_inference_steps": 0}, "num_inference_steps"),
+    ({"prompt": "a", "num_inference_steps": "4"}, "num_inference_steps"),
+    ({"prompt": "a", "num_inference_steps": 10_000}, "max_steps"),
+    ({"prompt": "a", "guidance_scale": "high"}, "guidance_scale"),
+    ({"prompt": "a", "guidance_scale": -1}, "guidance_scale"),
+    ({"prompt": "a", "seed": -1}, "seed"),
+    ({"prompt": "a", "response_format": "url"}, "response_format"),
+    ({"prompt": "a", "size": "4096x4096"}, "pixels"),
+    ({"prompt": "a", "num_steps": 4}, "num_steps"),
+]
+
+
+@pytest.mark.parametrize("body, mentions", BAD_REQUESTS)
+def test_bad_requests_get_400_with_a_message(server, body, mentions):
+    response = requests.post(f"{server}/v1/images/generations", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert mentions in message, message
+
+
+def test_malformed_json_and_wrong_method(server):
+    response = requests.post(
+        f"{server}/v1/images/generations", data="{not json", headers={"Content-Type": "application/json"}, timeout=60
+    )
+    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+    assert requests.get(f"{server}/v1/images/generations", timeout=60).status_code == 405
+
+
+def test_unknown_model_is_404(server):
+    response = requests.post(
+        f"{server}/v1/images/generations", json={"prompt": "a", "model": "flux-dev"}, timeout=60
+    )
+    assert response.status_code == 404
+    assert "flux-dev" in response.json()["error"]["message"]
+
+
+def test_models_health_and_pool(server):
+    models = requests.get(f"{server}/v1/models", timeout=60).json()
+    assert [m["id"] for m in models["data"]] == ["tiny-wan"]
+    assert requests.get(f"{server}/health", timeout=60).json() == {"status": "ok"}
+    pool = requests.get(f"{server}/v1/pool", timeout=60).json()
+    assert (pool["replicate_size"], pool["shard_size"], pool["mode"], pool["device"]) == (1, 2, "batch", "cpu")
+    assert [r["shard_index"] for r in pool["ranks"]] == [0, 1]
+    assert len({r["node_id"] for r in pool["ranks"]}) == 1
+    for rank in pool["ranks"]:
+        assert rank["device"] == "cpu"
+        assert 0 < rank["total"]["sharded_local"] < rank["total"]["sharded_full"]
+        assert rank["total"]["replicated"] > 0
+
+
+def test_python_handle_takes_the_same_schema(server):
+    from ray import serve
+
+    handle = serve.get_app_handle(APP)
+    calls = [handle.generate.remote({"prompt": p, "seed": 3, "size": "64x64"}) for p in ("a cat", "a dog")]
+    responses = [c.result(timeout_s=120) for c in calls]
+    assert all(decode_png(r["data"][0]["b64_json"]).size == (64, 64) for r in responses)
+    with pytest.raises(Exception, match="size"):
+        handle.generate.remote({"prompt": "a", "size": "7x7"}).result(timeout_s=60)
