@@ -23,18 +23,35 @@ def _format_bytes(n: int) -> str:
 def memory_table(ranks: list[dict], component: str = "transformer") -> str:
     """A text table of each rank's memory: what it holds of ``component`` and in total."""
     rows = [
-        ("rank", "node", "device", f"{component} local", f"{component} full", "share",
-         "sharded local (all)", "replicated", "buffers"),
+        (
+            "rank",
+            "node",
+            "device",
+            f"{component} local",
+            f"{component} full",
+            "share",
+            "sharded local (all)",
+            "replicated",
+            "buffers",
+        ),
     ]
     for r in ranks:
         comp = r["components"].get(component, {"sharded_local": 0, "sharded_full": 0})
         share = comp["sharded_local"] / comp["sharded_full"] if comp["sharded_full"] else 1.0
         total = r["total"]
-        rows.append((
-            str(r["rank"]), r.get("node_ip", "?"), r["device"],
-            _format_bytes(comp["sharded_local"]), _format_bytes(comp["sharded_full"]), f"{share:.1%}",
-            _format_bytes(total["sharded_local"]), _format_bytes(total["replicated"]), _format_bytes(total["buffers"]),
-        ))
+        rows.append(
+            (
+                str(r["rank"]),
+                r.get("node_ip", "?"),
+                r["device"],
+                _format_bytes(comp["sharded_local"]),
+                _format_bytes(comp["sharded_full"]),
+                f"{share:.1%}",
+                _format_bytes(total["sharded_local"]),
+                _format_bytes(total["replicated"]),
+                _format_bytes(total["buffers"]),
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -66,11 +83,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from ray_hsdp.serve import build_app
 
     start = time.perf_counter()
-    ray.init(num_cpus=max(4, args.shard_size + 1), include_dashboard=False, log_to_driver=args.verbose)
+    # A fresh local cluster of its own, even where RAY_ADDRESS points at another one.
+    ray.init(address="local", num_cpus=max(4, args.shard_size + 1), include_dashboard=False, log_to_driver=args.verbose)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     config = {
-        "model": args.model, "device": "cpu", "shard_size": args.shard_size,
-        "default_size": args.size, "default_steps": args.steps,
+        "model": args.model,
+        "device": "cpu",
+        "shard_size": args.shard_size,
+        "default_size": args.size,
+        "default_steps": args.steps,
     }
     try:
         handle = serve.run(build_app(config), name="ray_hsdp_demo", route_prefix="/")
@@ -83,8 +104,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         written = []
         for i, response in enumerate(responses):
             written += _save_images(response, out.with_name(f"{out.stem}-{i}") if len(responses) > 1 else out)
-        print(f"\nray_hsdp demo: {pool['model']}, replicate_size={pool['replicate_size']}, "
-              f"shard_size={pool['shard_size']}, mode={pool['mode']}, device={pool['device']}")
+        print(
+            f"\nray_hsdp demo: {pool['model']}, replicate_size={pool['replicate_size']}, "
+            f"shard_size={pool['shard_size']}, mode={pool['mode']}, device={pool['device']}"
+        )
         for response, prompt in zip(responses, prompts):
             print(f"  rank {response['rank']} ran {prompt!r} (seed {response['seed']}) in {response['elapsed_s']:.2f}s")
         print("\nImages written:")
@@ -113,8 +136,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ray.init(address=args.address, ignore_reinit_error=True)
     serve.start(http_options={"host": args.host, "port": args.port})
     config = {
-        "model": args.model, "device": args.device, "dtype": args.dtype, "mode": args.mode,
-        "shard_size": shard_size, "replicate_size": replicate_size,
+        "model": args.model,
+        "device": args.device,
+        "dtype": args.dtype,
+        "mode": args.mode,
+        "shard_size": shard_size,
+        "replicate_size": replicate_size,
     }
     if args.default_size:
         config["default_size"] = args.default_size
@@ -144,8 +171,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     ray.init(address=args.address, ignore_reinit_error=True, log_to_driver=args.verbose)
     config = GroupConfig(model=args.model, device=args.device, shard_size=args.shard_size, mode=args.mode)
     request = GenerationRequest(
-        prompt=args.prompt, width=width, height=height, num_inference_steps=args.steps,
-        guidance_scale=args.guidance_scale, seed=args.seed, n=args.n,
+        prompt=args.prompt,
+        width=width,
+        height=height,
+        num_inference_steps=args.steps,
+        guidance_scale=args.guidance_scale,
+        seed=args.seed,
+        n=args.n,
     )
     with ShardGroup(config) as group:
         result = group.generate([request])[0]

@@ -34,11 +34,11 @@ class GroupConfig(BaseModel):
         TINY_MODEL,
         description=f"Path of a diffusers pipeline folder, or {TINY_MODEL!r} for the embedded tiny Wan pipeline.",
     )
-    model_name: str | None = Field(
-        None, description="Name the model is served under; defaults to the folder's name."
-    )
+    model_name: str | None = Field(None, description="Name the model is served under; defaults to the folder's name.")
     device: Literal["auto", "cuda", "cpu"] = Field(
-        "auto", description="Device kind of the ranks: 'cuda' (NCCL), 'cpu' (gloo), or 'auto' (cuda if the Ray cluster has GPUs)."
+        "auto",
+        description="Device kind of the ranks: 'cuda' (NCCL), 'cpu' (gloo), "
+        "or 'auto' (cuda if the Ray cluster has GPUs).",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Parameter dtype; 'auto' is bfloat16 on cuda and float32 on cpu."
@@ -61,10 +61,14 @@ class GroupConfig(BaseModel):
         DEFAULT_SHARD_COMPONENTS, description="Pipeline components to shard when present; all others stay replicated."
     )
     min_num_params: int = Field(
-        50_000_000, ge=1, description="Size rule of the last policy fallback: a submodule this large becomes an FSDP unit."
+        50_000_000,
+        ge=1,
+        description="Size rule of the last policy fallback: a submodule this large becomes an FSDP unit.",
     )
     reshard_after_forward: bool = Field(
-        True, description="Free the gathered weights of an FSDP unit after its forward (memory) instead of keeping them (speed)."
+        True,
+        description="Free the gathered weights of an FSDP unit after its forward (memory) "
+        "instead of keeping them (speed).",
     )
     cpus_per_rank: float = Field(1.0, ge=0, description="CPUs reserved per rank in its placement-group bundle.")
     batch_wait_s: float = Field(

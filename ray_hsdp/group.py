@@ -122,7 +122,9 @@ class ShardGroup:
         self._scheduler.start()
         logger.info(
             "Shard group ready: %d ranks on %s, mode=%s",
-            self.dims.shard_size, sorted({p["node_ip"] for p in self.placement}), self.config.mode,
+            self.dims.shard_size,
+            sorted({p["node_ip"] for p in self.placement}),
+            self.config.mode,
         )
         return self
 

@@ -69,6 +69,4 @@ def load_pipeline(path: Path, dtype: str, allow_pickle: bool = False):
     # Ranks log to Ray's console; progress bars of every rank would drown the log lines we want.
     diffusers_logging.disable_progress_bar()
     transformers_logging.disable_progress_bar()
-    return DiffusionPipeline.from_pretrained(
-        path, dtype=DTYPES[dtype], use_safetensors=None if allow_pickle else True
-    )
+    return DiffusionPipeline.from_pretrained(path, dtype=DTYPES[dtype], use_safetensors=None if allow_pickle else True)

@@ -21,7 +21,9 @@ class ParallelDims:
 
     def __post_init__(self) -> None:
         if self.replicate_size < 1 or self.shard_size < 1:
-            raise ValueError(f"replicate_size and shard_size must be >= 1, got {self.replicate_size} x {self.shard_size}")
+            raise ValueError(
+                f"replicate_size and shard_size must be >= 1, got {self.replicate_size} x {self.shard_size}"
+            )
 
     @property
     def world_size(self) -> int:

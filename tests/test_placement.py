@@ -23,7 +23,8 @@ def test_each_group_lands_on_one_node_and_groups_spread(ray_cluster, tiny_model,
         assert all(len(n) == 1 for n in nodes), nodes
         assert nodes[0] != nodes[1]
         # A group of 3 ranks keeps parity too.
-        requests = [GenerationRequest(prompt=p, seed=i, num_frames=1) for i, p in enumerate(["a cat", "a dog", "a fox"])]
+        prompts = ["a cat", "a dog", "a fox"]
+        requests = [GenerationRequest(prompt=p, seed=i, num_frames=1) for i, p in enumerate(prompts)]
         for req, result in zip(requests, groups[1].generate(requests)):
             assert max_abs_diff(result.frames, reference_frames(reference_pipe, req)) <= 1e-5
     finally:

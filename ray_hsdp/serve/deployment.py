@@ -78,7 +78,7 @@ class HSDPServer:
         Returns:
             The OpenAI images response: ``created``, ``data[i].b64_json``, plus ``seed`` and ``rank``.
         """
-        body = request if isinstance(request, ImageGenerationRequest) else ImageGenerationRequest.model_validate(request)
+        body = ImageGenerationRequest.model_validate(request)
         if body.model is not None and body.model != self.model_name:
             raise UnknownModelError(f"model {body.model!r} is not served here; available: [{self.model_name!r}]")
         job = to_generation_request(body, self.config, request_id=uuid.uuid4().hex)

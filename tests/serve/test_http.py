@@ -37,7 +37,10 @@ def server(ray_cluster, tmp_path_factory):
     log = open(path.with_suffix(".log"), "w")
     proc = subprocess.Popen(
         [str(Path(sys.executable).with_name("serve")), "run", str(path)],
-        cwd=ROOT, env=os.environ.copy(), stdout=log, stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env=os.environ.copy(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -76,7 +79,9 @@ def test_generation_returns_png_of_requested_size_equal_to_unsharded(server, ref
     assert image.format == "PNG" and image.size == (96, 64) and image.mode == "RGB"
     ref = reference_frames(
         reference_pipe,
-        GenerationRequest(prompt=body["prompt"], width=96, height=64, num_inference_steps=2, guidance_scale=5.0, seed=5),
+        GenerationRequest(
+            prompt=body["prompt"], width=96, height=64, num_inference_steps=2, guidance_scale=5.0, seed=5
+        ),
     )
     expected = (np.clip(ref[0, 0], 0, 1) * 255).round()
     assert np.abs(np.asarray(image, dtype=np.float64) - expected).max() <= 1
@@ -130,9 +135,7 @@ def test_malformed_json_and_wrong_method(server):
 
 
 def test_unknown_model_is_404(server):
-    response = requests.post(
-        f"{server}/v1/images/generations", json={"prompt": "a", "model": "flux-dev"}, timeout=60
-    )
+    response = requests.post(f"{server}/v1/images/generations", json={"prompt": "a", "model": "flux-dev"}, timeout=60)
     assert response.status_code == 404
     assert "flux-dev" in response.json()["error"]["message"]
 

@@ -134,8 +134,13 @@ def test_units_are_ordered_deepest_first():
 
 @pytest.mark.parametrize(
     "name, pattern, expected",
-    [("blocks.3", "blocks.*", True), ("blocks.3.attn1", "blocks.*", False), ("blocks", "blocks.*", False),
-     ("encoder.block.0", "encoder.block.*", True), ("single_blocks.1", "blocks.*", False)],
+    [
+        ("blocks.3", "blocks.*", True),
+        ("blocks.3.attn1", "blocks.*", False),
+        ("blocks", "blocks.*", False),
+        ("encoder.block.0", "encoder.block.*", True),
+        ("single_blocks.1", "blocks.*", False),
+    ],
 )
 def test_name_matches_one_segment_per_star(name, pattern, expected):
     assert name_matches(name, pattern) is expected
