@@ -69,7 +69,7 @@ def _save_images(response: dict, stem: Path) -> list[Path]:
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
-    from ray_hsdp.tiny import make_tiny
+    from ray_hsdp.checkpoints.tiny import make_tiny
 
     path = make_tiny(args.directory, two_experts=args.two_experts, overwrite=args.overwrite)
     print(f"Wrote the tiny Wan pipeline to {path}")

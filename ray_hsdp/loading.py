@@ -11,7 +11,7 @@ import torch
 from filelock import FileLock
 
 from ray_hsdp.config import TINY_MODEL, cache_dir
-from ray_hsdp.tiny import is_pipeline_folder, make_tiny
+from ray_hsdp.checkpoints.tiny import is_pipeline_folder, make_tiny
 
 logger = logging.getLogger("ray_hsdp")
 

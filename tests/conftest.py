@@ -39,7 +39,7 @@ def ray_cluster(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """A tiny Wan pipeline folder written by the same code as ``ray-hsdp make-tiny``."""
-    from ray_hsdp.tiny import make_tiny
+    from ray_hsdp.checkpoints.tiny import make_tiny
 
     return str(make_tiny(tmp_path_factory.mktemp("models") / "tiny-wan"))
 

@@ -30,7 +30,8 @@ _CORPUS = [
 TINY_SEED = 0
 
 
-def _train_tokenizer(vocab_size: int):
+def train_tokenizer(vocab_size: int = 160, model_max_length: int = 512):
+    """A Unigram tokenizer trained on a few sentences, wrapped as a transformers fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -47,7 +48,11 @@ def _train_tokenizer(vocab_size: int):
         single="$A </s>", special_tokens=[("</s>", tok.token_to_id("</s>"))]
     )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>", model_max_length=512
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        model_max_length=model_max_length,
     )
 
 
@@ -63,7 +68,7 @@ def build_tiny_wan(two_experts: bool = False):
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    tokenizer = _train_tokenizer(vocab_size=160)
+    tokenizer = train_tokenizer()
     torch.manual_seed(TINY_SEED)
     text_encoder = UMT5EncoderModel(
         UMT5Config(

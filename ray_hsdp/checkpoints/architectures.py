@@ -1,0 +1,120 @@
+"""Architecture facts of real diffusion transformers, typed, for ``ray-hsdp make-random``.
+
+The transformer of each entry has its real size; the text encoder and VAE written beside it are
+small stand-ins with the interface dimensions the transformer needs (hidden sizes, latent
+channels, scale factors), because benchmarks of sharding measure the transformer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One pipeline architecture.
+
+    Attributes:
+        name: CLI name, e.g. ``wan2.1-t2v-14b``.
+        family: Which stand-in builder writes the small components (``wan`` or ``flux``).
+        pipeline_class: diffusers pipeline class name.
+        transformer_class: diffusers transformer class name.
+        transformer: Constructor arguments of the real-size transformer.
+        tiny: Overrides of ``transformer`` for the ``--tiny`` variant (CPU tests).
+        experts: Transformer components (``transformer``, ``transformer_2``, ...).
+        pipeline_config: Extra pipeline arguments (``boundary_ratio`` of a two-expert Wan).
+        params_billion: Parameter count of one expert, for the CLI's message.
+    """
+
+    name: str
+    family: str
+    pipeline_class: str
+    transformer_class: str
+    transformer: dict
+    tiny: dict
+    experts: tuple[str, ...] = ("transformer",)
+    pipeline_config: dict = field(default_factory=dict)
+    params_billion: float = 0.0
+
+
+_WAN_14B = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=40,
+    attention_head_dim=128,
+    in_channels=16,
+    out_channels=16,
+    text_dim=4096,
+    freq_dim=256,
+    ffn_dim=13824,
+    num_layers=40,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    rope_max_seq_len=1024,
+)
+_WAN_TINY = dict(num_attention_heads=2, attention_head_dim=16, text_dim=32, freq_dim=64, ffn_dim=64, num_layers=4)
+
+ARCHITECTURES: dict[str, Architecture] = {
+    a.name: a
+    for a in (
+        Architecture(
+            name="wan2.1-t2v-14b",
+            family="wan",
+            pipeline_class="WanPipeline",
+            transformer_class="WanTransformer3DModel",
+            transformer=_WAN_14B,
+            tiny=_WAN_TINY,
+            params_billion=14.3,
+        ),
+        Architecture(
+            name="wan2.2-t2v-a14b",
+            family="wan",
+            pipeline_class="WanPipeline",
+            transformer_class="WanTransformer3DModel",
+            transformer=_WAN_14B,
+            tiny=_WAN_TINY,
+            experts=("transformer", "transformer_2"),
+            pipeline_config={"boundary_ratio": 0.875},
+            params_billion=14.3,
+        ),
+        Architecture(
+            name="flux.1-dev",
+            family="flux",
+            pipeline_class="FluxPipeline",
+            transformer_class="FluxTransformer2DModel",
+            transformer=dict(
+                patch_size=1,
+                in_channels=64,
+                num_layers=19,
+                num_single_layers=38,
+                attention_head_dim=128,
+                num_attention_heads=24,
+                joint_attention_dim=4096,
+                pooled_projection_dim=768,
+                guidance_embeds=True,
+                axes_dims_rope=(16, 56, 56),
+            ),
+            tiny=dict(
+                num_layers=1,
+                num_single_layers=2,
+                attention_head_dim=16,
+                num_attention_heads=2,
+                joint_attention_dim=32,
+                pooled_projection_dim=32,
+                axes_dims_rope=(4, 6, 6),
+            ),
+            params_billion=11.9,
+        ),
+    )
+}
+
+
+def get_architecture(name: str) -> Architecture:
+    """The architecture called ``name``.
+
+    Raises:
+        ValueError: Unknown name; the message lists the known ones.
+    """
+    if name not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {name!r}; known: {', '.join(sorted(ARCHITECTURES))}")
+    return ARCHITECTURES[name]
