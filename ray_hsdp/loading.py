@@ -1,21 +1,37 @@
-"""Finding and loading a diffusers pipeline folder on a rank."""
+"""Finding a pipeline folder and loading its components, sharded ones slice by slice.
+
+A sharded component is built on the meta device, sharded, materialised empty on the rank's
+device, and filled from the safetensors files with only this rank's slices: a rank never holds the
+full component in host memory. Every checkpoint key must land in a tensor and every tensor must be
+filled, else the load fails naming the keys.
+"""
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import json
 import logging
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 from filelock import FileLock
+from torch.distributed.tensor import DTensor
 
-from ray_hsdp.config import TINY_MODEL, cache_dir
 from ray_hsdp.checkpoints.tiny import is_pipeline_folder, make_tiny
+from ray_hsdp.config import TINY_MODEL, cache_dir
 
 logger = logging.getLogger("ray_hsdp")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match the model it should fill (missing, unexpected or misshapen keys)."""
 
 
 def tiny_model_dir() -> Path:
@@ -54,19 +70,216 @@ def resolve_model_path(model: str) -> Path:
     return path
 
 
-def load_pipeline(path: Path, dtype: str, allow_pickle: bool = False):
-    """Loads the pipeline on the CPU with the plain diffusers loader.
+def _quiet_progress_bars() -> None:
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    # Ranks log to Ray's console; progress bars of every rank would drown the lines we want.
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
+
+
+def load_pipeline(path: Path, dtype: str, allow_pickle: bool = False, **prebuilt):
+    """Loads a pipeline folder on the CPU; components in ``prebuilt`` are used as given.
+
+    Without ``prebuilt`` this is exactly ``DiffusionPipeline.from_pretrained``. With it, the
+    pipeline is assembled component by component, because diffusers loads an optional component
+    (Wan's ``transformer``) from disk even when one is passed in, and a sharded component must
+    never be loaded whole.
 
     Args:
         path: A pipeline folder (see ``resolve_model_path``).
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         allow_pickle: Permit pickle ``.bin`` weights; only safetensors otherwise.
+        **prebuilt: Components already built (the sharded ones).
     """
-    from diffusers import DiffusionPipeline
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as transformers_logging
+    import diffusers
 
-    # Ranks log to Ray's console; progress bars of every rank would drown the log lines we want.
-    diffusers_logging.disable_progress_bar()
-    transformers_logging.disable_progress_bar()
-    return DiffusionPipeline.from_pretrained(path, dtype=DTYPES[dtype], use_safetensors=None if allow_pickle else True)
+    _quiet_progress_bars()
+    use_safetensors = None if allow_pickle else True
+    if not prebuilt:
+        return diffusers.DiffusionPipeline.from_pretrained(path, dtype=DTYPES[dtype], use_safetensors=use_safetensors)
+    index = json.loads((path / "model_index.json").read_text())
+    pipeline_cls = getattr(diffusers, index["_class_name"])
+    accepted = set(inspect.signature(pipeline_cls.__init__).parameters)
+    kwargs = {}
+    for name, value in index.items():
+        if name.startswith("_") or name not in accepted:
+            continue
+        if not (isinstance(value, list) and len(value) == 2):
+            kwargs[name] = value  # pipeline settings such as Wan2.2's boundary_ratio
+        elif name in prebuilt:
+            kwargs[name] = prebuilt[name]
+        elif value[0] is None:
+            kwargs[name] = None
+        else:
+            cls = getattr(importlib.import_module(value[0]), value[1])
+            if isinstance(cls, type) and issubclass(cls, nn.Module):
+                kwargs[name] = cls.from_pretrained(
+                    path / name, dtype=DTYPES[dtype], use_safetensors=use_safetensors
+                ).eval()
+            else:  # tokenizers, schedulers, processors
+                kwargs[name] = cls.from_pretrained(path / name)
+    return pipeline_cls(**kwargs)
+
+
+def model_index(path: Path) -> dict[str, tuple[str, str]]:
+    """Component name -> (library, class name) of every present component of a pipeline folder."""
+    index = json.loads((path / "model_index.json").read_text())
+    return {
+        name: (value[0], value[1])
+        for name, value in index.items()
+        if not name.startswith("_") and isinstance(value, list) and len(value) == 2 and value[0] and value[1]
+    }
+
+
+def _fp32_patterns(model: nn.Module, dtype: torch.dtype) -> list[str]:
+    """Module names the library itself keeps in float32 when loading in ``dtype``."""
+    if dtype == torch.float32:
+        return []
+    if hasattr(model, "_get_dtype_plan"):  # transformers: its own per-dtype plan
+        return list(model._get_dtype_plan(dtype))
+    return list(getattr(model, "_keep_in_fp32_modules", None) or [])  # diffusers: any low dtype
+
+
+def build_on_meta(folder: Path, library: str, class_name: str, dtype: str) -> nn.Module:
+    """Builds a component from its config with parameters on the meta device and real buffers.
+
+    Parameters get the dtypes the library's own loader would give them (``dtype``, except the
+    modules it keeps in float32). Buffers are built for real because non-persistent ones (rotary
+    tables) are not in checkpoints.
+    """
+    from accelerate import init_empty_weights
+
+    cls = getattr(importlib.import_module(library), class_name)
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ValueError(f"component {folder.name!r} is a {class_name}, not a module; it cannot be sharded")
+    with init_empty_weights(include_buffers=False):
+        if hasattr(cls, "load_config"):  # diffusers ModelMixin
+            model = cls.from_config(cls.load_config(folder))
+        else:  # transformers PreTrainedModel
+            from transformers import AutoConfig
+
+            model = cls(AutoConfig.from_pretrained(folder))
+    if hasattr(model, "tie_weights"):
+        # transformers ties shared embeddings at load time; tie them here (outside
+        # init_empty_weights, which would re-create the parameter) so one answers to both names.
+        model.tie_weights()
+    target = DTYPES[dtype]
+    keep = _fp32_patterns(model, target)
+    for name, param in model.named_parameters():
+        wanted = torch.float32 if any(k in name.split(".") for k in keep) else target
+        param.data = param.data.to(wanted)
+        param.requires_grad_(False)
+    return model.eval()
+
+
+def materialize(model: nn.Module, device: str) -> None:
+    """Allocates the (sharded) parameters on ``device``, keeping the real buffers' values."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, value in buffers.items():
+            model.get_buffer(name).copy_(value)
+
+
+def _checkpoint_files(folder: Path, allow_pickle: bool) -> list[Path]:
+    for stem in ("diffusion_pytorch_model", "model"):
+        index = folder / f"{stem}.safetensors.index.json"
+        if index.exists():
+            return sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+        if (folder / f"{stem}.safetensors").exists():
+            return [folder / f"{stem}.safetensors"]
+    pickles = sorted(folder.glob("*.bin"))
+    if pickles and not allow_pickle:
+        raise CheckpointError(
+            f"{folder} holds only pickle checkpoints ({', '.join(p.name for p in pickles)}); "
+            "loading pickle can run arbitrary code, so it needs allow_pickle=True"
+        )
+    if not pickles:
+        raise CheckpointError(f"no safetensors checkpoint in {folder}")
+    return pickles
+
+
+class _PickleReader:
+    """The safetensors ``safe_open`` interface over a ``.bin`` file (opt-in only)."""
+
+    def __init__(self, path: Path):
+        self.state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+
+    def keys(self):
+        return self.state.keys()
+
+    def get_slice(self, key):
+        return self.state[key]
+
+    def get_tensor(self, key):
+        return self.state[key]
+
+
+def _local_slices(param: torch.Tensor) -> tuple[slice, ...] | None:
+    """Index of this rank's shard in the full tensor; ``None`` for a whole (replicated) tensor."""
+    if not isinstance(param, DTensor):
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(slice(o, o + s) for o, s in zip(offset, shape))
+
+
+def fill_from_checkpoint(model: nn.Module, folder: Path, allow_pickle: bool = False) -> dict:
+    """Copies this rank's slice of every parameter and persistent buffer from the checkpoint.
+
+    Tied parameters (one tensor under several names) are filled once from whichever name the
+    checkpoint holds.
+
+    Returns:
+        ``{"files": n, "bytes_read": b}``: what this rank read.
+
+    Raises:
+        CheckpointError: A key of the checkpoint fits no tensor, a tensor got no key, or shapes differ.
+    """
+    from safetensors import safe_open
+
+    targets: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    persistent = set(model.state_dict().keys())
+    targets.update({n: b for n, b in model.named_buffers(remove_duplicate=False) if n in persistent})
+    aliases: dict[int, list[str]] = {}
+    for name, tensor in targets.items():
+        aliases.setdefault(id(tensor), []).append(name)
+    ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
+    filled: set[int] = set()
+    unexpected: list[str] = []
+    bytes_read = 0
+    files = _checkpoint_files(folder, allow_pickle)
+    for file in files:
+        reader = _PickleReader(file) if file.suffix == ".bin" else safe_open(str(file), framework="pt", device="cpu")
+        for key in reader.keys():
+            target = targets.get(key)
+            if target is None:
+                if not any(p.search(key) for p in ignore):
+                    unexpected.append(key)
+                continue
+            if id(target) in filled:
+                continue
+            source = reader.get_slice(key)
+            shape = tuple(source.get_shape()) if hasattr(source, "get_shape") else tuple(source.shape)
+            if shape != tuple(target.shape):
+                raise CheckpointError(
+                    f"{folder.name}/{key}: checkpoint shape {shape} != model shape {tuple(target.shape)}"
+                )
+            index = _local_slices(target)
+            value = source[index] if index is not None else reader.get_tensor(key)
+            local = target.to_local() if isinstance(target, DTensor) else target
+            with torch.no_grad():
+                local.copy_(value.to(local.dtype))
+            bytes_read += value.numel() * value.element_size()
+            filled.add(id(target))
+    missing = sorted(names[0] for tid, names in aliases.items() if tid not in filled)
+    if unexpected or missing:
+        raise CheckpointError(
+            f"checkpoint {folder} does not match {type(model).__name__}: "
+            f"missing keys {missing[:20]}{' ...' if len(missing) > 20 else ''}; "
+            f"unexpected keys {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}"
+        )
+    return {"files": len(files), "bytes_read": bytes_read}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 
 import torch
@@ -57,3 +58,56 @@ def _own_params(unit: nn.Module) -> Iterable[torch.Tensor]:
 def peak_device_bytes(device: str) -> int:
     """Peak allocated device memory since the last reset (0 on CPU, where there is no allocator to ask)."""
     return torch.cuda.max_memory_allocated() if device == "cuda" else 0
+
+
+def current_rss_bytes() -> int:
+    """Resident set size of this process (Linux ``/proc``; 0 where it cannot be read)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE_SIZE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+_PAGE_SIZE = 4096
+try:
+    import os
+
+    _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+except (ValueError, OSError, AttributeError):
+    pass
+
+
+class RssSampler:
+    """Samples this process's RSS in a thread; ``peak_above_start`` is the highest rise seen.
+
+    Args:
+        interval_s: Sampling period.
+    """
+
+    def __init__(self, interval_s: float = 0.005):
+        self.interval_s = interval_s
+        self.start = 0
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, current_rss_bytes())
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> RssSampler:
+        self.start = self.peak = current_rss_bytes()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, current_rss_bytes())
+
+    @property
+    def peak_above_start(self) -> int:
+        """Highest RSS seen minus the RSS at entry."""
+        return max(0, self.peak - self.start)

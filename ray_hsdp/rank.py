@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import ray
 
 from ray_hsdp import distributed
 from ray_hsdp.config import GroupConfig
+from ray_hsdp.memory import RssSampler
 from ray_hsdp.request import GenerationRequest, GenerationResult
 from ray_hsdp.topology import ParallelDims
 
@@ -36,6 +38,8 @@ class Rank:
         self.dims = ParallelDims(config.replicate_size, config.resolved_shard_size)
         self.pipeline = None
         self.model_path = None
+        self.load_s = 0.0
+        self.load_peak_rss_bytes = 0
 
     def prepare(self) -> str:
         """Finds the model folder on this node, writing the embedded tiny model if needed.
@@ -75,22 +79,34 @@ class Rank:
         }
 
     def load(self) -> dict:
-        """Loads the pipeline and shards its components; returns the memory report."""
-        from ray_hsdp.loading import load_pipeline
+        """Loads the pipeline, its sharded components slice by slice; returns the memory report.
+
+        The report adds ``load_s`` and ``load_peak_rss_bytes``: the most host memory this process
+        held above its level before loading, sampled while loading.
+        """
         from ray_hsdp.sharded_pipeline import ShardedPipeline
 
         if self.model_path is None:
             raise RuntimeError("prepare() must run before load()")
-        pipe = load_pipeline(self.model_path, self.config.dtype, self.config.allow_pickle)
-        self.pipeline = ShardedPipeline(pipe, self.config.device, self.rank)
         if self.rank == 0:
             logger.info(
                 "HSDP Inference: replicate_size=%d, shard_size=%d", self.dims.replicate_size, self.dims.shard_size
             )
-        if self.mesh is not None:
-            self.pipeline.shard(
-                self.mesh, self.config.shard_components, self.config.min_num_params, self.config.reshard_after_forward
+        with RssSampler() as rss:
+            start = time.perf_counter()
+            self.pipeline = ShardedPipeline.load(
+                self.model_path,
+                dtype=self.config.dtype,
+                device=self.config.device,
+                rank=self.rank,
+                mesh=self.mesh,
+                shard_components=self.config.shard_components,
+                min_num_params=self.config.min_num_params,
+                reshard_after_forward=self.config.reshard_after_forward,
+                allow_pickle=self.config.allow_pickle,
             )
+            self.load_s = time.perf_counter() - start
+        self.load_peak_rss_bytes = rss.peak_above_start
         return self.memory()
 
     def run(self, request: GenerationRequest) -> GenerationResult:
@@ -103,7 +119,15 @@ class Rank:
     def memory(self, units: bool = False) -> dict:
         """The memory report of this rank (see ``ShardedPipeline.memory``)."""
         report = self.pipeline.memory(units=units) if self.pipeline is not None else {}
-        return {"rank": self.rank, "shard_index": self.rank, "device": self.config.device, **report}
+        return {
+            "rank": self.rank,
+            "shard_index": self.rank,
+            "device": self.config.device,
+            "load_s": round(self.load_s, 3),
+            "load_peak_rss_bytes": self.load_peak_rss_bytes,
+            "load_bytes_read": sum(s["bytes_read"] for s in self.pipeline.load_stats.values()) if self.pipeline else 0,
+            **report,
+        }
 
     @ray.method(concurrency_group="control")
     def ping(self) -> int:

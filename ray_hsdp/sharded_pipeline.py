@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ray_hsdp.loading import build_on_meta, fill_from_checkpoint, load_pipeline, materialize, model_index
 from ray_hsdp.memory import module_memory, peak_device_bytes, unit_memory
 from ray_hsdp.request import GenerationRequest, GenerationResult
 from ray_hsdp.sharding import apply_fsdp, resolve_plan
@@ -27,39 +28,65 @@ class ShardedPipeline:
     """Owns one rank's copy of a pipeline: its sharded and replicated components.
 
     Args:
-        pipe: A loaded diffusers pipeline (on the CPU).
+        pipe: A loaded diffusers pipeline; sharded components already on ``device``.
         device: ``"cuda"`` or ``"cpu"``.
         rank: This rank's index in its group.
+        sharded: Component name -> number of FSDP units, for the components that are sharded.
+        load_stats: What loading read, per sharded component.
     """
 
-    def __init__(self, pipe, device: str, rank: int):
+    def __init__(self, pipe, device: str, rank: int, sharded: dict[str, int] | None = None, load_stats=None):
         self.pipe = pipe
         self.device = device
         self.rank = rank
-        self.sharded: dict[str, int] = {}
+        self.sharded = dict(sharded or {})
+        self.load_stats = dict(load_stats or {})
         self._call_params = set(inspect.signature(pipe.__call__).parameters)
         pipe.set_progress_bar_config(disable=True)
-        pipe.to("cuda" if device == "cuda" else "cpu")
+        for name, module in components(pipe).items():
+            if name not in self.sharded:
+                module.to(device)
 
-    def shard(
-        self, mesh: DeviceMesh, shard_components: tuple[str, ...], min_num_params: int, reshard_after_forward: bool
-    ) -> dict[str, int]:
-        """Shards the named components present in the pipeline.
+    @classmethod
+    def load(
+        cls,
+        path,
+        *,
+        dtype: str,
+        device: str,
+        rank: int,
+        mesh: DeviceMesh | None,
+        shard_components: tuple[str, ...],
+        min_num_params: int,
+        reshard_after_forward: bool,
+        allow_pickle: bool = False,
+    ) -> ShardedPipeline:
+        """Loads a pipeline folder, sharding the named components over ``mesh``.
 
-        Returns:
-            Component name -> number of FSDP units (root not counted).
+        A sharded component is built on the meta device, sharded, materialised on ``device`` and
+        filled with this rank's slices only. Without a mesh (one rank) nothing is sharded.
+
+        Raises:
+            ValueError: None of ``shard_components`` is a module of the pipeline.
         """
-        for name, module in components(self.pipe).items():
-            if name not in shard_components:
-                continue
-            plan = resolve_plan(module, min_num_params)
-            self.sharded[name] = apply_fsdp(module, plan, mesh, reshard_after_forward)
-        if not self.sharded:
-            raise ValueError(
-                f"None of shard_components={list(shard_components)} is a module of this pipeline "
-                f"(its modules: {sorted(components(self.pipe))}); nothing would be sharded"
-            )
-        return self.sharded
+        prebuilt, sharded, stats = {}, {}, {}
+        if mesh is not None:
+            index = model_index(path)
+            for name in shard_components:
+                if name not in index:
+                    continue
+                module = build_on_meta(path / name, *index[name], dtype)
+                sharded[name] = apply_fsdp(module, resolve_plan(module, min_num_params), mesh, reshard_after_forward)
+                materialize(module, device)
+                stats[name] = fill_from_checkpoint(module, path / name, allow_pickle)
+                prebuilt[name] = module
+            if not sharded:
+                raise ValueError(
+                    f"None of shard_components={list(shard_components)} is a component of this pipeline "
+                    f"(its components: {sorted(index)}); nothing would be sharded"
+                )
+        pipe = load_pipeline(path, dtype, allow_pickle, **prebuilt)
+        return cls(pipe, device, rank, sharded, stats)
 
     def _kwargs(self, request: GenerationRequest) -> dict:
         kwargs = {

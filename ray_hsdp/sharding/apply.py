@@ -3,14 +3,38 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from ray_hsdp.sharding.policy import ShardPlan
 
 logger = logging.getLogger("ray_hsdp")
+
+
+def _managed_params(unit: nn.Module) -> list[torch.Tensor]:
+    """Parameters ``fully_shard(unit)`` would own: those not inside an already sharded submodule."""
+    nested = {id(p) for n, m in unit.named_modules() if n and isinstance(m, FSDPModule) for p in m.parameters()}
+    return [p for p in unit.parameters() if id(p) not in nested]
+
+
+def minority_dtype_params(unit: nn.Module) -> set[torch.Tensor]:
+    """Parameters whose dtype differs from most of the unit's.
+
+    FSDP2 gathers a unit as one flat buffer of one dtype, so modules a library keeps in float32
+    inside a bfloat16 model (norms, modulation tables) cannot join it: they stay replicated.
+    """
+    params = _managed_params(unit)
+    if not params:
+        return set()
+    counts = Counter()
+    for p in params:
+        counts[p.dtype] += p.numel()
+    dominant = counts.most_common(1)[0][0]
+    return {p for p in params if p.dtype != dominant}
 
 
 def apply_fsdp(root: nn.Module, plan: ShardPlan, mesh: DeviceMesh, reshard_after_forward: bool) -> int:
@@ -18,7 +42,8 @@ def apply_fsdp(root: nn.Module, plan: ShardPlan, mesh: DeviceMesh, reshard_after
 
     Args:
         root: The module to shard; becomes the root FSDP unit.
-        plan: Units (deepest first) and the submodules that stay replicated.
+        plan: Units (deepest first) and the submodules that stay replicated. Parameters of a
+            minority dtype in a unit stay replicated too (see ``minority_dtype_params``).
         mesh: The group's ``("replicate", "shard")`` mesh; FSDP2 shards over ``shard``.
         reshard_after_forward: The group's setting; the plan's own value wins when set.
 
@@ -28,8 +53,9 @@ def apply_fsdp(root: nn.Module, plan: ShardPlan, mesh: DeviceMesh, reshard_after
     model_class = type(root).__name__  # fully_shard renames the class (FSDP<name>)
     reshard = plan.reshard_after_forward if plan.reshard_after_forward is not None else reshard_after_forward
     for _, unit in plan.units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, ignored_params=minority_dtype_params(unit) or None)
     ignored = {p for _, module in plan.replicated for p in module.parameters()}
+    ignored |= {p for p in minority_dtype_params(root) if p not in ignored}
     # The root's gathered weights are used again at the next call of the same root; keeping them
     # would hold a full copy of every non-unit parameter, so the root reshards like its units.
     fully_shard(root, mesh=mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
