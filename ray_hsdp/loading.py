@@ -14,6 +14,7 @@ import json
 import logging
 import re
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
@@ -133,6 +134,15 @@ def model_index(path: Path) -> dict[str, tuple[str, str]]:
     }
 
 
+def import_component_classes(path: Path) -> dict[str, type]:
+    """Imports the class of every component of a pipeline folder (and the pipeline's own)."""
+    import diffusers
+
+    classes = {name: getattr(importlib.import_module(lib), cls) for name, (lib, cls) in model_index(path).items()}
+    classes["_pipeline"] = getattr(diffusers, json.loads((path / "model_index.json").read_text())["_class_name"])
+    return classes
+
+
 def _fp32_patterns(model: nn.Module, dtype: torch.dtype) -> list[str]:
     """Module names the library itself keeps in float32 when loading in ``dtype``."""
     if dtype == torch.float32:
@@ -201,30 +211,97 @@ def _checkpoint_files(folder: Path, allow_pickle: bool) -> list[Path]:
     return pickles
 
 
-class _PickleReader:
-    """The safetensors ``safe_open`` interface over a ``.bin`` file (opt-in only)."""
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class SafetensorsReader:
+    """Reads whole tensors or row ranges of a safetensors file with plain file reads.
+
+    ``safetensors.safe_open`` memory-maps the file, and every page a rank touches then counts in
+    its resident memory until the file is closed: a rank reading its half of a single-file
+    checkpoint would hold the whole file's worth. Reading the rows of a dim-0 shard straight into
+    a tensor with ``readinto`` keeps a rank's host memory at its own slices.
+    """
 
     def __init__(self, path: Path):
+        self.path = path
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        header.pop("__metadata__", None)
+        self.data_start = 8 + length
+        self.header = header
+
+    def keys(self):
+        return self.header.keys()
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.header[key]["shape"])
+
+    def read(self, key: str, rows: slice | None = None) -> torch.Tensor:
+        """The tensor ``key``, or only rows ``rows`` of its first dimension."""
+        entry = self.header[key]
+        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{self.path.name}/{key}: unsupported safetensors dtype {entry['dtype']}")
+        shape = list(entry["shape"])
+        begin, end = entry["data_offsets"]
+        if rows is not None and shape:
+            row_bytes = (end - begin) // max(shape[0], 1)
+            start, stop = rows.start, min(rows.stop, shape[0])
+            begin, end = begin + start * row_bytes, begin + stop * row_bytes
+            shape[0] = max(stop - start, 0)
+        out = torch.empty(shape, dtype=dtype)
+        if out.numel():
+            with open(self.path, "rb") as f:
+                f.seek(self.data_start + begin)
+                f.readinto(out.view(torch.uint8).reshape(-1).numpy())
+        return out
+
+
+class _PickleReader:
+    """The reader interface over a ``.bin`` file (opt-in only: unpickling can run code)."""
+
+    def __init__(self, path: Path):
+        self.path = path
         self.state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
 
     def keys(self):
         return self.state.keys()
 
-    def get_slice(self, key):
-        return self.state[key]
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.state[key].shape)
 
-    def get_tensor(self, key):
-        return self.state[key]
+    def read(self, key: str, rows: slice | None = None) -> torch.Tensor:
+        tensor = self.state[key]
+        return tensor[rows] if rows is not None and tensor.dim() else tensor
 
 
-def _local_slices(param: torch.Tensor) -> tuple[slice, ...] | None:
-    """Index of this rank's shard in the full tensor; ``None`` for a whole (replicated) tensor."""
+def _local_rows(param: torch.Tensor) -> slice | None:
+    """Rows of the full tensor this rank holds; ``None`` for a whole (replicated) tensor.
+
+    Raises:
+        CheckpointError: The parameter is sharded on another dimension than the first.
+    """
     if not isinstance(param, DTensor):
         return None
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return tuple(slice(o, o + s) for o, s in zip(offset, shape))
+    if any(offset[1:]) or tuple(shape[1:]) != tuple(param.shape[1:]):
+        raise CheckpointError(f"only dim-0 sharding is supported by the loader, got {param.placements}")
+    return slice(offset[0], offset[0] + shape[0]) if param.dim() else None
 
 
 def fill_from_checkpoint(model: nn.Module, folder: Path, allow_pickle: bool = False) -> dict:
@@ -239,8 +316,6 @@ def fill_from_checkpoint(model: nn.Module, folder: Path, allow_pickle: bool = Fa
     Raises:
         CheckpointError: A key of the checkpoint fits no tensor, a tensor got no key, or shapes differ.
     """
-    from safetensors import safe_open
-
     targets: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     persistent = set(model.state_dict().keys())
     targets.update({n: b for n, b in model.named_buffers(remove_duplicate=False) if n in persistent})
@@ -253,7 +328,7 @@ def fill_from_checkpoint(model: nn.Module, folder: Path, allow_pickle: bool = Fa
     bytes_read = 0
     files = _checkpoint_files(folder, allow_pickle)
     for file in files:
-        reader = _PickleReader(file) if file.suffix == ".bin" else safe_open(str(file), framework="pt", device="cpu")
+        reader = _PickleReader(file) if file.suffix == ".bin" else SafetensorsReader(file)
         for key in reader.keys():
             target = targets.get(key)
             if target is None:
@@ -262,18 +337,16 @@ def fill_from_checkpoint(model: nn.Module, folder: Path, allow_pickle: bool = Fa
                 continue
             if id(target) in filled:
                 continue
-            source = reader.get_slice(key)
-            shape = tuple(source.get_shape()) if hasattr(source, "get_shape") else tuple(source.shape)
-            if shape != tuple(target.shape):
+            if reader.shape(key) != tuple(target.shape):
                 raise CheckpointError(
-                    f"{folder.name}/{key}: checkpoint shape {shape} != model shape {tuple(target.shape)}"
+                    f"{folder.name}/{key}: checkpoint shape {reader.shape(key)} != model shape {tuple(target.shape)}"
                 )
-            index = _local_slices(target)
-            value = source[index] if index is not None else reader.get_tensor(key)
+            value = reader.read(key, _local_rows(target))
             local = target.to_local() if isinstance(target, DTensor) else target
             with torch.no_grad():
-                local.copy_(value.to(local.dtype))
+                local.copy_(value)
             bytes_read += value.numel() * value.element_size()
+            del value
             filled.add(id(target))
     missing = sorted(names[0] for tid, names in aliases.items() if tid not in filled)
     if unexpected or missing:

@@ -42,13 +42,16 @@ class Rank:
         self.load_peak_rss_bytes = 0
 
     def prepare(self) -> str:
-        """Finds the model folder on this node, writing the embedded tiny model if needed.
+        """Finds the model folder on this node (writing the embedded tiny model if needed) and
+        imports the classes of its components.
 
         Runs before the process group exists: model writers save only on distributed rank 0.
         """
-        from ray_hsdp.loading import resolve_model_path
+        from ray_hsdp.loading import import_component_classes, resolve_model_path
 
         self.model_path = resolve_model_path(self.config.model)
+        # Code first, weights later: the load's memory report then counts weights only.
+        import_component_classes(self.model_path)
         return str(self.model_path)
 
     def address(self) -> tuple[str, int]:
