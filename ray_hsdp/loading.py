@@ -249,8 +249,15 @@ class SafetensorsReader:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.header[key]["shape"])
 
-    def read(self, key: str, rows: slice | None = None) -> torch.Tensor:
-        """The tensor ``key``, or only rows ``rows`` of its first dimension."""
+    def read(self, key: str, rows: slice | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor ``key``, or only rows ``rows`` of its first dimension.
+
+        Args:
+            key: Tensor name.
+            rows: Rows of the first dimension to read; all when ``None``.
+            out: Where to read into when it is a contiguous CPU tensor of the stored dtype and
+                shape (no intermediate copy); otherwise a new tensor is returned.
+        """
         entry = self.header[key]
         dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
         if dtype is None:
@@ -262,7 +269,9 @@ class SafetensorsReader:
             start, stop = rows.start, min(rows.stop, shape[0])
             begin, end = begin + start * row_bytes, begin + stop * row_bytes
             shape[0] = max(stop - start, 0)
-        out = torch.empty(shape, dtype=dtype)
+        direct = out is not None and out.device.type == "cpu" and out.dtype == dtype and out.is_contiguous()
+        if not (direct and list(out.shape) == shape):
+            out = torch.empty(shape, dtype=dtype)
         if out.numel():
             with open(self.path, "rb") as f:
                 f.seek(self.data_start + begin)
@@ -283,7 +292,7 @@ class _PickleReader:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.state[key].shape)
 
-    def read(self, key: str, rows: slice | None = None) -> torch.Tensor:
+    def read(self, key: str, rows: slice | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         tensor = self.state[key]
         return tensor[rows] if rows is not None and tensor.dim() else tensor
 
@@ -341,10 +350,11 @@ def fill_from_checkpoint(model: nn.Module, folder: Path, allow_pickle: bool = Fa
                 raise CheckpointError(
                     f"{folder.name}/{key}: checkpoint shape {reader.shape(key)} != model shape {tuple(target.shape)}"
                 )
-            value = reader.read(key, _local_rows(target))
             local = target.to_local() if isinstance(target, DTensor) else target
             with torch.no_grad():
-                local.copy_(value)
+                value = reader.read(key, _local_rows(target), out=local)
+                if value is not local:
+                    local.copy_(value)
             bytes_read += value.numel() * value.element_size()
             del value
             filled.add(id(target))
