@@ -76,6 +76,20 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_make_random(args: argparse.Namespace) -> int:
+    from ray_hsdp.checkpoints.architectures import get_architecture
+    from ray_hsdp.checkpoints.random_weights import make_random
+
+    arch = get_architecture(args.arch)
+    written = make_random(args.arch, args.directory, tiny=args.tiny, dtype=args.dtype, seed=args.seed)
+    size = "tiny variant" if args.tiny else f"real size, {arch.params_billion}B parameters per expert"
+    print(f"Wrote {args.arch} ({size}, random weights, seed {args.seed}) to {written['path']}")
+    for expert, nbytes in written["transformer_bytes"].items():
+        print(f"  {expert}: {nbytes / 2**30:.2f} GiB of {args.dtype} weights")
+    print(f"  stand-ins (small, random, NOT the real architecture): {', '.join(written['stand_ins'])}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
@@ -198,6 +212,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_make_tiny)
 
+    p = sub.add_parser("make-random", help="write a real-size architecture with seeded random weights")
+    p.add_argument("arch", help="wan2.1-t2v-14b, wan2.2-t2v-a14b or flux.1-dev")
+    p.add_argument("directory")
+    p.add_argument("--tiny", action="store_true", help="the tiny variant of the architecture (CPU tests)")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="stored dtype (default: bfloat16, float32 with --tiny)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_random)
+
     p = sub.add_parser("demo", help="serve the tiny model on one group of 2 CPU ranks, generate, print memory")
     p.add_argument("--model", default=TINY_MODEL)
     p.add_argument("--prompt", default="A cat and a dog baking a cake together in a kitchen.")
@@ -248,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ray-hsdp`` console script."""
     logging.basicConfig(level=logging.WARNING)
     args = build_parser().parse_args(argv)
+    if getattr(args, "func", None) is cmd_make_random and args.dtype is None:
+        args.dtype = "float32" if args.tiny else "bfloat16"
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, FileExistsError) as err:

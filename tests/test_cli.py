@@ -1,9 +1,13 @@
 """The ray-hsdp console script, run as a user runs it."""
 
+import base64
+import io
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from conftest import free_port
@@ -59,3 +63,57 @@ def test_demo_prints_the_image_path_and_the_memory_table(tmp_path):
     assert len(paths) == 2 and all(Image.open(p).size == (64, 64) for p in paths)
     shares = [float(s) for s in re.findall(r"^\d\s+.*?\s(\d+\.\d)%", done.stdout, re.M)]
     assert len(shares) == 2 and all(45 <= s <= 55 for s in shares), done.stdout
+
+
+def test_make_random_tiny_then_serve_it_over_http(ray_cluster, tmp_path):
+    import requests
+
+    folder = tmp_path / "wan14b-tiny"
+    done = run("make-random", "wan2.1-t2v-14b", str(folder), "--tiny")
+    assert done.returncode == 0, done.stderr
+    assert "stand-ins" in done.stdout and "tiny variant" in done.stdout
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            CLI,
+            "serve",
+            str(folder),
+            "--use-hsdp",
+            "--hsdp-shard-size",
+            "2",
+            "--device",
+            "cpu",
+            "--default-size",
+            "64x64",
+            "--default-steps",
+            "2",
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if requests.get(f"{base}/health", timeout=5).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "ray-hsdp serve did not come up"
+            time.sleep(1)
+        response = requests.post(f"{base}/v1/images/generations", json={"prompt": "a fox", "seed": 1}, timeout=120)
+        assert response.status_code == 200, response.text
+        png = base64.b64decode(response.json()["data"][0]["b64_json"])
+        assert Image.open(io.BytesIO(png)).size == (64, 64)
+        pool = requests.get(f"{base}/v1/pool", timeout=60).json()
+        assert pool["shard_size"] == 2 and pool["model"] == "wan14b-tiny"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
