@@ -55,6 +55,11 @@ def _own_params(unit: nn.Module) -> Iterable[torch.Tensor]:
     return (p for p in unit.parameters() if id(p) not in nested)
 
 
+def device_allocated_bytes(device: str) -> int:
+    """Device memory held by tensors now (0 on CPU)."""
+    return torch.cuda.memory_allocated() if device == "cuda" else 0
+
+
 def peak_device_bytes(device: str) -> int:
     """Peak allocated device memory since the last reset (0 on CPU, where there is no allocator to ask)."""
     return torch.cuda.max_memory_allocated() if device == "cuda" else 0

@@ -10,7 +10,7 @@ import ray
 
 from ray_hsdp import distributed
 from ray_hsdp.config import GroupConfig
-from ray_hsdp.memory import RssSampler
+from ray_hsdp.memory import RssSampler, device_allocated_bytes
 from ray_hsdp.request import GenerationRequest, GenerationResult
 from ray_hsdp.topology import ParallelDims
 
@@ -40,6 +40,7 @@ class Rank:
         self.model_path = None
         self.load_s = 0.0
         self.load_peak_rss_bytes = 0
+        self.last_request_peak_device_bytes = 0
 
     def prepare(self) -> str:
         """Finds the model folder on this node (writing the embedded tiny model if needed) and
@@ -116,7 +117,9 @@ class Rank:
         """Runs one request; every rank of the group must be running a request of the same wave key."""
         if self.pipeline is None:
             raise RuntimeError(f"rank {self.rank} has no pipeline loaded")
-        return self.pipeline.run(request)
+        result = self.pipeline.run(request)
+        self.last_request_peak_device_bytes = result.peak_device_bytes
+        return result
 
     @ray.method(concurrency_group="control")
     def memory(self, units: bool = False) -> dict:
@@ -129,6 +132,8 @@ class Rank:
             "load_s": round(self.load_s, 3),
             "load_peak_rss_bytes": self.load_peak_rss_bytes,
             "load_bytes_read": sum(s["bytes_read"] for s in self.pipeline.load_stats.values()) if self.pipeline else 0,
+            "device_allocated_bytes": device_allocated_bytes(self.config.device),
+            "last_request_peak_device_bytes": self.last_request_peak_device_bytes,
             **report,
         }
 

@@ -1,0 +1,132 @@
+"""Memory of a shard group on GPUs: weights per GPU, peak during one forward, load time, host RSS.
+
+    python -m bench.memory --arch wan2.1-t2v-14b --model-dir /tmp/wan14b --shard-sizes 1 2 --out bench/results
+
+Builds the architecture with random bf16 weights (``make-random``) unless the folder exists, then
+for each shard size starts a group through Ray on this host's GPUs, runs one request of one
+denoising step without guidance (one transformer forward per rank) and reads each rank's report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from bench.common import environment, gib, write_results
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--arch", default="wan2.1-t2v-14b")
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--shard-sizes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--width", type=int, default=832)
+    parser.add_argument("--height", type=int, default=480)
+    parser.add_argument("--frames", type=int, default=21)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args()
+
+    import ray
+
+    from ray_hsdp.checkpoints.random_weights import make_random
+    from ray_hsdp.config import GroupConfig
+    from ray_hsdp.group import ShardGroup
+    from ray_hsdp.request import GenerationRequest
+
+    model_dir = Path(args.model_dir)
+    write_s = None
+    if not (model_dir / "model_index.json").exists():
+        start = time.perf_counter()
+        make_random(
+            args.arch, model_dir, dtype="bfloat16" if args.device == "cuda" else "float32", tiny=args.device != "cuda"
+        )
+        write_s = time.perf_counter() - start
+    transformer_bytes = folder_bytes(model_dir / "transformer")
+    checkpoint_bytes = folder_bytes(model_dir)
+    ray.init(include_dashboard=False, log_to_driver=False)
+    runs = []
+    for shard_size in args.shard_sizes:
+        config = GroupConfig(model=str(model_dir), device=args.device, shard_size=shard_size, mode="batch")
+        start = time.perf_counter()
+        group = ShardGroup(config).start()
+        start_s = time.perf_counter() - start
+        try:
+            requests = [
+                GenerationRequest(
+                    prompt=f"a fox {i}",
+                    width=args.width,
+                    height=args.height,
+                    num_frames=args.frames,
+                    num_inference_steps=1,
+                    guidance_scale=1.0,
+                    seed=i,
+                )
+                for i in range(shard_size)
+            ]
+            group.generate(requests)  # warm-up: kernels, allocator
+            start = time.perf_counter()
+            results = group.generate(requests)
+            request_s = time.perf_counter() - start
+            ranks = group.memory()
+        finally:
+            group.shutdown()
+        runs.append(
+            {
+                "shard_size": shard_size,
+                "group_start_s": round(start_s, 2),
+                "request_s": round(request_s, 3),
+                "ranks": [
+                    {
+                        "rank": r["rank"],
+                        "weights_device_bytes": r["device_allocated_bytes"],
+                        "transformer_local_bytes": r["components"]["transformer"]["sharded_local"]
+                        + r["components"]["transformer"]["replicated"],
+                        "param_bytes": r["total"]["sharded_local"] + r["total"]["replicated"],
+                        "peak_request_bytes": res.peak_device_bytes,
+                        "load_s": r["load_s"],
+                        "load_peak_rss_bytes": r["load_peak_rss_bytes"],
+                    }
+                    for r, res in zip(ranks, results)
+                ],
+            }
+        )
+    ray.shutdown()
+
+    base = max(runs[0]["ranks"][0]["param_bytes"], 1)
+    lines = [
+        f"# Memory per GPU: {args.arch}, random bf16 weights, {args.width}x{args.height}, {args.frames} frames",
+        "",
+        f"GPU: {', '.join(sorted(set(environment()['gpus']))) or 'none'}; checkpoint {gib(checkpoint_bytes)} GiB "
+        f"(transformer {gib(transformer_bytes)} GiB). One request per rank, one step, no guidance.",
+        "",
+        "| S | rank | parameters on GPU (GiB) | vs S=first | allocated after load (GiB) | peak in request (GiB) "
+        "| load (s) | host RSS rise while loading (GiB) | RSS / checkpoint |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for run in runs:
+        for r in run["ranks"]:
+            lines.append(
+                f"| {run['shard_size']} | {r['rank']} | {gib(r['param_bytes'])} | {r['param_bytes'] / base:.1%} "
+                f"| {gib(r['weights_device_bytes'])} | {gib(r['peak_request_bytes'])} | {r['load_s']:.1f} "
+                f"| {gib(r['load_peak_rss_bytes'])} | {r['load_peak_rss_bytes'] / checkpoint_bytes:.1%} |"
+            )
+    lines += ["", f"Command: `{environment()['command']}`", ""]
+    payload = {
+        "arch": args.arch,
+        "checkpoint_bytes": checkpoint_bytes,
+        "transformer_bytes": transformer_bytes,
+        "write_s": write_s,
+        "runs": runs,
+        "environment": environment(),
+    }
+    write_results(Path(args.out), f"memory-{args.arch}", payload, "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
