@@ -1,0 +1,53 @@
+"""Whole pipelines of other architectures through a shard group: Wan2.2 two experts, FLUX."""
+
+import inspect
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import max_abs_diff
+
+from ray_hsdp.checkpoints.random_weights import make_random
+from ray_hsdp.config import GroupConfig
+from ray_hsdp.group import ShardGroup
+from ray_hsdp.loading import load_pipeline
+from ray_hsdp.request import GenerationRequest
+
+
+@pytest.mark.parametrize(
+    "arch, sharded",
+    [
+        ("wan2.2-t2v-a14b", {"transformer", "transformer_2", "text_encoder"}),
+        ("flux.1-dev", {"transformer", "text_encoder", "text_encoder_2"}),
+    ],
+)
+def test_pipeline_sharded_over_two_ranks_equals_unsharded(ray_cluster, tmp_path, arch, sharded):
+    folder = Path(make_random(arch, tmp_path / arch, tiny=True, dtype="float32")["path"])
+    requests = [
+        GenerationRequest(prompt="a red fox", seed=1, num_inference_steps=4, guidance_scale=3.5),
+        GenerationRequest(prompt="a blue boat", seed=2, num_inference_steps=4, guidance_scale=3.5),
+    ]
+    with ShardGroup(GroupConfig(model=str(folder), device="cpu", shard_size=2)) as group:
+        results = group.generate(requests)
+        ranks = group.memory()
+    assert set(ranks[0]["sharded_components"]) == sharded
+    for name in sharded:
+        local = [r["components"][name]["sharded_local"] for r in ranks]
+        assert sum(local) == ranks[0]["components"][name]["sharded_full"] > 0
+    plain = load_pipeline(folder, "float32")
+    plain.set_progress_bar_config(disable=True)
+    video = {"num_frames": 1} if "num_frames" in inspect.signature(plain.__call__).parameters else {}
+    for req, result in zip(requests, results):
+        out = plain(
+            **video,
+            prompt=req.prompt,
+            height=req.height,
+            width=req.width,
+            num_inference_steps=req.num_inference_steps,
+            guidance_scale=req.guidance_scale,
+            generator=torch.Generator("cpu").manual_seed(req.seed),
+            output_type="np",
+        )
+        ref = np.asarray(out.frames if hasattr(out, "frames") else out.images[:, None])
+        assert max_abs_diff(result.frames, ref) <= 1e-5
