@@ -33,6 +33,7 @@ def memory_table(ranks: list[dict], component: str = "transformer") -> str:
             "sharded local (all)",
             "replicated",
             "buffers",
+            "peak last request",
         ),
     ]
     for r in ranks:
@@ -50,6 +51,7 @@ def memory_table(ranks: list[dict], component: str = "transformer") -> str:
                 _format_bytes(total["sharded_local"]),
                 _format_bytes(total["replicated"]),
                 _format_bytes(total["buffers"]),
+                _format_bytes(r["last_request_peak_device_bytes"]) if r["device"] == "cuda" else "n/a (cpu)",
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
