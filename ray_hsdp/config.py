@@ -70,14 +70,25 @@ class GroupConfig(BaseModel):
         description="Free the gathered weights of an FSDP unit after its forward (memory) "
         "instead of keeping them (speed).",
     )
-    cpus_per_rank: float = Field(1.0, ge=0, description="CPUs reserved per rank in its placement-group bundle.")
-    batch_wait_s: float = Field(
-        0.02, ge=0, description="How long the group waits for compatible requests to fill a wave before it starts."
+    forward_prefetch: int = Field(
+        0,
+        ge=0,
+        description="FSDP units whose weights a unit's forward starts gathering ahead (explicit prefetch); "
+        "0 keeps FSDP2's implicit behaviour.",
     )
+    queue_lookahead: int = Field(
+        16, ge=1, description="Queued requests the scheduler looks through to find one of similar cost."
+    )
+    queue_max_skip_s: float = Field(
+        10.0, ge=0, description="A queued request passed over for cost this long is taken next regardless."
+    )
+    cpus_per_rank: float = Field(1.0, ge=0, description="CPUs reserved per rank in its placement-group bundle.")
     rendezvous_timeout_s: float = Field(120.0, gt=0, description="Deadline for the ranks to form their process group.")
     collective_timeout_s: float = Field(600.0, gt=0, description="Timeout of every collective of the process group.")
     load_timeout_s: float = Field(1800.0, gt=0, description="Deadline for the ranks to load and shard the pipeline.")
-    request_timeout_s: float = Field(600.0, gt=0, description="Deadline for one wave of requests to finish.")
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="Deadline for one request, from the moment a rank takes it."
+    )
     allow_pickle: bool = Field(False, description="Also load pickle (.bin) checkpoints; only safetensors otherwise.")
 
     @model_validator(mode="after")

@@ -1,4 +1,4 @@
-"""One shard group: S rank actors on one placement group, a queue, waves of requests, teardown.
+"""One shard group: S rank actors on one placement group, a cost-aware queue, teardown.
 
 Plain Python, not Serve code: a notebook or a script can own a group directly, and the Serve
 deployment wraps one group per replica.
@@ -7,6 +7,7 @@ deployment wraps one group per replica.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -27,39 +28,8 @@ logger = logging.getLogger("ray_hsdp")
 _RENDEZVOUS_TRIES = 3
 
 
-class IncompatibleWaveError(ValueError):
-    """A wave whose requests would issue different collectives, which would hang the group."""
-
-
 class GroupFailedError(RuntimeError):
     """The group can no longer run requests (a rank died, missed its deadline, or the group shut down)."""
-
-
-def check_wave(requests: Sequence[GenerationRequest], capacity: int) -> None:
-    """Refuses a wave that would hang or that does not fit the group.
-
-    Raises:
-        IncompatibleWaveError: The wave is empty, larger than ``capacity``, or its requests differ
-            in step count, guidance on/off, size or frame count.
-    """
-    if not requests:
-        raise IncompatibleWaveError("a wave needs at least one request")
-    if len(requests) > capacity:
-        raise IncompatibleWaveError(f"a wave holds at most {capacity} requests in this mode, got {len(requests)}")
-    keys = {r.wave_key for r in requests}
-    if len(keys) > 1:
-        raise IncompatibleWaveError(
-            "requests of one wave must share num_inference_steps, guidance on/off, width, height and num_frames "
-            f"(ranks in lock step would otherwise issue different collectives and hang); got {sorted(keys)}"
-        )
-
-
-def pick_wave(pending: Sequence[GenerationRequest], capacity: int) -> list[int]:
-    """Indices of the next wave: the oldest request and the oldest others that share its wave key."""
-    if not pending:
-        return []
-    key = pending[0].wave_key
-    return [i for i, r in enumerate(pending) if r.wave_key == key][:capacity]
 
 
 @dataclass
@@ -69,8 +39,42 @@ class _Job:
     enqueued: float
 
 
+def pick_next(
+    pending: Sequence[GenerationRequest],
+    waited_s: float,
+    running: Sequence[GenerationRequest],
+    lookahead: int,
+    max_skip_s: float,
+) -> int | None:
+    """Index of the queued request a free rank should take next.
+
+    Ranks in lock step wait for the slowest forward of each tick, so a free rank takes, among the
+    first ``lookahead`` queued requests, the one whose per-forward cost is closest to what the
+    other ranks are running (ties: the oldest). The oldest request is taken regardless once it
+    has waited ``max_skip_s``, so nothing starves.
+
+    Args:
+        pending: Queued requests, oldest first.
+        waited_s: How long the oldest has waited.
+        running: Requests the other ranks are running.
+        lookahead: How many queued requests to consider.
+        max_skip_s: Longest the oldest request may be passed over.
+    """
+    if not pending:
+        return None
+    if not running or waited_s >= max_skip_s:
+        return 0
+    target = sum(r.forward_cost for r in running) / len(running)
+    window = range(min(lookahead, len(pending)))
+    return min(window, key=lambda i: (abs(math.log(pending[i].forward_cost / target)), i))
+
+
 class ShardGroup:
-    """S ranks that together hold one copy of the pipeline and run requests in waves.
+    """S ranks that together hold one copy of the pipeline and run requests from one queue.
+
+    In ``batch`` mode each rank runs its own request and takes the next queued one as soon as it
+    is done; the tick protocol keeps any mix of requests in lock step. In ``replicated`` mode every
+    rank runs the same request.
 
     Args:
         config: Group configuration.
@@ -89,8 +93,9 @@ class ShardGroup:
         self.placement: list[dict] = []
         self._load_reports: list[dict] = []
         self._pending: list[_Job] = []
+        self._inflight: dict[int, tuple[_Job, ray.ObjectRef]] = {}
+        self._sessions: list[ray.ObjectRef] | None = None
         self._cond = threading.Condition()
-        self._wave_lock = threading.Lock()
         self._scheduler: threading.Thread | None = None
         self._failure: str | None = None
         self._closed = False
@@ -167,10 +172,12 @@ class ShardGroup:
         placement group. Safe to call more than once."""
         with self._cond:
             self._closed = True
-            pending, self._pending = self._pending, []
+            jobs = self._pending + [j for j, _ in self._inflight.values()]
+            self._pending, self._inflight = [], {}
             self._cond.notify_all()
-        for job in pending:
-            job.future.set_exception(GroupFailedError("the shard group was shut down before the request ran"))
+        for job in jobs:
+            if not job.future.done():
+                job.future.set_exception(GroupFailedError("the shard group was shut down before the request finished"))
         if self._scheduler is not None and self._scheduler is not threading.current_thread():
             self._scheduler.join(timeout=self.config.request_timeout_s)
         if self.ranks:
@@ -191,11 +198,6 @@ class ShardGroup:
 
     # ---- requests --------------------------------------------------------------------------
 
-    @property
-    def capacity(self) -> int:
-        """Requests one wave runs at once: S in ``batch`` mode, 1 in ``replicated`` mode."""
-        return self.dims.shard_size if self.config.mode == "batch" else 1
-
     def submit(self, request: GenerationRequest) -> Future:
         """Queues a request; the future resolves to its ``GenerationResult``.
 
@@ -215,67 +217,95 @@ class ShardGroup:
         futures = [self.submit(r) for r in requests]
         return [f.result() for f in futures]
 
-    def run_wave(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        """Runs one wave now, bypassing the queue.
+    def _take(self, index: int) -> _Job | None:
+        job = self._pending.pop(index)
+        return job if job.future.set_running_or_notify_cancel() else None
 
-        In ``batch`` mode rank i runs request i; ranks without a request repeat the first one and
-        their results are dropped. In ``replicated`` mode every rank runs the one request.
-
-        Raises:
-            IncompatibleWaveError: The wave would hang the group (see ``check_wave``).
-            GroupFailedError: A rank died or missed the deadline; the group is then broken.
-        """
-        check_wave(requests, self.capacity)
-        if self._failure:
-            raise GroupFailedError(self._failure)
-        slots = list(requests) + [requests[0]] * (self.dims.shard_size - len(requests))
-        with self._wave_lock:
-            refs = [rank.run.remote(slot) for rank, slot in zip(self.ranks, slots)]
-            try:
-                results = ray.get(refs, timeout=self.config.request_timeout_s)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
-                self._failure = f"shard group failed: {type(err).__name__}: {err}"
-                raise GroupFailedError(self._failure) from err
-        return results[: len(requests)]
+    def _assign(self) -> None:
+        """Hands queued requests to free ranks (called with the lock held)."""
+        if self.config.mode == "replicated":
+            while not self._inflight and self._pending:
+                job = self._take(0)
+                if job is not None:
+                    self._inflight = {i: (job, r.offer.remote(job.request)) for i, r in enumerate(self.ranks)}
+            return
+        for rank_index, rank in enumerate(self.ranks):
+            while rank_index not in self._inflight and self._pending:
+                running = [job.request for job, _ in self._inflight.values()]
+                index = pick_next(
+                    [j.request for j in self._pending],
+                    time.monotonic() - self._pending[0].enqueued,
+                    running,
+                    self.config.queue_lookahead,
+                    self.config.queue_max_skip_s,
+                )
+                job = self._take(index)
+                if job is not None:
+                    self._inflight[rank_index] = (job, rank.offer.remote(job.request))
 
     def _schedule(self) -> None:
         while True:
             with self._cond:
-                while not self._pending and not self._closed:
+                while not self._closed and not self._pending and not self._inflight and self._sessions is None:
                     self._cond.wait()
                 if self._closed:
                     return
-                # Wait briefly for companions so that a wave fills all ranks.
-                deadline = self._pending[0].enqueued + self.config.batch_wait_s
-                while not self._closed:
-                    indices = pick_wave([j.request for j in self._pending], self.capacity)
-                    left = deadline - time.monotonic()
-                    if len(indices) == self.capacity or left <= 0:
-                        break
-                    self._cond.wait(left)
-                if self._closed:
-                    return
-                jobs = [self._pending[i] for i in indices]
-                self._pending = [j for i, j in enumerate(self._pending) if i not in set(indices)]
-            jobs = [j for j in jobs if j.future.set_running_or_notify_cancel()]
-            if not jobs:
-                continue
-            try:
-                results = self.run_wave([j.request for j in jobs])
-            except Exception as err:  # noqa: BLE001 - every error goes to the callers of the wave
-                for job in jobs:
-                    job.future.set_exception(err)
-                if isinstance(err, GroupFailedError):
-                    self._fail_pending(err)
-                continue
-            for job, result in zip(jobs, results):
-                job.future.set_result(result)
+                self._assign()
+                offers = {ref: rank for rank, (_, ref) in self._inflight.items()}
+            if offers and self._sessions is None:
+                self._sessions = [r.session.remote() for r in self.ranks]
+            ready, _ = ray.wait(list(offers) + (self._sessions or []), num_returns=1, timeout=0.01)
+            for ref in ready:
+                if ref in offers:
+                    self._finish(offers[ref], ref)
+            if self._sessions is not None:
+                done, _ = ray.wait(self._sessions, num_returns=len(self._sessions), timeout=0)
+                if len(done) == len(self._sessions):
+                    self._end_sessions()
 
-    def _fail_pending(self, err: Exception) -> None:
+    def _finish(self, rank_index: int, ref: ray.ObjectRef) -> None:
         with self._cond:
-            pending, self._pending = self._pending, []
-        for job in pending:
-            job.future.set_exception(err)
+            job, _ = self._inflight.pop(rank_index)
+        if self.config.mode == "replicated" and rank_index != 0:
+            return  # every rank ran the same request; rank 0's copy is the answer
+        try:
+            job.future.set_result(ray.get(ref))
+        except ray.exceptions.RayActorError as err:
+            self._fail(f"shard group failed: a rank died: {err}")
+        except Exception as err:  # noqa: BLE001 - a failed request goes back to its caller
+            cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) and err.cause else err
+            job.future.set_exception(cause)
+
+    def _end_sessions(self) -> None:
+        try:
+            ray.get(self._sessions)
+        except Exception as err:  # noqa: BLE001 - a session that fails leaves its group out of step
+            self._fail(f"shard group failed: {type(err).__name__}: {err}")
+        self._sessions = None
+
+    def _fail(self, reason: str) -> None:
+        """Marks the group broken and fails every queued and running request with ``reason``."""
+        with self._cond:
+            self._failure = self._failure or reason
+            jobs = [j for j in self._pending] + [j for j, _ in self._inflight.values()]
+            self._pending, self._inflight = [], {}
+        error = GroupFailedError(self._failure)
+        for job in jobs:
+            if not job.future.done():
+                job.future.set_exception(error)
+
+    def progress(self) -> dict[str, dict]:
+        """Request id -> ``{"state": "queued"}`` or ``{"state": "running", "step": i, "total": n}``."""
+        with self._cond:
+            out = {j.request.request_id: {"state": "queued"} for j in self._pending}
+            running = {j.request.request_id: j.request.num_inference_steps for j, _ in self._inflight.values()}
+        out.update({rid: {"state": "running", "step": 0, "total": total} for rid, total in running.items()})
+        reports = ray.get([r.progress.remote() for r in self.ranks], timeout=self.config.request_timeout_s)
+        for report in reports:
+            for request_id, (step, total) in report.items():
+                if request_id in running:
+                    out[request_id] = {"state": "running", "step": step, "total": total}
+        return out
 
     # ---- inspection ------------------------------------------------------------------------
 
@@ -283,6 +313,10 @@ class ShardGroup:
         """Each rank's memory report merged with where it runs."""
         reports = ray.get([r.memory.remote(units) for r in self.ranks], timeout=self.config.request_timeout_s)
         return [{**place, **report} for place, report in zip(self.placement, reports)]
+
+    def tick_stats(self) -> list[dict]:
+        """Each rank's counts of ticks and ghost passes since it loaded."""
+        return ray.get([r.tick_stats.remote() for r in self.ranks], timeout=self.config.request_timeout_s)
 
     def check_health(self, timeout_s: float = 30.0) -> None:
         """Pings every rank with a deadline.
@@ -295,7 +329,7 @@ class ShardGroup:
         try:
             ray.get([r.ping.remote() for r in self.ranks], timeout=timeout_s)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
-            self._failure = f"shard group failed its health check: {type(err).__name__}: {err}"
+            self._fail(f"shard group failed its health check: {type(err).__name__}: {err}")
             raise GroupFailedError(self._failure) from err
 
     def describe(self) -> dict:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
+import threading
 import time
+from dataclasses import dataclass, field
 
 import ray
 
@@ -17,9 +20,18 @@ from ray_hsdp.topology import ParallelDims
 logger = logging.getLogger("ray_hsdp")
 
 
-#: ``ping`` and ``memory`` run on their own thread, so a health check is answered while a long
-#: request runs on the default one.
-CONCURRENCY_GROUPS = {"control": 1}
+#: Sessions (the compute) run on the default thread. ``offer`` calls wait on "intake" threads, one
+#: per request handed over; ``ping``, ``memory`` and ``progress`` answer on "control" while a
+#: long request runs.
+CONCURRENCY_GROUPS = {"control": 2, "intake": 8}
+
+
+@dataclass
+class _Job:
+    request: GenerationRequest
+    done: threading.Event = field(default_factory=threading.Event)
+    result: GenerationResult | None = None
+    error: BaseException | None = None
 
 
 class Rank:
@@ -41,6 +53,8 @@ class Rank:
         self.load_s = 0.0
         self.load_peak_rss_bytes = 0
         self.last_request_peak_device_bytes = 0
+        self._inbox: queue.Queue[_Job] = queue.Queue()
+        self._progress: dict[str, tuple[int, int]] = {}
 
     def prepare(self) -> str:
         """Finds the model folder on this node (writing the embedded tiny model if needed) and
@@ -107,19 +121,77 @@ class Rank:
                 shard_components=self.config.shard_components,
                 min_num_params=self.config.min_num_params,
                 reshard_after_forward=self.config.reshard_after_forward,
+                forward_prefetch=self.config.forward_prefetch,
                 allow_pickle=self.config.allow_pickle,
             )
             self.load_s = time.perf_counter() - start
         self.load_peak_rss_bytes = rss.peak_above_start
         return self.memory()
 
-    def run(self, request: GenerationRequest) -> GenerationResult:
-        """Runs one request; every rank of the group must be running a request of the same wave key."""
+    @ray.method(concurrency_group="intake")
+    def offer(self, request: GenerationRequest) -> GenerationResult:
+        """Hands a request to this rank's running or next session and waits for its result.
+
+        Runs on the intake threads, so the group can hand over work while a session computes.
+        """
+        job = _Job(request)
+        self._inbox.put(job)
+        if not job.done.wait(self.config.request_timeout_s):
+            raise TimeoutError(f"rank {self.rank}: request {request.request_id!r} missed its deadline")
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def session(self) -> dict:
+        """Runs requests from the inbox, in lock step with the other ranks, until all are idle.
+
+        Between its own requests, and once its inbox is empty, a rank keeps ticking as idle
+        (ghost passes of the others' modules); the session ends at the first tick where every
+        rank is idle, a decision all ranks take from the same gathered list.
+
+        Returns:
+            How many requests this session ran.
+        """
         if self.pipeline is None:
             raise RuntimeError(f"rank {self.rank} has no pipeline loaded")
-        result = self.pipeline.run(request)
-        self.last_request_peak_device_bytes = result.peak_device_bytes
-        return result
+        ticks = self.pipeline.ticks
+        ran = 0
+        while True:
+            try:
+                job = self._inbox.get_nowait()
+            except queue.Empty:
+                job = None
+            if job is not None:
+                self._run_job(job)
+                ran += 1
+            elif ticks is None or ticks.idle_tick():
+                break
+        return {"rank": self.rank, "requests": ran}
+
+    def _run_job(self, job: _Job) -> None:
+        request_id = job.request.request_id
+        self._progress[request_id] = (0, job.request.num_inference_steps)
+        try:
+            job.result = self.pipeline.run(
+                job.request, on_step=lambda done, total: self._progress.update({request_id: (done, total)})
+            )
+            self.last_request_peak_device_bytes = job.result.peak_device_bytes
+        except Exception as err:  # noqa: BLE001 - the error belongs to the request's caller
+            job.error = err
+        finally:
+            self._progress.pop(request_id, None)
+            job.done.set()
+
+    @ray.method(concurrency_group="control")
+    def tick_stats(self) -> dict[str, int]:
+        """Ticks and ghost passes this rank has run since it loaded."""
+        ticks = self.pipeline.ticks if self.pipeline is not None else None
+        return {"rank": self.rank, "ticks": ticks.ticks if ticks else 0, "ghosts": ticks.ghosts if ticks else 0}
+
+    @ray.method(concurrency_group="control")
+    def progress(self) -> dict[str, tuple[int, int]]:
+        """Request id -> (denoising steps done, steps in all) of the request running here."""
+        return dict(self._progress)
 
     @ray.method(concurrency_group="control")
     def memory(self, units: bool = False) -> dict:

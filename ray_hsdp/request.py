@@ -41,13 +41,9 @@ class GenerationRequest:
         return self.guidance_scale > 1.0
 
     @property
-    def wave_key(self) -> tuple:
-        """Requests with equal keys issue the same collectives in the same order.
-
-        Until the tick protocol exists, only such requests may share a wave: the step count and the
-        guidance switch decide how many forwards each sharded module runs.
-        """
-        return (self.num_inference_steps, self.guidance, self.width, self.height, self.num_frames)
+    def forward_cost(self) -> int:
+        """Work of one transformer forward, in output pixels: ranks in lock step wait for the largest."""
+        return self.width * self.height * self.num_frames * self.n
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -15,6 +16,7 @@ from ray_hsdp.loading import build_on_meta, fill_from_checkpoint, load_pipeline,
 from ray_hsdp.memory import module_memory, peak_device_bytes, unit_memory
 from ray_hsdp.request import GenerationRequest, GenerationResult
 from ray_hsdp.sharding import apply_fsdp, resolve_plan
+from ray_hsdp.ticks import TickProtocol
 
 logger = logging.getLogger("ray_hsdp")
 
@@ -41,6 +43,7 @@ class ShardedPipeline:
         self.rank = rank
         self.sharded = dict(sharded or {})
         self.load_stats = dict(load_stats or {})
+        self.ticks: TickProtocol | None = None
         self._call_params = set(inspect.signature(pipe.__call__).parameters)
         pipe.set_progress_bar_config(disable=True)
         for name, module in components(pipe).items():
@@ -59,6 +62,7 @@ class ShardedPipeline:
         shard_components: tuple[str, ...],
         min_num_params: int,
         reshard_after_forward: bool,
+        forward_prefetch: int = 0,
         allow_pickle: bool = False,
     ) -> ShardedPipeline:
         """Loads a pipeline folder, sharding the named components over ``mesh``.
@@ -76,7 +80,8 @@ class ShardedPipeline:
                 if name not in index:
                     continue
                 module = build_on_meta(path / name, *index[name], dtype)
-                sharded[name] = apply_fsdp(module, resolve_plan(module, min_num_params), mesh, reshard_after_forward)
+                plan = resolve_plan(module, min_num_params)
+                sharded[name] = apply_fsdp(module, plan, mesh, reshard_after_forward, forward_prefetch)
                 materialize(module, device)
                 stats[name] = fill_from_checkpoint(module, path / name, allow_pickle)
                 prebuilt[name] = module
@@ -86,7 +91,10 @@ class ShardedPipeline:
                     f"(its components: {sorted(index)}); nothing would be sharded"
                 )
         pipe = load_pipeline(path, dtype, allow_pickle, **prebuilt)
-        return cls(pipe, device, rank, sharded, stats)
+        loaded = cls(pipe, device, rank, sharded, stats)
+        if prebuilt:
+            loaded.ticks = TickProtocol(prebuilt, device, reshard_after_forward)
+        return loaded
 
     def _kwargs(self, request: GenerationRequest) -> dict:
         kwargs = {
@@ -114,12 +122,26 @@ class ShardedPipeline:
         return {k: v for k, v in kwargs.items() if k in self._call_params}
 
     @torch.no_grad()
-    def run(self, request: GenerationRequest) -> GenerationResult:
-        """Runs one request through the pipeline."""
+    def run(self, request: GenerationRequest, on_step: Callable[[int, int], None] | None = None) -> GenerationResult:
+        """Runs one request through the pipeline.
+
+        Args:
+            request: The request.
+            on_step: Called with (steps done, steps in all) after each denoising step.
+        """
+        kwargs = self._kwargs(request)
+        if on_step is not None and "callback_on_step_end" in self._call_params:
+            total = request.num_inference_steps
+
+            def step_end(pipe, step, timestep, callback_kwargs):
+                on_step(step + 1, total)
+                return callback_kwargs
+
+            kwargs["callback_on_step_end"] = step_end
         if self.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        output = self.pipe(**self._kwargs(request))
+        output = self.pipe(**kwargs)
         frames = output.frames if hasattr(output, "frames") else output.images
         frames = np.asarray(frames, dtype=np.float32)
         if frames.ndim == 4:  # images: (n, H, W, C) -> (n, 1, H, W, C)

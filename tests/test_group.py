@@ -6,7 +6,7 @@ from conftest import max_abs_diff, reference_frames
 from ray.util.placement_group import placement_group_table
 
 from ray_hsdp.config import GroupConfig
-from ray_hsdp.group import IncompatibleWaveError, ShardGroup, check_wave, pick_wave
+from ray_hsdp.group import ShardGroup, pick_next
 from ray_hsdp.request import GenerationRequest
 
 TOL = 1e-5
@@ -48,40 +48,15 @@ def test_replicated_mode_equals_unsharded(replicated_group, reference_pipe):
     assert max_abs_diff(result.frames, reference_frames(reference_pipe, req)) <= TOL
 
 
-def test_requests_that_cannot_share_a_wave_run_in_separate_waves(batch_group, reference_pipe):
-    requests = [
-        request("A cat bakes", 1, num_inference_steps=3),
-        request("A boat sails", 2, guidance_scale=1.0),
-        request("A robot paints", 3, width=96, n=2),
-        request("A dog bakes", 4, num_inference_steps=3),
-    ]
-    results = batch_group.generate(requests)
-    for req, result in zip(requests, results):
-        assert max_abs_diff(result.frames, reference_frames(reference_pipe, req)) <= TOL
-    assert results[2].frames.shape == (2, 5, 64, 96, 3)
-
-
-def test_a_wave_that_would_hang_is_refused(batch_group):
-    with pytest.raises(IncompatibleWaveError, match="num_inference_steps, guidance on/off"):
-        batch_group.run_wave([request("a", 1), request("b", 2, num_inference_steps=3)])
-    with pytest.raises(IncompatibleWaveError, match="at most 2"):
-        batch_group.run_wave([request("a", 1)] * 3)
-    with pytest.raises(IncompatibleWaveError, match="at least one"):
-        check_wave([], 2)
-    # The group still serves after a refused wave.
-    assert len(batch_group.run_wave([request("a", 1)])) == 1
-
-
-def test_replicated_wave_holds_one_request(replicated_group):
-    with pytest.raises(IncompatibleWaveError, match="at most 1"):
-        replicated_group.run_wave([request("a", 1), request("b", 2)])
-
-
-def test_pick_wave_takes_the_oldest_and_its_compatible_followers():
-    pending = [request("a", 1), request("b", 2, num_inference_steps=3), request("c", 3), request("d", 4)]
-    assert pick_wave(pending, 2) == [0, 2]
-    assert pick_wave(pending[1:], 2) == [0]
-    assert pick_wave([], 2) == []
+def test_pick_next_prefers_similar_cost_but_never_starves():
+    small, big = request("s", 1), request("b", 2, width=96, num_frames=9)
+    pending = [big, small, big]
+    assert pick_next(pending, 0.0, [small], lookahead=16, max_skip_s=10) == 1
+    assert pick_next(pending, 0.0, [big], lookahead=16, max_skip_s=10) == 0
+    assert pick_next(pending, 11.0, [small], lookahead=16, max_skip_s=10) == 0  # waited too long
+    assert pick_next(pending, 0.0, [small], lookahead=1, max_skip_s=10) == 0
+    assert pick_next(pending, 0.0, [], lookahead=16, max_skip_s=10) == 0
+    assert pick_next([], 0.0, [small], lookahead=16, max_skip_s=10) is None
 
 
 def test_each_rank_holds_about_half_of_every_sharded_module(batch_group):

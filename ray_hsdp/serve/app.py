@@ -29,6 +29,6 @@ def build_app(args: dict) -> Application:
         placement_group_strategy=PLACEMENT_STRATEGY,
         # The replica process only routes; its bundle's resources belong to rank 0.
         ray_actor_options={"num_cpus": 0},
-        # Enough in flight to fill every wave of the group, twice over.
+        # Enough in flight that every rank has a request running and one queued behind it.
         max_ongoing_requests=4 * dims.shard_size,
     ).bind(config.model_dump())

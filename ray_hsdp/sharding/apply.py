@@ -37,7 +37,9 @@ def minority_dtype_params(unit: nn.Module) -> set[torch.Tensor]:
     return {p for p in params if p.dtype != dominant}
 
 
-def apply_fsdp(root: nn.Module, plan: ShardPlan, mesh: DeviceMesh, reshard_after_forward: bool) -> int:
+def apply_fsdp(
+    root: nn.Module, plan: ShardPlan, mesh: DeviceMesh, reshard_after_forward: bool, forward_prefetch: int = 0
+) -> int:
     """Applies ``fully_shard`` to every unit of ``plan`` and then to ``root``.
 
     Args:
@@ -46,6 +48,8 @@ def apply_fsdp(root: nn.Module, plan: ShardPlan, mesh: DeviceMesh, reshard_after
             minority dtype in a unit stay replicated too (see ``minority_dtype_params``).
         mesh: The group's ``("replicate", "shard")`` mesh; FSDP2 shards over ``shard``.
         reshard_after_forward: The group's setting; the plan's own value wins when set.
+        forward_prefetch: How many following units each unit's forward starts gathering
+            (explicit FSDP2 forward prefetch); 0 leaves FSDP2's default.
 
     Returns:
         The number of units sharded, the root not counted.
@@ -56,8 +60,14 @@ def apply_fsdp(root: nn.Module, plan: ShardPlan, mesh: DeviceMesh, reshard_after
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, ignored_params=minority_dtype_params(unit) or None)
     ignored = {p for _, module in plan.replicated for p in module.parameters()}
     ignored |= {p for p in minority_dtype_params(root) if p not in ignored}
-    # The root's gathered weights are used again at the next call of the same root; keeping them
-    # would hold a full copy of every non-unit parameter, so the root reshards like its units.
     fully_shard(root, mesh=mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
+    # FSDP2 keeps the root's weights gathered after forward by default, for a backward that
+    # inference never runs; the root follows the same setting as its units instead.
+    root.set_reshard_after_forward(reshard, recurse=False)
+    if forward_prefetch > 0:
+        # Registration order is forward order for the block stacks of DiTs and text encoders.
+        order = [m for name, m in root.named_modules() if name and isinstance(m, FSDPModule)]
+        for i, unit in enumerate(order[:-1]):
+            unit.set_modules_to_forward_prefetch(order[i + 1 : i + 1 + forward_prefetch])
     logger.info("Sharded %d modules + root (%s, %s)", len(plan.units), model_class, plan.source)
     return len(plan.units)
