@@ -90,9 +90,9 @@ def test_make_random_tiny_then_serve_it_over_http(ray_cluster, tmp_path):
             "--port",
             str(port),
         ],
-        stdout=subprocess.PIPE,
+        # A file, not a pipe: an unread pipe fills with Ray's logs and blocks the server's exit.
+        stdout=open(tmp_path / "serve.log", "w"),
         stderr=subprocess.STDOUT,
-        text=True,
     )
     try:
         base = f"http://127.0.0.1:{port}"
@@ -117,3 +117,6 @@ def test_make_random_tiny_then_serve_it_over_http(ray_cluster, tmp_path):
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
+        from ray import serve
+
+        serve.shutdown()  # whatever the server left, so later tests find the cluster's CPUs free

@@ -1,0 +1,221 @@
+"""Throughput of one host's GPUs under each serving setup, in one run.
+
+    python -m bench.throughput --model-dir /tmp/wan14b --out bench/results
+
+Setups (2 GPUs): R=2 x S=1 unsharded replicas (the ceiling); R=1 x S=2 ``batch`` (ours);
+R=1 x S=2 ``replicated`` (vllm-omni's standalone HSDP semantics); one GPU with diffusers' group
+offload (a user without HSDP); and ``batch`` on a mixed workload (steps interleaved). Every setup
+runs the same requests (480x832, guidance on) at each frame count; results are written after
+every setup so that a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from bench.common import environment, write_results
+
+
+def latent_tokens(width: int, height: int, frames: int) -> int:
+    # Wan: VAE 8x spatial, 4x temporal; patch 1x2x2.
+    return ((frames - 1) // 4 + 1) * (height // 16) * (width // 16)
+
+
+def run_groups(groups, requests) -> dict:
+    """Submits every request at once, spread over the groups; returns rate and latencies."""
+    start = time.perf_counter()
+    futures = [(groups[i % len(groups)].submit(r), time.perf_counter()) for i, r in enumerate(requests)]
+    latencies = []
+    for future, submitted in futures:
+        future.result()
+        latencies.append(time.perf_counter() - submitted)
+    wall = time.perf_counter() - start
+    return {
+        "requests": len(requests),
+        "wall_s": round(wall, 3),
+        "requests_per_s": round(len(requests) / wall, 4),
+        "latency_mean_s": round(statistics.mean(latencies), 3),
+        "latency_max_s": round(max(latencies), 3),
+    }
+
+
+def offload_baseline(model_dir: str, requests, device: str) -> dict:
+    """One GPU, plain diffusers with block-level group offload on a side stream."""
+    import ray
+
+    @ray.remote(num_gpus=1 if device == "cuda" else 0)
+    def run(model_dir, requests):
+        import torch
+
+        from ray_hsdp.loading import load_pipeline
+        from ray_hsdp.sharded_pipeline import ShardedPipeline
+
+        pipe = load_pipeline(Path(model_dir), "bfloat16" if device == "cuda" else "float32")
+        if device == "cuda":
+            for name in ("transformer", "transformer_2"):
+                module = getattr(pipe, name, None)
+                if module is not None:
+                    module.enable_group_offload(
+                        torch.device("cuda"),
+                        torch.device("cpu"),
+                        offload_type="block_level",
+                        num_blocks_per_group=1,
+                        use_stream=True,
+                    )
+        runner = ShardedPipeline(pipe, device, rank=0, sharded={n: 0 for n in ("transformer", "transformer_2")})
+        runner.run(requests[0])  # warm-up
+        start = time.perf_counter()
+        latencies = []
+        for r in requests:
+            t = time.perf_counter()
+            runner.run(r)
+            latencies.append(time.perf_counter() - t)
+        wall = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
+        return {
+            "requests": len(requests),
+            "wall_s": round(wall, 3),
+            "requests_per_s": round(len(requests) / wall, 4),
+            "latency_mean_s": round(statistics.mean(latencies), 3),
+            "latency_max_s": round(max(latencies), 3),
+            "peak_device_bytes": peak,
+        }
+
+    return ray.get(run.remote(model_dir, requests))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--arch", default="wan2.1-t2v-14b")
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--frames", type=int, nargs="+", default=[21, 81])
+    parser.add_argument("--width", type=int, default=832)
+    parser.add_argument("--height", type=int, default=480)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--requests-per-gpu", type=int, default=2)
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument(
+        "--setups", nargs="+", default=["ceiling", "batch", "replicated", "mixed", "batch-prefetch1", "offload"]
+    )
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args()
+
+    import ray
+
+    from ray_hsdp.checkpoints.random_weights import make_random
+    from ray_hsdp.config import GroupConfig
+    from ray_hsdp.group import ShardGroup
+    from ray_hsdp.request import GenerationRequest
+
+    model_dir = Path(args.model_dir)
+    if not (model_dir / "model_index.json").exists():
+        make_random(
+            args.arch, model_dir, dtype="bfloat16" if args.device == "cuda" else "float32", tiny=args.device != "cuda"
+        )
+    ray.init(include_dashboard=False, log_to_driver=False)
+    n = args.requests_per_gpu * args.gpus
+
+    def requests(frames, steps=None, count=n):
+        step_list = steps or [args.steps] * count
+        return [
+            GenerationRequest(
+                prompt=f"a fox {i}",
+                width=args.width,
+                height=args.height,
+                num_frames=frames,
+                num_inference_steps=step_list[i % len(step_list)],
+                guidance_scale=5.0,
+                seed=i,
+                request_id=f"r{i}",
+            )
+            for i in range(count)
+        ]
+
+    def group(**fields):
+        return ShardGroup(GroupConfig(model=str(model_dir), device=args.device, **fields)).start()
+
+    rows: list[dict] = []
+    name = f"throughput-{args.arch}"
+
+    def record(setup, frames, result, groups=()):
+        memory = [r for g in groups for r in g.memory()]
+        rows.append(
+            {
+                "setup": setup,
+                "frames": frames,
+                "tokens": latent_tokens(args.width, args.height, frames),
+                **result,
+                "weights_per_gpu_bytes": max((r["device_allocated_bytes"] for r in memory), default=None),
+                "peak_per_gpu_bytes": result.get("peak_device_bytes")
+                or max((r["last_request_peak_device_bytes"] for r in memory), default=None),
+            }
+        )
+        write_results(
+            Path(args.out), name, {"rows": rows, "environment": environment(), "steps": args.steps}, table(rows, args)
+        )
+
+    for setup in args.setups:
+        if setup == "offload":
+            for frames in args.frames:
+                record(setup, frames, offload_baseline(str(model_dir), requests(frames, count=2), args.device))
+            continue
+        if setup == "ceiling":
+            groups = [group(shard_size=1, replicate_size=args.gpus) for _ in range(args.gpus)]
+        else:
+            prefetch = 1 if setup == "batch-prefetch1" else 0
+            mode = "replicated" if setup == "replicated" else "batch"
+            groups = [group(shard_size=args.gpus, mode=mode, forward_prefetch=prefetch)]
+        try:
+            for frames in args.frames:
+                if setup == "mixed":
+                    work = requests(frames, steps=[2 * args.steps, 4 * args.steps], count=2 * n)
+                else:
+                    work = requests(frames)
+                run_groups(groups, requests(frames, count=len(groups) * (args.gpus // len(groups))))  # warm-up
+                result = run_groups(groups, work)
+                result["forwards"] = sum(2 * r.num_inference_steps for r in work)
+                record(setup, frames, result, groups)
+        finally:
+            for g in groups:
+                g.shutdown()
+    ray.shutdown()
+
+
+def table(rows: list[dict], args) -> str:
+    by = {(r["setup"], r["frames"]): r for r in rows}
+    lines = [
+        f"# Throughput: {args.arch}, random bf16 weights, {args.width}x{args.height}, {args.steps} steps "
+        f"(mixed: {2 * args.steps} and {4 * args.steps}), guidance on",
+        "",
+        f"GPUs: {', '.join(environment()['gpus']) or 'none'}",
+        "",
+        "| setup | frames | tokens | requests | requests/s | vs ceiling | latency mean (s) | weights/GPU (GiB) "
+        "| peak/GPU (GiB) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        ceiling = by.get(("ceiling", r["frames"]))
+        if r["setup"] == "mixed" and ceiling:
+            # Ideal: the same forwards at the ceiling's forward rate.
+            ceiling_rate = ceiling["requests_per_s"] * 2 * args.steps
+            ratio = f"{(r['forwards'] / ceiling_rate) / r['wall_s']:.3f} of ideal"
+        elif ceiling:
+            ratio = f"{r['requests_per_s'] / ceiling['requests_per_s']:.3f}"
+        else:
+            ratio = "-"
+        weights = f"{r['weights_per_gpu_bytes'] / 2**30:.2f}" if r.get("weights_per_gpu_bytes") else "-"
+        peak = f"{r['peak_per_gpu_bytes'] / 2**30:.2f}" if r.get("peak_per_gpu_bytes") else "-"
+        lines.append(
+            f"| {r['setup']} | {r['frames']} | {r['tokens']} | {r['requests']} | {r['requests_per_s']:.3f} "
+            f"| {ratio} | {r['latency_mean_s']:.2f} | {weights} | {peak} |"
+        )
+    lines += ["", f"Command: `{environment()['command']}`", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
