@@ -92,6 +92,7 @@ def main() -> None:
     parser.add_argument("--arch", default="wan2.1-t2v-14b")
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--frames", type=int, nargs="+", default=[21, 81])
+    parser.add_argument("--mixed-frames", type=int, nargs="+", default=[21], help="frame counts of the mixed setup")
     parser.add_argument("--width", type=int, default=832)
     parser.add_argument("--height", type=int, default=480)
     parser.add_argument("--steps", type=int, default=2)
@@ -170,7 +171,7 @@ def main() -> None:
             mode = "replicated" if setup == "replicated" else "batch"
             groups = [group(shard_size=args.gpus, mode=mode, forward_prefetch=prefetch)]
         try:
-            for frames in args.frames:
+            for frames in args.mixed_frames if setup == "mixed" else args.frames:
                 if setup == "mixed":
                     work = requests(frames, steps=[2 * args.steps, 4 * args.steps], count=2 * n)
                 else:
