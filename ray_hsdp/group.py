@@ -93,7 +93,7 @@ class ShardGroup:
         self.placement: list[dict] = []
         self._load_reports: list[dict] = []
         self._pending: list[_Job] = []
-        self._inflight: dict[int, tuple[_Job, ray.ObjectRef]] = {}
+        self._inflight: dict[ray.ObjectRef, tuple[int, _Job]] = {}  # offer -> (rank index, job)
         self._sessions: list[ray.ObjectRef] | None = None
         self._cond = threading.Condition()
         self._scheduler: threading.Thread | None = None
@@ -172,7 +172,7 @@ class ShardGroup:
         placement group. Safe to call more than once."""
         with self._cond:
             self._closed = True
-            jobs = self._pending + [j for j, _ in self._inflight.values()]
+            jobs = self._pending + [j for _, j in self._inflight.values()]
             self._pending, self._inflight = [], {}
             self._cond.notify_all()
         for job in jobs:
@@ -222,26 +222,32 @@ class ShardGroup:
         return job if job.future.set_running_or_notify_cancel() else None
 
     def _assign(self) -> None:
-        """Hands queued requests to free ranks (called with the lock held)."""
+        """Hands queued requests to ranks with room (called with the lock held)."""
         if self.config.mode == "replicated":
             while not self._inflight and self._pending:
                 job = self._take(0)
                 if job is not None:
-                    self._inflight = {i: (job, r.offer.remote(job.request)) for i, r in enumerate(self.ranks)}
+                    self._inflight = {r.offer.remote(job.request): (i, job) for i, r in enumerate(self.ranks)}
             return
-        for rank_index, rank in enumerate(self.ranks):
-            while rank_index not in self._inflight and self._pending:
-                running = [job.request for job, _ in self._inflight.values()]
-                index = pick_next(
-                    [j.request for j in self._pending],
-                    time.monotonic() - self._pending[0].enqueued,
-                    running,
-                    self.config.queue_lookahead,
-                    self.config.queue_max_skip_s,
-                )
-                job = self._take(index)
-                if job is not None:
-                    self._inflight[rank_index] = (job, rank.offer.remote(job.request))
+        while self._pending:
+            # The least loaded rank first, so that every rank has work before any has two.
+            rank_index = min(range(len(self.ranks)), key=self._load)
+            if self._load(rank_index) >= self.config.requests_per_rank:
+                return
+            others = [job.request for i, job in self._inflight.values() if i != rank_index]
+            index = pick_next(
+                [j.request for j in self._pending],
+                time.monotonic() - self._pending[0].enqueued,
+                others,
+                self.config.queue_lookahead,
+                self.config.queue_max_skip_s,
+            )
+            job = self._take(index)
+            if job is not None:
+                self._inflight[self.ranks[rank_index].offer.remote(job.request)] = (rank_index, job)
+
+    def _load(self, rank_index: int) -> int:
+        return sum(1 for i, _ in self._inflight.values() if i == rank_index)
 
     def _schedule(self) -> None:
         while True:
@@ -251,21 +257,21 @@ class ShardGroup:
                 if self._closed:
                     return
                 self._assign()
-                offers = {ref: rank for rank, (_, ref) in self._inflight.items()}
+                offers = list(self._inflight)
             if offers and self._sessions is None:
                 self._sessions = [r.session.remote() for r in self.ranks]
-            ready, _ = ray.wait(list(offers) + (self._sessions or []), num_returns=1, timeout=0.01)
+            ready, _ = ray.wait(offers + (self._sessions or []), num_returns=1, timeout=0.01)
             for ref in ready:
-                if ref in offers:
-                    self._finish(offers[ref], ref)
+                if ref in self._inflight:
+                    self._finish(ref)
             if self._sessions is not None:
                 done, _ = ray.wait(self._sessions, num_returns=len(self._sessions), timeout=0)
                 if len(done) == len(self._sessions):
                     self._end_sessions()
 
-    def _finish(self, rank_index: int, ref: ray.ObjectRef) -> None:
+    def _finish(self, ref: ray.ObjectRef) -> None:
         with self._cond:
-            job, _ = self._inflight.pop(rank_index)
+            rank_index, job = self._inflight.pop(ref)
         if self.config.mode == "replicated" and rank_index != 0:
             return  # every rank ran the same request; rank 0's copy is the answer
         try:
@@ -287,7 +293,7 @@ class ShardGroup:
         """Marks the group broken and fails every queued and running request with ``reason``."""
         with self._cond:
             self._failure = self._failure or reason
-            jobs = [j for j in self._pending] + [j for j, _ in self._inflight.values()]
+            jobs = [j for j in self._pending] + [j for _, j in self._inflight.values()]
             self._pending, self._inflight = [], {}
         error = GroupFailedError(self._failure)
         for job in jobs:
@@ -298,7 +304,7 @@ class ShardGroup:
         """Request id -> ``{"state": "queued"}`` or ``{"state": "running", "step": i, "total": n}``."""
         with self._cond:
             out = {j.request.request_id: {"state": "queued"} for j in self._pending}
-            running = {j.request.request_id: j.request.num_inference_steps for j, _ in self._inflight.values()}
+            running = {j.request.request_id: j.request.num_inference_steps for _, j in self._inflight.values()}
         out.update({rid: {"state": "running", "step": 0, "total": total} for rid, total in running.items()})
         reports = ray.get([r.progress.remote() for r in self.ranks], timeout=self.config.request_timeout_s)
         for report in reports:

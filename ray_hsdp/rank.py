@@ -124,6 +124,7 @@ class Rank:
                 forward_prefetch=self.config.forward_prefetch,
                 allow_pickle=self.config.allow_pickle,
             )
+            self.pipeline.set_request_slots(self.config.requests_per_rank)
             self.load_s = time.perf_counter() - start
         self.load_peak_rss_bytes = rss.peak_above_start
         return self.memory()
@@ -145,28 +146,38 @@ class Rank:
     def session(self) -> dict:
         """Runs requests from the inbox, in lock step with the other ranks, until all are idle.
 
-        Between its own requests, and once its inbox is empty, a rank keeps ticking as idle
-        (ghost passes of the others' modules); the session ends at the first tick where every
-        rank is idle, a decision all ranks take from the same gathered list.
+        Each request runs in a thread of its own (up to ``requests_per_rank`` at once); this
+        thread is the tick thread: it alone issues collectives, serving the requests' sharded
+        forwards at ticks and ghost-passing the other ranks' ones. The session ends at the
+        first tick where every rank is idle, a decision all ranks take from the same gathered list.
 
         Returns:
-            How many requests this session ran.
+            How many requests this session started.
         """
         if self.pipeline is None:
             raise RuntimeError(f"rank {self.rank} has no pipeline loaded")
         ticks = self.pipeline.ticks
-        ran = 0
+        started = 0
+        running: list[threading.Thread] = []
         while True:
-            try:
-                job = self._inbox.get_nowait()
-            except queue.Empty:
-                job = None
-            if job is not None:
-                self._run_job(job)
-                ran += 1
-            elif ticks is None or ticks.idle_tick():
+            running = [t for t in running if t.is_alive()]
+            while len(running) < self.config.requests_per_rank:
+                try:
+                    job = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                thread = threading.Thread(target=self._run_job, args=(job,), name=f"request-{started}", daemon=True)
+                thread.start()
+                running.append(thread)
+                started += 1
+            if ticks is not None:
+                if ticks.tick(busy=bool(running)):
+                    break
+            elif running:
+                running[0].join(timeout=0.01)
+            elif self._inbox.empty():
                 break
-        return {"rank": self.rank, "requests": ran}
+        return {"rank": self.rank, "requests": started}
 
     def _run_job(self, job: _Job) -> None:
         request_id = job.request.request_id

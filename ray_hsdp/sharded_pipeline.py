@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
+import queue
 import time
 from collections.abc import Callable
 
@@ -46,9 +48,11 @@ class ShardedPipeline:
         self.ticks: TickProtocol | None = None
         self._call_params = set(inspect.signature(pipe.__call__).parameters)
         pipe.set_progress_bar_config(disable=True)
-        for name, module in components(pipe).items():
+        self.modules = components(pipe)  # the real modules, also once proxies stand in for sharded ones
+        for name, module in self.modules.items():
             if name not in self.sharded:
                 module.to(device)
+        self.set_request_slots(1)
 
     @classmethod
     def load(
@@ -94,6 +98,9 @@ class ShardedPipeline:
         loaded = cls(pipe, device, rank, sharded, stats)
         if prebuilt:
             loaded.ticks = TickProtocol(prebuilt, device, reshard_after_forward)
+            for name, proxy in loaded.ticks.proxies().items():
+                # Plain attribute: DiffusionPipeline.__setattr__ would register the proxy in its config.
+                object.__setattr__(pipe, name, proxy)
         return loaded
 
     def _kwargs(self, request: GenerationRequest) -> dict:
@@ -121,6 +128,31 @@ class ShardedPipeline:
             raise ValueError(f"{type(self.pipe).__name__} makes one output per prompt; n must be 1")
         return {k: v for k, v in kwargs.items() if k in self._call_params}
 
+    def set_request_slots(self, slots: int) -> None:
+        """Prepares ``slots`` pipelines that can run requests at the same time on this rank.
+
+        A diffusers pipeline keeps per-call state on itself, its scheduler, its tokenizers and
+        its VAE (decode caches), so each concurrent request needs its own copies of those; the
+        sharded modules are shared (their proxies serialise calls through the tick thread).
+        The first slot is the loaded pipeline itself.
+        """
+        copies = []
+        for _ in range(slots - 1):
+            clone = copy.copy(self.pipe)
+            for name, component in self.pipe.components.items():
+                if name not in self.sharded and component is not None:
+                    object.__setattr__(clone, name, copy.deepcopy(component))
+            copies.append(clone)
+        self.request_slots = slots
+        self._slots: queue.Queue = queue.Queue()
+        for pipe in [self.pipe, *copies]:
+            self._slots.put(pipe)
+        self.slot_copy_bytes = (slots - 1) * sum(
+            module_memory(m)["replicated"] + module_memory(m)["buffers"]
+            for name, m in self.modules.items()
+            if name not in self.sharded
+        )
+
     @torch.no_grad()
     def run(self, request: GenerationRequest, on_step: Callable[[int, int], None] | None = None) -> GenerationResult:
         """Runs one request through the pipeline.
@@ -141,7 +173,11 @@ class ShardedPipeline:
         if self.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        output = self.pipe(**kwargs)
+        pipe = self._slots.get()
+        try:
+            output = pipe(**kwargs)
+        finally:
+            self._slots.put(pipe)
         frames = output.frames if hasattr(output, "frames") else output.images
         frames = np.asarray(frames, dtype=np.float32)
         if frames.ndim == 4:  # images: (n, H, W, C) -> (n, 1, H, W, C)
@@ -161,9 +197,15 @@ class ShardedPipeline:
         Args:
             units: Also report each FSDP unit's local and full bytes.
         """
-        per_component = {name: module_memory(m) for name, m in components(self.pipe).items()}
+        per_component = {name: module_memory(m) for name, m in self.modules.items()}
         total = {key: sum(c[key] for c in per_component.values()) for key in next(iter(per_component.values()))}
-        out = {"components": per_component, "total": total, "sharded_components": dict(self.sharded)}
+        total["replicated"] += self.slot_copy_bytes  # the other request slots' own VAE, tokenizers...
+        out = {
+            "components": per_component,
+            "total": total,
+            "sharded_components": dict(self.sharded),
+            "request_slots": self.request_slots,
+        }
         if units:
-            out["units"] = {name: unit_memory(components(self.pipe)[name]) for name in self.sharded}
+            out["units"] = {name: unit_memory(self.modules[name]) for name in self.sharded}
         return out

@@ -1,5 +1,6 @@
 """The tick protocol: any mix of requests in one group, never a hang, every result equal to unsharded."""
 
+import threading
 import time
 from pathlib import Path
 
@@ -106,20 +107,22 @@ def count_collectives(mesh, rank, model_dir):
             return _original(output, input, *args, **kwargs)
 
         setattr(dist, name, counted)
-    transformer = pipe.pipe.transformer
     torch.manual_seed(0)
     inputs = dict(
         hidden_states=torch.randn(1, 16, 2, 8, 8),
         timestep=torch.tensor([500]),
         encoder_hidden_states=torch.randn(1, 12, 32),
     )
-    with torch.no_grad():
-        for _ in range(2):  # twice: the second forward must match too (reshard state after the first)
-            if rank == 0:
-                transformer(**inputs)
-            else:
-                assert not pipe.ticks.idle_tick()
-    assert pipe.ticks.idle_tick()  # everyone idle now
+
+    def request_thread():  # what a pipeline does: call the (proxied) transformer, twice
+        for _ in range(2):
+            pipe.pipe.transformer(**inputs)
+
+    worker = threading.Thread(target=request_thread) if rank == 0 else None
+    if worker is not None:
+        worker.start()
+    while not pipe.ticks.tick(busy=worker is not None and worker.is_alive()):
+        pass
     return record
 
 
@@ -127,5 +130,6 @@ def test_a_ghost_pass_issues_exactly_the_collectives_of_the_real_forward(ray_clu
     with GlooGroup(2) as group:
         real, ghost = group.run(count_collectives, tiny_model)
     units = 4 + 1  # the tiny transformer's blocks and its root
-    assert len(real) == len(ghost) == 2 * (1 + units) + 1  # per forward: the tick and each unit; final tick
-    assert real == ghost
+    gathers = [c for c in real if c[0] != (2,)]  # leave out the ticks' own all-gathers of two integers
+    assert len(gathers) == 2 * units  # two forwards, each gathering every unit once
+    assert real == ghost  # the same collectives, ticks included, in the same order
