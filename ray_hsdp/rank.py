@@ -124,7 +124,7 @@ class Rank:
                 forward_prefetch=self.config.forward_prefetch,
                 allow_pickle=self.config.allow_pickle,
             )
-            self.pipeline.set_request_slots(self.config.requests_per_rank)
+            self.pipeline.set_request_slots(self.config.requests_per_rank, self.config.shard_components)
             self.load_s = time.perf_counter() - start
         self.load_peak_rss_bytes = rss.peak_above_start
         return self.memory()

@@ -52,7 +52,7 @@ class ShardedPipeline:
         for name, module in self.modules.items():
             if name not in self.sharded:
                 module.to(device)
-        self.set_request_slots(1)
+        self.set_request_slots(1, ())
 
     @classmethod
     def load(
@@ -128,19 +128,20 @@ class ShardedPipeline:
             raise ValueError(f"{type(self.pipe).__name__} makes one output per prompt; n must be 1")
         return {k: v for k, v in kwargs.items() if k in self._call_params}
 
-    def set_request_slots(self, slots: int) -> None:
+    def set_request_slots(self, slots: int, shared: tuple[str, ...]) -> None:
         """Prepares ``slots`` pipelines that can run requests at the same time on this rank.
 
         A diffusers pipeline keeps per-call state on itself, its scheduler, its tokenizers and
-        its VAE (decode caches), so each concurrent request needs its own copies of those; the
-        sharded modules are shared (their proxies serialise calls through the tick thread).
+        its VAE (decode caches), so each concurrent request needs its own copies of those. The
+        large modules named in ``shared`` (the shard components, sharded or not) are shared:
+        their forwards keep no state, and sharded ones are serialised through the tick thread.
         The first slot is the loaded pipeline itself.
         """
         copies = []
         for _ in range(slots - 1):
             clone = copy.copy(self.pipe)
             for name, component in self.pipe.components.items():
-                if name not in self.sharded and component is not None:
+                if name not in shared and component is not None:
                     object.__setattr__(clone, name, copy.deepcopy(component))
             copies.append(clone)
         self.request_slots = slots
@@ -150,7 +151,7 @@ class ShardedPipeline:
         self.slot_copy_bytes = (slots - 1) * sum(
             module_memory(m)["replicated"] + module_memory(m)["buffers"]
             for name, m in self.modules.items()
-            if name not in self.sharded
+            if name not in shared
         )
 
     @torch.no_grad()
