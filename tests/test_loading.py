@@ -20,7 +20,7 @@ def local_shards(mesh, rank, path, dtype):
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     from ray_hsdp.config import DEFAULT_SHARD_COMPONENTS
-    from ray_hsdp.sharded_pipeline import ShardedPipeline, components
+    from ray_hsdp.sharded_pipeline import ShardedPipeline
 
     pipe = ShardedPipeline.load(
         Path(path),
@@ -33,7 +33,7 @@ def local_shards(mesh, rank, path, dtype):
         reshard_after_forward=True,
     )
     out = {}
-    for name, module in components(pipe.pipe).items():
+    for name, module in pipe.modules.items():
         for pname, p in module.named_parameters():
             if isinstance(p, DTensor):
                 shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)

@@ -83,11 +83,15 @@ class HSDPServer:
             raise UnknownModelError(f"model {body.model!r} is not served here; available: [{self.model_name!r}]")
         job = to_generation_request(body, self.config, request_id=uuid.uuid4().hex)
         result = await asyncio.wrap_future(self.group.submit(job))
-        return image_response(result, self.model_name)
+        return {**image_response(result, self.model_name), "id": job.request_id}
 
     def pool(self) -> dict:
         """Topology of this replica's group and each rank's memory report."""
         return {**self.group.describe(), "ranks": self.group.memory()}
+
+    def progress(self) -> dict:
+        """Request id -> state (queued, or running with its denoising step) of this replica's requests."""
+        return self.group.progress()
 
     def check_health(self) -> None:
         """Serve's replica health check: every rank must answer within the deadline."""
