@@ -87,6 +87,9 @@ class GroupConfig(BaseModel):
     queue_max_skip_s: float = Field(
         10.0, ge=0, description="A queued request passed over for cost this long is taken next regardless."
     )
+    max_queue: int = Field(
+        64, ge=0, description="Requests a group holds queued beyond those running; more are refused (HTTP 429)."
+    )
     cpus_per_rank: float = Field(1.0, ge=0, description="CPUs reserved per rank in its placement-group bundle.")
     rendezvous_timeout_s: float = Field(120.0, gt=0, description="Deadline for the ranks to form their process group.")
     collective_timeout_s: float = Field(600.0, gt=0, description="Timeout of every collective of the process group.")
@@ -165,6 +168,17 @@ class AppConfig(GroupConfig):
     max_n: int = Field(4, ge=1, description="Largest number of images one request may ask for.")
     max_steps: int = Field(200, ge=1, description="Largest num_inference_steps a request may ask for.")
     max_pixels: int = Field(1280 * 1280, ge=256, description="Largest width x height a request may ask for.")
+    max_prompt_chars: int = Field(4000, ge=1, description="Longest prompt or negative prompt, in characters.")
+    max_body_bytes: int = Field(64 * 1024, ge=1024, description="Largest HTTP request body (HTTP 413 above it).")
+    retry_after_s: int = Field(2, ge=1, description="Retry-After of an overload answer (HTTP 429).")
+    api_key_env: str = Field(
+        "RAY_HSDP_API_KEY",
+        description="Environment variable holding the API key; when it is set, every route but /health "
+        "requires 'Authorization: Bearer <key>'.",
+    )
+    api_key_file: str | None = Field(
+        None, description="File holding the API key (first line); takes precedence over api_key_env."
+    )
 
     @model_validator(mode="after")
     def _check_default_size(self) -> AppConfig:

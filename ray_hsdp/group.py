@@ -32,6 +32,10 @@ class GroupFailedError(RuntimeError):
     """The group can no longer run requests (a rank died, missed its deadline, or the group shut down)."""
 
 
+class GroupOverloadedError(RuntimeError):
+    """The group's queue is full; the request was not accepted."""
+
+
 @dataclass
 class _Job:
     request: GenerationRequest
@@ -203,11 +207,16 @@ class ShardGroup:
 
         Raises:
             GroupFailedError: The group is shut down or broken.
+            GroupOverloadedError: ``max_queue`` requests are already waiting.
         """
         future: Future = Future()
         with self._cond:
             if self._closed or self._failure:
                 raise GroupFailedError(self._failure or "the shard group is shut down")
+            if len(self._pending) >= self.config.max_queue:
+                raise GroupOverloadedError(
+                    f"the shard group's queue is full ({self.config.max_queue} requests waiting); retry later"
+                )
             self._pending.append(_Job(request, future, time.monotonic()))
             self._cond.notify_all()
         return future

@@ -9,6 +9,8 @@ from ray_hsdp.config import AppConfig
 from ray_hsdp.serve.deployment import HSDPServer
 from ray_hsdp.topology import PLACEMENT_STRATEGY, ParallelDims
 
+OVERFLOW = 64
+
 
 def build_app(args: dict) -> Application:
     """Builds the ray_hsdp application: ``replicate_size`` replicas, each one shard group.
@@ -29,6 +31,8 @@ def build_app(args: dict) -> Application:
         placement_group_strategy=PLACEMENT_STRATEGY,
         # The replica process only routes; its bundle's resources belong to rank 0.
         ray_actor_options={"num_cpus": 0},
-        # Enough in flight that every rank has a request running and one queued behind it.
-        max_ongoing_requests=4 * dims.shard_size,
+        # Room for every rank's requests, the group's own queue and a margin of requests that the
+        # group answers at once with 429; Serve's router queues at most OVERFLOW more (its 503).
+        max_ongoing_requests=dims.shard_size * config.requests_per_rank + config.max_queue + OVERFLOW,
+        max_queued_requests=OVERFLOW,
     ).bind(config.model_dump())

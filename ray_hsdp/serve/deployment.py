@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import os
 import uuid
+from pathlib import Path
 
 import ray
 from fastapi import FastAPI, Request
@@ -13,7 +16,7 @@ from fastapi.responses import JSONResponse
 from ray import serve
 
 from ray_hsdp.config import AppConfig
-from ray_hsdp.group import GroupFailedError, ShardGroup
+from ray_hsdp.group import GroupFailedError, GroupOverloadedError, ShardGroup
 from ray_hsdp.serve.schema import ImageGenerationRequest, RequestLimitError, image_response, to_generation_request
 
 logger = logging.getLogger("ray_hsdp")
@@ -39,6 +42,49 @@ async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONRespo
 @api.exception_handler(RequestLimitError)
 async def _over_limit(_: Request, exc: RequestLimitError) -> JSONResponse:
     return _error(400, str(exc), "invalid_request_error")
+
+
+@api.exception_handler(GroupOverloadedError)
+async def _overloaded(request: Request, exc: GroupOverloadedError) -> JSONResponse:
+    response = _error(429, str(exc), "rate_limit_error")
+    response.headers["Retry-After"] = str(request.app.state.config.retry_after_s)
+    return response
+
+
+@api.middleware("http")
+async def _guard(request: Request, call_next):
+    """API key and body size, before any route runs."""
+    config: AppConfig = request.app.state.config
+    key: str | None = request.app.state.api_key
+    path = request.url.path.removeprefix(request.scope.get("root_path", ""))  # route prefix of the app
+    if key and path != "/health":
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
+            response = _error(
+                401, "missing or wrong API key (send 'Authorization: Bearer <key>')", "authentication_error"
+            )
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
+    if request.method in ("POST", "PUT", "PATCH"):
+        length = request.headers.get("content-length")
+        if length is None:
+            return _error(411, "a request body needs a Content-Length header", "invalid_request_error")
+        if not length.isdigit() or int(length) > config.max_body_bytes:
+            return _error(413, f"request body larger than {config.max_body_bytes} bytes", "invalid_request_error")
+    return await call_next(request)
+
+
+def read_api_key(config: AppConfig) -> str | None:
+    """The API key from ``api_key_file`` or the ``api_key_env`` variable; ``None`` when neither is set."""
+    if config.api_key_file:
+        key = (
+            Path(config.api_key_file).read_text().splitlines()[0].strip() if Path(config.api_key_file).exists() else ""
+        )
+        if not key:
+            raise ValueError(f"api_key_file {config.api_key_file} is missing or empty")
+        return key
+    return os.environ.get(config.api_key_env) or None
 
 
 @api.exception_handler(GroupFailedError)
@@ -67,6 +113,9 @@ class HSDPServer:
     def __init__(self, config: dict):
         self.config = AppConfig(**config)
         self.model_name = self.config.served_model_name
+        # One replica per process: the middleware reads this process's settings from the app state.
+        api.state.config = self.config
+        api.state.api_key = read_api_key(self.config)
         self.group = ShardGroup(self.config, placement_group=ray.util.get_current_placement_group()).start()
 
     async def generate(self, request: dict | ImageGenerationRequest) -> dict:

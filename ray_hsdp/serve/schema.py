@@ -14,7 +14,6 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, Stric
 from ray_hsdp.config import AppConfig, parse_size
 from ray_hsdp.request import GenerationRequest, GenerationResult
 
-MAX_PROMPT_CHARS = 4000
 MAX_SEED = 2**63 - 1
 
 
@@ -23,13 +22,13 @@ class ImageGenerationRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: StrictStr = Field(..., min_length=1, max_length=MAX_PROMPT_CHARS, description="Text prompt.")
+    prompt: StrictStr = Field(..., min_length=1, description="Text prompt.")
     model: StrictStr | None = Field(None, description="Served model name; the deployment's model when omitted.")
     n: StrictInt = Field(1, ge=1, description="Number of images.")
     size: StrictStr | None = Field(None, description="'WxH', each a multiple of 16; the server default when omitted.")
     response_format: Literal["b64_json"] = Field("b64_json", description="Only base64 PNG is returned.")
     user: StrictStr | None = Field(None, description="OpenAI's end-user id; accepted and ignored.")
-    negative_prompt: StrictStr | None = Field(None, max_length=MAX_PROMPT_CHARS, description="Negative prompt.")
+    negative_prompt: StrictStr | None = Field(None, description="Negative prompt.")
     num_inference_steps: StrictInt | None = Field(None, ge=1, description="Denoising steps.")
     guidance_scale: StrictFloat | StrictInt | None = Field(None, ge=0, description="Classifier-free guidance scale.")
     seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED, description="Noise seed; random when omitted.")
@@ -52,6 +51,10 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
     Raises:
         RequestLimitError: ``n``, the step count or the pixel count is above the configured cap.
     """
+    for field in ("prompt", "negative_prompt"):
+        text = getattr(body, field)
+        if text is not None and len(text) > config.max_prompt_chars:
+            raise RequestLimitError(f"{field} has {len(text)} characters; the limit is {config.max_prompt_chars}")
     width, height = parse_size(body.size or config.default_size)
     if width * height > config.max_pixels:
         raise RequestLimitError(f"size {width}x{height} exceeds the limit of {config.max_pixels} pixels")

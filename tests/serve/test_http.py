@@ -115,6 +115,26 @@ BAD_REQUESTS = [
     ({"prompt": "a", "response_format": "url"}, "response_format"),
     ({"prompt": "a", "size": "4096x4096"}, "pixels"),
     ({"prompt": "a", "num_steps": 4}, "num_steps"),
+    ({"prompt": "x" * 5000}, "limit is 4000"),
+    ({"prompt": "a", "negative_prompt": "y" * 5000}, "negative_prompt has 5000"),
+    ({"prompt": "a", "negative_prompt": 5}, "negative_prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": None}, "prompt"),
+    ({"prompt": "a", "size": "0x0"}, "multiples of 16"),
+    ({"prompt": "a", "size": "-64x64"}, "WxH"),
+    ({"prompt": "a", "size": "64x64x5"}, "WxH"),
+    ({"prompt": "a", "size": "100000x100000"}, "pixels"),
+    ({"prompt": "a", "seed": 2**64}, "seed"),
+    ({"prompt": "a", "seed": "7"}, "seed"),
+    ({"prompt": "a", "seed": 1.5}, "seed"),
+    ({"prompt": "a", "n": -3}, "n"),
+    ({"prompt": "a", "n": True}, "n"),
+    ({"prompt": "a", "num_inference_steps": -1}, "num_inference_steps"),
+    ({"prompt": "a", "num_inference_steps": 2.5}, "num_inference_steps"),
+    ({"prompt": "a", "guidance_scale": None, "num_inference_steps": None, "model": 7}, "model"),
+    ({"prompt": "a", "response_format": "png"}, "response_format"),
+    ({"prompt": "a", "user": 42}, "user"),
+    ({"prompt": "a", "quality": "hd"}, "quality"),
 ]
 
 
@@ -124,6 +144,38 @@ def test_bad_requests_get_400_with_a_message(server, body, mentions):
     assert response.status_code == 400, response.text
     message = response.json()["error"]["message"]
     assert mentions in message, message
+
+
+RAW_BAD = [
+    (b"[1, 2, 3]", "application/json", 400),
+    (b"null", "application/json", 400),
+    (b"", "application/json", 400),
+    (b"prompt=a", "text/plain", 400),
+    (b'{"prompt": "a"', "application/json", 400),
+    (b"\xff\xfe", "application/json", 400),
+    (b'{"prompt": "' + b"a" * 70_000 + b'"}', "application/json", 413),
+]
+
+
+@pytest.mark.parametrize("body, content_type, status", RAW_BAD)
+def test_malformed_bodies_get_4xx_with_a_message(server, body, content_type, status):
+    response = requests.post(
+        f"{server}/v1/images/generations", data=body, headers={"Content-Type": content_type}, timeout=60
+    )
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["message"]
+
+
+def test_unknown_routes_and_methods(server):
+    assert requests.get(f"{server}/v1/nothing", timeout=60).status_code == 404
+    assert requests.post(f"{server}/v1/models", json={}, timeout=60).status_code == 405
+
+
+def test_the_server_serves_right_after_bad_input(server):
+    for body, _ in BAD_REQUESTS[:5]:
+        requests.post(f"{server}/v1/images/generations", json=body, timeout=60)
+    ok = requests.post(f"{server}/v1/images/generations", json={"prompt": "a", "seed": 1}, timeout=120)
+    assert ok.status_code == 200, ok.text
 
 
 def test_malformed_json_and_wrong_method(server):
@@ -163,3 +215,62 @@ def test_python_handle_takes_the_same_schema(server):
     assert all(decode_png(r["data"][0]["b64_json"]).size == (64, 64) for r in responses)
     with pytest.raises(Exception, match="size"):
         handle.generate.remote({"prompt": "a", "size": "7x7"}).result(timeout_s=60)
+
+
+@pytest.fixture(scope="module")
+def guarded(server, tmp_path_factory):
+    """A second app on the same server: an API key, and a queue of 8 per group of 2 ranks."""
+    from ray import serve
+
+    from ray_hsdp.serve import build_app
+
+    key_file = tmp_path_factory.mktemp("secrets") / "api_key"
+    key_file.write_text("s3cret-key\n")
+    args = {
+        "model": "tiny",
+        "device": "cpu",
+        "shard_size": 2,
+        "default_size": "64x64",
+        "default_steps": 2,
+        "max_queue": 8,
+        "api_key_file": str(key_file),
+    }
+    serve.run(build_app(args), name="guarded", route_prefix="/guarded")
+    yield f"{server}/guarded"
+    serve.delete("guarded")
+
+
+AUTH = {"Authorization": "Bearer s3cret-key"}
+
+
+def test_api_key_is_required_when_configured(guarded):
+    url = f"{guarded}/v1/images/generations"
+    missing = requests.post(url, json={"prompt": "a"}, timeout=60)
+    assert missing.status_code == 401 and missing.headers["WWW-Authenticate"] == "Bearer"
+    wrong = requests.post(url, json={"prompt": "a"}, headers={"Authorization": "Bearer nope"}, timeout=60)
+    assert wrong.status_code == 401
+    assert requests.get(f"{guarded}/v1/models", timeout=60).status_code == 401
+    assert requests.get(f"{guarded}/health", timeout=60).status_code == 200
+    ok = requests.post(url, json={"prompt": "a", "seed": 1}, headers=AUTH, timeout=120)
+    assert ok.status_code == 200, ok.text
+
+
+def test_overload_is_refused_with_429_and_nothing_hangs(guarded):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i):
+        response = requests.post(
+            f"{guarded}/v1/images/generations", json={"prompt": f"burst {i}", "seed": i}, headers=AUTH, timeout=180
+        )
+        return response.status_code, response.headers.get("Retry-After"), response.json()
+
+    with ThreadPoolExecutor(max_workers=30) as pool:
+        results = list(pool.map(one, range(60)))
+    codes = [code for code, _, _ in results]
+    assert set(codes) <= {200, 429}, codes
+    assert codes.count(200) >= 12 and codes.count(429) > 0, codes
+    for code, retry_after, payload in results:
+        if code == 429:
+            assert retry_after == "2" and "queue is full" in payload["error"]["message"]
+        else:
+            assert decode_png(payload["data"][0]["b64_json"]).size == (64, 64)
