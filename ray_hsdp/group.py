@@ -185,14 +185,21 @@ class ShardGroup:
         if self._scheduler is not None and self._scheduler is not threading.current_thread():
             self._scheduler.join(timeout=self.config.request_timeout_s)
         if self.ranks:
-            try:
-                ray.get([r.leave.remote() for r in self.ranks], timeout=30)
-            except Exception as err:  # noqa: BLE001 - a dead rank cannot leave; it is killed below anyway
-                logger.warning("Ranks did not leave cleanly: %s", err)
+            if self._failure is None:
+                try:
+                    ray.get([r.leave.remote() for r in self.ranks], timeout=30)
+                except Exception as err:  # noqa: BLE001 - a dead rank cannot leave; it is killed below anyway
+                    logger.warning("Ranks did not leave cleanly: %s", err)
+            # A failed group's survivors sit in a collective that will never complete: kill them.
             self._kill_ranks()
         if self._pg is not None and self._owns_pg:
             remove_placement_group(self._pg)
             self._pg = None
+
+    @property
+    def failure(self) -> str | None:
+        """Why the group failed, or ``None`` while it is healthy."""
+        return self._failure
 
     def __enter__(self) -> ShardGroup:
         return self.start()
@@ -273,6 +280,12 @@ class ShardGroup:
             for ref in ready:
                 if ref in self._inflight:
                     self._finish(ref)
+                elif self._sessions is not None and ref in self._sessions:
+                    try:
+                        ray.get(ref)
+                    except Exception as err:  # noqa: BLE001 - one rank's session died: the group is out of step
+                        self._fail(f"shard group failed: {type(err).__name__}: {err}")
+                        self._sessions = None
             if self._sessions is not None:
                 done, _ = ray.wait(self._sessions, num_returns=len(self._sessions), timeout=0)
                 if len(done) == len(self._sessions):

@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import logging
 import os
+import threading
 import uuid
 from pathlib import Path
 
@@ -116,7 +117,34 @@ class HSDPServer:
         # One replica per process: the middleware reads this process's settings from the app state.
         api.state.config = self.config
         api.state.api_key = read_api_key(self.config)
-        self.group = ShardGroup(self.config, placement_group=ray.util.get_current_placement_group()).start()
+        self._placement_group = ray.util.get_current_placement_group()
+        self._healer: threading.Thread | None = None
+        self._heal_failed = False
+        self.group = ShardGroup(self.config, placement_group=self._placement_group).start()
+
+    def _start_heal(self) -> None:
+        if self._healer is None and not self._heal_failed:
+            logger.warning("Rebuilding the shard group after: %s", self.group.failure)
+            self._healer = threading.Thread(target=self._heal, name="ray_hsdp-heal", daemon=True)
+            self._healer.start()
+
+    def _healthy_group(self) -> ShardGroup:
+        """The group, or a 503 while a failed one is rebuilt in this replica's placement group."""
+        if self.group.failure:
+            self._start_heal()
+        if self._healer is not None:
+            raise GroupFailedError("the shard group failed and is being rebuilt; retry shortly")
+        return self.group
+
+    def _heal(self) -> None:
+        try:
+            self.group.shutdown()
+            self.group = ShardGroup(self.config, placement_group=self._placement_group).start()
+        except Exception:  # noqa: BLE001 - the health check reports it and Serve replaces the replica
+            logger.exception("Rebuilding the shard group failed")
+            self._heal_failed = True
+        finally:
+            self._healer = None
 
     async def generate(self, request: dict | ImageGenerationRequest) -> dict:
         """Generates images for one request (the handle's entry point; HTTP uses the same path).
@@ -131,7 +159,7 @@ class HSDPServer:
         if body.model is not None and body.model != self.model_name:
             raise UnknownModelError(f"model {body.model!r} is not served here; available: [{self.model_name!r}]")
         job = to_generation_request(body, self.config, request_id=uuid.uuid4().hex)
-        result = await asyncio.wrap_future(self.group.submit(job))
+        result = await asyncio.wrap_future(self._healthy_group().submit(job))
         return {**image_response(result, self.model_name), "id": job.request_id}
 
     def pool(self) -> dict:
@@ -143,8 +171,15 @@ class HSDPServer:
         return self.group.progress()
 
     def check_health(self) -> None:
-        """Serve's replica health check: every rank must answer within the deadline."""
-        self.group.check_health()
+        """Serve's replica health check: every rank must answer within the deadline.
+
+        A failed group is rebuilt in place, and counts as healthy meanwhile; one that could not
+        be rebuilt does not, and Serve then replaces the replica.
+        """
+        if self.group.failure:
+            self._start_heal()
+        if self._healer is None:
+            self.group.check_health()
 
     def __del__(self) -> None:
         group = getattr(self, "group", None)
@@ -161,7 +196,7 @@ class HSDPServer:
 
     @api.get("/health")
     def health(self) -> dict:
-        self.group.check_health()
+        self._healthy_group().check_health()
         return {"status": "ok"}
 
     @api.get("/v1/pool")

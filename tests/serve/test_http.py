@@ -274,3 +274,37 @@ def test_overload_is_refused_with_429_and_nothing_hangs(guarded):
             assert retry_after == "2" and "queue is full" in payload["error"]["message"]
         else:
             assert decode_png(payload["data"][0]["b64_json"]).size == (64, 64)
+
+
+def test_a_killed_rank_fails_its_request_with_503_and_the_group_heals(server):
+    """Last in this module: it breaks the main app's group (and checks that it comes back)."""
+    import os
+    import signal as signals
+    from concurrent.futures import ThreadPoolExecutor
+
+    url = f"{server}/v1/images/generations"
+    victim = requests.get(f"{server}/v1/pool", timeout=60).json()["ranks"][1]["pid"]
+    slow = {"prompt": "a long one", "num_inference_steps": 200, "size": "96x64", "seed": 3}
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(requests.post, url, json=slow, timeout=120)
+        time.sleep(1.5)
+        killed_at = time.monotonic()
+        os.kill(victim, signals.SIGKILL)
+        response = pending.result(timeout=120)
+    error_s = time.monotonic() - killed_at
+    assert response.status_code == 503, response.text
+    assert "failed" in response.json()["error"]["message"]
+    assert error_s < 30
+    healed = None
+    while time.monotonic() - killed_at < 240:
+        attempt = requests.post(url, json={"prompt": "after", "seed": 1}, timeout=120)
+        if attempt.status_code == 200:
+            healed = time.monotonic() - killed_at
+            break
+        assert attempt.status_code == 503, attempt.text
+        time.sleep(1)
+    assert healed is not None, "the group did not come back"
+    pool_after = requests.get(f"{server}/v1/pool", timeout=60).json()
+    assert victim not in [r["pid"] for r in pool_after["ranks"]] and len(pool_after["ranks"]) == 2
+    message = response.json()["error"]["message"]
+    print(f"\nrank killed -> client 503 in {error_s:.2f}s ({message[:80]}); serving again after {healed:.1f}s")
