@@ -221,6 +221,14 @@ class Rank:
         }
 
     @ray.method(concurrency_group="control")
+    def inject_stall(self, seconds: float) -> None:
+        """Fault injection for tests: this rank's next tick sleeps ``seconds`` before its collective,
+        as a hung rank would, so the others wait in theirs until the collective timeout."""
+        if self.pipeline is None or self.pipeline.ticks is None:
+            raise RuntimeError("only a sharded rank ticks")
+        self.pipeline.ticks.stall_s = seconds
+
+    @ray.method(concurrency_group="control")
     def ping(self) -> int:
         """Answers with the rank index; the group's health check."""
         return self.rank

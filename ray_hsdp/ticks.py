@@ -78,6 +78,7 @@ class TickProtocol:
         self.ticks = 0
         self.ghosts = 0
         self._calls: queue.Queue[_ForwardCall] = queue.Queue()
+        self.stall_s = 0.0  # fault injection: the next tick sleeps this long before its collective
 
     @staticmethod
     def _units_in_forward_order(root: nn.Module) -> list[FSDPModule]:
@@ -98,6 +99,9 @@ class TickProtocol:
         return call.result
 
     def _gather(self, state: int) -> list[int]:
+        if self.stall_s:
+            stall, self.stall_s = self.stall_s, 0.0
+            time.sleep(stall)
         mine = torch.tensor([state], dtype=torch.int64, device=self.device)
         everyone = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
         dist.all_gather_into_tensor(everyone, mine, group=self.group)
