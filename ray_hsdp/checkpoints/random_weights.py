@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from ray_hsdp.checkpoints.architectures import Architecture, get_architecture
-from ray_hsdp.checkpoints.tiny import train_tokenizer
+from ray_hsdp.checkpoints.standins import STANDINS
 
 WEIGHTS_NAME = "diffusion_pytorch_model"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -76,108 +76,6 @@ def write_random_model(model_cls, kwargs: dict, folder: Path, dtype: torch.dtype
     return total
 
 
-def _wan_standins(transformer_kwargs: dict):
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    tokenizer = train_tokenizer(model_max_length=512)
-    text_encoder = UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=len(tokenizer),
-            d_model=transformer_kwargs["text_dim"],
-            d_kv=16,
-            d_ff=64,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            dropout_rate=0.0,
-            feed_forward_proj="gated-gelu",
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-    )
-    vae = AutoencoderKLWan(
-        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
-    )
-    return {
-        "tokenizer": tokenizer,
-        "text_encoder": text_encoder,
-        "vae": vae,
-        "scheduler": FlowMatchEulerDiscreteScheduler(shift=5.0),
-    }
-
-
-def _flux_standins(transformer_kwargs: dict):
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
-
-    clip_tokenizer = train_tokenizer(model_max_length=77)
-    t5_tokenizer = train_tokenizer(model_max_length=512)
-    pooled = transformer_kwargs["pooled_projection_dim"]
-    text_encoder = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=len(clip_tokenizer),
-            hidden_size=pooled,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            max_position_embeddings=77,
-            pad_token_id=clip_tokenizer.pad_token_id,
-            bos_token_id=clip_tokenizer.eos_token_id,
-            eos_token_id=clip_tokenizer.eos_token_id,
-        )
-    )
-    text_encoder_2 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(t5_tokenizer),
-            d_model=transformer_kwargs["joint_attention_dim"],
-            d_kv=16,
-            d_ff=64,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            dropout_rate=0.0,
-            feed_forward_proj="gated-gelu",
-            pad_token_id=t5_tokenizer.pad_token_id,
-            eos_token_id=t5_tokenizer.eos_token_id,
-        )
-    )
-    latent_channels = transformer_kwargs["in_channels"] // 4  # FLUX packs 2x2 latent patches
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=["DownEncoderBlock2D"] * 4,
-        up_block_types=["UpDecoderBlock2D"] * 4,
-        block_out_channels=[8, 8, 8, 8],
-        layers_per_block=1,
-        latent_channels=latent_channels,
-        norm_num_groups=4,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        shift_factor=0.1159,
-        scaling_factor=0.3611,
-    )
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=1.15,
-        base_image_seq_len=256,
-        max_image_seq_len=4096,
-    )
-    return {
-        "tokenizer": clip_tokenizer,
-        "text_encoder": text_encoder,
-        "tokenizer_2": t5_tokenizer,
-        "text_encoder_2": text_encoder_2,
-        "vae": vae,
-        "scheduler": scheduler,
-    }
-
-
-_STANDINS = {"wan": _wan_standins, "flux": _flux_standins}
-
-
 def transformer_kwargs(arch: Architecture, tiny: bool) -> dict:
     """Constructor arguments of the architecture's transformer (real size, or the tiny variant)."""
     kwargs = dict(arch.transformer)
@@ -193,6 +91,7 @@ def make_random(
     dtype: str = "bfloat16",
     seed: int = 0,
     shard_bytes: int = 5 * 2**30,
+    pipeline_config: dict | None = None,
 ) -> dict:
     """Writes a diffusers folder of architecture ``name`` with seeded random weights.
 
@@ -203,6 +102,7 @@ def make_random(
         dtype: Dtype of the stored transformer weights.
         seed: Seed of the weights.
         shard_bytes: Largest safetensors file of a transformer.
+        pipeline_config: Overrides of the architecture's pipeline settings (``boundary_ratio``).
 
     Returns:
         What was written: path, transformer bytes per expert, and which components are stand-ins.
@@ -214,9 +114,10 @@ def make_random(
     path.mkdir(parents=True, exist_ok=True)
     kwargs = transformer_kwargs(arch, tiny)
     torch.manual_seed(seed)
-    small = _STANDINS[arch.family](kwargs)
+    small = STANDINS[arch.family](kwargs)
     pipeline_cls = getattr(diffusers, arch.pipeline_class)
-    pipeline_cls(**small, **{e: None for e in arch.experts}, **arch.pipeline_config).save_pretrained(path)
+    settings = {**arch.pipeline_config, **(pipeline_config or {})}
+    pipeline_cls(**small, **{e: None for e in arch.experts}, **settings).save_pretrained(path)
     index = json.loads((path / "model_index.json").read_text())
     model_cls = getattr(diffusers, arch.transformer_class)
     written = {}

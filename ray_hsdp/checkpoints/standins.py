@@ -1,0 +1,142 @@
+"""Small stand-ins for the parts of a pipeline that sharding benchmarks do not measure: a
+tokenizer trained on the spot, small T5-family text encoders, small VAEs, schedulers. Each has
+the interface sizes (hidden sizes, latent channels, scale factors) its transformer needs."""
+
+from __future__ import annotations
+
+# A few sentences are enough: the tokenizer only has to cover the prompts of demos and tests
+# with real sub-word pieces, so that different prompts give different token ids.
+_CORPUS = [
+    "A cat and a dog baking a cake together in a kitchen.",
+    "A red fox runs through the snowy forest at dawn.",
+    "An astronaut rides a horse on the surface of the moon.",
+    "A small boat sails across a calm blue lake under the stars.",
+    "Waves crash against the rocks while seagulls fly overhead.",
+    "A robot paints a portrait of a woman in a sunny studio.",
+    "The city skyline glows with neon lights on a rainy night.",
+    "Bright tones, overexposed, static, blurred details, worst quality, low quality.",
+    "a photo of an apple, a banana, a teapot and a green tree",
+    "0 1 2 3 4 5 6 7 8 9 . , ! ? ' - : ;",
+]
+
+
+def train_tokenizer(vocab_size: int = 160, model_max_length: int = 512):
+    """A Unigram tokenizer trained on a few sentences, wrapped as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.Unigram())
+    tok.normalizer = normalizers.NFKC()
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.UnigramTrainer(
+        vocab_size=vocab_size, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>"
+    )
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    # T5-style: every sequence ends with </s>, as the UMT5 tokenizer of real Wan checkpoints does.
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A </s>", special_tokens=[("</s>", tok.token_to_id("</s>"))]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        model_max_length=model_max_length,
+    )
+
+
+def t5_encoder(cls_name: str, tokenizer, d_model: int):
+    """A two-layer T5-family encoder (``T5EncoderModel`` or ``UMT5EncoderModel``) of width ``d_model``."""
+    import transformers
+
+    config_cls = transformers.UMT5Config if cls_name.startswith("UMT5") else transformers.T5Config
+    config = config_cls(
+        vocab_size=len(tokenizer),
+        d_model=d_model,
+        d_kv=16,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        dropout_rate=0.0,
+        feed_forward_proj="gated-gelu",
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return getattr(transformers, cls_name)(config).eval()
+
+
+def wan_standins(transformer_kwargs: dict) -> dict:
+    """Tokenizer, UMT5 text encoder, Wan VAE (8x spatial, 4x temporal, 16 latent channels), scheduler."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
+
+    tokenizer = train_tokenizer(model_max_length=512)
+    text_encoder = t5_encoder("UMT5EncoderModel", tokenizer, transformer_kwargs["text_dim"])
+    vae = AutoencoderKLWan(
+        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    )
+    return {
+        "tokenizer": tokenizer,
+        "text_encoder": text_encoder,
+        "vae": vae,
+        "scheduler": FlowMatchEulerDiscreteScheduler(shift=5.0),
+    }
+
+
+def flux_standins(transformer_kwargs: dict) -> dict:
+    """CLIP and T5 tokenizers and text encoders, a 4-block KL VAE (8x), a dynamic-shift scheduler."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    clip_tokenizer = train_tokenizer(model_max_length=77)
+    t5_tokenizer = train_tokenizer(model_max_length=512)
+    pooled = transformer_kwargs["pooled_projection_dim"]
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(clip_tokenizer),
+            hidden_size=pooled,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            max_position_embeddings=77,
+            pad_token_id=clip_tokenizer.pad_token_id,
+            bos_token_id=clip_tokenizer.eos_token_id,
+            eos_token_id=clip_tokenizer.eos_token_id,
+        )
+    )
+    text_encoder_2 = t5_encoder("T5EncoderModel", t5_tokenizer, transformer_kwargs["joint_attention_dim"])
+    latent_channels = transformer_kwargs["in_channels"] // 4  # FLUX packs 2x2 latent patches
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=["DownEncoderBlock2D"] * 4,
+        up_block_types=["UpDecoderBlock2D"] * 4,
+        block_out_channels=[8, 8, 8, 8],
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=4,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.1159,
+        scaling_factor=0.3611,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+    return {
+        "tokenizer": clip_tokenizer,
+        "text_encoder": text_encoder,
+        "tokenizer_2": t5_tokenizer,
+        "text_encoder_2": text_encoder_2,
+        "vae": vae,
+        "scheduler": scheduler,
+    }
+
+
+STANDINS = {"wan": wan_standins, "flux": flux_standins}
