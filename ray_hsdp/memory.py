@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterable
 
@@ -65,6 +66,9 @@ def peak_device_bytes(device: str) -> int:
     return torch.cuda.max_memory_allocated() if device == "cuda" else 0
 
 
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
 def current_rss_bytes() -> int:
     """Resident set size of this process (Linux ``/proc``; 0 where it cannot be read)."""
     try:
@@ -72,15 +76,6 @@ def current_rss_bytes() -> int:
             return int(f.read().split()[1]) * _PAGE_SIZE
     except (OSError, ValueError, IndexError):
         return 0
-
-
-_PAGE_SIZE = 4096
-try:
-    import os
-
-    _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
-except (ValueError, OSError, AttributeError):
-    pass
 
 
 class RssSampler:

@@ -1,4 +1,4 @@
-"""Shard groups on real Ray placement groups with gloo: parity, memory, wave rules, teardown."""
+"""Shard groups on real Ray placement groups with gloo: parity, memory, queue choice, teardown."""
 
 import pytest
 import ray
@@ -32,7 +32,7 @@ def replicated_group(ray_cluster, tiny_model):
 def test_batch_mode_runs_two_prompts_at_once_each_equal_to_unsharded(batch_group, reference_pipe):
     requests = [request("A cat and a dog baking a cake", 11), request("A red fox runs through the snow", 12)]
     results = batch_group.generate(requests)
-    assert sorted(r.rank for r in results) == [0, 1]  # one request per rank, in one wave
+    assert sorted(r.rank for r in results) == [0, 1]  # one request per rank, at the same time
     for req, result in zip(requests, results):
         ref = reference_frames(reference_pipe, req)
         assert result.frames.shape == ref.shape == (1, 5, 64, 64, 3)
