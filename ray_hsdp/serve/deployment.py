@@ -88,6 +88,11 @@ def read_api_key(config: AppConfig) -> str | None:
     return os.environ.get(config.api_key_env) or None
 
 
+@api.exception_handler(TimeoutError)
+async def _deadline(_: Request, exc: TimeoutError) -> JSONResponse:
+    return _error(503, str(exc), "server_error")
+
+
 @api.exception_handler(GroupFailedError)
 async def _group_failed(_: Request, exc: GroupFailedError) -> JSONResponse:
     return _error(503, str(exc), "server_error")
