@@ -56,7 +56,8 @@ class GenerationResult:
         rank: Index of the rank that computed it.
         elapsed_s: Seconds the rank spent in the pipeline.
         request_id: The request's id.
-        peak_device_bytes: Peak device memory allocated during the request (0 on CPU).
+        peak_device_bytes: Peak device memory allocated on the rank since this request started (0 on
+            CPU; requests running at once on one rank share the counter, so each sees the joint peak).
     """
 
     frames: np.ndarray
