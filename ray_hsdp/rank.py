@@ -32,6 +32,7 @@ class _Job:
     done: threading.Event = field(default_factory=threading.Event)
     result: GenerationResult | None = None
     error: BaseException | None = None
+    cancelled: bool = False
 
 
 class Rank:
@@ -137,8 +138,11 @@ class Rank:
         """
         job = _Job(request)
         self._inbox.put(job)
-        if not job.done.wait(self.config.request_timeout_s):
-            raise TimeoutError(f"rank {self.rank}: request {request.request_id!r} missed its deadline")
+        deadline = request.timeout_s or self.config.request_timeout_s
+        if not job.done.wait(deadline):
+            # Interrupting is safe: the tick protocol takes any number of forwards per request.
+            job.cancelled = True
+            raise TimeoutError(f"request {request.request_id!r} missed its deadline of {deadline:g}s")
         if job.error is not None:
             raise job.error
         return job.result
@@ -182,10 +186,15 @@ class Rank:
     def _run_job(self, job: _Job) -> None:
         request_id = job.request.request_id
         self._progress[request_id] = (0, job.request.num_inference_steps)
+
+        def on_step(done: int, total: int) -> bool:
+            self._progress[request_id] = (done, total)
+            return job.cancelled
+
         try:
-            job.result = self.pipeline.run(
-                job.request, on_step=lambda done, total: self._progress.update({request_id: (done, total)})
-            )
+            if job.cancelled:
+                raise TimeoutError(f"request {request_id!r} missed its deadline before it started")
+            job.result = self.pipeline.run(job.request, on_step=on_step)
             self.last_request_peak_device_bytes = job.result.peak_device_bytes
         except Exception as err:  # noqa: BLE001 - the error belongs to the request's caller
             job.error = err

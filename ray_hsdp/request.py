@@ -22,6 +22,8 @@ class GenerationRequest:
         seed: Seed of the initial noise (a CPU ``torch.Generator``, so results match across devices).
         n: Outputs for this prompt, run as one batch.
         request_id: Caller's id, carried through for logs and results.
+        timeout_s: Deadline from the moment a rank takes the request; ``None`` for the group's
+            ``request_timeout_s``. A request past it is answered with an error and interrupted.
     """
 
     prompt: str
@@ -34,6 +36,7 @@ class GenerationRequest:
     seed: int = 0
     n: int = 1
     request_id: str = ""
+    timeout_s: float | None = None
 
     @property
     def guidance(self) -> bool:

@@ -155,19 +155,21 @@ class ShardedPipeline:
         )
 
     @torch.no_grad()
-    def run(self, request: GenerationRequest, on_step: Callable[[int, int], None] | None = None) -> GenerationResult:
+    def run(self, request: GenerationRequest, on_step: Callable[[int, int], bool] | None = None) -> GenerationResult:
         """Runs one request through the pipeline.
 
         Args:
             request: The request.
-            on_step: Called with (steps done, steps in all) after each denoising step.
+            on_step: Called with (steps done, steps in all) after each denoising step; when it
+                returns True the pipeline skips its remaining steps (diffusers' interrupt).
         """
         kwargs = self._kwargs(request)
         if on_step is not None and "callback_on_step_end" in self._call_params:
             total = request.num_inference_steps
 
             def step_end(pipe, step, timestep, callback_kwargs):
-                on_step(step + 1, total)
+                if on_step(step + 1, total):
+                    pipe._interrupt = True
                 return callback_kwargs
 
             kwargs["callback_on_step_end"] = step_end

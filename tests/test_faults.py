@@ -31,3 +31,22 @@ def test_a_hung_rank_fails_the_request_after_the_collective_timeout(ray_cluster,
         started = time.monotonic()
         group.shutdown()
         assert time.monotonic() - started < 30  # survivors in a dead collective are killed, not waited for
+
+
+def test_a_request_past_its_deadline_is_answered_and_interrupted(ray_cluster, tiny_model):
+    with ShardGroup(GroupConfig(model=tiny_model, device="cpu", shard_size=2)) as group:
+        # 3000 steps: over 13 s even unsharded in one process on this machine, so leaving early means interrupted.
+        late = GenerationRequest(
+            prompt="too slow", num_inference_steps=3000, width=96, timeout_s=1.0, request_id="late"
+        )
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="missed its deadline of 1s"):
+            group.submit(late).result(timeout=60)
+        assert time.monotonic() - started < 10
+        # Interrupted, not left running: it leaves the rank well before its 200 steps would end.
+        while "late" in group.progress():
+            assert time.monotonic() - started < 6, "the late request was not interrupted"
+            time.sleep(0.05)
+        print(f"\nthe late request left its rank {time.monotonic() - started:.1f}s after it was submitted")
+        (after,) = group.generate([GenerationRequest(prompt="next", num_inference_steps=2)])
+        assert after.frames.shape == (1, 1, 64, 64, 3)

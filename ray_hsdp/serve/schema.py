@@ -32,6 +32,9 @@ class ImageGenerationRequest(BaseModel):
     num_inference_steps: StrictInt | None = Field(None, ge=1, description="Denoising steps.")
     guidance_scale: StrictFloat | StrictInt | None = Field(None, ge=0, description="Classifier-free guidance scale.")
     seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED, description="Noise seed; random when omitted.")
+    timeout_s: StrictFloat | StrictInt | None = Field(
+        None, gt=0, description="Deadline once a rank takes the request; the server's request_timeout_s when omitted."
+    )
 
     @field_validator("size")
     @classmethod
@@ -63,6 +66,10 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
     steps = body.num_inference_steps or config.default_steps
     if steps > config.max_steps:
         raise RequestLimitError(f"num_inference_steps={steps} exceeds the limit max_steps={config.max_steps}")
+    if body.timeout_s is not None and body.timeout_s > config.request_timeout_s:
+        raise RequestLimitError(
+            f"timeout_s={body.timeout_s} exceeds the limit request_timeout_s={config.request_timeout_s}"
+        )
     guidance = body.guidance_scale if body.guidance_scale is not None else config.default_guidance_scale
     return GenerationRequest(
         prompt=body.prompt,
@@ -75,6 +82,7 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
         seed=body.seed if body.seed is not None else secrets.randbelow(2**31),
         n=body.n,
         request_id=request_id,
+        timeout_s=float(body.timeout_s) if body.timeout_s is not None else None,
     )
 
 

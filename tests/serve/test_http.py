@@ -135,6 +135,8 @@ BAD_REQUESTS = [
     ({"prompt": "a", "response_format": "png"}, "response_format"),
     ({"prompt": "a", "user": 42}, "user"),
     ({"prompt": "a", "quality": "hd"}, "quality"),
+    ({"prompt": "a", "timeout_s": 0}, "timeout_s"),
+    ({"prompt": "a", "timeout_s": 10**6}, "request_timeout_s"),
 ]
 
 
