@@ -33,10 +33,15 @@ def run_groups(groups, requests) -> dict:
         future.result()
         latencies.append(time.perf_counter() - submitted)
     wall = time.perf_counter() - start
+    return summary(latencies, wall)
+
+
+def summary(latencies: list[float], wall: float) -> dict:
+    """Rate and latencies of one measured batch of requests."""
     return {
-        "requests": len(requests),
+        "requests": len(latencies),
         "wall_s": round(wall, 3),
-        "requests_per_s": round(len(requests) / wall, 4),
+        "requests_per_s": round(len(latencies) / wall, 4),
         "latency_mean_s": round(statistics.mean(latencies), 3),
         "latency_max_s": round(max(latencies), 3),
     }
@@ -75,14 +80,7 @@ def offload_baseline(model_dir: str, requests, device: str) -> dict:
             latencies.append(time.perf_counter() - t)
         wall = time.perf_counter() - start
         peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
-        return {
-            "requests": len(requests),
-            "wall_s": round(wall, 3),
-            "requests_per_s": round(len(requests) / wall, 4),
-            "latency_mean_s": round(statistics.mean(latencies), 3),
-            "latency_max_s": round(max(latencies), 3),
-            "peak_device_bytes": peak,
-        }
+        return {**summary(latencies, wall), "peak_device_bytes": peak}
 
     return ray.get(run.remote(model_dir, requests))
 

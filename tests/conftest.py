@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
+import time
 
 import numpy as np
 import pytest
@@ -55,19 +57,44 @@ def reference_pipe(tiny_model):
 
 
 def reference_frames(pipe, request: GenerationRequest) -> np.ndarray:
-    """Runs ``request`` through the unsharded pipeline, written out the way a diffusers user would."""
-    return pipe(
+    """Runs ``request`` through the unsharded pipeline, written out the way a diffusers user would.
+
+    Returns:
+        ``(n, frames, height, width, 3)``; an image pipeline's output gets a frame axis of 1.
+    """
+    if "num_frames" in inspect.signature(pipe.__call__).parameters:
+        video = {"num_frames": request.num_frames, "num_videos_per_prompt": request.n}
+    else:
+        video = {"num_images_per_prompt": request.n}
+    out = pipe(
         prompt=request.prompt,
         negative_prompt=request.negative_prompt,
         height=request.height,
         width=request.width,
-        num_frames=request.num_frames,
         num_inference_steps=request.num_inference_steps,
         guidance_scale=request.guidance_scale,
-        num_videos_per_prompt=request.n,
         generator=torch.Generator("cpu").manual_seed(request.seed),
         output_type="np",
-    ).frames
+        **video,
+    )
+    return out.frames if hasattr(out, "frames") else out.images[:, None]
+
+
+def wait_until_healthy(base: str, proc, deadline_s: float = 180) -> None:
+    """Polls ``base``/health until it answers 200; fails if ``proc`` exits or the deadline passes."""
+    import requests
+
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            if requests.get(f"{base}/health", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"the server at {base} did not come up")
+        time.sleep(1)
 
 
 def max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:

@@ -7,10 +7,9 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from conftest import free_port
+from conftest import free_port, wait_until_healthy
 from PIL import Image
 
 CLI = str(Path(sys.executable).with_name("ray-hsdp"))
@@ -96,15 +95,7 @@ def test_make_random_tiny_then_serve_it_over_http(ray_cluster, tmp_path):
     )
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if requests.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "ray-hsdp serve did not come up"
-            time.sleep(1)
+        wait_until_healthy(base, proc)
         response = requests.post(f"{base}/v1/images/generations", json={"prompt": "a fox", "seed": 1}, timeout=120)
         assert response.status_code == 200, response.text
         png = base64.b64decode(response.json()["data"][0]["b64_json"])

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import requests
 import yaml
-from conftest import free_port, reference_frames
+from conftest import free_port, reference_frames, wait_until_healthy
 from PIL import Image
 
 from ray_hsdp.request import GenerationRequest
@@ -43,17 +43,10 @@ def server(ray_cluster, tmp_path_factory):
         stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if requests.get(f"{base}/health", timeout=5).status_code == 200:
-                break
-        except requests.RequestException:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"serve run did not come up; log:\n{path.with_suffix('.log').read_text()[-4000:]}")
-        time.sleep(1)
+    try:
+        wait_until_healthy(base, proc)
+    except RuntimeError as err:
+        raise RuntimeError(f"{err}; serve run's log:\n{path.with_suffix('.log').read_text()[-4000:]}") from None
     yield base
     proc.send_signal(signal.SIGINT)  # serve run shuts Serve down on Ctrl-C
     try:
