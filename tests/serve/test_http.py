@@ -279,7 +279,8 @@ def test_a_killed_rank_fails_its_request_with_503_and_the_group_heals(server):
 
     url = f"{server}/v1/images/generations"
     victim = requests.get(f"{server}/v1/pool", timeout=60).json()["ranks"][1]["pid"]
-    slow = {"prompt": "a long one", "num_inference_steps": 200, "size": "96x64", "seed": 3}
+    # 200 steps at 256x256: many seconds on 2 CPU ranks, so the kill lands while it runs.
+    slow = {"prompt": "a long one", "num_inference_steps": 200, "size": "256x256", "seed": 3}
     with ThreadPoolExecutor(max_workers=1) as pool:
         pending = pool.submit(requests.post, url, json=slow, timeout=120)
         time.sleep(1.5)
