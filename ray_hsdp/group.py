@@ -95,7 +95,6 @@ class ShardGroup:
         self._owns_pg = placement_group is None
         self.ranks: list = []
         self.placement: list[dict] = []
-        self._load_reports: list[dict] = []
         self._pending: list[_Job] = []
         self._inflight: dict[ray.ObjectRef, tuple[int, _Job]] = {}  # offer -> (rank index, job)
         self._sessions: list[ray.ObjectRef] | None = None
@@ -123,7 +122,7 @@ class ShardGroup:
                     f"{self.config.rendezvous_timeout_s:.0f}s (cluster resources: {ray.available_resources()})"
                 )
             self._spawn_and_join()
-            self._load_reports = ray.get([r.load.remote() for r in self.ranks], timeout=self.config.load_timeout_s)
+            ray.get([r.load.remote() for r in self.ranks], timeout=self.config.load_timeout_s)
         except BaseException:
             self.shutdown()
             raise

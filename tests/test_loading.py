@@ -161,7 +161,7 @@ def test_a_rank_holds_about_its_share_of_host_memory_while_loading(ray_cluster, 
     assert 300e6 < size < 600e6
     group = ShardGroup(GroupConfig(model=str(folder), device="cpu", shard_size=2)).start()
     try:
-        reports = group._load_reports
+        reports = group.memory()  # each rank's report carries its load figures
     finally:
         group.shutdown()
     for report in reports:
