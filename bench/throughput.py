@@ -99,7 +99,7 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--device", default="cuda")
     parser.add_argument(
-        "--setups", nargs="+", default=["ceiling", "batch", "replicated", "mixed", "batch-prefetch1", "offload"]
+        "--setups", nargs="+", default=["ceiling", "batch", "replicated", "mixed", "batch-prefetch0", "offload"]
     )
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
@@ -166,9 +166,9 @@ def main() -> None:
         if setup == "ceiling":
             groups = [group(shard_size=1, replicate_size=args.gpus) for _ in range(args.gpus)]
         else:
-            prefetch = 1 if setup == "batch-prefetch1" else 0
+            options = {"forward_prefetch": 0} if setup == "batch-prefetch0" else {}
             mode = "replicated" if setup == "replicated" else "batch"
-            groups = [group(shard_size=args.gpus, mode=mode, forward_prefetch=prefetch)]
+            groups = [group(shard_size=args.gpus, mode=mode, **options)]
         try:
             for frames in args.mixed_frames if setup == "mixed" else args.frames:
                 if setup == "mixed":

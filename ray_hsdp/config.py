@@ -81,6 +81,11 @@ class GroupConfig(BaseModel):
         description="FSDP units whose weights a unit's forward starts gathering ahead (explicit prefetch); "
         "0 keeps FSDP2's implicit behaviour. 1 measured faster on 2 x H200 (bench/results).",
     )
+    request_streams: bool = Field(
+        False,
+        description="CUDA: run each request's own work (scheduler steps, VAE decode) on a stream of its own, "
+        "so that a rank's decode overlaps the group's forwards instead of queueing ahead of them.",
+    )
     queue_lookahead: int = Field(
         16, ge=1, description="Queued requests the scheduler looks through to find one of similar cost."
     )

@@ -345,6 +345,14 @@ class ShardGroup:
         """Each rank's counts of ticks and ghost passes since it loaded."""
         return ray.get([r.tick_stats.remote() for r in self.ranks], timeout=self.config.request_timeout_s)
 
+    def start_profile(self, trace_dir: str | None = None) -> None:
+        """Starts every rank's profile window (tick log, request phases, GPU kernels)."""
+        ray.get([r.start_profile.remote(trace_dir) for r in self.ranks], timeout=self.config.request_timeout_s)
+
+    def stop_profile(self) -> list[dict]:
+        """Ends the profile windows; each rank's summary (see ``ray_hsdp.profiling``)."""
+        return ray.get([r.stop_profile.remote() for r in self.ranks], timeout=self.config.request_timeout_s)
+
     def check_health(self, timeout_s: float = 30.0) -> None:
         """Pings every rank with a deadline.
 

@@ -22,8 +22,8 @@ logger = logging.getLogger("ray_hsdp")
 
 #: Sessions (the compute) run on the default thread. ``offer`` calls wait on "intake" threads, one
 #: per request handed over; ``ping``, ``memory`` and ``progress`` answer on "control" while a
-#: long request runs.
-CONCURRENCY_GROUPS = {"control": 2, "intake": 8}
+#: long request runs. The torch profiler must stop on the thread that started it: "profile".
+CONCURRENCY_GROUPS = {"control": 2, "intake": 8, "profile": 1}
 
 
 @dataclass
@@ -56,6 +56,7 @@ class Rank:
         self.last_request_peak_device_bytes = 0
         self._inbox: queue.Queue[_Job] = queue.Queue()
         self._progress: dict[str, tuple[int, int]] = {}
+        self._profile = None
 
     def prepare(self) -> str:
         """Finds the model folder on this node (writing the embedded tiny model if needed) and
@@ -126,6 +127,7 @@ class Rank:
                 allow_pickle=self.config.allow_pickle,
             )
             self.pipeline.set_request_slots(self.config.requests_per_rank, self.config.shard_components)
+            self.pipeline.request_streams = self.config.request_streams
             self.load_s = time.perf_counter() - start
         self.load_peak_rss_bytes = rss.peak_above_start
         return self.memory()
@@ -170,6 +172,9 @@ class Rank:
                     job = self._inbox.get_nowait()
                 except queue.Empty:
                     break
+                if ticks is not None:
+                    # Before the thread starts: the next tick must already wait for its first call.
+                    ticks.expect_calls(True)
                 thread = threading.Thread(target=self._run_job, args=(job,), name=f"request-{started}", daemon=True)
                 thread.start()
                 running.append(thread)
@@ -187,10 +192,25 @@ class Rank:
         request_id = job.request.request_id
         self._progress[request_id] = (0, job.request.num_inference_steps)
 
+        profile = self._profile
+        ticks = self.pipeline.ticks
+        expecting = [ticks is not None]
+
+        def done_calling() -> None:
+            if expecting[0]:
+                expecting[0] = False
+                ticks.expect_calls(False)
+
         def on_step(done: int, total: int) -> bool:
             self._progress[request_id] = (done, total)
+            if profile is not None:
+                profile.request_event(request_id, "step")
+            if done >= total or job.cancelled:
+                done_calling()  # decoding (or interrupted) from here: no more sharded forwards
             return job.cancelled
 
+        if profile is not None:
+            profile.request_event(request_id, "start")
         try:
             if job.cancelled:
                 raise TimeoutError(f"request {request_id!r} missed its deadline before it started")
@@ -199,6 +219,9 @@ class Rank:
         except Exception as err:  # noqa: BLE001 - the error belongs to the request's caller
             job.error = err
         finally:
+            done_calling()
+            if profile is not None:
+                profile.request_event(request_id, "end")
             self._progress.pop(request_id, None)
             job.done.set()
 
@@ -207,6 +230,24 @@ class Rank:
         """Ticks and ghost passes this rank has run since it loaded."""
         ticks = self.pipeline.ticks if self.pipeline is not None else None
         return {"rank": self.rank, "ticks": ticks.ticks if ticks else 0, "ghosts": ticks.ghosts if ticks else 0}
+
+    @ray.method(concurrency_group="profile")
+    def start_profile(self, trace_dir: str | None = None) -> None:
+        """Starts recording where this rank's time goes (see ``ray_hsdp.profiling``)."""
+        from ray_hsdp.profiling import RankProfile
+
+        if self.pipeline is None:
+            raise RuntimeError(f"rank {self.rank} has no pipeline loaded")
+        self._profile = RankProfile(self.config.device, self.pipeline.ticks, trace_dir)
+        self._profile.start()
+
+    @ray.method(concurrency_group="profile")
+    def stop_profile(self) -> dict:
+        """Ends the recording started by ``start_profile``; returns its summary."""
+        if self._profile is None:
+            raise RuntimeError("start_profile() was not called")
+        profile, self._profile = self._profile, None
+        return profile.stop(self.rank)
 
     @ray.method(concurrency_group="control")
     def progress(self) -> dict[str, tuple[int, int]]:

@@ -46,6 +46,10 @@ class ShardedPipeline:
         self.sharded = dict(sharded or {})
         self.load_stats = dict(load_stats or {})
         self.ticks: TickProtocol | None = None
+        #: Whether each request slot runs its own work (scheduler, VAE) on a CUDA stream of its
+        #: own, so that a decode overlaps the group's forwards instead of queueing before them.
+        self.request_streams = False
+        self._streams: dict[int, torch.cuda.Stream] = {}
         self._call_params = set(inspect.signature(pipe.__call__).parameters)
         pipe.set_progress_bar_config(disable=True)
         self.modules = components(pipe)  # the real modules, also once proxies stand in for sharded ones
@@ -178,7 +182,8 @@ class ShardedPipeline:
         start = time.perf_counter()
         pipe = self._slots.get()
         try:
-            output = pipe(**kwargs)
+            with torch.cuda.stream(self._slot_stream(pipe)):
+                output = pipe(**kwargs)
         finally:
             self._slots.put(pipe)
         frames = output.frames if hasattr(output, "frames") else output.images
@@ -193,6 +198,14 @@ class ShardedPipeline:
             request_id=request.request_id,
             peak_device_bytes=peak_device_bytes(self.device),
         )
+
+    def _slot_stream(self, pipe) -> torch.cuda.Stream | None:
+        """The slot's own CUDA stream, or ``None`` (the current stream) when slots share it."""
+        if self.device != "cuda" or not self.request_streams:
+            return None
+        if id(pipe) not in self._streams:
+            self._streams[id(pipe)] = torch.cuda.Stream()
+        return self._streams[id(pipe)]
 
     def memory(self, units: bool = False) -> dict:
         """Bytes held on this rank, per component and in total.

@@ -1,14 +1,20 @@
 """The tick protocol: the ranks of a group agree, before every forward of a sharded root module,
-on which modules run, so any mix of requests issues the same collectives in the same order.
+on which module runs, so any mix of requests issues the same collectives in the same order.
 
 A rank's requests run in their own threads; their calls of a sharded root module (text encoder,
 transformer, second expert) go through a proxy to the rank's one *tick thread*, which alone
-issues collectives. At each tick every rank all-gathers one integer: the id of the module it is
-about to run, ``BUSY`` (requests running, none waiting for a sharded forward: decoding, say) or
-``IDLE`` (nothing to do). For each distinct module id, in ascending order, a rank runs its real
-forward if the id is its own and otherwise a *ghost pass* of that module: the unshard / reshard
-sequence of its FSDP units with no compute. A rank that decodes a video thus never holds the
-others back: its tick thread keeps ticking ``BUSY`` while the decode runs beside it.
+issues collectives. At each tick every rank all-gathers one integer: the id of the cheapest
+module one of its waiting calls wants, ``BUSY`` (requests running, none waiting for a sharded
+forward: decoding, say) or ``IDLE`` (nothing to do). Module ids go by size, smallest first, and
+the tick runs the smallest id gathered: a rank with a call for it runs its real forward, every
+other rank a *ghost pass* of that module (the unshard / reshard sequence of its FSDP units with
+no compute). Cheap modules first keeps ranks in phase: a rank whose requests still encode their
+prompts never makes the others wait through a transformer forward it only ghosts.
+
+A rank that decodes a video never holds the others back: its tick thread keeps ticking ``BUSY``
+while the decode runs beside it. A rank whose requests are still denoising waits a moment
+(``patience_s``) for their next call before it ticks ``BUSY``, since a request thread needs a few
+milliseconds between two forwards, and a transformer forward ghosted for want of them is lost.
 """
 
 from __future__ import annotations
@@ -38,6 +44,23 @@ class _ForwardCall:
     done: threading.Event = field(default_factory=threading.Event)
     result: object = None
     error: BaseException | None = None
+    # CUDA: the caller's stream, the point on it where the inputs are ready, and the point on
+    # the tick thread's stream where the result is.
+    stream: torch.cuda.Stream | None = None
+    ready: torch.cuda.Event | None = None
+    finished: torch.cuda.Event | None = None
+
+
+def _tensors(obj):
+    """The tensors inside a module's output (tensor, tuple, list, dict or diffusers/transformers output)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):  # BaseOutput and ModelOutput are dicts too
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, (tuple, list)):
+        for value in obj:
+            yield from _tensors(value)
 
 
 class _TickedModule:
@@ -65,10 +88,20 @@ class TickProtocol:
         reshard_after_forward: Whether units free gathered weights after forward; a ghost pass
             must leave each unit in the state a real forward leaves it in.
         group: Process group (the default one when ``None``).
+        patience_s: Longest a rank with requests still denoising waits for their next call
+            before it ticks ``BUSY``.
     """
 
-    def __init__(self, modules: dict[str, nn.Module], device: str, reshard_after_forward: bool, group=None):
-        self.names = sorted(modules)
+    def __init__(
+        self,
+        modules: dict[str, nn.Module],
+        device: str,
+        reshard_after_forward: bool,
+        group=None,
+        patience_s: float = 0.1,
+    ):
+        # Smallest first; parameter counts are global (DTensor), so every rank gets the same order.
+        self.names = sorted(modules, key=lambda n: (sum(p.numel() for p in modules[n].parameters()), n))
         self.modules = [modules[name] for name in self.names]
         self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
         self.reshard_after_forward = reshard_after_forward
@@ -78,7 +111,14 @@ class TickProtocol:
         self.ticks = 0
         self.ghosts = 0
         self._calls: queue.Queue[_ForwardCall] = queue.Queue()
+        self._waiting: list[_ForwardCall] = []  # calls taken from the queue, not yet run
+        self.patience_s = patience_s
+        self._expecting = 0  # request threads that will call a sharded module again
+        self._expecting_lock = threading.Lock()
         self.stall_s = 0.0  # fault injection: the next tick sleeps this long before its collective
+        #: When a list: one ``(start, state, modules run or ghosted, gathered at, done at)`` per tick
+        #: (``time.perf_counter`` seconds), for profiling.
+        self.trace: list[tuple] | None = None
 
     @staticmethod
     def _units_in_forward_order(root: nn.Module) -> list[FSDPModule]:
@@ -89,13 +129,28 @@ class TickProtocol:
         """Name -> the stand-in that request threads must call instead of the module."""
         return {name: _TickedModule(module, i, self) for i, (name, module) in enumerate(zip(self.names, self.modules))}
 
+    def expect_calls(self, more: bool) -> None:
+        """A request thread says it will call sharded modules again (``True``: it starts denoising)
+        or not any more (``False``: past its last step). Each ``True`` needs one ``False``."""
+        with self._expecting_lock:
+            self._expecting += 1 if more else -1
+
     def call(self, module_id: int, args: tuple, kwargs: dict):
         """A request thread's forward: queued for the tick thread, which runs it at a tick."""
         call = _ForwardCall(module_id, args, kwargs)
+        if self.device.type == "cuda":
+            # The caller may run on a stream of its own (decoding beside the forwards): the tick
+            # thread's stream starts the forward once the inputs are ready on it, and the caller's
+            # stream goes on once the forward is done.
+            call.stream = torch.cuda.current_stream()
+            call.ready = torch.cuda.Event()
+            call.ready.record(call.stream)
         self._calls.put(call)
         call.done.wait()
         if call.error is not None:
             raise call.error
+        if call.finished is not None:
+            call.stream.wait_event(call.finished)
         return call.result
 
     def _gather(self, state: int) -> list[int]:
@@ -109,7 +164,7 @@ class TickProtocol:
         return everyone.tolist()
 
     def tick(self, busy: bool) -> bool:
-        """One tick, on the tick thread: run or ghost every module some rank wants to run.
+        """One tick, on the tick thread: the smallest module some rank wants runs or is ghosted.
 
         Args:
             busy: Whether this rank has requests running (or waiting to start).
@@ -117,28 +172,56 @@ class TickProtocol:
         Returns:
             True when every rank was idle at this tick (all ranks see the same answer).
         """
-        try:
-            call = self._calls.get_nowait()
-        except queue.Empty:
-            call = None
-        state = call.module_id if call is not None else (BUSY if busy else IDLE)
+        self._take_calls(wait=busy and self._expecting > 0)
+        state = min((c.module_id for c in self._waiting), default=BUSY if busy else IDLE)
+        start = time.perf_counter()
         gathered = self._gather(state)
-        modules = sorted(set(gathered) - {IDLE, BUSY})
-        for module_id in modules:
-            if call is not None and module_id == call.module_id:
-                self._run(call)
+        gathered_at = time.perf_counter()
+        wanted = [g for g in gathered if g >= 0]
+        module_id = min(wanted, default=None)
+        if module_id is not None:
+            mine = next((c for c in self._waiting if c.module_id == module_id), None)
+            if mine is not None:
+                self._waiting.remove(mine)
+                self._run(mine)
             else:
                 self.ghost(module_id)
-        if not modules:
+        if self.trace is not None:
+            ran = () if module_id is None else (module_id,)
+            self.trace.append((start, state, ran, gathered_at, time.perf_counter()))
+        if module_id is None:
             if all(g == IDLE for g in gathered):
                 return True
             time.sleep(_QUIET_TICK_S)
         return False
 
+    def _take_calls(self, wait: bool) -> None:
+        """Moves queued calls to ``_waiting``; with ``wait`` and none waiting, first waits up to
+        ``patience_s`` for one."""
+        if wait and not self._waiting:
+            try:
+                self._waiting.append(self._calls.get(timeout=self.patience_s))
+            except queue.Empty:
+                pass
+        while True:
+            try:
+                self._waiting.append(self._calls.get_nowait())
+            except queue.Empty:
+                return
+
     @torch.no_grad()
     def _run(self, call: _ForwardCall) -> None:
         try:
+            if call.ready is not None:
+                torch.cuda.current_stream().wait_event(call.ready)
             call.result = self.modules[call.module_id](*call.args, **call.kwargs)
+            if call.stream is not None and call.stream != torch.cuda.current_stream():
+                # The caller's stream reads the outputs later: their memory must not return to
+                # this stream's pool before it has.
+                for tensor in _tensors(call.result):
+                    tensor.record_stream(call.stream)
+                call.finished = torch.cuda.Event()
+                call.finished.record()
         except BaseException as err:  # noqa: BLE001 - handed to the request thread that asked
             call.error = err
         finally:

@@ -1,0 +1,168 @@
+"""Where the time of each rank goes, per serving setup: GPU busy time by kind of kernel (torch
+profiler), the tick thread's waits, and each request's phases.
+
+    python -m bench.profile --model-dir /tmp/wan14b --frames 21 81 --out bench/results
+
+For each setup and frame count: a warm-up, then two profiled windows: one request alone (its
+latency and phases), and ``2 x GPUs`` requests at once (the throughput case of bench.throughput).
+The ``ceiling`` setup is one unsharded rank on one GPU given half the requests, which is what
+each GPU of the ceiling of bench.throughput runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from bench.common import environment, write_results
+from bench.throughput import latent_tokens
+
+SETUPS = {
+    "ceiling": {"shard_size": 1, "replicate_size": 2},
+    "batch": {"mode": "batch"},
+    "batch-streams": {"mode": "batch", "request_streams": True},
+    "replicated": {"mode": "replicated"},
+}
+
+
+def phases(profile: dict) -> dict:
+    """Per request of one rank: seconds to the first step's end, denoising, and after the last step."""
+    out = {}
+    for request_id, r in profile["requests"].items():
+        if "start" not in r or "end" not in r or not r["steps"]:
+            continue
+        out[request_id] = {
+            "to_first_step_s": round(r["steps"][0] - r["start"], 3),
+            "denoise_s": round(r["steps"][-1] - r["start"], 3),
+            "after_last_step_s": round(r["end"] - r["steps"][-1], 3),
+            "total_s": round(r["end"] - r["start"], 3),
+        }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--arch", default="wan2.1-t2v-14b")
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--frames", type=int, nargs="+", default=[81])
+    parser.add_argument("--width", type=int, default=832)
+    parser.add_argument("--height", type=int, default=480)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--setups", nargs="+", default=["ceiling", "batch", "batch-streams"], choices=sorted(SETUPS))
+    parser.add_argument("--traces", default=None, help="folder for gzipped chrome traces (largest window only)")
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args()
+
+    import ray
+
+    from ray_hsdp.checkpoints.random_weights import make_random
+    from ray_hsdp.config import GroupConfig
+    from ray_hsdp.group import ShardGroup
+    from ray_hsdp.request import GenerationRequest
+
+    model_dir = Path(args.model_dir)
+    if not (model_dir / "model_index.json").exists():
+        make_random(
+            args.arch, model_dir, dtype="bfloat16" if args.device == "cuda" else "float32", tiny=args.device != "cuda"
+        )
+    ray.init(include_dashboard=False, log_to_driver=False)
+
+    def requests(frames, count):
+        return [
+            GenerationRequest(
+                prompt=f"a fox {i}",
+                width=args.width,
+                height=args.height,
+                num_frames=frames,
+                num_inference_steps=args.steps,
+                guidance_scale=5.0,
+                seed=i,
+                request_id=f"f{frames}-r{i}",
+            )
+            for i in range(count)
+        ]
+
+    rows: list[dict] = []
+    name = f"profile-{args.arch}"
+    for setup in args.setups:
+        fields = dict(SETUPS[setup])
+        fields.setdefault("shard_size", args.gpus)
+        group = ShardGroup(GroupConfig(model=str(model_dir), device=args.device, **fields)).start()
+        per_gpu = args.gpus // group.dims.shard_size  # the ceiling's one rank takes one GPU's share
+        try:
+            for frames in args.frames:
+                group.generate(requests(frames, group.dims.shard_size))  # warm-up
+                for window, count in (("one request", 1), ("throughput", 2 * args.gpus // per_gpu)):
+                    traces = f"{args.traces}/{setup}-{frames}" if args.traces and window == "throughput" else None
+                    group.start_profile(traces)
+                    start = time.perf_counter()
+                    group.generate(requests(frames, count))
+                    wall = time.perf_counter() - start
+                    ranks = group.stop_profile()
+                    rows.append(
+                        {
+                            "setup": setup,
+                            "frames": frames,
+                            "tokens": latent_tokens(args.width, args.height, frames),
+                            "window": window,
+                            "requests": count,
+                            "wall_s": round(wall, 3),
+                            "ranks": [{**r, "phases": phases(r)} for r in ranks],
+                        }
+                    )
+                    write_results(
+                        Path(args.out),
+                        name,
+                        {"rows": rows, "environment": environment(), "steps": args.steps},
+                        table(rows),
+                    )
+        finally:
+            group.shutdown()
+    ray.shutdown()
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "# Profile: where each rank's time goes",
+        "",
+        f"GPUs: {', '.join(environment()['gpus']) or 'none'}",
+        "",
+        "GPU busy = union of all kernels over the window; compute = all but collectives; by kind = summed "
+        "kernel seconds; ticks = the tick thread's wait in the tick all-gather with a forward of its own "
+        "waiting (own) or none (busy).",
+        "",
+        "| setup | frames | window | requests | wall s | rank | GPU busy s (frac) | compute s | matmul s "
+        "| attention s | conv s | collective s | other s | gaps >5ms s | gather wait own/busy s | request total s "
+        "(denoise / after last step) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        for r in row["ranks"]:
+            gpu = r.get("gpu", {})
+            kinds = gpu.get("by_kind", {})
+            ticks = r.get("ticks", {})
+
+            def kind_s(k, kinds=kinds):
+                return f"{kinds[k]['kernel_s']:.2f}" if k in kinds else "-"
+
+            waits = "/".join(f"{ticks[k]['gather_s']:.2f}" if k in ticks else "-" for k in ("own", "busy"))
+            reqs = "; ".join(
+                f"{p['total_s']:.1f} ({p['denoise_s']:.1f} / {p['after_last_step_s']:.1f})"
+                for p in r["phases"].values()
+            )
+            busy = f"{gpu['busy_s']:.2f} ({gpu['busy_fraction']:.2f})" if "busy_s" in gpu else "-"
+            lines.append(
+                f"| {row['setup']} | {row['frames']} | {row['window']} | {row['requests']} | {row['wall_s']:.2f} "
+                f"| {r['rank']} | {busy} | {gpu.get('compute_busy_s', '-')} | {kind_s('matmul')} "
+                f"| {kind_s('attention')} | {kind_s('conv')} | {kind_s('collective')} | {kind_s('other')} "
+                f"| {gpu.get('gaps_over_5ms', {}).get('total_s', '-')} | {waits} | {reqs} |"
+            )
+    lines += ["", f"Command: `{environment()['command']}`", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
