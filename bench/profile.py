@@ -52,6 +52,10 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--setups", nargs="+", default=["ceiling", "batch", "batch-streams"], choices=sorted(SETUPS))
+    parser.add_argument(
+        "--env", nargs="*", default=[], metavar="KEY=VALUE", help="environment of the ranks (NCCL settings, say)"
+    )
+    parser.add_argument("--tag", default="", help="suffix of the result files")
     parser.add_argument("--traces", default=None, help="folder for gzipped chrome traces (largest window only)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
@@ -68,7 +72,8 @@ def main() -> None:
         make_random(
             args.arch, model_dir, dtype="bfloat16" if args.device == "cuda" else "float32", tiny=args.device != "cuda"
         )
-    ray.init(include_dashboard=False, log_to_driver=False)
+    env_vars = dict(item.split("=", 1) for item in args.env)
+    ray.init(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env_vars} if env_vars else None)
 
     def requests(frames, count):
         return [
@@ -86,7 +91,7 @@ def main() -> None:
         ]
 
     rows: list[dict] = []
-    name = f"profile-{args.arch}"
+    name = f"profile-{args.arch}{args.tag}"
     for setup in args.setups:
         fields = dict(SETUPS[setup])
         fields.setdefault("shard_size", args.gpus)
@@ -116,7 +121,7 @@ def main() -> None:
                     write_results(
                         Path(args.out),
                         name,
-                        {"rows": rows, "environment": environment(), "steps": args.steps},
+                        {"rows": rows, "environment": environment(), "steps": args.steps, "rank_env": env_vars},
                         table(rows),
                     )
         finally:

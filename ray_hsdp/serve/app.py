@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import ray
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from ray_hsdp.config import AppConfig
 from ray_hsdp.serve.deployment import HSDPServer
+from ray_hsdp.serve.routing import GroupAwareRouter
 from ray_hsdp.topology import PLACEMENT_STRATEGY, ParallelDims
 
 OVERFLOW = 64
@@ -35,4 +37,9 @@ def build_app(args: dict) -> Application:
         # group answers at once with 429; Serve's router queues at most OVERFLOW more (its 503).
         max_ongoing_requests=dims.shard_size * config.requests_per_rank + config.max_queue + OVERFLOW,
         max_queued_requests=OVERFLOW,
+        # Healthy groups first, and a retry never back to the group that failed it; the stats
+        # say within a second when a group broke.
+        request_router_config=RequestRouterConfig(
+            request_router_class=GroupAwareRouter, request_routing_stats_period_s=1
+        ),
     ).bind(config.model_dump())

@@ -18,6 +18,7 @@ from ray import serve
 
 from ray_hsdp.config import AppConfig
 from ray_hsdp.group import GroupFailedError, GroupOverloadedError, ShardGroup
+from ray_hsdp.serve.routing import GROUP_OK
 from ray_hsdp.serve.schema import ImageGenerationRequest, RequestLimitError, image_response, to_generation_request
 
 logger = logging.getLogger("ray_hsdp")
@@ -151,29 +152,64 @@ class HSDPServer:
         finally:
             self._healer = None
 
-    async def generate(self, request: dict | ImageGenerationRequest) -> dict:
+    async def generate(self, request: dict | ImageGenerationRequest, avoid_replica: str | None = None) -> dict:
         """Generates images for one request (the handle's entry point; HTTP uses the same path).
+
+        A request with a seed whose shard group fails under it is retried once on another
+        replica's group (the same seed gives the same images); the response then says
+        ``"retried": true`` and carries the first failure in ``first_error``.
 
         Args:
             request: The ``/v1/images/generations`` body, as a dict or the schema object.
+            avoid_replica: Set on a retry: the replica whose group failed it (the router steers
+                clear of it; if it lands there anyway, it is refused at once). A retry is not
+                retried again.
 
         Returns:
-            The OpenAI images response: ``created``, ``data[i].b64_json``, plus ``seed`` and ``rank``.
+            The OpenAI images response: ``created``, ``data[i].b64_json``, plus ``seed``, ``rank``
+            and ``retried``.
         """
         body = ImageGenerationRequest.model_validate(request)
         if body.model is not None and body.model != self.model_name:
             raise UnknownModelError(f"model {body.model!r} is not served here; available: [{self.model_name!r}]")
+        me = serve.get_replica_context().replica_id.unique_id
+        if avoid_replica == me:
+            raise GroupFailedError("no other shard group could take the retry")
         job = to_generation_request(body, self.config, request_id=uuid.uuid4().hex)
-        result = await asyncio.wrap_future(self._healthy_group().submit(job))
-        return {**image_response(result, self.model_name), "id": job.request_id}
+        try:
+            result = await asyncio.wrap_future(self._healthy_group().submit(job))
+        except GroupFailedError as err:
+            if body.seed is None or avoid_replica is not None or serve.get_replica_context().world_size < 2:
+                raise
+            return await self._retry_elsewhere(body, err, me)
+        return {**image_response(result, self.model_name), "id": job.request_id, "retried": False}
+
+    async def _retry_elsewhere(self, body: ImageGenerationRequest, error: GroupFailedError, me: str) -> dict:
+        logger.warning("Retrying a seeded request on another shard group after: %s", error)
+        context = serve.get_replica_context()
+        handle = serve.get_deployment_handle(context.deployment, context.app_name)
+        try:
+            response = await handle.generate.remote(body.model_dump(exclude_none=True), avoid_replica=me)
+        except ray.exceptions.RayTaskError as err:
+            # The other replica's own error (429, 503, ...), without the remote traceback.
+            cause = err.cause if err.cause is not None else err
+            if isinstance(cause, GroupFailedError):
+                raise GroupFailedError(f"{error}; the retry on another shard group failed too: {cause}") from None
+            raise cause from None
+        return {**response, "retried": True, "first_error": str(error)}
 
     def pool(self) -> dict:
         """Topology of this replica's group and each rank's memory report."""
-        return {**self.group.describe(), "ranks": self.group.memory()}
+        replica = serve.get_replica_context().replica_id.unique_id
+        return {**self.group.describe(), "replica": replica, "ranks": self.group.memory()}
 
     def progress(self) -> dict:
         """Request id -> state (queued, or running with its denoising step) of this replica's requests."""
         return self.group.progress()
+
+    def record_routing_stats(self) -> dict:
+        """What the router reads (``GroupAwareRouter``): whether this replica's group can serve now."""
+        return {GROUP_OK: not self.group.failure and self._healer is None}
 
     def check_health(self) -> None:
         """Serve's replica health check: every rank must answer within the deadline.

@@ -1,0 +1,39 @@
+"""Serve's request router for shard groups: prefer replicas whose group is healthy, and never send
+a retried request back to the replica whose group failed it."""
+
+from __future__ import annotations
+
+import random
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+#: Keyword argument of ``HSDPServer.generate`` naming the replica a retried request must avoid.
+AVOID_REPLICA = "avoid_replica"
+
+#: Routing stat a replica reports: ``False`` while its shard group is failed or being rebuilt.
+GROUP_OK = "group_ok"
+
+
+class GroupAwareRouter(RequestRouter):
+    """Power of two choices over the replicas whose shard group is healthy.
+
+    Ranks the replicas in three tiers: healthy ones (two picked at random, the shorter queue
+    wins), then replicas that reported a failed group (a request there waits for or is refused
+    by the rebuild), then the replica a retry must avoid: it is chosen only when no other can
+    take the request, and then refuses it at once. Each request is assigned the replica chosen
+    for it (no FIFO hand-over), so the avoidance holds per request.
+    """
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        avoid = pending_request.kwargs.get(AVOID_REPLICA) if pending_request is not None else None
+        healthy, failing, avoided = [], [], []
+        for replica in candidate_replicas:
+            if avoid is not None and replica.replica_id.unique_id == avoid:
+                avoided.append(replica)
+            elif (replica.routing_stats or {}).get(GROUP_OK, True):
+                healthy.append(replica)
+            else:
+                failing.append(replica)
+        return [random.sample(tier, min(2, len(tier))) for tier in (healthy, failing, avoided) if tier]

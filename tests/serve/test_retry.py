@@ -1,0 +1,90 @@
+"""Two replicas (two shard groups): a seeded request whose group dies under it is retried once on
+the other group, and the answer says so."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import psutil
+import pytest
+import requests
+from conftest import free_port, reference_frames
+from PIL import Image
+
+from ray_hsdp.request import GenerationRequest
+
+
+@pytest.fixture(scope="module")
+def pool(ray_cluster):
+    """An app of two replicas, each a shard group of 2 CPU ranks, on a free port of 127.0.0.1."""
+    from ray import serve
+
+    from ray_hsdp.serve import build_app
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = {"model": "tiny", "device": "cpu", "shard_size": 2, "replicate_size": 2, "default_size": "64x64"}
+    serve.run(build_app(args), name="pool", route_prefix="/pool")
+    base = f"http://127.0.0.1:{port}/pool"
+    yield base
+    serve.delete("pool")
+    serve.shutdown()
+
+
+def rank_pids_by_replica(base: str) -> dict[str, list[int]]:
+    """Replica id -> its ranks' process ids, asked through the router until both replicas answered."""
+    seen: dict[str, list[int]] = {}
+    deadline = time.monotonic() + 60
+    while len(seen) < 2 and time.monotonic() < deadline:
+        pool = requests.get(f"{base}/v1/pool", timeout=60).json()
+        seen[pool["replica"]] = [rank["pid"] for rank in pool["ranks"]]
+    assert len(seen) == 2, seen
+    return seen
+
+
+def busy_replica(groups: dict[str, list[int]], deadline_s: float = 60) -> str:
+    """The replica whose ranks compute (their processes use CPU) once one of them does."""
+    procs = {replica: [psutil.Process(pid) for pid in pids] for replica, pids in groups.items()}
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        for ps in procs.values():
+            for p in ps:
+                p.cpu_percent(None)
+        time.sleep(0.5)
+        load = {replica: min(p.cpu_percent(None) for p in ps) for replica, ps in procs.items()}
+        replica = max(load, key=load.get)
+        if load[replica] > 30:
+            return replica
+    raise AssertionError(f"no group started computing within {deadline_s}s")
+
+
+def test_a_seeded_request_is_retried_on_the_other_group_when_its_group_dies(pool, reference_pipe):
+    url = f"{pool}/v1/images/generations"
+    plain = requests.post(url, json={"prompt": "a plain one", "seed": 1, "num_inference_steps": 2}, timeout=120)
+    assert plain.status_code == 200 and plain.json()["retried"] is False
+    groups = rank_pids_by_replica(pool)
+    # Long enough on 2 CPU ranks that the kill lands while it runs.
+    body = {"prompt": "a retried one", "num_inference_steps": 200, "size": "128x128", "seed": 11}
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        pending = executor.submit(requests.post, url, json=body, timeout=600)
+        victim = busy_replica(groups)
+        killed_at = time.monotonic()
+        os.kill(groups[victim][1], signal.SIGKILL)
+        response = pending.result(timeout=600)
+    answered_s = time.monotonic() - killed_at
+    assert response.status_code == 200, response.text
+    payload = response.json()
+    assert payload["retried"] is True and "failed" in payload["first_error"], payload
+    request = GenerationRequest(
+        prompt=body["prompt"], width=128, height=128, num_inference_steps=200, guidance_scale=5.0, seed=11
+    )
+    expected = (np.clip(reference_frames(reference_pipe, request)[0, 0], 0, 1) * 255).round()
+    served = np.asarray(Image.open(io.BytesIO(base64.b64decode(payload["data"][0]["b64_json"]))), dtype=np.float64)
+    assert np.abs(served - expected).max() <= 1  # PNG is 8-bit: equal up to rounding
+    print(f"\nrank killed -> retried on the other group, answered 200 {answered_s:.1f}s after the kill")
