@@ -10,6 +10,7 @@ import logging
 import math
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -26,6 +27,14 @@ from ray_hsdp.topology import PLACEMENT_STRATEGY, ParallelDims
 logger = logging.getLogger("ray_hsdp")
 
 _RENDEZVOUS_TRIES = 3
+
+
+def _describe(err: BaseException) -> str:
+    """One line for an error from a rank: the remote cause without Ray's traceback and colours."""
+    if isinstance(err, ray.exceptions.RayTaskError) and err.cause is not None:
+        err = err.cause
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"[:300]
 
 
 class GroupFailedError(RuntimeError):
@@ -140,8 +149,11 @@ class ShardGroup:
         bundle = self.dims.bundles(self.config.device, self.config.cpus_per_rank)[0]
         actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(Rank)
         for attempt in range(1, _RENDEZVOUS_TRIES + 1):
+            # Named, so that `ray list actors` and operators can tell the ranks of each group apart.
+            names = [f"ray_hsdp-{uuid.uuid4().hex[:8]}-rank{i}" for i in range(self.dims.shard_size)]
             self.ranks = [
                 actor.options(
+                    name=names[i],
                     num_cpus=bundle["CPU"],
                     num_gpus=bundle.get("GPU", 0),
                     max_restarts=0,
@@ -154,9 +166,10 @@ class ShardGroup:
             ray.get([r.prepare.remote() for r in self.ranks], timeout=self.config.load_timeout_s)
             master, port = ray.get(self.ranks[0].address.remote(), timeout=self.config.rendezvous_timeout_s)
             try:
-                self.placement = ray.get(
+                joined = ray.get(
                     [r.join.remote(master, port) for r in self.ranks], timeout=self.config.rendezvous_timeout_s
                 )
+                self.placement = [{**place, "actor_name": name} for place, name in zip(joined, names)]
                 return
             except (ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError) as err:
                 # The port was free when rank 0 picked it; another process may have taken it since.
@@ -283,7 +296,7 @@ class ShardGroup:
                     try:
                         ray.get(ref)
                     except Exception as err:  # noqa: BLE001 - one rank's session died: the group is out of step
-                        self._fail(f"shard group failed: {type(err).__name__}: {err}")
+                        self._fail(f"shard group failed: {_describe(err)}")
                         self._sessions = None
             if self._sessions is not None:
                 done, _ = ray.wait(self._sessions, num_returns=len(self._sessions), timeout=0)
@@ -298,7 +311,7 @@ class ShardGroup:
         try:
             job.future.set_result(ray.get(ref))
         except ray.exceptions.RayActorError as err:
-            self._fail(f"shard group failed: a rank died: {err}")
+            self._fail(f"shard group failed: a rank died: {_describe(err)}")
         except Exception as err:  # noqa: BLE001 - a failed request goes back to its caller
             cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) and err.cause else err
             job.future.set_exception(cause)
@@ -307,7 +320,7 @@ class ShardGroup:
         try:
             ray.get(self._sessions)
         except Exception as err:  # noqa: BLE001 - a session that fails leaves its group out of step
-            self._fail(f"shard group failed: {type(err).__name__}: {err}")
+            self._fail(f"shard group failed: {_describe(err)}")
         self._sessions = None
 
     def _fail(self, reason: str) -> None:
@@ -364,7 +377,7 @@ class ShardGroup:
         try:
             ray.get([r.ping.remote() for r in self.ranks], timeout=timeout_s)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
-            self._fail(f"shard group failed its health check: {type(err).__name__}: {err}")
+            self._fail(f"shard group failed its health check: {_describe(err)}")
             raise GroupFailedError(self._failure) from err
 
     def describe(self) -> dict:

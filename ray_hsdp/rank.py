@@ -92,6 +92,7 @@ class Rank:
         return {
             "rank": self.rank,
             "node_id": ray.get_runtime_context().get_node_id(),
+            "namespace": ray.get_runtime_context().namespace,
             "node_ip": distributed.node_ip(),
             "pid": os.getpid(),
             "device": self.config.device,

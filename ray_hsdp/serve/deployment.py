@@ -200,15 +200,22 @@ class HSDPServer:
 
     def pool(self) -> dict:
         """Topology of this replica's group and each rank's memory report."""
+        group = self._healthy_group()
         replica = serve.get_replica_context().replica_id.unique_id
-        return {**self.group.describe(), "replica": replica, "ranks": self.group.memory()}
+        return {**group.describe(), "replica": replica, "ranks": group.memory()}
 
     def progress(self) -> dict:
         """Request id -> state (queued, or running with its denoising step) of this replica's requests."""
         return self.group.progress()
 
     def record_routing_stats(self) -> dict:
-        """What the router reads (``GroupAwareRouter``): whether this replica's group can serve now."""
+        """What the router reads (``GroupAwareRouter``): whether this replica's group can serve now.
+
+        Serve asks every ``request_routing_stats_period_s``, so a failed group also starts its
+        rebuild here without waiting for a request or the health check.
+        """
+        if self.group.failure:
+            self._start_heal()
         return {GROUP_OK: not self.group.failure and self._healer is None}
 
     def check_health(self) -> None:
