@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--height", type=int, default=480)
     parser.add_argument("--frames", type=int, default=21)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--ray-cpus", type=int, default=None, help="logical CPUs of the local Ray (CPU dry runs)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
 
@@ -49,7 +50,7 @@ def main() -> None:
         write_s = time.perf_counter() - start
     transformer_bytes = folder_bytes(model_dir / "transformer")
     checkpoint_bytes = folder_bytes(model_dir)
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=args.ray_cpus)
     runs = []
     for shard_size in args.shard_sizes:
         config = GroupConfig(model=str(model_dir), device=args.device, shard_size=shard_size, mode="batch")
@@ -85,8 +86,12 @@ def main() -> None:
                     {
                         "rank": r["rank"],
                         "weights_device_bytes": r["device_allocated_bytes"],
-                        "transformer_local_bytes": r["components"]["transformer"]["sharded_local"]
-                        + r["components"]["transformer"]["replicated"],
+                        # Both experts of a two-expert pipeline (transformer and transformer_2).
+                        "transformer_local_bytes": sum(
+                            c["sharded_local"] + c["replicated"]
+                            for name, c in r["components"].items()
+                            if name.startswith("transformer")
+                        ),
                         "param_bytes": r["total"]["sharded_local"] + r["total"]["replicated"],
                         "peak_request_bytes": res.peak_device_bytes,
                         "load_s": r["load_s"],

@@ -2,8 +2,9 @@
 
     python -m bench.throughput --model-dir /tmp/wan14b --out bench/results
 
-Setups (2 GPUs): R=2 x S=1 unsharded replicas (the ceiling); R=1 x S=2 ``batch`` (ours);
-R=1 x S=2 ``replicated`` (vllm-omni's standalone HSDP semantics); one GPU with diffusers' group
+Setups (N GPUs): R=N x S=1 unsharded replicas (the ceiling); ``batch`` (ours) on R x S layouts
+(``--layouts``, default R=1 x S=N);
+R=1 x S=N ``replicated`` (vllm-omni's standalone HSDP semantics); one GPU with diffusers' group
 offload (a user without HSDP); and ``batch`` on a mixed workload (steps interleaved). Every setup
 runs the same requests (480x832, guidance on) at each frame count; results are written after
 every setup so that a run cut short keeps what it measured.
@@ -99,6 +100,10 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--device", default="cuda")
     parser.add_argument(
+        "--layouts", nargs="+", default=None, help="R x S layouts of the batch setup, e.g. 1x4 2x2 (default 1xGPUS)"
+    )
+    parser.add_argument("--ray-cpus", type=int, default=None, help="logical CPUs of the local Ray (CPU dry runs)")
+    parser.add_argument(
         "--setups", nargs="+", default=["ceiling", "batch", "replicated", "mixed", "batch-prefetch0", "offload"]
     )
     parser.add_argument("--out", default="bench/results")
@@ -116,7 +121,7 @@ def main() -> None:
         make_random(
             args.arch, model_dir, dtype="bfloat16" if args.device == "cuda" else "float32", tiny=args.device != "cuda"
         )
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=args.ray_cpus)
     n = args.requests_per_gpu * args.gpus
 
     def requests(frames, steps=None, count=n):
@@ -158,29 +163,39 @@ def main() -> None:
             Path(args.out), name, {"rows": rows, "environment": environment(), "steps": args.steps}, table(rows, args)
         )
 
+    runs = []  # (row name, setup, R, S)
     for setup in args.setups:
+        if setup == "batch":
+            for layout in args.layouts or [f"1x{args.gpus}"]:
+                replicas, shards = (int(x) for x in layout.lower().split("x"))
+                if replicas * shards != args.gpus:
+                    parser.error(f"layout {layout} does not use {args.gpus} GPUs")
+                runs.append(("batch" if replicas == 1 else f"batch-{layout}", setup, replicas, shards))
+        elif setup == "ceiling":
+            runs.append((setup, setup, args.gpus, 1))
+        else:
+            runs.append((setup, setup, 1, args.gpus))
+
+    for row, setup, replicas, shard_size in runs:
         if setup == "offload":
             for frames in args.offload_frames:
                 record(setup, frames, offload_baseline(str(model_dir), requests(frames, count=2), args.device))
             continue
-        if setup == "ceiling":
-            groups = [group(shard_size=1, replicate_size=args.gpus) for _ in range(args.gpus)]
-        else:
-            options = {"forward_prefetch": 0} if setup == "batch-prefetch0" else {}
-            mode = "replicated" if setup == "replicated" else "batch"
-            groups = [group(shard_size=args.gpus, mode=mode, **options)]
+        options = {"forward_prefetch": 0} if setup == "batch-prefetch0" else {}
+        mode = "replicated" if setup == "replicated" else "batch"
+        groups = [group(shard_size=shard_size, replicate_size=replicas, mode=mode, **options) for _ in range(replicas)]
         try:
             for frames in args.mixed_frames if setup == "mixed" else args.frames:
                 if setup == "mixed":
                     work = requests(frames, steps=[2 * args.steps, 4 * args.steps], count=2 * n)
                 else:
                     work = requests(frames)
-                run_groups(groups, requests(frames, count=len(groups) * (args.gpus // len(groups))))  # warm-up
+                run_groups(groups, requests(frames, count=args.gpus))  # warm-up: one request per GPU
                 result = run_groups(groups, work)
                 result["forwards"] = sum(2 * r.num_inference_steps for r in work)
-                record(setup, frames, result, groups)
+                record(row, frames, result, groups)
             if setup == "ceiling":  # the mixed workload's ideal: the same work on unsharded replicas
-                for frames in args.mixed_frames:
+                for frames in args.mixed_frames if "mixed" in args.setups else []:
                     work = requests(frames, steps=[2 * args.steps, 4 * args.steps], count=2 * n)
                     record("ceiling-mixed", frames, run_groups(groups, work), groups)
         finally:
@@ -192,7 +207,8 @@ def main() -> None:
 def table(rows: list[dict], args) -> str:
     by = {(r["setup"], r["frames"]): r for r in rows}
     lines = [
-        f"# Throughput: {args.arch}, random bf16 weights, {args.width}x{args.height}, {args.steps} steps "
+        f"# Throughput: {args.arch}, random {'bf16' if args.device == 'cuda' else 'fp32 tiny'} weights, "
+        f"{args.width}x{args.height}, {args.steps} steps "
         f"(mixed: {2 * args.steps} and {4 * args.steps}), guidance on",
         "",
         f"GPUs: {', '.join(environment()['gpus']) or 'none'}",
