@@ -181,7 +181,7 @@ def main() -> None:
             for frames in args.offload_frames:
                 record(setup, frames, offload_baseline(str(model_dir), requests(frames, count=2), args.device))
             continue
-        options = {"forward_prefetch": 0} if setup == "batch-prefetch0" else {}
+        options = {"batch-prefetch0": {"forward_prefetch": 0}, "batch-fwd2": {"max_forward_batch": 2}}.get(setup, {})
         mode = "replicated" if setup == "replicated" else "batch"
         groups = [group(shard_size=shard_size, replicate_size=replicas, mode=mode, **options) for _ in range(replicas)]
         try:

@@ -81,6 +81,13 @@ class GroupConfig(BaseModel):
         description="FSDP units whose weights a unit's forward starts gathering ahead (explicit prefetch); "
         "0 keeps FSDP2's implicit behaviour. 1 measured faster on 2 x H200 (bench/results).",
     )
+    max_forward_batch: int = Field(
+        1,
+        ge=1,
+        description="Most of a rank's waiting calls of one sharded module (different requests of the same "
+        "shape) that run as one batched forward, which gathers the weights once for all of them; 1: one call "
+        "per forward.",
+    )
     request_streams: bool = Field(
         False,
         description="CUDA: run each request's own work (scheduler steps, VAE decode) on a stream of its own, "

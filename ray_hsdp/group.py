@@ -355,7 +355,7 @@ class ShardGroup:
         return [{**place, **report} for place, report in zip(self.placement, reports)]
 
     def tick_stats(self) -> list[dict]:
-        """Each rank's counts of ticks and ghost passes since it loaded."""
+        """Each rank's counts of ticks, ghost passes and batched calls since it loaded."""
         return ray.get([r.tick_stats.remote() for r in self.ranks], timeout=self.config.request_timeout_s)
 
     def start_profile(self, trace_dir: str | None = None) -> None:

@@ -125,6 +125,7 @@ class Rank:
                 min_num_params=self.config.min_num_params,
                 reshard_after_forward=self.config.reshard_after_forward,
                 forward_prefetch=self.config.forward_prefetch,
+                max_forward_batch=self.config.max_forward_batch,
                 allow_pickle=self.config.allow_pickle,
             )
             self.pipeline.set_request_slots(self.config.requests_per_rank, self.config.shard_components)
@@ -228,9 +229,10 @@ class Rank:
 
     @ray.method(concurrency_group="control")
     def tick_stats(self) -> dict[str, int]:
-        """Ticks and ghost passes this rank has run since it loaded."""
+        """Ticks, ghost passes and batched calls this rank has run since it loaded."""
         ticks = self.pipeline.ticks if self.pipeline is not None else None
-        return {"rank": self.rank, "ticks": ticks.ticks if ticks else 0, "ghosts": ticks.ghosts if ticks else 0}
+        counts = {"ticks": ticks.ticks, "ghosts": ticks.ghosts, "batched": ticks.batched} if ticks else {}
+        return {"rank": self.rank, "ticks": 0, "ghosts": 0, "batched": 0, **counts}
 
     @ray.method(concurrency_group="profile")
     def start_profile(self, trace_dir: str | None = None) -> None:

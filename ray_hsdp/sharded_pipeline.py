@@ -71,6 +71,7 @@ class ShardedPipeline:
         min_num_params: int,
         reshard_after_forward: bool,
         forward_prefetch: int = 0,
+        max_forward_batch: int = 1,
         allow_pickle: bool = False,
     ) -> ShardedPipeline:
         """Loads a pipeline folder, sharding the named components over ``mesh``.
@@ -101,7 +102,7 @@ class ShardedPipeline:
         pipe = load_pipeline(path, dtype, allow_pickle, **prebuilt)
         loaded = cls(pipe, device, rank, sharded, stats)
         if prebuilt:
-            loaded.ticks = TickProtocol(prebuilt, device, reshard_after_forward)
+            loaded.ticks = TickProtocol(prebuilt, device, reshard_after_forward, max_batch=max_forward_batch)
             for name, proxy in loaded.ticks.proxies().items():
                 # Plain attribute: DiffusionPipeline.__setattr__ would register the proxy in its config.
                 object.__setattr__(pipe, name, proxy)

@@ -29,6 +29,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
+from ray_hsdp.batching import compatible, concatenate, split
+
 IDLE = -1
 BUSY = -2
 
@@ -88,8 +90,10 @@ class TickProtocol:
         reshard_after_forward: Whether units free gathered weights after forward; a ghost pass
             must leave each unit in the state a real forward leaves it in.
         group: Process group (the default one when ``None``).
-        patience_s: Longest a rank with requests still denoising waits for their next call
-            before it ticks ``BUSY``.
+        patience_s: Longest a rank with requests still denoising waits for their next calls
+            before it ticks.
+        max_batch: Most waiting calls of one module that run as one batched forward (see
+            ``ray_hsdp.batching``); 1 runs every call alone.
     """
 
     def __init__(
@@ -99,6 +103,7 @@ class TickProtocol:
         reshard_after_forward: bool,
         group=None,
         patience_s: float = 0.1,
+        max_batch: int = 1,
     ):
         # Smallest first; parameter counts are global (DTensor), so every rank gets the same order.
         self.names = sorted(modules, key=lambda n: (sum(p.numel() for p in modules[n].parameters()), n))
@@ -110,9 +115,11 @@ class TickProtocol:
         self.units = [self._units_in_forward_order(m) for m in self.modules]
         self.ticks = 0
         self.ghosts = 0
+        self.batched = 0  # calls that ran in a forward together with others
         self._calls: queue.Queue[_ForwardCall] = queue.Queue()
         self._waiting: list[_ForwardCall] = []  # calls taken from the queue, not yet run
         self.patience_s = patience_s
+        self.max_batch = max_batch
         self._expecting = 0  # request threads that will call a sharded module again
         self._expecting_lock = threading.Lock()
         self.stall_s = 0.0  # fault injection: the next tick sleeps this long before its collective
@@ -172,7 +179,7 @@ class TickProtocol:
         Returns:
             True when every rank was idle at this tick (all ranks see the same answer).
         """
-        self._take_calls(wait=busy and self._expecting > 0)
+        self._take_calls(wanted=min(self._expecting, self.max_batch) if busy else 0)
         state = min((c.module_id for c in self._waiting), default=BUSY if busy else IDLE)
         start = time.perf_counter()
         gathered = self._gather(state)
@@ -180,9 +187,8 @@ class TickProtocol:
         wanted = [g for g in gathered if g >= 0]
         module_id = min(wanted, default=None)
         if module_id is not None:
-            mine = next((c for c in self._waiting if c.module_id == module_id), None)
-            if mine is not None:
-                self._waiting.remove(mine)
+            mine = self._batch(module_id)
+            if mine:
                 self._run(mine)
             else:
                 self.ghost(module_id)
@@ -195,37 +201,69 @@ class TickProtocol:
             time.sleep(_QUIET_TICK_S)
         return False
 
-    def _take_calls(self, wait: bool) -> None:
-        """Moves queued calls to ``_waiting``; with ``wait`` and none waiting, first waits up to
-        ``patience_s`` for one."""
-        if wait and not self._waiting:
+    def _take_calls(self, wanted: int) -> None:
+        """Moves queued calls to ``_waiting``, first waiting up to ``patience_s`` until ``wanted``
+        calls wait (the requests still denoising, up to a batch)."""
+        deadline = time.monotonic() + self.patience_s
+        while len(self._waiting) < wanted:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
             try:
-                self._waiting.append(self._calls.get(timeout=self.patience_s))
+                self._waiting.append(self._calls.get(timeout=remaining))
             except queue.Empty:
-                pass
+                break
         while True:
             try:
                 self._waiting.append(self._calls.get_nowait())
             except queue.Empty:
                 return
 
+    def _batch(self, module_id: int) -> list[_ForwardCall]:
+        """Takes this rank's oldest waiting call of ``module_id`` and up to ``max_batch - 1``
+        more that can run in the same forward."""
+        batch: list[_ForwardCall] = []
+        for call in list(self._waiting):
+            if call.module_id != module_id or len(batch) == self.max_batch:
+                continue
+            if batch and not compatible((batch[0].args, batch[0].kwargs), (call.args, call.kwargs)):
+                continue
+            batch.append(call)
+            self._waiting.remove(call)
+        return batch
+
     @torch.no_grad()
-    def _run(self, call: _ForwardCall) -> None:
+    def _run(self, calls: list[_ForwardCall]) -> None:
+        """One forward for ``calls`` (batched when more than one); each gets its part."""
         try:
-            if call.ready is not None:
-                torch.cuda.current_stream().wait_event(call.ready)
-            call.result = self.modules[call.module_id](*call.args, **call.kwargs)
-            if call.stream is not None and call.stream != torch.cuda.current_stream():
-                # The caller's stream reads the outputs later: their memory must not return to
-                # this stream's pool before it has.
-                for tensor in _tensors(call.result):
-                    tensor.record_stream(call.stream)
-                call.finished = torch.cuda.Event()
-                call.finished.record()
-        except BaseException as err:  # noqa: BLE001 - handed to the request thread that asked
-            call.error = err
+            for call in calls:
+                if call.ready is not None:
+                    torch.cuda.current_stream().wait_event(call.ready)
+            module = self.modules[calls[0].module_id]
+            if len(calls) == 1:
+                results = [module(*calls[0].args, **calls[0].kwargs)]
+            else:
+                args, kwargs, sizes = concatenate([(c.args, c.kwargs) for c in calls])
+                results = split(module(*args, **kwargs), sizes)
+                self.batched += len(calls)
+            finished = None
+            for call, result in zip(calls, results):
+                call.result = result
+                if call.stream is not None and call.stream != torch.cuda.current_stream():
+                    # The caller's stream reads the outputs later: their memory must not return
+                    # to this stream's pool before it has.
+                    for tensor in _tensors(result):
+                        tensor.record_stream(call.stream)
+                    if finished is None:
+                        finished = torch.cuda.Event()
+                        finished.record()
+                    call.finished = finished
+        except BaseException as err:  # noqa: BLE001 - handed to the request threads that asked
+            for call in calls:
+                call.error = err
         finally:
-            call.done.set()
+            for call in calls:
+                call.done.set()
 
     @torch.no_grad()
     def ghost(self, module_id: int) -> None:
