@@ -50,7 +50,10 @@ def main() -> None:
         write_s = time.perf_counter() - start
     transformer_bytes = folder_bytes(model_dir / "transformer")
     checkpoint_bytes = folder_bytes(model_dir)
-    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=args.ray_cpus)
+    # A dry run starts a Ray of its own ("local"), beside any cluster already running here.
+    ray.init(
+        address="local" if args.ray_cpus else None, include_dashboard=False, log_to_driver=False, num_cpus=args.ray_cpus
+    )
     runs = []
     for shard_size in args.shard_sizes:
         config = GroupConfig(model=str(model_dir), device=args.device, shard_size=shard_size, mode="batch")

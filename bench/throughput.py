@@ -121,7 +121,10 @@ def main() -> None:
         make_random(
             args.arch, model_dir, dtype="bfloat16" if args.device == "cuda" else "float32", tiny=args.device != "cuda"
         )
-    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=args.ray_cpus)
+    # A dry run starts a Ray of its own ("local"), beside any cluster already running here.
+    ray.init(
+        address="local" if args.ray_cpus else None, include_dashboard=False, log_to_driver=False, num_cpus=args.ray_cpus
+    )
     n = args.requests_per_gpu * args.gpus
 
     def requests(frames, steps=None, count=n):
