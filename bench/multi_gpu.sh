@@ -9,13 +9,15 @@
 #   a14b-throughput  Wan2.2 A14B, 21 frames: batch with S=4 (R=GPUS/4) vs the ceiling
 #
 # DEVICE=cpu runs the same parts with tiny architectures on gloo ranks (a dry run on a CPU host);
-# OUT (default bench/results) and MODELS (default /tmp) say where results and checkpoints go.
+# OUT (default bench/results) and MODELS (default /tmp) say where results and checkpoints go;
+# PYTHON (default python) is the interpreter with ray_hsdp installed.
 set -euo pipefail
 GPUS=${1:?number of GPUs}
 PART=${2:?wan21, a14b-memory or a14b-throughput}
 DEVICE=${DEVICE:-cuda}
 OUT=${OUT:-bench/results}
 MODELS=${MODELS:-/tmp}
+PYTHON=${PYTHON:-python}
 if [ "$DEVICE" = cpu ]; then
   # Tiny checkpoints, small frames, and a logical CPU per rank beside the real ones.
   COMMON=(--device cpu --ray-cpus $((GPUS * 2)) --width 64 --height 64)
@@ -31,15 +33,15 @@ if [ "$GPUS" -ge 8 ]; then LAYOUTS+=("4x$((GPUS / 4))"); fi
 
 case "$PART" in
   wan21)
-    python -m bench.throughput --arch wan2.1-t2v-14b --model-dir "$MODELS/wan14b$SUFFIX" --gpus "$GPUS" \
+    "$PYTHON" -m bench.throughput --arch wan2.1-t2v-14b --model-dir "$MODELS/wan14b$SUFFIX" --gpus "$GPUS" \
       --frames "${FRAMES[@]}" --steps 2 --setups ceiling batch --layouts "${LAYOUTS[@]}" "${COMMON[@]}" --out "$OUT"
     ;;
   a14b-memory)
-    python -m bench.memory --arch wan2.2-t2v-a14b --model-dir "$MODELS/wan22$SUFFIX" --shard-sizes 1 4 \
+    "$PYTHON" -m bench.memory --arch wan2.2-t2v-a14b --model-dir "$MODELS/wan22$SUFFIX" --shard-sizes 1 4 \
       --frames "${FRAMES[0]}" "${COMMON[@]}" --out "$OUT"
     ;;
   a14b-throughput)
-    python -m bench.throughput --arch wan2.2-t2v-a14b --model-dir "$MODELS/wan22$SUFFIX" --gpus "$GPUS" \
+    "$PYTHON" -m bench.throughput --arch wan2.2-t2v-a14b --model-dir "$MODELS/wan22$SUFFIX" --gpus "$GPUS" \
       --frames "${FRAMES[0]}" --steps 2 --setups ceiling batch --layouts "$((GPUS / 4))x4" "${COMMON[@]}" --out "$OUT"
     ;;
   *)

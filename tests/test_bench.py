@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -13,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def dry_run(part: str, tmp_path: Path) -> Path:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # not the tests' cluster
-    env.update(DEVICE="cpu", OUT=str(tmp_path / "out"), MODELS=str(tmp_path))
+    env.update(DEVICE="cpu", OUT=str(tmp_path / "out"), MODELS=str(tmp_path), PYTHON=sys.executable)
     subprocess.run(["bash", "bench/multi_gpu.sh", "4", part], cwd=ROOT, env=env, check=True, timeout=600)
     return tmp_path / "out"
 
