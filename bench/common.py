@@ -39,3 +39,54 @@ def write_results(out_dir: Path, name: str, payload: dict, markdown: str) -> Non
 
 def gib(n: float) -> str:
     return f"{n / 2**30:.2f}"
+
+
+def ensure_model(arch: str, model_dir: Path, device: str) -> float | None:
+    """Writes the random ``arch`` checkpoint to ``model_dir`` unless one is there (real size in bf16
+    on cuda, tiny in fp32 on cpu); returns the seconds writing took, ``None`` when nothing was written."""
+    import time
+
+    from ray_hsdp.checkpoints.random_weights import make_random
+
+    if (model_dir / "model_index.json").exists():
+        return None
+    start = time.perf_counter()
+    make_random(arch, model_dir, dtype="bfloat16" if device == "cuda" else "float32", tiny=device != "cuda")
+    return time.perf_counter() - start
+
+
+def start_ray(ray_cpus: int | None = None, env_vars: dict | None = None) -> None:
+    """Starts Ray for a benchmark. With ``ray_cpus`` (a CPU dry run) it is a Ray of its own
+    ("local") beside any cluster already running here; ``env_vars`` go to every rank."""
+    import ray
+
+    ray.init(
+        address="local" if ray_cpus else None,
+        include_dashboard=False,
+        log_to_driver=False,
+        num_cpus=ray_cpus,
+        runtime_env={"env_vars": env_vars} if env_vars else None,
+    )
+
+
+def fox_requests(
+    count: int, *, width: int, height: int, frames: int, steps, guidance_scale: float = 5.0, id_prefix: str = "r"
+) -> list:
+    """``count`` requests of one size, seeds 0..count-1; ``steps`` is a step count or a list that
+    the requests take in turn."""
+    from ray_hsdp.request import GenerationRequest
+
+    step_list = steps if isinstance(steps, list) else [steps]
+    return [
+        GenerationRequest(
+            prompt=f"a fox {i}",
+            width=width,
+            height=height,
+            num_frames=frames,
+            num_inference_steps=step_list[i % len(step_list)],
+            guidance_scale=guidance_scale,
+            seed=i,
+            request_id=f"{id_prefix}{i}",
+        )
+        for i in range(count)
+    ]

@@ -13,7 +13,7 @@ import argparse
 import time
 from pathlib import Path
 
-from bench.common import environment, gib, write_results
+from bench.common import ensure_model, environment, fox_requests, gib, start_ray, write_results
 
 
 def folder_bytes(path: Path) -> int:
@@ -35,25 +35,14 @@ def main() -> None:
 
     import ray
 
-    from ray_hsdp.checkpoints.random_weights import make_random
     from ray_hsdp.config import GroupConfig
     from ray_hsdp.group import ShardGroup
-    from ray_hsdp.request import GenerationRequest
 
     model_dir = Path(args.model_dir)
-    write_s = None
-    if not (model_dir / "model_index.json").exists():
-        start = time.perf_counter()
-        make_random(
-            args.arch, model_dir, dtype="bfloat16" if args.device == "cuda" else "float32", tiny=args.device != "cuda"
-        )
-        write_s = time.perf_counter() - start
+    write_s = ensure_model(args.arch, model_dir, args.device)
     transformer_bytes = folder_bytes(model_dir / "transformer")
     checkpoint_bytes = folder_bytes(model_dir)
-    # A dry run starts a Ray of its own ("local"), beside any cluster already running here.
-    ray.init(
-        address="local" if args.ray_cpus else None, include_dashboard=False, log_to_driver=False, num_cpus=args.ray_cpus
-    )
+    start_ray(args.ray_cpus)
     runs = []
     for shard_size in args.shard_sizes:
         config = GroupConfig(model=str(model_dir), device=args.device, shard_size=shard_size, mode="batch")
@@ -61,18 +50,9 @@ def main() -> None:
         group = ShardGroup(config).start()
         start_s = time.perf_counter() - start
         try:
-            requests = [
-                GenerationRequest(
-                    prompt=f"a fox {i}",
-                    width=args.width,
-                    height=args.height,
-                    num_frames=args.frames,
-                    num_inference_steps=1,
-                    guidance_scale=1.0,
-                    seed=i,
-                )
-                for i in range(shard_size)
-            ]
+            requests = fox_requests(
+                shard_size, width=args.width, height=args.height, frames=args.frames, steps=1, guidance_scale=1.0
+            )
             group.generate(requests)  # warm-up: kernels, allocator
             start = time.perf_counter()
             results = group.generate(requests)

@@ -15,7 +15,7 @@ import argparse
 import time
 from pathlib import Path
 
-from bench.common import environment, write_results
+from bench.common import ensure_model, environment, fox_requests, start_ray, write_results
 from bench.throughput import latent_tokens
 
 SETUPS = {
@@ -62,33 +62,18 @@ def main() -> None:
 
     import ray
 
-    from ray_hsdp.checkpoints.random_weights import make_random
     from ray_hsdp.config import GroupConfig
     from ray_hsdp.group import ShardGroup
-    from ray_hsdp.request import GenerationRequest
 
     model_dir = Path(args.model_dir)
-    if not (model_dir / "model_index.json").exists():
-        make_random(
-            args.arch, model_dir, dtype="bfloat16" if args.device == "cuda" else "float32", tiny=args.device != "cuda"
-        )
+    ensure_model(args.arch, model_dir, args.device)
     env_vars = dict(item.split("=", 1) for item in args.env)
-    ray.init(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env_vars} if env_vars else None)
+    start_ray(env_vars=env_vars)
 
     def requests(frames, count):
-        return [
-            GenerationRequest(
-                prompt=f"a fox {i}",
-                width=args.width,
-                height=args.height,
-                num_frames=frames,
-                num_inference_steps=args.steps,
-                guidance_scale=5.0,
-                seed=i,
-                request_id=f"f{frames}-r{i}",
-            )
-            for i in range(count)
-        ]
+        return fox_requests(
+            count, width=args.width, height=args.height, frames=frames, steps=args.steps, id_prefix=f"f{frames}-r"
+        )
 
     rows: list[dict] = []
     name = f"profile-{args.arch}{args.tag}"

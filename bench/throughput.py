@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.common import environment, write_results
+from bench.common import ensure_model, environment, fox_requests, start_ray, write_results
 
 
 def latent_tokens(width: int, height: int, frames: int) -> int:
@@ -111,37 +111,16 @@ def main() -> None:
 
     import ray
 
-    from ray_hsdp.checkpoints.random_weights import make_random
     from ray_hsdp.config import GroupConfig
     from ray_hsdp.group import ShardGroup
-    from ray_hsdp.request import GenerationRequest
 
     model_dir = Path(args.model_dir)
-    if not (model_dir / "model_index.json").exists():
-        make_random(
-            args.arch, model_dir, dtype="bfloat16" if args.device == "cuda" else "float32", tiny=args.device != "cuda"
-        )
-    # A dry run starts a Ray of its own ("local"), beside any cluster already running here.
-    ray.init(
-        address="local" if args.ray_cpus else None, include_dashboard=False, log_to_driver=False, num_cpus=args.ray_cpus
-    )
+    ensure_model(args.arch, model_dir, args.device)
+    start_ray(args.ray_cpus)
     n = args.requests_per_gpu * args.gpus
 
     def requests(frames, steps=None, count=n):
-        step_list = steps or [args.steps] * count
-        return [
-            GenerationRequest(
-                prompt=f"a fox {i}",
-                width=args.width,
-                height=args.height,
-                num_frames=frames,
-                num_inference_steps=step_list[i % len(step_list)],
-                guidance_scale=5.0,
-                seed=i,
-                request_id=f"r{i}",
-            )
-            for i in range(count)
-        ]
+        return fox_requests(count, width=args.width, height=args.height, frames=frames, steps=steps or args.steps)
 
     def group(**fields):
         return ShardGroup(GroupConfig(model=str(model_dir), device=args.device, **fields)).start()
