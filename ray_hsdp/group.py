@@ -11,8 +11,9 @@ import math
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
 import ray
@@ -22,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.rank import CONCURRENCY_GROUPS, Rank
 from ray_hsdp.request import GenerationRequest, GenerationResult
+from ray_hsdp.runtime import SessionFailedError
 from ray_hsdp.topology import PLACEMENT_STRATEGY, ParallelDims
 
 logger = logging.getLogger("ray_hsdp")
@@ -29,12 +31,29 @@ logger = logging.getLogger("ray_hsdp")
 _RENDEZVOUS_TRIES = 3
 
 
+def _cause(err: BaseException) -> BaseException:
+    """The remote exception inside a Ray task error."""
+    if isinstance(err, ray.exceptions.RayTaskError) and err.cause is not None:
+        return err.cause
+    return err
+
+
 def _describe(err: BaseException) -> str:
     """One line for an error from a rank: the remote cause without Ray's traceback and colours."""
-    if isinstance(err, ray.exceptions.RayTaskError) and err.cause is not None:
-        err = err.cause
+    err = _cause(err)
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return f"{type(err).__name__}: {lines[0] if lines else ''}"[:300]
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"[:400]
+
+
+def _resolve(future: Future, result: object = None, error: BaseException | None = None) -> None:
+    """Answers ``future`` unless it was answered already (every path may try; the first wins)."""
+    try:
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    except InvalidStateError:
+        pass
 
 
 class GroupFailedError(RuntimeError):
@@ -106,7 +125,11 @@ class ShardGroup:
         self.placement: list[dict] = []
         self._pending: list[_Job] = []
         self._inflight: dict[ray.ObjectRef, tuple[int, _Job]] = {}  # offer -> (rank index, job)
-        self._sessions: list[ray.ObjectRef] | None = None
+        self._sessions: dict[ray.ObjectRef, int] | None = None  # running session -> rank index
+        self._sessions_done: set[ray.ObjectRef] = set()
+        # Offers and sessions that completed, as Ray reports them; the scheduler handles them.
+        self._events: deque[tuple[str, ray.ObjectRef, Future]] = deque()
+        self._wake = False  # a request was submitted
         self._cond = threading.Condition()
         self._scheduler: threading.Thread | None = None
         self._failure: str | None = None
@@ -179,30 +202,28 @@ class ShardGroup:
                 self._kill_ranks()
 
     def _kill_ranks(self) -> None:
-        for r in self.ranks:
+        ranks, self.ranks = self.ranks, []
+        for r in ranks:
             ray.kill(r, no_restart=True)
-        self.ranks = []
 
     def shutdown(self) -> None:
-        """Fails queued requests, destroys the process group, kills the ranks, removes an owned
-        placement group. Safe to call more than once."""
+        """Fails queued and running requests, destroys the process group, kills the ranks,
+        removes an owned placement group. Safe to call more than once."""
         with self._cond:
             self._closed = True
             jobs = self._pending + [j for _, j in self._inflight.values()]
             self._pending, self._inflight = [], {}
             self._cond.notify_all()
         for job in jobs:
-            if not job.future.done():
-                job.future.set_exception(GroupFailedError("the shard group was shut down before the request finished"))
+            _resolve(job.future, error=GroupFailedError("the shard group was shut down before the request finished"))
         if self._scheduler is not None and self._scheduler is not threading.current_thread():
-            self._scheduler.join(timeout=self.config.request_timeout_s)
+            self._scheduler.join(timeout=30)
         if self.ranks:
             if self._failure is None:
                 try:
                     ray.get([r.leave.remote() for r in self.ranks], timeout=30)
                 except Exception as err:  # noqa: BLE001 - a dead rank cannot leave; it is killed below anyway
                     logger.warning("Ranks did not leave cleanly: %s", err)
-            # A failed group's survivors sit in a collective that will never complete: kill them.
             self._kill_ranks()
         if self._pg is not None and self._owns_pg:
             remove_placement_group(self._pg)
@@ -222,23 +243,32 @@ class ShardGroup:
     # ---- requests --------------------------------------------------------------------------
 
     def submit(self, request: GenerationRequest) -> Future:
-        """Queues a request; the future resolves to its ``GenerationResult``.
+        """Queues a request; the future resolves to its ``GenerationResult``, or to the error that
+        ended it (``GroupFailedError`` when the group failed under it), exactly once.
 
         Raises:
             GroupFailedError: The group is shut down or broken.
-            GroupOverloadedError: ``max_queue`` requests are already waiting.
+            GroupOverloadedError: Every rank is busy and ``max_queue`` requests are already waiting.
         """
         future: Future = Future()
         with self._cond:
             if self._closed or self._failure:
                 raise GroupFailedError(self._failure or "the shard group is shut down")
-            if len(self._pending) >= self.config.max_queue:
+            running = len({id(job) for _, job in self._inflight.values()})
+            if len(self._pending) + running >= self._running_capacity + self.config.max_queue:
                 raise GroupOverloadedError(
-                    f"the shard group's queue is full ({self.config.max_queue} requests waiting); retry later"
+                    f"the shard group is full: {running} requests running and {len(self._pending)} waiting "
+                    f"(max_queue={self.config.max_queue}); retry later"
                 )
             self._pending.append(_Job(request, future, time.monotonic()))
+            self._wake = True
             self._cond.notify_all()
         return future
+
+    @property
+    def _running_capacity(self) -> int:
+        """Requests the ranks run at once: one per group when replicated, else ``requests_per_rank`` each."""
+        return 1 if self.config.mode == "replicated" else self.dims.shard_size * self.config.requests_per_rank
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Runs requests through the queue and waits for all of them, in the order given."""
@@ -249,13 +279,29 @@ class ShardGroup:
         job = self._pending.pop(index)
         return job if job.future.set_running_or_notify_cancel() else None
 
+    def _offer(self, rank_index: int, job: _Job) -> None:
+        ref = self.ranks[rank_index].offer.remote(job.request)
+        self._inflight[ref] = (rank_index, job)
+        self._watch("offer", ref)
+
+    def _watch(self, kind: str, ref: ray.ObjectRef) -> None:
+        """Hands ``ref``'s completion to the scheduler thread (Ray calls back; nothing polls)."""
+
+        def completed(future: Future) -> None:
+            with self._cond:
+                self._events.append((kind, ref, future))
+                self._cond.notify_all()
+
+        ref.future().add_done_callback(completed)
+
     def _assign(self) -> None:
         """Hands queued requests to ranks with room (called with the lock held)."""
         if self.config.mode == "replicated":
             while not self._inflight and self._pending:
                 job = self._take(0)
                 if job is not None:
-                    self._inflight = {r.offer.remote(job.request): (i, job) for i, r in enumerate(self.ranks)}
+                    for i in range(len(self.ranks)):
+                        self._offer(i, job)
             return
         while self._pending:
             # The least loaded rank first, so that every rank has work before any has two.
@@ -272,67 +318,95 @@ class ShardGroup:
             )
             job = self._take(index)
             if job is not None:
-                self._inflight[self.ranks[rank_index].offer.remote(job.request)] = (rank_index, job)
+                self._offer(rank_index, job)
 
     def _load(self, rank_index: int) -> int:
         return sum(1 for i, _ in self._inflight.values() if i == rank_index)
 
     def _schedule(self) -> None:
-        while True:
-            with self._cond:
-                while not self._closed and not self._pending and not self._inflight and self._sessions is None:
-                    self._cond.wait()
-                if self._closed:
-                    return
-                self._assign()
-                offers = list(self._inflight)
-            if offers and self._sessions is None:
-                self._sessions = [r.session.remote() for r in self.ranks]
-            ready, _ = ray.wait(offers + (self._sessions or []), num_returns=1, timeout=0.01)
-            for ref in ready:
-                if ref in self._inflight:
-                    self._finish(ref)
-                elif self._sessions is not None and ref in self._sessions:
-                    try:
-                        ray.get(ref)
-                    except Exception as err:  # noqa: BLE001 - one rank's session died: the group is out of step
-                        self._fail(f"shard group failed: {_describe(err)}")
-                        self._sessions = None
-            if self._sessions is not None:
-                done, _ = ray.wait(self._sessions, num_returns=len(self._sessions), timeout=0)
-                if len(done) == len(self._sessions):
-                    self._end_sessions()
+        """The scheduler thread: hands requests to ranks, answers them, starts sessions.
 
-    def _finish(self, ref: ray.ObjectRef) -> None:
-        with self._cond:
-            rank_index, job = self._inflight.pop(ref)
-        if self.config.mode == "replicated" and rank_index != 0:
-            return  # every rank ran the same request; rank 0's copy is the answer
+        Wakes on a submitted request or a completed offer or session. If it crashes, the group
+        fails (and so answers every request it holds) rather than go quiet.
+        """
         try:
-            job.future.set_result(ray.get(ref))
-        except ray.exceptions.RayActorError as err:
-            self._fail(f"shard group failed: a rank died: {_describe(err)}")
-        except Exception as err:  # noqa: BLE001 - a failed request goes back to its caller
-            cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) and err.cause else err
-            job.future.set_exception(cause)
+            while True:
+                with self._cond:
+                    while not (self._closed or self._events or self._wake):
+                        self._cond.wait()
+                    if self._closed:
+                        return
+                    self._wake = False
+                    events = list(self._events)
+                    self._events.clear()
+                for kind, ref, future in events:
+                    if kind == "offer":
+                        self._offer_done(ref, future)
+                    else:
+                        self._session_done(ref, future)
+                with self._cond:
+                    if self._failure or self._closed:
+                        continue
+                    self._assign()
+                    if self._inflight and self._sessions is None:
+                        # Every rank ticks, with work or without, until all are idle.
+                        self._sessions = {r.session.remote(): i for i, r in enumerate(self.ranks)}
+                        for ref in self._sessions:
+                            self._watch("session", ref)
+        except BaseException as err:
+            logger.exception("The shard group's scheduler crashed")
+            self._fail(f"shard group failed: its scheduler crashed: {type(err).__name__}: {err}")
 
-    def _end_sessions(self) -> None:
-        try:
-            ray.get(self._sessions)
-        except Exception as err:  # noqa: BLE001 - a session that fails leaves its group out of step
-            self._fail(f"shard group failed: {_describe(err)}")
-        self._sessions = None
-
-    def _fail(self, reason: str) -> None:
-        """Marks the group broken and fails every queued and running request with ``reason``."""
+    def _offer_done(self, ref: ray.ObjectRef, future: Future) -> None:
         with self._cond:
+            entry = self._inflight.pop(ref, None)
+        if entry is None:
+            return  # the group failed or shut down meanwhile, and answered the request then
+        rank_index, job = entry
+        error = future.exception()
+        if error is None:
+            if self.config.mode != "replicated" or rank_index == 0:  # replicated: rank 0's copy is the answer
+                _resolve(job.future, result=future.result())
+            return
+        if isinstance(error, ray.exceptions.RayActorError):
+            self._fail(f"shard group failed: rank {rank_index} died: {_describe(error)}", also=job)
+        elif isinstance(_cause(error), SessionFailedError):
+            self._fail(f"shard group failed: {_cause(error)}", also=job)
+        else:  # the request's own error (bad input, deadline): the group is fine
+            _resolve(job.future, error=_cause(error))
+
+    def _session_done(self, ref: ray.ObjectRef, future: Future) -> None:
+        error = future.exception()
+        with self._cond:
+            if self._sessions is None or ref not in self._sessions:
+                return  # a session of a group that failed already
+            rank_index = self._sessions[ref]
+            if error is None:
+                self._sessions_done.add(ref)
+                if len(self._sessions_done) == len(self._sessions):
+                    self._sessions, self._sessions_done = None, set()
+                return
+        if isinstance(error, ray.exceptions.RayActorError):
+            self._fail(f"shard group failed: rank {rank_index} died: {_describe(error)}")
+        else:
+            self._fail(f"shard group failed: {_cause(error)}")
+
+    def _fail(self, reason: str, also: _Job | None = None) -> None:
+        """Marks the group broken, fails every queued and running request (and ``also``) with
+        ``reason`` and kills every rank at once: survivors would otherwise sit in a collective
+        with a dead or out-of-step peer until its timeout."""
+        with self._cond:
+            first = self._failure is None
             self._failure = self._failure or reason
-            jobs = [j for j in self._pending] + [j for _, j in self._inflight.values()]
+            jobs = [*self._pending, *(j for _, j in self._inflight.values()), *([also] if also else [])]
             self._pending, self._inflight = [], {}
-        error = GroupFailedError(self._failure)
+            self._sessions, self._sessions_done = None, set()
+            self._cond.notify_all()
         for job in jobs:
-            if not job.future.done():
-                job.future.set_exception(error)
+            _resolve(job.future, error=GroupFailedError(self._failure))
+        if first:
+            logger.error("Shard group failed: %s", self._failure)
+            self._kill_ranks()
 
     def progress(self) -> dict[str, dict]:
         """Request id -> ``{"state": "queued"}`` or ``{"state": "running", "step": i, "total": n}``."""

@@ -8,11 +8,13 @@ import json
 import re
 import shutil
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
 
-from ray_hsdp.ticks import BUSY, IDLE, TickProtocol
+from ray_hsdp.runtime import BUSY, IDLE, RankRuntime
+from ray_hsdp.runtime.core import Observer
 
 #: Kernel kinds, by name, first match wins.
 KERNEL_KINDS = (
@@ -84,59 +86,68 @@ def tick_summary(trace: list[tuple]) -> dict:
     and the GPU work queued before it), ``run_s`` the forwards and ghost passes after it.
     """
     out: dict[str, dict] = {}
-    for start, state, modules, gathered_at, done_at in trace:
+    for start, state, module_id, gathered_at, done_at in trace:
         kind = "own" if state >= 0 else {BUSY: "busy", IDLE: "idle"}[state]
         entry = out.setdefault(kind, {"ticks": 0, "gather_s": 0.0, "run_s": 0.0, "with_forward": 0})
         entry["ticks"] += 1
         entry["gather_s"] += gathered_at - start
         entry["run_s"] += done_at - gathered_at
-        entry["with_forward"] += bool(modules)
+        entry["with_forward"] += module_id is not None
     return {k: {**v, "gather_s": round(v["gather_s"], 4), "run_s": round(v["run_s"], 4)} for k, v in out.items()}
 
 
-class RankProfile:
-    """One profiling window of a rank.
+class RankProfile(Observer):
+    """One profiling window of a rank: while it runs, it is the runtime's observer.
 
     Args:
         device: ``"cuda"`` (the torch profiler records kernels) or ``"cpu"`` (tick log and phases only).
-        ticks: The rank's tick protocol, ``None`` for an unsharded rank.
+        runtime: The rank's runtime.
         trace_dir: Where to keep the gzipped chrome trace (``None``: not kept).
     """
 
-    def __init__(self, device: str, ticks: TickProtocol | None, trace_dir: str | None = None):
+    def __init__(self, device: str, runtime: RankRuntime, trace_dir: str | None = None):
         self.device = device
-        self.ticks = ticks
+        self.runtime = runtime
         self.trace_dir = trace_dir
         self.requests: dict[str, dict] = {}
+        self.ticks: list[tuple] = []
+        # The tick thread and the request threads report while stop() reads.
+        self._lock = threading.Lock()
         self._profiler = None
         self._started = 0.0
 
     def start(self) -> None:
         self._started = time.perf_counter()
-        if self.ticks is not None:
-            self.ticks.trace = []
         if self.device == "cuda":
             import torch
 
             self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
             self._profiler.start()
+        self.runtime.observer = self
 
-    def request_event(self, request_id: str, event: str) -> None:
-        """Marks ``start``, ``step`` (a denoising step ended) or ``end`` of a request."""
-        record = self.requests.setdefault(request_id, {"steps": []})
-        now = time.perf_counter() - self._started
-        if event == "step":
-            record["steps"].append(round(now, 4))
-        else:
-            record[event] = round(now, 4)
+    def tick(self, start: float, state: int, module_id: int | None, gathered_at: float, done_at: float) -> None:
+        with self._lock:
+            self.ticks.append((start, state, module_id, gathered_at, done_at))
+
+    def request(self, request_id: str, event: str) -> None:
+        now = round(time.perf_counter() - self._started, 4)
+        with self._lock:
+            record = self.requests.setdefault(request_id, {"steps": []})
+            if event == "step":
+                record["steps"].append(now)
+            else:
+                record[event] = now
 
     def stop(self, rank: int) -> dict:
         """Ends the window; returns its summary (see ``kernel_summary`` and ``tick_summary``)."""
+        self.runtime.observer = Observer()
         wall = time.perf_counter() - self._started
-        out: dict = {"rank": rank, "wall_s": round(wall, 4), "requests": self.requests}
-        if self.ticks is not None:
-            trace, self.ticks.trace = self.ticks.trace or [], None
-            out["ticks"] = tick_summary(trace)
+        with self._lock:
+            requests = {rid: {**r, "steps": list(r["steps"])} for rid, r in self.requests.items()}
+            ticks = list(self.ticks)
+        out: dict = {"rank": rank, "wall_s": round(wall, 4), "requests": requests}
+        if self.runtime.modules is not None:
+            out["ticks"] = tick_summary(ticks)
         if self._profiler is not None:
             self._profiler.stop()
             with tempfile.TemporaryDirectory() as tmp:

@@ -1,13 +1,11 @@
-"""The rank actor: one process, one device, one shard of the group's pipeline."""
+"""The rank actor: one process, one device, one shard of the group's pipeline; its execution is
+a ``RankRuntime`` (``ray_hsdp.runtime``)."""
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
-import threading
 import time
-from dataclasses import dataclass, field
 
 import ray
 
@@ -15,24 +13,19 @@ from ray_hsdp import distributed
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.memory import RssSampler, device_allocated_bytes
 from ray_hsdp.request import GenerationRequest, GenerationResult
+from ray_hsdp.runtime import RankRuntime
 from ray_hsdp.topology import ParallelDims
 
 logger = logging.getLogger("ray_hsdp")
 
 
-#: Sessions (the compute) run on the default thread. ``offer`` calls wait on "intake" threads, one
-#: per request handed over; ``ping``, ``memory`` and ``progress`` answer on "control" while a
+#: Sessions (the tick thread) run on the default thread. ``offer`` calls wait on "intake" threads,
+#: one per request handed over; ``ping``, ``memory`` and ``progress`` answer on "control" while a
 #: long request runs. The torch profiler must stop on the thread that started it: "profile".
 CONCURRENCY_GROUPS = {"control": 2, "intake": 8, "profile": 1}
 
-
-@dataclass
-class _Job:
-    request: GenerationRequest
-    done: threading.Event = field(default_factory=threading.Event)
-    result: GenerationResult | None = None
-    error: BaseException | None = None
-    cancelled: bool = False
+#: Faults ``inject_fault`` knows: a rank hung before its next collective, a forward that raises.
+FAULTS = ("stall", "forward")
 
 
 class Rank:
@@ -50,12 +43,11 @@ class Rank:
         self.config = config
         self.dims = ParallelDims(config.replicate_size, config.resolved_shard_size)
         self.pipeline = None
+        self.runtime: RankRuntime | None = None
         self.model_path = None
         self.load_s = 0.0
         self.load_peak_rss_bytes = 0
         self.last_request_peak_device_bytes = 0
-        self._inbox: queue.Queue[_Job] = queue.Queue()
-        self._progress: dict[str, tuple[int, int]] = {}
         self._profile = None
 
     def prepare(self) -> str:
@@ -100,11 +92,13 @@ class Rank:
         }
 
     def load(self) -> dict:
-        """Loads the pipeline, its sharded components slice by slice; returns the memory report.
+        """Loads the pipeline, its sharded components slice by slice, and builds the runtime;
+        returns the memory report.
 
         The report adds ``load_s`` and ``load_peak_rss_bytes``: the most host memory this process
         held above its level before loading, sampled while loading.
         """
+        from ray_hsdp.runtime.modules import ProcessGroupExchange, ShardedModules
         from ray_hsdp.sharded_pipeline import ShardedPipeline
 
         if self.model_path is None:
@@ -125,123 +119,80 @@ class Rank:
                 min_num_params=self.config.min_num_params,
                 reshard_after_forward=self.config.reshard_after_forward,
                 forward_prefetch=self.config.forward_prefetch,
-                max_forward_batch=self.config.max_forward_batch,
                 allow_pickle=self.config.allow_pickle,
             )
+            modules = exchange = None
+            if self.pipeline.sharded:
+                modules = ShardedModules(
+                    self.pipeline.sharded_modules, self.config.device, self.config.reshard_after_forward
+                )
+                exchange = ProcessGroupExchange(self.config.device)
+            self.runtime = RankRuntime(
+                self.pipeline.run,
+                rank=self.rank,
+                slots=self.config.requests_per_rank,
+                modules=modules,
+                exchange=exchange,
+                max_batch=self.config.max_forward_batch,
+            )
+            if modules is not None:
+                # Before the request slots are copied from the pipeline: every slot must call the
+                # stand-ins, or a request thread would issue collectives of its own.
+                self.pipeline.route_calls(modules.proxies(self.runtime.call))
             self.pipeline.set_request_slots(self.config.requests_per_rank, self.config.shard_components)
             self.pipeline.request_streams = self.config.request_streams
             self.load_s = time.perf_counter() - start
         self.load_peak_rss_bytes = rss.peak_above_start
         return self.memory()
 
+    def _loaded(self) -> RankRuntime:
+        if self.runtime is None:
+            raise RuntimeError(f"rank {self.rank} has no pipeline loaded")
+        return self.runtime
+
     @ray.method(concurrency_group="intake")
     def offer(self, request: GenerationRequest) -> GenerationResult:
         """Hands a request to this rank's running or next session and waits for its result.
 
         Runs on the intake threads, so the group can hand over work while a session computes.
+
+        Raises:
+            SessionFailedError: This rank's session failed (its group must be torn down).
+            TimeoutError: The request missed its deadline; it is interrupted at its next step.
         """
-        job = _Job(request)
-        self._inbox.put(job)
+        job = self._loaded().submit(request)
         deadline = request.timeout_s or self.config.request_timeout_s
-        if not job.done.wait(deadline):
+        if not job.wait(deadline):
             # Interrupting is safe: the tick protocol takes any number of forwards per request.
-            job.cancelled = True
-            raise TimeoutError(f"request {request.request_id!r} missed its deadline of {deadline:g}s")
-        if job.error is not None:
-            raise job.error
-        return job.result
+            job.cancel(TimeoutError(f"request {request.request_id!r} missed its deadline of {deadline:g}s"))
+        result = job.get()
+        self.last_request_peak_device_bytes = result.peak_device_bytes
+        return result
 
     def session(self) -> dict:
-        """Runs requests from the inbox, in lock step with the other ranks, until all are idle.
-
-        Each request runs in a thread of its own (up to ``requests_per_rank`` at once); this
-        thread is the tick thread: it alone issues collectives, serving the requests' sharded
-        forwards at ticks and ghost-passing the other ranks' ones. The session ends at the
-        first tick where every rank is idle, a decision all ranks take from the same gathered list.
+        """Runs the requests handed over, in lock step with the other ranks, until all are idle
+        (``RankRuntime.session`` on this actor's default thread, the only one that issues
+        collectives).
 
         Returns:
             How many requests this session started.
         """
-        if self.pipeline is None:
-            raise RuntimeError(f"rank {self.rank} has no pipeline loaded")
-        ticks = self.pipeline.ticks
-        started = 0
-        running: list[threading.Thread] = []
-        while True:
-            running = [t for t in running if t.is_alive()]
-            while len(running) < self.config.requests_per_rank:
-                try:
-                    job = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if ticks is not None:
-                    # Before the thread starts: the next tick must already wait for its first call.
-                    ticks.expect_calls(True)
-                thread = threading.Thread(target=self._run_job, args=(job,), name=f"request-{started}", daemon=True)
-                thread.start()
-                running.append(thread)
-                started += 1
-            if ticks is not None:
-                if ticks.tick(busy=bool(running)):
-                    break
-            elif running:
-                running[0].join(timeout=0.01)
-            elif self._inbox.empty():
-                break
-        return {"rank": self.rank, "requests": started}
-
-    def _run_job(self, job: _Job) -> None:
-        request_id = job.request.request_id
-        self._progress[request_id] = (0, job.request.num_inference_steps)
-
-        profile = self._profile
-        ticks = self.pipeline.ticks
-        expecting = [ticks is not None]
-
-        def done_calling() -> None:
-            if expecting[0]:
-                expecting[0] = False
-                ticks.expect_calls(False)
-
-        def on_step(done: int, total: int) -> bool:
-            self._progress[request_id] = (done, total)
-            if profile is not None:
-                profile.request_event(request_id, "step")
-            if done >= total or job.cancelled:
-                done_calling()  # decoding (or interrupted) from here: no more sharded forwards
-            return job.cancelled
-
-        if profile is not None:
-            profile.request_event(request_id, "start")
-        try:
-            if job.cancelled:
-                raise TimeoutError(f"request {request_id!r} missed its deadline before it started")
-            job.result = self.pipeline.run(job.request, on_step=on_step)
-            self.last_request_peak_device_bytes = job.result.peak_device_bytes
-        except Exception as err:  # noqa: BLE001 - the error belongs to the request's caller
-            job.error = err
-        finally:
-            done_calling()
-            if profile is not None:
-                profile.request_event(request_id, "end")
-            self._progress.pop(request_id, None)
-            job.done.set()
+        return {"rank": self.rank, "requests": self._loaded().session()}
 
     @ray.method(concurrency_group="control")
     def tick_stats(self) -> dict[str, int]:
         """Ticks, ghost passes and batched calls this rank has run since it loaded."""
-        ticks = self.pipeline.ticks if self.pipeline is not None else None
-        counts = {"ticks": ticks.ticks, "ghosts": ticks.ghosts, "batched": ticks.batched} if ticks else {}
-        return {"rank": self.rank, "ticks": 0, "ghosts": 0, "batched": 0, **counts}
+        runtime = self.runtime
+        if runtime is None:
+            return {"rank": self.rank, "ticks": 0, "ghosts": 0, "batched": 0}
+        return {"rank": self.rank, "ticks": runtime.ticks, "ghosts": runtime.ghosts, "batched": runtime.batched}
 
     @ray.method(concurrency_group="profile")
     def start_profile(self, trace_dir: str | None = None) -> None:
         """Starts recording where this rank's time goes (see ``ray_hsdp.profiling``)."""
         from ray_hsdp.profiling import RankProfile
 
-        if self.pipeline is None:
-            raise RuntimeError(f"rank {self.rank} has no pipeline loaded")
-        self._profile = RankProfile(self.config.device, self.pipeline.ticks, trace_dir)
+        self._profile = RankProfile(self.config.device, self._loaded(), trace_dir)
         self._profile.start()
 
     @ray.method(concurrency_group="profile")
@@ -254,8 +205,8 @@ class Rank:
 
     @ray.method(concurrency_group="control")
     def progress(self) -> dict[str, tuple[int, int]]:
-        """Request id -> (denoising steps done, steps in all) of the request running here."""
-        return dict(self._progress)
+        """Request id -> (denoising steps done, steps in all) of the requests running here."""
+        return self.runtime.progress() if self.runtime is not None else {}
 
     @ray.method(concurrency_group="control")
     def memory(self, units: bool = False) -> dict:
@@ -274,12 +225,24 @@ class Rank:
         }
 
     @ray.method(concurrency_group="control")
-    def inject_stall(self, seconds: float) -> None:
-        """Fault injection for tests: this rank's next tick sleeps ``seconds`` before its collective,
-        as a hung rank would, so the others wait in theirs until the collective timeout."""
-        if self.pipeline is None or self.pipeline.ticks is None:
-            raise RuntimeError("only a sharded rank ticks")
-        self.pipeline.ticks.stall_s = seconds
+    def inject_fault(self, kind: str, seconds: float = 0.0) -> None:
+        """Fault injection for tests and drills (``ray_hsdp.runtime.faults``), firing once:
+
+        - ``"stall"``: the next tick sleeps ``seconds`` before its collective, as a hung rank
+          would, so the others wait in theirs until the collective timeout;
+        - ``"forward"``: the next real forward raises half way through, as an out-of-memory would.
+        """
+        from ray_hsdp.runtime.faults import FailNextForward, StallNextTick
+
+        runtime = self._loaded()
+        if runtime.modules is None:
+            raise RuntimeError("only a sharded rank ticks and runs sharded forwards")
+        if kind == "stall":
+            runtime.exchange = StallNextTick(runtime.exchange, seconds)
+        elif kind == "forward":
+            runtime.modules = FailNextForward(runtime.modules)
+        else:
+            raise ValueError(f"unknown fault {kind!r}; known: {', '.join(FAULTS)}")
 
     @ray.method(concurrency_group="control")
     def ping(self) -> int:

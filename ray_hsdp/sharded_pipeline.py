@@ -18,7 +18,6 @@ from ray_hsdp.loading import build_on_meta, fill_from_checkpoint, load_pipeline,
 from ray_hsdp.memory import module_memory, peak_device_bytes, unit_memory
 from ray_hsdp.request import GenerationRequest, GenerationResult
 from ray_hsdp.sharding import apply_fsdp, resolve_plan
-from ray_hsdp.ticks import TickProtocol
 
 logger = logging.getLogger("ray_hsdp")
 
@@ -45,7 +44,6 @@ class ShardedPipeline:
         self.rank = rank
         self.sharded = dict(sharded or {})
         self.load_stats = dict(load_stats or {})
-        self.ticks: TickProtocol | None = None
         #: Whether each request slot runs its own work (scheduler, VAE) on a CUDA stream of its
         #: own, so that a decode overlaps the group's forwards instead of queueing before them.
         self.request_streams = False
@@ -71,7 +69,6 @@ class ShardedPipeline:
         min_num_params: int,
         reshard_after_forward: bool,
         forward_prefetch: int = 0,
-        max_forward_batch: int = 1,
         allow_pickle: bool = False,
     ) -> ShardedPipeline:
         """Loads a pipeline folder, sharding the named components over ``mesh``.
@@ -100,13 +97,19 @@ class ShardedPipeline:
                     f"(its components: {sorted(index)}); nothing would be sharded"
                 )
         pipe = load_pipeline(path, dtype, allow_pickle, **prebuilt)
-        loaded = cls(pipe, device, rank, sharded, stats)
-        if prebuilt:
-            loaded.ticks = TickProtocol(prebuilt, device, reshard_after_forward, max_batch=max_forward_batch)
-            for name, proxy in loaded.ticks.proxies().items():
-                # Plain attribute: DiffusionPipeline.__setattr__ would register the proxy in its config.
-                object.__setattr__(pipe, name, proxy)
-        return loaded
+        return cls(pipe, device, rank, sharded, stats)
+
+    @property
+    def sharded_modules(self) -> dict[str, nn.Module]:
+        """Name -> the real module, for the sharded components."""
+        return {name: self.modules[name] for name in self.sharded}
+
+    def route_calls(self, stand_ins: dict[str, object]) -> None:
+        """Makes the pipeline call ``stand_ins`` instead of its sharded modules (the runtime's
+        proxies, which run every forward at a tick of the rank's tick thread)."""
+        for name, stand_in in stand_ins.items():
+            # Plain attribute: DiffusionPipeline.__setattr__ would register the proxy in its config.
+            object.__setattr__(self.pipe, name, stand_in)
 
     def _kwargs(self, request: GenerationRequest) -> dict:
         kwargs = {

@@ -19,7 +19,7 @@ def test_a_hung_rank_fails_the_request_after_the_collective_timeout(ray_cluster,
         while group.progress().get("long", {}).get("step", 0) < 1:
             time.sleep(0.05)
         stalled_at = time.monotonic()
-        group.ranks[1].inject_stall.remote(60.0)  # far past the collective timeout
+        group.ranks[1].inject_fault.remote("stall", 60.0)  # far past the collective timeout
         with pytest.raises(GroupFailedError, match="shard group failed"):
             future.result(timeout=60)
         failed_after = time.monotonic() - stalled_at

@@ -1,6 +1,5 @@
 """The tick protocol: any mix of requests in one group, never a hang, every result equal to unsharded."""
 
-import threading
 import time
 from pathlib import Path
 
@@ -84,6 +83,8 @@ def count_collectives(mesh, rank, model_dir):
     """Rank 0 runs a real transformer forward while rank 1 ghosts it; both record their collectives."""
     import torch.distributed as dist
 
+    from ray_hsdp.runtime import RankRuntime
+    from ray_hsdp.runtime.modules import ProcessGroupExchange, ShardedModules
     from ray_hsdp.sharded_pipeline import ShardedPipeline
 
     pipe = ShardedPipeline.load(
@@ -114,15 +115,19 @@ def count_collectives(mesh, rank, model_dir):
         encoder_hidden_states=torch.randn(1, 12, 32),
     )
 
-    def request_thread():  # what a pipeline does: call the (proxied) transformer, twice
-        for _ in range(2):
+    def run_request(request, on_step):  # what a pipeline does: call the (proxied) transformer, twice
+        for step in range(2):
             pipe.pipe.transformer(**inputs)
+            on_step(step + 1, 2)
 
-    worker = threading.Thread(target=request_thread) if rank == 0 else None
-    if worker is not None:
-        worker.start()
-    while not pipe.ticks.tick(busy=worker is not None and worker.is_alive()):
-        pass
+    modules = ShardedModules(pipe.sharded_modules, "cpu", reshard_after_forward=True)
+    runtime = RankRuntime(run_request, rank=rank, modules=modules, exchange=ProcessGroupExchange("cpu"))
+    pipe.route_calls(modules.proxies(runtime.call))
+    if rank == 0:
+        job = runtime.submit(GenerationRequest(prompt="two forwards", request_id="r"))
+    runtime.session()
+    if rank == 0:
+        job.get()
     return record
 
 

@@ -6,7 +6,6 @@ import asyncio
 import hmac
 import logging
 import os
-import threading
 import uuid
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from ray import serve
 
 from ray_hsdp.config import AppConfig
 from ray_hsdp.group import GroupFailedError, GroupOverloadedError, ShardGroup
+from ray_hsdp.serve.keeper import GroupKeeper
 from ray_hsdp.serve.routing import GROUP_OK
 from ray_hsdp.serve.schema import ImageGenerationRequest, RequestLimitError, image_response, to_generation_request
 
@@ -123,34 +123,20 @@ class HSDPServer:
         # One replica per process: the middleware reads this process's settings from the app state.
         api.state.config = self.config
         api.state.api_key = read_api_key(self.config)
-        self._placement_group = ray.util.get_current_placement_group()
-        self._healer: threading.Thread | None = None
-        self._heal_failed = False
-        self.group = ShardGroup(self.config, placement_group=self._placement_group).start()
+        placement = ray.util.get_current_placement_group()
+        self.keeper = GroupKeeper(lambda: ShardGroup(self.config, placement_group=placement).start())
 
-    def _start_heal(self) -> None:
-        if self._healer is None and not self._heal_failed:
-            logger.warning("Rebuilding the shard group after: %s", self.group.failure)
-            self._healer = threading.Thread(target=self._heal, name="ray_hsdp-heal", daemon=True)
-            self._healer.start()
+    @property
+    def group(self) -> ShardGroup:
+        """The replica's current shard group (failed or not)."""
+        return self.keeper.group
 
-    def _healthy_group(self) -> ShardGroup:
-        """The group, or a 503 while a failed one is rebuilt in this replica's placement group."""
-        if self.group.failure:
-            self._start_heal()
-        if self._healer is not None:
+    def _ready_group(self) -> ShardGroup:
+        """The group, or a 503 while a failed one is rebuilt (the rebuild starts here if needed)."""
+        current = self.keeper.current()
+        if not current.done():
             raise GroupFailedError("the shard group failed and is being rebuilt; retry shortly")
-        return self.group
-
-    def _heal(self) -> None:
-        try:
-            self.group.shutdown()
-            self.group = ShardGroup(self.config, placement_group=self._placement_group).start()
-        except Exception:  # noqa: BLE001 - the health check reports it and Serve replaces the replica
-            logger.exception("Rebuilding the shard group failed")
-            self._heal_failed = True
-        finally:
-            self._healer = None
+        return current.result()
 
     async def generate(self, request: dict | ImageGenerationRequest, avoid_replica: str | None = None) -> dict:
         """Generates images for one request (the handle's entry point; HTTP uses the same path).
@@ -177,7 +163,13 @@ class HSDPServer:
             raise GroupFailedError("no other shard group could take the retry")
         job = to_generation_request(body, self.config, request_id=uuid.uuid4().hex)
         try:
-            result = await asyncio.wrap_future(self._healthy_group().submit(job))
+            # A request that arrives while the group is rebuilt waits for it, within its deadline.
+            deadline = job.timeout_s or self.config.request_timeout_s
+            try:
+                group = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self.keeper.current())), deadline)
+            except asyncio.TimeoutError:
+                raise GroupFailedError(f"the shard group was still being rebuilt after {deadline:g}s") from None
+            result = await asyncio.wrap_future(group.submit(job))
         except GroupFailedError as err:
             if body.seed is None or avoid_replica is not None or serve.get_replica_context().world_size < 2:
                 raise
@@ -200,7 +192,7 @@ class HSDPServer:
 
     def pool(self) -> dict:
         """Topology of this replica's group and each rank's memory report."""
-        group = self._healthy_group()
+        group = self._ready_group()
         replica = serve.get_replica_context().replica_id.unique_id
         return {**group.describe(), "replica": replica, "ranks": group.memory()}
 
@@ -214,9 +206,8 @@ class HSDPServer:
         Serve asks every ``request_routing_stats_period_s``, so a failed group also starts its
         rebuild here without waiting for a request or the health check.
         """
-        if self.group.failure:
-            self._start_heal()
-        return {GROUP_OK: not self.group.failure and self._healer is None}
+        self.keeper.current()
+        return {GROUP_OK: self.keeper.ready}
 
     def check_health(self) -> None:
         """Serve's replica health check: every rank must answer within the deadline.
@@ -224,15 +215,14 @@ class HSDPServer:
         A failed group is rebuilt in place, and counts as healthy meanwhile; one that could not
         be rebuilt does not, and Serve then replaces the replica.
         """
-        if self.group.failure:
-            self._start_heal()
-        if self._healer is None:
-            self.group.check_health()
+        current = self.keeper.current()
+        if current.done():
+            current.result().check_health()  # raises for a group that could not be rebuilt
 
     def __del__(self) -> None:
-        group = getattr(self, "group", None)
-        if group is not None:
-            group.shutdown()
+        keeper = getattr(self, "keeper", None)
+        if keeper is not None:
+            keeper.shutdown()
 
     @api.post("/v1/images/generations")
     async def images_generations(self, body: ImageGenerationRequest) -> dict:
@@ -244,7 +234,7 @@ class HSDPServer:
 
     @api.get("/health")
     def health(self) -> dict:
-        self._healthy_group().check_health()
+        self._ready_group().check_health()
         return {"status": "ok"}
 
     @api.get("/v1/pool")

@@ -114,7 +114,7 @@ def test_a_hung_rank_fails_its_request_at_the_collective_timeout_and_the_group_h
         pending = executor.submit(requests.post, url, json=body, timeout=600)
         victim = busy_replica({replica: [r["pid"] for r in ranks] for replica, ranks in groups.items()})
         hung = groups[victim][1]
-        ray.get(ray.get_actor(hung["actor_name"], namespace=hung["namespace"]).inject_stall.remote(120))
+        ray.get(ray.get_actor(hung["actor_name"], namespace=hung["namespace"]).inject_fault.remote("stall", 120))
         stalled_at = time.monotonic()
         response = pending.result(timeout=600)
     answered_s = time.monotonic() - stalled_at

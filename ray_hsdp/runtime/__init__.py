@@ -1,0 +1,26 @@
+"""One rank's execution: the tick thread, the request threads, the waiting forward calls.
+
+The contract of :class:`RankRuntime`, which the ``Rank`` actor merely wraps:
+
+- **Lock step.** Every rank of a group issues the same collectives in the same order: before
+  every forward of a sharded root module the ranks all-gather one integer (the cheapest module
+  one of the rank's waiting calls wants, ``BUSY`` or ``IDLE``); the smallest module gathered runs
+  for real on the ranks that asked for it and as a ghost pass (the same unshard / reshard
+  sequence, no compute) on the others.
+- **Exactly once.** Every forward call and every request completes exactly once, with a result
+  or an error.
+- **Fail fast.** An error inside a forward, a ghost pass or a tick (the all-gather included)
+  leaves this rank's collectives out of step with the other ranks'. The session then fails at
+  once: every request and call the rank holds completes with a :class:`SessionFailedError`, new
+  ones are refused, and ``session`` raises it, which is how the group learns of it (the group
+  then kills every rank: gloo does not abort, and NCCL peers would wait for their own timeout).
+  An error of a request's own (bad input, a failed decode) fails that request only: it issued no
+  collective.
+- **Seams.** The all-gather (``exchange``), the modules (``modules``) and the observer are
+  replaceable attributes; fault injection and profiling wrap them (``ray_hsdp.runtime.seams``)
+  rather than adding branches to the tick.
+"""
+
+from ray_hsdp.runtime.core import BUSY, IDLE, Completion, ForwardCall, Job, RankRuntime, SessionFailedError
+
+__all__ = ["BUSY", "IDLE", "Completion", "ForwardCall", "Job", "RankRuntime", "SessionFailedError"]

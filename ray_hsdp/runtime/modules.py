@@ -1,0 +1,136 @@
+"""The real side of the runtime's seams: FSDP2-sharded root modules and the tick's all-gather
+over a torch process group."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+
+from ray_hsdp.batching import concatenate, split
+from ray_hsdp.runtime.core import ForwardCall
+
+
+def _tensors(obj):
+    """The tensors inside a module's output (tensor, tuple, list, dict or diffusers/transformers output)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):  # BaseOutput and ModelOutput are dicts too
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, (tuple, list)):
+        for value in obj:
+            yield from _tensors(value)
+
+
+class TickedModule:
+    """Stands in a pipeline for a sharded root module: calls go to the tick thread, attributes
+    (``config``, ``dtype``, ``cache_context``, ...) to the module itself."""
+
+    def __init__(self, module: nn.Module, module_id: int, call: Callable[[int, tuple, dict], object]):
+        object.__setattr__(self, "_module", module)
+        object.__setattr__(self, "_module_id", module_id)
+        object.__setattr__(self, "_call", call)
+
+    def __call__(self, *args, **kwargs):
+        return self._call(self._module_id, args, kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+class ShardedModules:
+    """A rank's FSDP2-sharded root modules (text encoders, transformers), numbered smallest first.
+
+    Args:
+        modules: Name -> sharded root module; every rank passes the same names.
+        device: ``"cuda"`` or ``"cpu"``.
+        reshard_after_forward: Whether units free gathered weights after forward; a ghost pass
+            must leave each unit in the state a real forward leaves it in.
+    """
+
+    def __init__(self, modules: dict[str, nn.Module], device: str, reshard_after_forward: bool):
+        # Parameter counts are global (DTensor), so every rank gets the same order.
+        self.names = sorted(modules, key=lambda n: (sum(p.numel() for p in modules[n].parameters()), n))
+        self.modules = [modules[name] for name in self.names]
+        self.cuda = device == "cuda"
+        self.reshard_after_forward = reshard_after_forward
+        # Diffusion transformers and text encoders call their blocks in registration order.
+        self.units = [
+            [m for name, m in root.named_modules() if name and isinstance(m, FSDPModule)] for root in self.modules
+        ]
+
+    def proxies(self, call: Callable[[int, tuple, dict], object]) -> dict[str, TickedModule]:
+        """Name -> the stand-in a pipeline calls instead of the module; ``call`` is the runtime's."""
+        return {name: TickedModule(module, i, call) for i, (name, module) in enumerate(zip(self.names, self.modules))}
+
+    def before_call(self, call: ForwardCall) -> None:
+        if self.cuda:
+            # The caller may run on a stream of its own (decoding beside the forwards): the tick
+            # thread's stream starts the forward once the inputs are ready on it.
+            ready = torch.cuda.Event()
+            ready.record()
+            call.context.update(stream=torch.cuda.current_stream(), ready=ready)
+
+    @torch.no_grad()
+    def forward(self, calls: list[ForwardCall]) -> list:
+        for call in calls:
+            if "ready" in call.context:
+                torch.cuda.current_stream().wait_event(call.context["ready"])
+        module = self.modules[calls[0].module_id]
+        if len(calls) == 1:
+            results = [module(*calls[0].args, **calls[0].kwargs)]
+        else:
+            args, kwargs, sizes = concatenate([(c.args, c.kwargs) for c in calls])
+            results = split(module(*args, **kwargs), sizes)
+        finished = None
+        for call, result in zip(calls, results):
+            stream = call.context.get("stream")
+            if stream is not None and stream != torch.cuda.current_stream():
+                # The caller's stream reads the outputs later: their memory must not return to
+                # this stream's pool before it has.
+                for tensor in _tensors(result):
+                    tensor.record_stream(stream)
+                if finished is None:
+                    finished = torch.cuda.Event()
+                    finished.record()
+                call.context["finished"] = finished
+        return results
+
+    def after_call(self, call: ForwardCall) -> None:
+        if "finished" in call.context:
+            call.context["stream"].wait_event(call.context["finished"])
+
+    @torch.no_grad()
+    def ghost(self, module_id: int) -> None:
+        root = self.modules[module_id]
+        root.unshard()
+        for unit in self.units[module_id]:
+            unit.unshard()
+            if self.reshard_after_forward:
+                unit.reshard()
+        if self.reshard_after_forward:
+            root.reshard()
+
+
+class ProcessGroupExchange:
+    """The tick's all-gather of one integer per rank over a torch process group.
+
+    Args:
+        device: ``"cuda"`` or ``"cpu"``: where the gathered tensor lives (NCCL needs cuda).
+        group: The process group; the default one when ``None``.
+    """
+
+    def __init__(self, device: str, group=None):
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+
+    def __call__(self, state: int) -> list[int]:
+        mine = torch.tensor([state], dtype=torch.int64, device=self.device)
+        everyone = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
+        dist.all_gather_into_tensor(everyone, mine, group=self.group)
+        return everyone.tolist()

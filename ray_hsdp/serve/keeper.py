@@ -1,0 +1,89 @@
+"""A replica's shard group, rebuilt in place after it fails: one rebuild at a time."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+
+from ray_hsdp.group import GroupFailedError, ShardGroup
+
+logger = logging.getLogger("ray_hsdp")
+
+
+def _settled(group: ShardGroup | None = None, error: BaseException | None = None) -> Future:
+    future: Future = Future()
+    if error is None:
+        future.set_result(group)
+    else:
+        future.set_exception(error)
+    return future
+
+
+class GroupKeeper:
+    """Holds a replica's shard group and rebuilds it when it fails.
+
+    Requests, Serve's health check and the router's stats may all notice a failure at once; one
+    rebuild runs, and every caller waits for that one. A rebuild that fails leaves the keeper
+    broken: the replica's health check then fails and Serve replaces the replica.
+
+    Args:
+        build: Creates and starts a group (in the replica's placement group).
+    """
+
+    def __init__(self, build: Callable[[], ShardGroup]):
+        self._build = build
+        self._lock = threading.Lock()
+        self.group = build()
+        self._rebuild: Future | None = None
+        self.broken: str | None = None
+        self.rebuilds = 0
+
+    def current(self) -> Future:
+        """A future of the group to use: done at once while the group is healthy; else the
+        rebuild's (started here if none runs yet), or an error if the group cannot be rebuilt."""
+        with self._lock:
+            if self.broken:
+                return _settled(error=GroupFailedError(self.broken))
+            if self._rebuild is None:
+                if not self.group.failure:
+                    return _settled(self.group)
+                logger.warning("Rebuilding the shard group after: %s", self.group.failure)
+                self._rebuild = Future()
+                threading.Thread(
+                    target=self._run_rebuild, args=(self.group, self._rebuild), name="ray_hsdp-rebuild", daemon=True
+                ).start()
+            return self._rebuild
+
+    @property
+    def ready(self) -> bool:
+        """Whether the group can take requests now (not failed, not being rebuilt)."""
+        with self._lock:
+            return not self.broken and self._rebuild is None and not self.group.failure
+
+    def _run_rebuild(self, failed: ShardGroup, future: Future) -> None:
+        try:
+            failed.shutdown()
+            group = self._build()
+        except Exception as err:  # noqa: BLE001 - reported by the health check; Serve replaces the replica
+            logger.exception("Rebuilding the shard group failed")
+            with self._lock:
+                self.broken = f"the shard group failed ({failed.failure}) and could not be rebuilt: {err}"
+                self._rebuild = None
+            error: BaseException | None = GroupFailedError(self.broken)
+            group = None
+        else:
+            with self._lock:
+                self.group, self._rebuild = group, None
+                self.rebuilds += 1
+            error = None
+            logger.info("Shard group rebuilt (rebuild %d)", self.rebuilds)
+        try:
+            future.set_exception(error) if error else future.set_result(group)
+        except InvalidStateError:  # a waiter cancelled it; the others were answered by this one
+            pass
+
+    def shutdown(self) -> None:
+        """Shuts the group down (a rebuild that runs finishes on its own thread)."""
+        self.group.shutdown()
