@@ -409,16 +409,18 @@ class ShardGroup:
             self._kill_ranks()
 
     def progress(self) -> dict[str, dict]:
-        """Request id -> ``{"state": "queued"}`` or ``{"state": "running", "step": i, "total": n}``."""
+        """Request id -> ``{"state": "queued"}`` or ``{"state": "running", "rank": i, "step": s, "total": n}``."""
         with self._cond:
             out = {j.request.request_id: {"state": "queued"} for j in self._pending}
-            running = {j.request.request_id: j.request.num_inference_steps for _, j in self._inflight.values()}
-        out.update({rid: {"state": "running", "step": 0, "total": total} for rid, total in running.items()})
-        reports = ray.get([r.progress.remote() for r in self.ranks], timeout=self.config.request_timeout_s)
-        for report in reports:
+            running = {j.request.request_id: (i, j.request.num_inference_steps) for i, j in self._inflight.values()}
+            ranks = list(self.ranks)
+        for request_id, (rank_index, total) in running.items():
+            out[request_id] = {"state": "running", "rank": rank_index, "step": 0, "total": total}
+        reports = ray.get([r.progress.remote() for r in ranks], timeout=self.config.request_timeout_s)
+        for rank_index, report in enumerate(reports):
             for request_id, (step, total) in report.items():
                 if request_id in running:
-                    out[request_id] = {"state": "running", "step": step, "total": total}
+                    out[request_id] = {"state": "running", "rank": rank_index, "step": step, "total": total}
         return out
 
     # ---- inspection ------------------------------------------------------------------------

@@ -1,8 +1,12 @@
-"""A rank that hangs inside a collective: the group fails its requests within the timeout, never hangs."""
+"""Faults: a rank that hangs, dies or raises; a late request; a crashed scheduler. Every request
+is answered, none waits for a collective timeout it need not wait for, and the group is rebuilt."""
 
+import os
+import signal
 import time
 
 import pytest
+import ray
 
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.group import GroupFailedError, ShardGroup
@@ -53,9 +57,6 @@ def test_a_request_past_its_deadline_is_answered_and_interrupted(ray_cluster, ti
 
 
 def test_other_groups_keep_serving_while_one_fails(ray_cluster, tiny_model, reference_pipe):
-    import os
-    import signal
-
     from conftest import max_abs_diff, reference_frames
 
     config = GroupConfig(model=tiny_model, device="cpu", shard_size=2, replicate_size=2)
@@ -76,3 +77,126 @@ def test_other_groups_keep_serving_while_one_fails(ray_cluster, tiny_model, refe
     finally:
         broken.shutdown()
         healthy.shutdown()
+
+
+# ---- every accepted request is answered, whichever rank fails ----------------------------------
+
+#: Long enough on 2 CPU cores (many seconds) that a fault always lands while the request runs.
+LONG = dict(num_inference_steps=400, width=96, height=64)
+ANSWER_WITHIN_S = 10
+
+
+def long_request(name: str, seed: int) -> GenerationRequest:
+    return GenerationRequest(prompt=f"a long one {name}", seed=seed, request_id=name, **LONG)
+
+
+def wait_running(group: ShardGroup, names: list[str], deadline_s: float = 60) -> dict[str, int]:
+    """Request id -> rank, once each named request has finished a denoising step."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        progress = group.progress()
+        if all(progress.get(n, {}).get("step", 0) >= 1 for n in names):
+            return {n: progress[n]["rank"] for n in names}
+        time.sleep(0.05)
+    raise AssertionError(f"{names} did not start within {deadline_s}s: {group.progress()}")
+
+
+def assert_serves_again(keeper, reference_pipe, failed_at: float) -> float:
+    """The keeper's rebuilt group serves a request equal to the unsharded run; returns when it did."""
+    from conftest import max_abs_diff, reference_frames
+
+    group = keeper.current().result(timeout=120)
+    request = GenerationRequest(prompt="after the fault", seed=99, num_inference_steps=2)
+    (result,) = group.generate([request])
+    assert max_abs_diff(result.frames, reference_frames(reference_pipe, request)) <= 1e-5
+    return time.monotonic() - failed_at
+
+
+@pytest.mark.parametrize("victim, others_busy", [(0, False), (0, True), (1, False), (1, True), (2, False), (2, True)])
+def test_killing_any_rank_answers_every_request_at_once(ray_cluster, tiny_model, reference_pipe, victim, others_busy):
+    """A group of 3: SIGKILL of rank 0, 1 or 2 while it holds a request, alone or beside requests
+    on the other ranks: every request fails within seconds, one rebuild, the group serves again."""
+    from ray_hsdp.serve.keeper import GroupKeeper
+
+    config = GroupConfig(model=tiny_model, device="cpu", shard_size=3, requests_per_rank=1)
+    keeper = GroupKeeper(lambda: ShardGroup(config).start())
+    try:
+        group = keeper.group
+        if others_busy:
+            names = [f"busy{i}" for i in range(3)]  # one per rank: least loaded first
+            futures = [group.submit(long_request(n, i)) for i, n in enumerate(names)]
+        else:
+            # Short requests hold the ranks below the victim, so the long one lands on it alone.
+            shorts = [group.submit(GenerationRequest(prompt=f"short {i}", seed=i)) for i in range(victim)]
+            names = ["alone"]
+            futures = [group.submit(long_request("alone", 7))]
+            for short in shorts:
+                short.result(timeout=60)
+        placed = wait_running(group, names)
+        holder = next(n for n, rank in placed.items() if rank == victim)
+        assert others_busy or placed == {"alone": victim}
+        killed_at = time.monotonic()
+        os.kill(group.placement[victim]["pid"], signal.SIGKILL)
+        for future in futures:
+            with pytest.raises(GroupFailedError, match=f"rank {victim} died"):
+                future.result(timeout=ANSWER_WITHIN_S)
+        answered_s = time.monotonic() - killed_at
+        assert answered_s < ANSWER_WITHIN_S
+        # Every caller that notices the failure gets the same rebuild.
+        rebuilds = {id(keeper.current()) for _ in range(8)}
+        assert len(rebuilds) == 1
+        serving_s = assert_serves_again(keeper, reference_pipe, killed_at)
+        assert keeper.rebuilds == 1
+        print(
+            f"\nkill rank {victim} of 3 ({'with' if others_busy else 'without'} requests on the others, "
+            f"{holder} on it): {len(futures)} requests failed {answered_s:.2f}s after the kill, "
+            f"serving again after {serving_s:.1f}s, 0 lost"
+        )
+    finally:
+        keeper.shutdown()
+
+
+@pytest.mark.parametrize("shard_size", [2, 3])
+def test_a_forward_that_raises_fails_the_group_at_once(ray_cluster, tiny_model, reference_pipe, shard_size):
+    """An exception half way through one rank's forward (as an out-of-memory would be): every
+    request of the group is answered within 5 s, not at the collective timeout."""
+    from ray_hsdp.serve.keeper import GroupKeeper
+
+    config = GroupConfig(model=tiny_model, device="cpu", shard_size=shard_size, requests_per_rank=1)
+    keeper = GroupKeeper(lambda: ShardGroup(config).start())
+    try:
+        group = keeper.group
+        names = [f"r{i}" for i in range(shard_size)]
+        futures = [group.submit(long_request(n, i)) for i, n in enumerate(names)]
+        wait_running(group, names)
+        victim = shard_size - 1
+        ray.get(group.ranks[victim].inject_fault.remote("forward"))
+        injected_at = time.monotonic()
+        for future in futures:
+            with pytest.raises(GroupFailedError, match=f"rank {victim}: the forward of transformer failed"):
+                future.result(timeout=5)
+        answered_s = time.monotonic() - injected_at
+        assert answered_s < 5
+        serving_s = assert_serves_again(keeper, reference_pipe, injected_at)
+        print(
+            f"\nforward fault on rank {victim} of {shard_size}: {len(futures)} requests failed "
+            f"{answered_s:.2f}s after the injection, serving again after {serving_s:.1f}s, 0 lost"
+        )
+    finally:
+        keeper.shutdown()
+
+
+def test_a_crashed_scheduler_fails_the_group_and_its_requests(ray_cluster, tiny_model, monkeypatch):
+    import ray_hsdp.group
+
+    def crash(*_, **__):
+        raise ZeroDivisionError("a bug in the queue")
+
+    with ShardGroup(GroupConfig(model=tiny_model, device="cpu", shard_size=2)) as group:
+        monkeypatch.setattr(ray_hsdp.group, "pick_next", crash)
+        future = group.submit(GenerationRequest(prompt="queued"))
+        with pytest.raises(GroupFailedError, match="scheduler crashed: ZeroDivisionError: a bug in the queue"):
+            future.result(timeout=10)
+        assert "scheduler crashed" in group.failure
+        with pytest.raises(GroupFailedError):
+            group.check_health()

@@ -203,10 +203,12 @@ class RankRuntime:
         modules = self.modules
         modules.before_call(call)
         with self._cond:
-            if self._failure is not None:
-                raise SessionFailedError(str(self._failure))
-            self._calls.append(call)
-            self._cond.notify_all()
+            failure = self._failure
+            if failure is None:
+                self._calls.append(call)
+                self._cond.notify_all()
+        if failure is not None:  # a failed rank refuses the call, which still completes once
+            call.complete(error=SessionFailedError(str(failure)))
         value = call.get()
         modules.after_call(call)
         return value

@@ -1,0 +1,340 @@
+"""The rank runtime's contract, without Ray: plain threads stand in for the ranks of a group and
+a barrier for the tick's all-gather.
+
+Random mixes of requests (different modules, step counts, arrival times, batches) run on 2-4
+ranks, with errors injected at random points: a request's own error, and a forward, ghost pass or
+all-gather that raises on one rank. Whatever happens, every request and every forward call
+completes exactly once; calls without an injected error return their real results; ranks that
+did not fail ran the same modules in the same order; no request thread is left behind.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from ray_hsdp.runtime import ForwardCall, RankRuntime, SessionFailedError
+
+MODULES = ("text_encoder", "transformer", "transformer_2")
+DEADLINE_S = 60
+
+
+class InjectedError(RuntimeError):
+    pass
+
+
+def real_result(module_id: int, x: torch.Tensor) -> torch.Tensor:
+    """What module ``module_id`` computes: something that depends on both."""
+    return x * (module_id + 2) + module_id
+
+
+@dataclass(frozen=True)
+class FakeRequest:
+    request_id: str
+    calls: tuple[tuple[int, float], ...]  # (module id, input) per denoising step
+    own_error_at: int | None = None  # the request raises its own error before this step
+    num_inference_steps: int = field(init=False, default=0)
+
+    def __post_init__(self):
+        object.__setattr__(self, "num_inference_steps", len(self.calls))
+
+    def expected(self) -> float:
+        return float(sum(real_result(m, torch.tensor([x])).item() for m, x in self.calls))
+
+
+class FakeAllGather:
+    """The tick's all-gather between threads; ``abort`` is what the group's kill does to the others."""
+
+    def __init__(self, world_size: int):
+        self.barrier = threading.Barrier(world_size, timeout=DEADLINE_S)
+        self.slots = [0] * world_size
+
+    def for_rank(self, rank: int):
+        def gather(state: int) -> list[int]:
+            self.slots[rank] = state
+            self.barrier.wait()
+            out = list(self.slots)
+            self.barrier.wait()
+            return out
+
+        return gather
+
+
+class FakeModules:
+    """Modules that log what ran (real or ghost) and can raise at a chosen forward or ghost pass."""
+
+    names = MODULES
+
+    def __init__(self, fail_forward_at: int | None = None, fail_ghost_at: int | None = None):
+        self.ran: list[int] = []
+        self.forwards = 0
+        self.ghosts = 0
+        self.fail_forward_at = fail_forward_at
+        self.fail_ghost_at = fail_ghost_at
+        self.calls: list[ForwardCall] = []
+        self.call_completions: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def before_call(self, call: ForwardCall) -> None:
+        with self._lock:
+            self.calls.append(call)
+            self.call_completions[id(call)] = 0
+
+        def counted(done):
+            with self._lock:
+                self.call_completions[id(done)] += 1
+
+        call.add_done_callback(counted)
+
+    def after_call(self, call: ForwardCall) -> None:
+        pass
+
+    def forward(self, calls: list[ForwardCall]) -> list:
+        self.forwards += 1
+        self.ran.append(calls[0].module_id)
+        if self.forwards == self.fail_forward_at:
+            raise InjectedError(f"forward {self.forwards} failed")
+        time.sleep(0.001)
+        return [real_result(c.module_id, c.args[0]) for c in calls]
+
+    def ghost(self, module_id: int) -> None:
+        self.ghosts += 1
+        self.ran.append(module_id)
+        if self.ghosts == self.fail_ghost_at:
+            raise InjectedError(f"ghost pass {self.ghosts} failed")
+
+
+class FailingExchange:
+    def __init__(self, inner, at: int):
+        self.inner, self.at, self.count = inner, at, 0
+
+    def __call__(self, state: int) -> list[int]:
+        self.count += 1
+        if self.count == self.at:
+            raise InjectedError(f"all-gather {self.count} failed")
+        return self.inner(state)
+
+
+def make_request(rng: random.Random, name: str, own_errors: bool) -> FakeRequest:
+    steps = rng.randint(1, 6)
+    # A text encoder call first, then one expert per step (as Wan2.2 switches experts).
+    calls = [(0, float(rng.randint(1, 9)))]
+    calls += [(rng.choice((1, 2)), float(rng.randint(1, 9))) for _ in range(steps)]
+    own_error_at = rng.randrange(len(calls)) if own_errors and rng.random() < 0.3 else None
+    return FakeRequest(name, tuple(calls), own_error_at)
+
+
+def run_group(rng: random.Random, world_size: int, fault: str | None):
+    """One group of ``world_size`` thread ranks running a random mix; returns what happened."""
+    gather = FakeAllGather(world_size)
+    failing_rank = rng.randrange(world_size)
+    runtimes: list[RankRuntime] = []
+    modules: list[FakeModules] = []
+    for rank in range(world_size):
+        faulty = fault is not None and rank == failing_rank
+        mods = FakeModules(
+            fail_forward_at=rng.randint(1, 6) if faulty and fault == "forward" else None,
+            fail_ghost_at=rng.randint(1, 4) if faulty and fault == "ghost" else None,
+        )
+        exchange = gather.for_rank(rank)
+        if faulty and fault == "exchange":
+            exchange = FailingExchange(exchange, rng.randint(1, 30))
+        holder: dict = {}
+
+        def run_request(request: FakeRequest, on_step, holder=holder):
+            total = 0.0
+            for step, (module_id, x) in enumerate(request.calls):
+                if request.own_error_at == step:
+                    raise InjectedError(f"{request.request_id}: its own error")
+                total += holder["runtime"].call(module_id, (torch.tensor([x]),), {}).item()
+                if step:  # the text encoder call is not a denoising step
+                    time.sleep(rng.random() * 0.002)
+                on_step(step + 1, len(request.calls))
+            return total
+
+        runtime = RankRuntime(
+            run_request,
+            rank=rank,
+            slots=rng.randint(1, 3),
+            modules=mods,
+            exchange=exchange,
+            patience_s=0.01,
+            max_batch=rng.randint(1, 2),
+        )
+        holder["runtime"] = runtime
+        runtimes.append(runtime)
+        modules.append(mods)
+
+    jobs: list[tuple[FakeRequest, object]] = []
+    completions: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def submit(rank: int, request: FakeRequest) -> None:
+        job = runtimes[rank].submit(request)
+
+        def counted(done):
+            with lock:
+                completions[id(done)] += 1
+
+        with lock:
+            completions[id(job)] = 0
+            jobs.append((request, job))
+        job.add_done_callback(counted)
+
+    # Some ranks start with work, some without (they ghost); more arrives while sessions run.
+    for rank in range(world_size):
+        for i in range(rng.randint(0, 3)):
+            submit(rank, make_request(rng, f"r{rank}-early{i}", own_errors=True))
+    late = [(rng.randrange(world_size), make_request(rng, f"late{i}", own_errors=True)) for i in range(4)]
+    stop = threading.Event()
+    failed: list[int] = []
+    # The group's part: all ranks run sessions together, and stop together.
+    decision = [False]
+    between = threading.Barrier(world_size, action=lambda: decision.__setitem__(0, stop.is_set()))
+
+    def rank_thread(rank: int) -> None:
+        while True:
+            try:
+                runtimes[rank].session()
+            except SessionFailedError:
+                failed.append(rank)  # the group kills every rank
+                gather.barrier.abort()
+                between.abort()
+                return
+            try:
+                between.wait()
+            except threading.BrokenBarrierError:
+                return
+            if decision[0]:
+                return
+            time.sleep(0.001)  # idle between sessions, as the group is until work arrives
+
+    def arrivals() -> None:
+        for rank, request in late:
+            time.sleep(rng.random() * 0.05)
+            submit(rank, request)
+
+    threads = [threading.Thread(target=rank_thread, args=(r,), name=f"fake-rank{r}") for r in range(world_size)]
+    feeder = threading.Thread(target=arrivals)
+    for t in [*threads, feeder]:
+        t.start()
+    feeder.join()
+    deadline = time.monotonic() + DEADLINE_S
+    while not all(job.done for _, job in list(jobs)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stop.set()
+    for t in threads:
+        t.join(timeout=DEADLINE_S)
+    return runtimes, modules, jobs, completions, failed, threads
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_every_call_and_request_completes_exactly_once(seed):
+    rng = random.Random(seed)
+    fault = [None, "forward", "ghost", "exchange"][seed % 4]
+    world_size = rng.randint(2, 4)
+    runtimes, modules, jobs, completions, failed, threads = run_group(rng, world_size, fault)
+
+    assert not any(t.is_alive() for t in threads), "a rank's tick thread hangs"
+    assert all(job.done for _, job in jobs), [r.request_id for r, job in jobs if not job.done]
+    # No thread left behind: every request thread ends (a failed rank refuses their next call).
+    deadline = time.monotonic() + 10
+    while any(rt.request_threads() for rt in runtimes) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(rt.request_threads() for rt in runtimes)
+    time.sleep(0.05)  # a late second completion would show up here
+    assert all(count == 1 for count in completions.values()), completions
+    for mods in modules:
+        assert all(call.done for call in mods.calls)
+        assert all(count == 1 for count in mods.call_completions.values())
+
+    session_failed = bool(failed)
+    for request, job in jobs:
+        if job.error is None:
+            # A real result, never a made-up one: calls without an injected error return theirs.
+            assert job.value == pytest.approx(request.expected()), request
+            assert request.own_error_at is None
+        elif isinstance(job.error, SessionFailedError):
+            assert session_failed, (request, job.error)
+        else:
+            assert isinstance(job.error, InjectedError) and "its own error" in str(job.error)
+            assert request.own_error_at is not None
+    if not session_failed:
+        # Lock step: every rank ran (or ghosted) the same modules in the same order.
+        assert all(m.ran == modules[0].ran for m in modules), [m.ran for m in modules]
+        assert any(job.error is None for _, job in jobs) or not jobs
+    else:
+        assert fault is not None
+        assert all(rt.failure is not None for rt in runtimes)
+        # A failed rank refuses new work at once, with the reason.
+        refused = runtimes[failed[0]].submit(FakeRequest("after", ((0, 1.0),)))
+        assert refused.done and isinstance(refused.error, SessionFailedError)
+
+
+def test_a_forward_error_fails_every_request_of_the_rank_at_once():
+    """Two ranks: a forward raises on rank 0; its requests, queued and running, fail within
+    moments, and rank 1's session fails as soon as the group aborts the exchange."""
+    gather = FakeAllGather(2)
+    modules = [FakeModules(fail_forward_at=3), FakeModules()]
+    holders: list[dict] = [{}, {}]
+
+    def runner(holder):
+        def run_request(request, on_step):
+            total = 0.0
+            for step, (module_id, x) in enumerate(request.calls):
+                total += holder["runtime"].call(module_id, (torch.tensor([x]),), {}).item()
+                on_step(step + 1, len(request.calls))
+            return total
+
+        return run_request
+
+    runtimes = []
+    for rank in range(2):
+        runtime = RankRuntime(
+            runner(holders[rank]), rank=rank, slots=2, modules=modules[rank], exchange=gather.for_rank(rank)
+        )
+        holders[rank]["runtime"] = runtime
+        runtimes.append(runtime)
+    long = tuple((1, 1.0) for _ in range(50))
+    jobs = [runtimes[r].submit(FakeRequest(f"r{r}-{i}", long)) for r in range(2) for i in range(3)]
+    errors: list[BaseException] = []
+
+    def rank_thread(rank):
+        try:
+            runtimes[rank].session()
+        except SessionFailedError as err:
+            errors.append(err)
+            gather.barrier.abort()
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=rank_thread, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert all(job.wait(5) for job in jobs)
+    elapsed = time.monotonic() - started
+    assert elapsed < 5, elapsed
+    assert all(isinstance(job.error, SessionFailedError) for job in jobs)
+    assert "rank 0: the forward of transformer failed: InjectedError" in str(runtimes[0].failure)
+    assert len(errors) == 2
+
+
+def test_an_unsharded_runtime_runs_requests_without_ticks():
+    def run_request(request, on_step):
+        on_step(1, 1)
+        if request.own_error_at is not None:
+            raise InjectedError("its own error")
+        return request.request_id.upper()
+
+    runtime = RankRuntime(run_request, slots=2)
+    jobs = [runtime.submit(FakeRequest(f"r{i}", ((0, 1.0),), 0 if i == 2 else None)) for i in range(5)]
+    assert runtime.session() == 5
+    assert [job.value for job in jobs if job.error is None] == ["R0", "R1", "R3", "R4"]
+    assert isinstance(jobs[2].error, InjectedError)
+    assert runtime.ticks == 0
