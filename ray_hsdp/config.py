@@ -100,7 +100,10 @@ class GroupConfig(BaseModel):
         10.0, ge=0, description="A queued request passed over for cost this long is taken next regardless."
     )
     max_queue: int = Field(
-        64, ge=0, description="Requests a group holds queued beyond those running; more are refused (HTTP 429)."
+        64,
+        ge=0,
+        description="Requests a group holds queued beyond those its ranks run at once; more are refused "
+        "(HTTP 429). 0: no queue, only what the ranks can run.",
     )
     cpus_per_rank: float = Field(1.0, ge=0, description="CPUs reserved per rank in its placement-group bundle.")
     rendezvous_timeout_s: float = Field(120.0, gt=0, description="Deadline for the ranks to form their process group.")

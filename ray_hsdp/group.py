@@ -127,6 +127,7 @@ class ShardGroup:
         self._inflight: dict[ray.ObjectRef, tuple[int, _Job]] = {}  # offer -> (rank index, job)
         self._sessions: dict[ray.ObjectRef, int] | None = None  # running session -> rank index
         self._sessions_done: set[ray.ObjectRef] = set()
+        self._watchers: dict[ray.ObjectRef, int] = {}  # each rank's open ``watch`` call -> rank index
         # Offers and sessions that completed, as Ray reports them; the scheduler handles them.
         self._events: deque[tuple[str, ray.ObjectRef, Future]] = deque()
         self._wake = False  # a request was submitted
@@ -158,6 +159,10 @@ class ShardGroup:
         except BaseException:
             self.shutdown()
             raise
+        for rank_index, rank in enumerate(self.ranks):
+            watch = rank.watch.remote()
+            self._watchers[watch] = rank_index
+            self._watch("rank", watch)
         self._scheduler = threading.Thread(target=self._schedule, name="ray_hsdp-scheduler", daemon=True)
         self._scheduler.start()
         logger.info(
@@ -257,7 +262,7 @@ class ShardGroup:
             running = len({id(job) for _, job in self._inflight.values()})
             if len(self._pending) + running >= self._running_capacity + self.config.max_queue:
                 raise GroupOverloadedError(
-                    f"the shard group is full: {running} requests running and {len(self._pending)} waiting "
+                    f"the shard group's queue is full: {running} requests running, {len(self._pending)} waiting "
                     f"(max_queue={self.config.max_queue}); retry later"
                 )
             self._pending.append(_Job(request, future, time.monotonic()))
@@ -326,8 +331,8 @@ class ShardGroup:
     def _schedule(self) -> None:
         """The scheduler thread: hands requests to ranks, answers them, starts sessions.
 
-        Wakes on a submitted request or a completed offer or session. If it crashes, the group
-        fails (and so answers every request it holds) rather than go quiet.
+        Wakes on a submitted request, a completed offer or session, or a rank's death. If it
+        crashes, the group fails (and so answers every request it holds) rather than go quiet.
         """
         try:
             while True:
@@ -342,8 +347,11 @@ class ShardGroup:
                 for kind, ref, future in events:
                     if kind == "offer":
                         self._offer_done(ref, future)
-                    else:
+                    elif kind == "session":
                         self._session_done(ref, future)
+                    elif isinstance(future.exception(), ray.exceptions.RayActorError):  # a rank, idle or not
+                        rank_index = self._watchers[ref]
+                        self._fail(f"shard group failed: rank {rank_index} died: {_describe(future.exception())}")
                 with self._cond:
                     if self._failure or self._closed:
                         continue
@@ -446,15 +454,24 @@ class ShardGroup:
         """Pings every rank with a deadline.
 
         Raises:
-            GroupFailedError: The group is broken, or a rank did not answer in time.
+            GroupFailedError: The group is broken, or a rank died or did not answer in time (the
+                group then fails, naming the rank).
         """
         if self._failure:
             raise GroupFailedError(self._failure)
-        try:
-            ray.get([r.ping.remote() for r in self.ranks], timeout=timeout_s)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
-            self._fail(f"shard group failed its health check: {_describe(err)}")
-            raise GroupFailedError(self._failure) from err
+        pings = [r.ping.remote() for r in self.ranks]
+        answered, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout_s)
+        for rank_index, ping in enumerate(pings):
+            if ping not in answered:
+                self._fail(f"shard group failed: rank {rank_index} did not answer its health check in {timeout_s:g}s")
+                break
+            try:
+                ray.get(ping)
+            except ray.exceptions.RayActorError as err:
+                self._fail(f"shard group failed: rank {rank_index} died: {_describe(err)}")
+                break
+        if self._failure:
+            raise GroupFailedError(self._failure)
 
     def describe(self) -> dict:
         """Topology of this group: sizes, mode, device, where each rank runs."""

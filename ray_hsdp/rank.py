@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 import ray
@@ -21,8 +22,9 @@ logger = logging.getLogger("ray_hsdp")
 
 #: Sessions (the tick thread) run on the default thread. ``offer`` calls wait on "intake" threads,
 #: one per request handed over; ``ping``, ``memory`` and ``progress`` answer on "control" while a
-#: long request runs. The torch profiler must stop on the thread that started it: "profile".
-CONCURRENCY_GROUPS = {"control": 2, "intake": 8, "profile": 1}
+#: long request runs. The torch profiler must stop on the thread that started it: "profile". The
+#: group's ``watch`` call waits on "watch" for as long as the rank lives.
+CONCURRENCY_GROUPS = {"control": 2, "intake": 8, "profile": 1, "watch": 1}
 
 #: Faults ``inject_fault`` knows: a rank hung before its next collective, a forward that raises.
 FAULTS = ("stall", "forward")
@@ -49,6 +51,7 @@ class Rank:
         self.load_peak_rss_bytes = 0
         self.last_request_peak_device_bytes = 0
         self._profile = None
+        self._leaving = threading.Event()
 
     def prepare(self) -> str:
         """Finds the model folder on this node (writing the embedded tiny model if needed) and
@@ -249,6 +252,14 @@ class Rank:
         """Answers with the rank index; the group's health check."""
         return self.rank
 
+    @ray.method(concurrency_group="watch")
+    def watch(self) -> int:
+        """Returns only when the rank leaves. The group keeps this call open, so that Ray tells it
+        at once when the rank's process dies, whether the rank holds work or not."""
+        self._leaving.wait()
+        return self.rank
+
     def leave(self) -> None:
         """Destroys the process group (the actor is killed right after)."""
+        self._leaving.set()
         distributed.destroy_process_group()

@@ -89,3 +89,16 @@ def test_shutdown_removes_everything_and_is_safe_twice(ray_cluster, tiny_model):
             ray.get(rank.ping.remote(), timeout=30)
     with pytest.raises(RuntimeError, match="shut down"):
         group.submit(request("a", 1))
+
+
+def test_max_queue_zero_takes_what_the_ranks_can_run_and_no_more(ray_cluster, tiny_model):
+    from ray_hsdp.group import GroupOverloadedError
+
+    config = GroupConfig(model=tiny_model, device="cpu", shard_size=2, requests_per_rank=1, max_queue=0)
+    with ShardGroup(config) as group:
+        running = [group.submit(request(f"runs {i}", i)) for i in range(2)]
+        with pytest.raises(GroupOverloadedError, match="max_queue=0"):
+            group.submit(request("one too many", 3))
+        assert all(f.result(timeout=120).frames.shape == (1, 5, 64, 64, 3) for f in running)
+        (after,) = group.generate([request("room again", 4)])
+        assert after.frames.shape == (1, 5, 64, 64, 3)

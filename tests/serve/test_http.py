@@ -272,13 +272,16 @@ def test_overload_is_refused_with_429_and_nothing_hangs(guarded):
 
 
 def test_a_killed_rank_fails_its_request_with_503_and_the_group_heals(server):
-    """Last in this module: it breaks the main app's group (and checks that it comes back)."""
+    """Last in this module: it breaks the main app's group (and checks that it comes back).
+
+    The victim is rank 0, which holds the lone request: the case where a request used to wait
+    for its deadline instead of failing."""
     import os
     import signal as signals
     from concurrent.futures import ThreadPoolExecutor
 
     url = f"{server}/v1/images/generations"
-    victim = requests.get(f"{server}/v1/pool", timeout=60).json()["ranks"][1]["pid"]
+    victim = requests.get(f"{server}/v1/pool", timeout=60).json()["ranks"][0]["pid"]
     # 200 steps at 256x256: many seconds on 2 CPU ranks, so the kill lands while it runs.
     slow = {"prompt": "a long one", "num_inference_steps": 200, "size": "256x256", "seed": 3}
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -289,10 +292,11 @@ def test_a_killed_rank_fails_its_request_with_503_and_the_group_heals(server):
         response = pending.result(timeout=120)
     error_s = time.monotonic() - killed_at
     assert response.status_code == 503, response.text
-    assert "failed" in response.json()["error"]["message"]
-    assert error_s < 30
+    assert "rank 0 died" in response.json()["error"]["message"]
+    assert error_s < 10
     healed = None
     while time.monotonic() - killed_at < 240:
+        # A request that arrives while the group is rebuilt waits for it.
         attempt = requests.post(url, json={"prompt": "after", "seed": 1}, timeout=120)
         if attempt.status_code == 200:
             healed = time.monotonic() - killed_at
@@ -303,4 +307,4 @@ def test_a_killed_rank_fails_its_request_with_503_and_the_group_heals(server):
     pool_after = requests.get(f"{server}/v1/pool", timeout=60).json()
     assert victim not in [r["pid"] for r in pool_after["ranks"]] and len(pool_after["ranks"]) == 2
     message = response.json()["error"]["message"]
-    print(f"\nrank killed -> client 503 in {error_s:.2f}s ({message[:80]}); serving again after {healed:.1f}s")
+    print(f"\nrank 0 killed -> client 503 in {error_s:.2f}s ({message[:80]}); serving again after {healed:.1f}s")
