@@ -372,14 +372,14 @@ class ShardGroup:
             return  # the group failed or shut down meanwhile, and answered the request then
         rank_index, job = entry
         error = future.exception()
-        if error is None:
-            if self.config.mode != "replicated" or rank_index == 0:  # replicated: rank 0's copy is the answer
-                _resolve(job.future, result=future.result())
-            return
         if isinstance(error, ray.exceptions.RayActorError):
             self._fail(f"shard group failed: rank {rank_index} died: {_describe(error)}", also=job)
-        elif isinstance(_cause(error), SessionFailedError):
+        elif error is not None and isinstance(_cause(error), SessionFailedError):
             self._fail(f"shard group failed: {_cause(error)}", also=job)
+        elif self.config.mode == "replicated" and rank_index != 0:
+            pass  # every rank ran the same request; rank 0's outcome is the answer
+        elif error is None:
+            _resolve(job.future, result=future.result())
         else:  # the request's own error (bad input, deadline): the group is fine
             _resolve(job.future, error=_cause(error))
 
@@ -457,9 +457,10 @@ class ShardGroup:
             GroupFailedError: The group is broken, or a rank died or did not answer in time (the
                 group then fails, naming the rank).
         """
-        if self._failure:
-            raise GroupFailedError(self._failure)
-        pings = [r.ping.remote() for r in self.ranks]
+        ranks = list(self.ranks)
+        if self._failure or not ranks:
+            raise GroupFailedError(self._failure or "the shard group is shut down")
+        pings = [r.ping.remote() for r in ranks]
         answered, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout_s)
         for rank_index, ping in enumerate(pings):
             if ping not in answered:
