@@ -186,6 +186,23 @@ class AppConfig(GroupConfig):
     max_prompt_chars: int = Field(4000, ge=1, description="Longest prompt or negative prompt, in characters.")
     max_body_bytes: int = Field(64 * 1024, ge=1024, description="Largest HTTP request body (HTTP 413 above it).")
     retry_after_s: int = Field(2, ge=1, description="Retry-After of an overload answer (HTTP 429).")
+    fps: int = Field(16, ge=1, le=120, description="Frame rate of the served video model (Wan: 16); MP4s use it.")
+    default_video_seconds: float = Field(
+        4.0, gt=0, description="Clip length of a video job that gives neither seconds nor num_frames (OpenAI's 4)."
+    )
+    max_frames: int = Field(129, ge=1, description="Most frames a video job may ask for.")
+    max_video_jobs: int = Field(256, ge=1, description="Most video jobs the job table keeps (HTTP 429 above).")
+    max_video_bytes: int = Field(
+        2 * 1024**3, ge=1024, description="Most bytes of MP4s and thumbnails the job table keeps (HTTP 429 at it)."
+    )
+    video_ttl_s: float = Field(
+        3600.0, gt=0, description="How long a finished video job is kept (its expires_at); then it is gone (404)."
+    )
+    video_stale_after_s: float = Field(
+        60.0,
+        gt=0,
+        description="A running video job whose replica has not reported for this long is failed (the replica is gone).",
+    )
     api_key_env: str = Field(
         "RAY_HSDP_API_KEY",
         description="Environment variable holding the API key; when it is set, every route but /health "

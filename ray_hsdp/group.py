@@ -22,7 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.rank import CONCURRENCY_GROUPS, Rank
-from ray_hsdp.request import GenerationRequest, GenerationResult
+from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
 from ray_hsdp.runtime import SessionFailedError
 from ray_hsdp.topology import PLACEMENT_STRATEGY, ParallelDims
 
@@ -123,6 +123,8 @@ class ShardGroup:
         self._owns_pg = placement_group is None
         self.ranks: list = []
         self.placement: list[dict] = []
+        #: What the loaded pipeline tells its callers (``ShardedPipeline.facts``).
+        self.pipeline_facts: dict = {}
         self._pending: list[_Job] = []
         self._inflight: dict[ray.ObjectRef, tuple[int, _Job]] = {}  # offer -> (rank index, job)
         self._sessions: dict[ray.ObjectRef, int] | None = None  # running session -> rank index
@@ -155,7 +157,8 @@ class ShardGroup:
                     f"{self.config.rendezvous_timeout_s:.0f}s (cluster resources: {ray.available_resources()})"
                 )
             self._spawn_and_join()
-            ray.get([r.load.remote() for r in self.ranks], timeout=self.config.load_timeout_s)
+            reports = ray.get([r.load.remote() for r in self.ranks], timeout=self.config.load_timeout_s)
+            self.pipeline_facts = reports[0]["pipeline"]
         except BaseException:
             self.shutdown()
             raise
@@ -416,6 +419,25 @@ class ShardGroup:
             logger.error("Shard group failed: %s", self._failure)
             self._kill_ranks()
 
+    def cancel(self, request_id: str) -> bool:
+        """Cancels a request: a queued one is dropped, a running one stops at the end of its
+        current denoising step without decoding (its lock step is not broken: the other ranks
+        just stop seeing its forwards). Its future fails with ``RequestCancelledError``.
+
+        Returns:
+            Whether the group held the request.
+        """
+        with self._cond:
+            queued = [j for j in self._pending if j.request.request_id == request_id]
+            self._pending = [j for j in self._pending if j.request.request_id != request_id]
+            holders = {i for i, j in self._inflight.values() if j.request.request_id == request_id}
+            ranks = list(self.ranks)
+        for job in queued:
+            _resolve(job.future, error=RequestCancelledError(f"request {request_id!r} was cancelled while queued"))
+        for rank_index in holders:
+            ranks[rank_index].cancel.remote(request_id)  # the offer then fails with RequestCancelledError
+        return bool(queued or holders)
+
     def progress(self) -> dict[str, dict]:
         """Request id -> ``{"state": "queued"}`` or ``{"state": "running", "rank": i, "step": s, "total": n}``."""
         with self._cond:
@@ -483,5 +505,6 @@ class ShardGroup:
             "device": self.config.device,
             "dtype": self.config.dtype,
             "model": self.config.served_model_name,
+            "pipeline": self.pipeline_facts,
             "ranks": self.placement,
         }

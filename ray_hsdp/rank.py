@@ -13,7 +13,7 @@ import ray
 from ray_hsdp import distributed
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.memory import RssSampler, device_allocated_bytes
-from ray_hsdp.request import GenerationRequest, GenerationResult
+from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
 from ray_hsdp.runtime import RankRuntime
 from ray_hsdp.topology import ParallelDims
 
@@ -96,7 +96,7 @@ class Rank:
 
     def load(self) -> dict:
         """Loads the pipeline, its sharded components slice by slice, and builds the runtime;
-        returns the memory report.
+        returns the memory report, with the pipeline's facts under ``pipeline``.
 
         The report adds ``load_s`` and ``load_peak_rss_bytes``: the most host memory this process
         held above its level before loading, sampled while loading.
@@ -146,7 +146,7 @@ class Rank:
             self.pipeline.request_streams = self.config.request_streams
             self.load_s = time.perf_counter() - start
         self.load_peak_rss_bytes = rss.peak_above_start
-        return self.memory()
+        return {**self.memory(), "pipeline": self.pipeline.facts}
 
     def _loaded(self) -> RankRuntime:
         if self.runtime is None:
@@ -246,6 +246,13 @@ class Rank:
             runtime.modules = FailNextForward(runtime.modules)
         else:
             raise ValueError(f"unknown fault {kind!r}; known: {', '.join(FAULTS)}")
+
+    @ray.method(concurrency_group="control")
+    def cancel(self, request_id: str) -> bool:
+        """Cancels a request held here: queued, it never starts; running, it stops at the end of
+        its current denoising step, without decoding. Returns whether this rank held it."""
+        error = RequestCancelledError(f"request {request_id!r} was cancelled")
+        return self.runtime.cancel(request_id, error) if self.runtime is not None else False
 
     @ray.method(concurrency_group="control")
     def ping(self) -> int:

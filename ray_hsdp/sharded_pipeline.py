@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ray_hsdp.loading import build_on_meta, fill_from_checkpoint, load_pipeline, materialize, model_index
 from ray_hsdp.memory import module_memory, peak_device_bytes, unit_memory
-from ray_hsdp.request import GenerationRequest, GenerationResult
+from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
 from ray_hsdp.sharding import apply_fsdp, resolve_plan
 
 logger = logging.getLogger("ray_hsdp")
@@ -100,6 +100,15 @@ class ShardedPipeline:
         return cls(pipe, device, rank, sharded, stats)
 
     @property
+    def facts(self) -> dict:
+        """What callers must know of this pipeline: whether it makes videos, and by how much its
+        VAE compresses time (a video VAE that compresses ``t`` times takes ``t * k + 1`` frames)."""
+        return {
+            "video": "num_frames" in self._call_params,
+            "temporal_compression": int(getattr(self.pipe, "vae_scale_factor_temporal", 1) or 1),
+        }
+
+    @property
     def sharded_modules(self) -> dict[str, nn.Module]:
         """Name -> the real module, for the sharded components."""
         return {name: self.modules[name] for name in self.sharded}
@@ -169,7 +178,11 @@ class ShardedPipeline:
         Args:
             request: The request.
             on_step: Called with (steps done, steps in all) after each denoising step; when it
-                returns True the pipeline skips its remaining steps (diffusers' interrupt).
+                returns True the request stops there, without decoding.
+
+        Raises:
+            RequestCancelledError: ``on_step`` asked to stop. Raised from the step callback rather
+                than through diffusers' interrupt flag, which still decodes every frame (in Wan).
         """
         kwargs = self._kwargs(request)
         if on_step is not None and "callback_on_step_end" in self._call_params:
@@ -177,7 +190,9 @@ class ShardedPipeline:
 
             def step_end(pipe, step, timestep, callback_kwargs):
                 if on_step(step + 1, total):
-                    pipe._interrupt = True
+                    raise RequestCancelledError(
+                        f"request {request.request_id!r} stopped after step {step + 1} of {total}, not decoded"
+                    )
                 return callback_kwargs
 
             kwargs["callback_on_step_end"] = step_end
@@ -194,6 +209,8 @@ class ShardedPipeline:
         frames = np.asarray(frames, dtype=np.float32)
         if frames.ndim == 4:  # images: (n, H, W, C) -> (n, 1, H, W, C)
             frames = frames[:, None]
+        if request.uint8_frames:
+            frames = (np.clip(frames, 0.0, 1.0) * 255).round().astype(np.uint8)
         return GenerationResult(
             frames=frames,
             seed=request.seed,

@@ -213,6 +213,15 @@ class RankRuntime:
         modules.after_call(call)
         return value
 
+    def cancel(self, request_id: str, error: BaseException) -> bool:
+        """Answers the request with ``error`` and stops it: a queued one never starts, a running
+        one at the end of its current step. Returns whether this rank held it."""
+        with self._cond:
+            jobs = [job for job in [*self._inbox, *self._running] if job.request.request_id == request_id]
+        for job in jobs:
+            job.cancel(error)
+        return bool(jobs)
+
     @property
     def failure(self) -> SessionFailedError | None:
         """Why this rank's session failed, or ``None``."""

@@ -1,8 +1,7 @@
 """The Serve deployment: one replica owns one shard group and answers HTTP and handle calls."""
 
-from __future__ import annotations
-
 import asyncio
+import dataclasses
 import hmac
 import logging
 import os
@@ -12,14 +11,25 @@ from pathlib import Path
 import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 from ray import serve
 
 from ray_hsdp.config import AppConfig
 from ray_hsdp.group import GroupFailedError, GroupOverloadedError, ShardGroup
+from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
+from ray_hsdp.serve.jobs import DECODED, DENOISED, VideoJobs, table_name
 from ray_hsdp.serve.keeper import GroupKeeper
+from ray_hsdp.serve.media import encode_mp4, encode_png
 from ray_hsdp.serve.routing import GROUP_OK
-from ray_hsdp.serve.schema import ImageGenerationRequest, RequestLimitError, image_response, to_generation_request
+from ray_hsdp.serve.schema import (
+    ImageGenerationRequest,
+    RequestLimitError,
+    VideoCreateRequest,
+    image_response,
+    to_generation_request,
+    to_video_request,
+)
 
 logger = logging.getLogger("ray_hsdp")
 
@@ -39,6 +49,11 @@ async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONRespo
     first = next((e.get("loc") for e in exc.errors()), ())
     param = str(first[-1]) if first and first[-1] != "body" else None
     return _error(400, "; ".join(problems) or "invalid request", "invalid_request_error", param)
+
+
+@api.exception_handler(ValidationError)
+async def _invalid_model(request: Request, exc: ValidationError) -> JSONResponse:
+    return await _invalid_request(request, RequestValidationError(exc.errors()))
 
 
 @api.exception_handler(RequestLimitError)
@@ -74,7 +89,10 @@ async def _guard(request: Request, call_next):
             return _error(411, "a request body needs a Content-Length header", "invalid_request_error")
         if not length.isdigit() or int(length) > config.max_body_bytes:
             return _error(413, f"request body larger than {config.max_body_bytes} bytes", "invalid_request_error")
-    return await call_next(request)
+    response = await call_next(request)
+    # Which replica answered: jobs live in a table every replica reaches, so any may answer.
+    response.headers["X-Ray-Hsdp-Replica"] = serve.get_replica_context().replica_id.unique_id
+    return response
 
 
 def read_api_key(config: AppConfig) -> str | None:
@@ -108,6 +126,65 @@ async def _unknown_model(_: Request, exc: UnknownModelError) -> JSONResponse:
     return _error(404, str(exc), "invalid_request_error", "model")
 
 
+class VideoNotFoundError(LookupError):
+    """No video job has this id (any more: deleted or expired)."""
+
+
+@api.exception_handler(VideoNotFoundError)
+async def _video_not_found(_: Request, exc: VideoNotFoundError) -> JSONResponse:
+    return _error(404, str(exc), "invalid_request_error", "video_id")
+
+
+class VideoNotReadyError(RuntimeError):
+    """The video job has no content yet (or failed)."""
+
+
+@api.exception_handler(VideoNotReadyError)
+async def _video_not_ready(_: Request, exc: VideoNotReadyError) -> JSONResponse:
+    return _error(409, str(exc), "invalid_request_error", "video_id")
+
+
+class JobTableFullError(RuntimeError):
+    """The video job table is at one of its limits."""
+
+
+@api.exception_handler(JobTableFullError)
+async def _table_full(request: Request, exc: JobTableFullError) -> JSONResponse:
+    response = _error(429, str(exc), "rate_limit_error")
+    response.headers["Retry-After"] = str(request.app.state.config.retry_after_s)
+    return response
+
+
+async def _video_body(request: Request) -> VideoCreateRequest:
+    """The body of ``POST /v1/videos``: a multipart or urlencoded form (what the OpenAI client
+    sends) or JSON. Form values are strings; the schema reads numbers out of them."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        try:
+            form = await request.form()
+        except Exception as err:  # noqa: BLE001 - a malformed form is the client's error
+            raise RequestLimitError(f"could not read the form: {err}") from None
+        fields: dict = {}
+        for key, value in form.multi_items():
+            if not isinstance(value, str):
+                raise RequestLimitError(f"{key}: file uploads (input_reference) are not supported")
+            if key in fields:
+                raise RequestLimitError(f"{key} is given more than once")
+            fields[key] = value
+    elif kind == "application/json":
+        try:
+            fields = await request.json()
+        except ValueError as err:
+            raise RequestLimitError(f"the body is not valid JSON: {err}") from None
+        if not isinstance(fields, dict):
+            raise RequestLimitError("the body must be a JSON object")
+    else:
+        raise RequestLimitError(
+            f"unsupported content type {kind or '(none)'!r}: send multipart/form-data, a urlencoded form or JSON"
+        )
+    return VideoCreateRequest.model_validate(fields)
+
+
 @serve.deployment
 @serve.ingress(api)
 class HSDPServer:
@@ -125,6 +202,15 @@ class HSDPServer:
         api.state.api_key = read_api_key(self.config)
         placement = ray.util.get_current_placement_group()
         self.keeper = GroupKeeper(lambda: ShardGroup(self.config, placement_group=placement).start())
+        self.jobs = VideoJobs.options(
+            name=table_name(serve.get_replica_context().app_name), lifetime="detached", get_if_exists=True
+        ).remote(
+            self.config.max_video_jobs,
+            self.config.max_video_bytes,
+            self.config.video_ttl_s,
+            self.config.video_stale_after_s,
+        )
+        self._video_tasks: dict[str, asyncio.Task] = {}
 
     @property
     def group(self) -> ShardGroup:
@@ -138,57 +224,202 @@ class HSDPServer:
             raise GroupFailedError("the shard group failed and is being rebuilt; retry shortly")
         return current.result()
 
-    async def generate(self, request: dict | ImageGenerationRequest, avoid_replica: str | None = None) -> dict:
-        """Generates images for one request (the handle's entry point; HTTP uses the same path).
-
-        A request with a seed whose shard group fails under it is retried once on another
-        replica's group (the same seed gives the same images); the response then says
-        ``"retried": true`` and carries the first failure in ``first_error``.
-
-        Args:
-            request: The ``/v1/images/generations`` body, as a dict or the schema object.
-            avoid_replica: Set on a retry: the replica whose group failed it (the router steers
-                clear of it; if it lands there anyway, it is refused at once). A retry is not
-                retried again.
+    async def _submit(self, job: GenerationRequest):
+        """Hands ``job`` to the group; a group being rebuilt is waited for, within the job's deadline.
 
         Returns:
-            The OpenAI images response: ``created``, ``data[i].b64_json``, plus ``seed``, ``rank``
-            and ``retried``.
+            The group's future of the result.
         """
-        body = ImageGenerationRequest.model_validate(request)
-        if body.model is not None and body.model != self.model_name:
-            raise UnknownModelError(f"model {body.model!r} is not served here; available: [{self.model_name!r}]")
-        me = serve.get_replica_context().replica_id.unique_id
-        if avoid_replica == me:
-            raise GroupFailedError("no other shard group could take the retry")
-        job = to_generation_request(body, self.config, request_id=uuid.uuid4().hex)
+        deadline = job.timeout_s or self.config.request_timeout_s
         try:
-            # A request that arrives while the group is rebuilt waits for it, within its deadline.
-            deadline = job.timeout_s or self.config.request_timeout_s
-            try:
-                group = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self.keeper.current())), deadline)
-            except asyncio.TimeoutError:
-                raise GroupFailedError(f"the shard group was still being rebuilt after {deadline:g}s") from None
-            result = await asyncio.wrap_future(group.submit(job))
-        except GroupFailedError as err:
-            if body.seed is None or avoid_replica is not None or serve.get_replica_context().world_size < 2:
-                raise
-            return await self._retry_elsewhere(body, err, me)
-        return {**image_response(result, self.model_name), "id": job.request_id, "retried": False}
+            group = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self.keeper.current())), deadline)
+        except asyncio.TimeoutError:
+            raise GroupFailedError(f"the shard group was still being rebuilt after {deadline:g}s") from None
+        return group.submit(job)
 
-    async def _retry_elsewhere(self, body: ImageGenerationRequest, error: GroupFailedError, me: str) -> dict:
+    async def _result(self, job: GenerationRequest, seeded: bool, future=None) -> tuple[GenerationResult, str | None]:
+        """The result of ``job`` (awaiting ``future``, or submitting it), and the failure it was
+        retried after, if any: a seeded job whose group fails under it is retried once on another
+        replica's group (the same seed gives the same output)."""
+        try:
+            if future is None:
+                future = await self._submit(job)
+            return await asyncio.wrap_future(future), None
+        except GroupFailedError as err:
+            if not seeded or serve.get_replica_context().world_size < 2:
+                raise
+            return await self._retry_elsewhere(job, err), str(err)
+
+    async def _retry_elsewhere(self, job: GenerationRequest, error: GroupFailedError) -> GenerationResult:
         logger.warning("Retrying a seeded request on another shard group after: %s", error)
         context = serve.get_replica_context()
         handle = serve.get_deployment_handle(context.deployment, context.app_name)
         try:
-            response = await handle.generate.remote(body.model_dump(exclude_none=True), avoid_replica=me)
+            return await handle.run_request.remote(job, avoid_replica=context.replica_id.unique_id)
         except ray.exceptions.RayTaskError as err:
             # The other replica's own error (429, 503, ...), without the remote traceback.
             cause = err.cause if err.cause is not None else err
             if isinstance(cause, GroupFailedError):
                 raise GroupFailedError(f"{error}; the retry on another shard group failed too: {cause}") from None
             raise cause from None
-        return {**response, "retried": True, "first_error": str(error)}
+
+    async def run_request(self, job: GenerationRequest, avoid_replica: str | None = None) -> GenerationResult:
+        """Runs a prepared request on this replica's group: how another replica retries one.
+
+        Args:
+            job: The request, defaults and limits applied.
+            avoid_replica: The replica whose group failed it (the router steers clear of it; if it
+                lands there anyway, it is refused at once). A retry is not retried again.
+        """
+        if avoid_replica == serve.get_replica_context().replica_id.unique_id:
+            raise GroupFailedError("no other shard group could take the retry")
+        return await asyncio.wrap_future(await self._submit(job))
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise UnknownModelError(f"model {model!r} is not served here; available: [{self.model_name!r}]")
+
+    async def generate(self, request: dict | ImageGenerationRequest) -> dict:
+        """Generates images for one request (the handle's entry point; HTTP uses the same path).
+
+        A request with a seed whose shard group fails under it is retried once on another
+        replica's group; the response then says ``"retried": true`` and carries the first failure
+        in ``first_error``.
+
+        Args:
+            request: The ``/v1/images/generations`` body, as a dict or the schema object.
+
+        Returns:
+            The OpenAI images response: ``created``, ``data[i].b64_json``, plus ``seed``, ``rank``
+            and ``retried``.
+        """
+        body = ImageGenerationRequest.model_validate(request)
+        self._check_model(body.model)
+        job = to_generation_request(body, self.config, request_id=uuid.uuid4().hex)
+        result, first_error = await self._result(job, seeded=body.seed is not None)
+        response = {**image_response(result, self.model_name), "id": job.request_id, "retried": first_error is not None}
+        return {**response, "first_error": first_error} if first_error else response
+
+    # ---- video jobs ------------------------------------------------------------------------
+
+    async def create_video(self, request: dict | VideoCreateRequest) -> dict:
+        """Creates a video job (``POST /v1/videos``) and starts it; returns the video object."""
+        body = VideoCreateRequest.model_validate(request)
+        self._check_model(body.model)
+        facts = self.group.pipeline_facts
+        if not facts.get("video"):
+            raise RequestLimitError(f"{self.model_name} makes images, not videos; use /v1/images/generations")
+        job, fps = to_video_request(body, self.config, facts["temporal_compression"], request_id="")
+        fields = {
+            "model": self.model_name,
+            "prompt": job.prompt,
+            "size": f"{job.width}x{job.height}",
+            "seconds": f"{job.num_frames / fps:g}",
+            "num_frames": job.num_frames,
+            "fps": fps,
+            "seed": job.seed,
+        }
+        status, created = await self.jobs.create.remote(fields, serve.get_replica_context().replica_id.unique_id)
+        if status == "full":
+            raise JobTableFullError(created)
+        job = dataclasses.replace(job, request_id=created["id"])
+        try:
+            future = await self._submit(job)
+        except GroupOverloadedError:
+            await self.jobs.delete.remote(created["id"])
+            raise
+        except GroupFailedError:
+            future = None  # the job's task retries it elsewhere (seeded) or fails it
+        task = asyncio.create_task(self._run_video(created["id"], job, fps, body.seed is not None, future))
+        self._video_tasks[created["id"]] = task
+        task.add_done_callback(lambda _: self._video_tasks.pop(created["id"], None))
+        return created
+
+    async def _run_video(self, video_id: str, job: GenerationRequest, fps: int, seeded: bool, future) -> None:
+        reporter = asyncio.create_task(self._report_progress(video_id, job.request_id))
+        try:
+            result, _ = await self._result(job, seeded, future)
+            await self.jobs.update.remote(video_id, progress=DECODED)
+            frames = result.frames[0]
+            mp4 = await asyncio.to_thread(encode_mp4, frames, fps)  # off the event loop, far from any tick
+            await self.jobs.complete.remote(video_id, mp4, encode_png(frames[0]))
+        except RequestCancelledError:
+            pass  # deleted: nothing is kept
+        except Exception as err:  # noqa: BLE001 - the job says why it failed
+            code = "group_failed" if isinstance(err, GroupFailedError) else type(err).__name__
+            logger.warning("Video job %s failed: %s", video_id, err)
+            await self.jobs.fail.remote(video_id, code, str(err))
+        finally:
+            reporter.cancel()
+
+    async def _report_progress(self, video_id: str, request_id: str) -> None:
+        """Reports a job's denoising progress to the table (also its heartbeat) until it ends; a
+        job deleted meanwhile is cancelled here if it still waits in the group's queue."""
+        registered = False
+        while True:
+            group = self.group
+            try:
+                state = (await asyncio.to_thread(group.progress)).get(request_id)
+            except Exception:  # noqa: BLE001 - a failed group answers the job itself
+                state = None
+            running = state is not None and state["state"] == "running"
+            progress = DENOISED * state["step"] // max(state["total"], 1) if running else None
+            run = None
+            if running and not registered:
+                # Where a DELETE through any replica must reach to stop it at once.
+                ranks = [[place["actor_name"], place["namespace"]] for place in group.placement]
+                run = {"request_id": request_id, "ranks": ranks}
+            if not await self.jobs.update.remote(video_id, progress=progress, run=run):
+                group.cancel(request_id)
+                return
+            registered = registered or run is not None
+            await asyncio.sleep(0.25)
+
+    async def video(self, video_id: str) -> dict:
+        """The video object of a job."""
+        found = await self.jobs.get.remote(video_id)
+        if found is None:
+            raise VideoNotFoundError(f"no video {video_id!r} (never created, deleted, or expired)")
+        return found
+
+    async def video_content(self, video_id: str, variant: str = "video") -> bytes:
+        """The MP4 of a completed job, or its first frame as PNG (``variant="thumbnail"``)."""
+        if variant not in ("video", "thumbnail"):
+            raise RequestLimitError(f"variant must be 'video' or 'thumbnail', got {variant!r}")
+        status, content = await self.jobs.content.remote(video_id, variant)
+        if status == "missing":
+            raise VideoNotFoundError(f"no video {video_id!r} (never created, deleted, or expired)")
+        if status == "not_ready":
+            raise VideoNotReadyError(f"video {video_id!r} is {content}; its content exists once it is completed")
+        return content
+
+    async def delete_video(self, video_id: str) -> dict:
+        """Deletes a job: a queued one is dropped, a running one stops at its next step without
+        decoding; afterwards the id is 404."""
+        existed, run = await self.jobs.delete.remote(video_id)
+        if not existed:
+            raise VideoNotFoundError(f"no video {video_id!r} (never created, deleted, or expired)")
+        for name, namespace in (run or {}).get("ranks", []):
+            try:
+                ray.get_actor(name, namespace=namespace).cancel.remote(run["request_id"])
+            except ValueError:
+                pass  # that group is gone; its job went with it
+        return {"id": video_id, "object": "video.deleted", "deleted": True}
+
+    async def generate_video(self, request: dict | VideoCreateRequest) -> dict:
+        """Creates a video job and waits for it (the handle's entry point).
+
+        Returns:
+            ``{"video": the video object, "mp4": the MP4's bytes}``; raises if the job failed.
+        """
+        created = await self.create_video(request)
+        task = self._video_tasks.get(created["id"])
+        if task is not None:
+            await asyncio.shield(task)
+        video = await self.video(created["id"])
+        if video["status"] != "completed":
+            raise GroupFailedError(f"video {created['id']} {video['status']}: {(video['error'] or {}).get('message')}")
+        return {"video": video, "mp4": await self.video_content(created["id"])}
 
     def pool(self) -> dict:
         """Topology of this replica's group and each rank's memory report."""
@@ -227,6 +458,39 @@ class HSDPServer:
     @api.post("/v1/images/generations")
     async def images_generations(self, body: ImageGenerationRequest) -> dict:
         return await self.generate(body)
+
+    @api.post("/v1/videos")
+    async def videos_create(self, request: Request) -> dict:
+        return await self.create_video(await _video_body(request))
+
+    @api.post("/v1/videos/sync")
+    async def videos_create_sync(self, request: Request) -> Response:
+        out = await self.generate_video(await _video_body(request))
+        return Response(out["mp4"], media_type="video/mp4", headers={"X-Video-Id": out["video"]["id"]})
+
+    @api.get("/v1/videos")
+    async def videos_list(self, limit: int = 20, after: str | None = None, order: str = "desc") -> dict:
+        if not 1 <= limit <= 100:
+            raise RequestLimitError(f"limit must be between 1 and 100, got {limit}")
+        if order not in ("asc", "desc"):
+            raise RequestLimitError(f"order must be 'asc' or 'desc', got {order!r}")
+        page = await self.jobs.list.remote(limit, after, order)
+        if page is None:
+            raise VideoNotFoundError(f"after={after!r} names no video")
+        return page
+
+    @api.get("/v1/videos/{video_id}")
+    async def videos_retrieve(self, video_id: str) -> dict:
+        return await self.video(video_id)
+
+    @api.get("/v1/videos/{video_id}/content")
+    async def videos_content(self, video_id: str, variant: str = "video") -> Response:
+        content = await self.video_content(video_id, variant)
+        return Response(content, media_type="video/mp4" if variant == "video" else "image/png")
+
+    @api.delete("/v1/videos/{video_id}")
+    async def videos_delete(self, video_id: str) -> dict:
+        return await self.delete_video(video_id)
 
     @api.get("/v1/models")
     def models(self) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import secrets
 import time
@@ -13,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, Stric
 
 from ray_hsdp.config import AppConfig, parse_size
 from ray_hsdp.request import GenerationRequest, GenerationResult
+from ray_hsdp.serve.media import frames_for_seconds
 
 MAX_SEED = 2**63 - 1
 
@@ -106,3 +108,75 @@ def image_response(result: GenerationResult, model: str) -> dict:
         "rank": result.rank,
         "elapsed_s": round(result.elapsed_s, 4),
     }
+
+
+class VideoCreateRequest(BaseModel):
+    """``POST /v1/videos``: OpenAI's fields plus the diffusers extensions.
+
+    Numbers may come as strings: the OpenAI client sends this body as a multipart form.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(..., min_length=1, description="Text prompt.")
+    model: str | None = Field(None, description="Served model name; the deployment's model when omitted.")
+    size: str | None = Field(None, description="'WxH', each a multiple of 16; the server default when omitted.")
+    seconds: float | None = Field(
+        None, gt=0, description="Clip length; frames = the nearest count the VAE takes at the model's frame rate."
+    )
+    num_frames: int | None = Field(None, ge=1, description="Frames; wins over seconds when both are given.")
+    fps: int | None = Field(None, ge=1, le=120, description="Frame rate of the MP4; the model's when omitted.")
+    num_inference_steps: int | None = Field(None, ge=1, description="Denoising steps.")
+    guidance_scale: float | None = Field(None, ge=0, description="Classifier-free guidance scale.")
+    negative_prompt: str | None = Field(None, description="Negative prompt.")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Noise seed; random when omitted.")
+    user: str | None = Field(None, description="OpenAI's end-user id; accepted and ignored.")
+
+    @field_validator("size")
+    @classmethod
+    def _size_is_wxh(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_size(value)
+        return value
+
+
+def to_video_request(
+    body: VideoCreateRequest, config: AppConfig, temporal_compression: int, request_id: str
+) -> tuple[GenerationRequest, int]:
+    """Applies the server's defaults and limits to a video job.
+
+    Returns:
+        The generation request (uint8 frames) and the frame rate of its MP4.
+
+    Raises:
+        RequestLimitError: A limit is exceeded, or the frame count is not one the VAE takes.
+    """
+    image = ImageGenerationRequest.model_validate(
+        {
+            k: v
+            for k, v in {
+                "prompt": body.prompt,
+                "size": body.size,
+                "negative_prompt": body.negative_prompt,
+                "num_inference_steps": body.num_inference_steps,
+                "guidance_scale": body.guidance_scale,
+                "seed": body.seed,
+            }.items()
+            if v is not None
+        }
+    )
+    request = to_generation_request(image, config, request_id)
+    fps = body.fps or config.fps
+    t = temporal_compression
+    if body.num_frames is not None:
+        frames = body.num_frames
+    else:
+        frames = frames_for_seconds(body.seconds or config.default_video_seconds, fps, t)
+    if frames > config.max_frames:
+        raise RequestLimitError(f"{frames} frames exceed the limit max_frames={config.max_frames}")
+    if (frames - 1) % t:
+        raise RequestLimitError(
+            f"num_frames={frames} is not a count this model's VAE takes: {t}k+1 (e.g. {t * ((frames - 1) // t) + 1} "
+            f"or {t * ((frames - 1) // t + 1) + 1})"
+        )
+    return dataclasses.replace(request, num_frames=frames, uint8_frames=True), fps

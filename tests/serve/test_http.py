@@ -4,57 +4,23 @@ from __future__ import annotations
 
 import base64
 import io
-import os
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import requests
-import yaml
-from conftest import free_port, reference_frames, wait_until_healthy
+from conftest import reference_frames
 from PIL import Image
+from served import serve_run
 
 from ray_hsdp.request import GenerationRequest
 
-ROOT = Path(__file__).resolve().parents[2]
 APP = "ray_hsdp"
 
 
 @pytest.fixture(scope="module")
 def server(ray_cluster, tmp_path_factory):
-    """The shipped YAML, deployed by the ``serve run`` CLI on a free port of 127.0.0.1."""
-    from ray import serve
-
-    config = yaml.safe_load((ROOT / "serve_configs" / "tiny_cpu.yaml").read_text())
-    port = free_port()
-    config["http_options"]["port"] = port
-    path = tmp_path_factory.mktemp("serve") / "tiny_cpu.yaml"
-    path.write_text(yaml.safe_dump(config))
-    log = open(path.with_suffix(".log"), "w")
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).with_name("serve")), "run", str(path)],
-        cwd=ROOT,
-        env=os.environ.copy(),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(base, proc)
-    except RuntimeError as err:
-        raise RuntimeError(f"{err}; serve run's log:\n{path.with_suffix('.log').read_text()[-4000:]}") from None
-    yield base
-    proc.send_signal(signal.SIGINT)  # serve run shuts Serve down on Ctrl-C
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    serve.shutdown()
-    log.close()
+    yield from serve_run(tmp_path_factory)
 
 
 def decode_png(b64: str) -> Image.Image:
