@@ -102,3 +102,26 @@ def test_max_queue_zero_takes_what_the_ranks_can_run_and_no_more(ray_cluster, ti
         assert all(f.result(timeout=120).frames.shape == (1, 5, 64, 64, 3) for f in running)
         (after,) = group.generate([request("room again", 4)])
         assert after.frames.shape == (1, 5, 64, 64, 3)
+
+
+def test_a_cancelled_request_stops_at_its_next_step_without_decoding(batch_group, reference_pipe):
+    from ray_hsdp.request import RequestCancelledError
+
+    batch_group.start_profile()
+    long = request("cancelled", 5, num_inference_steps=200, request_id="cancel-me")
+    beside = request("beside it", 6, num_inference_steps=3)
+    doomed, other = batch_group.submit(long), batch_group.submit(beside)
+    while batch_group.progress().get("cancel-me", {}).get("step", 0) < 3:
+        pass
+    step = batch_group.progress()["cancel-me"]["step"]
+    assert batch_group.cancel("cancel-me")
+    with pytest.raises(RequestCancelledError):
+        doomed.result(timeout=30)
+    while "cancel-me" in batch_group.progress():
+        pass
+    result = other.result(timeout=120)
+    profiles = batch_group.stop_profile()
+    (record,) = [p["requests"]["cancel-me"] for p in profiles if "cancel-me" in p["requests"]]
+    assert len(record["steps"]) <= step + 2  # it stopped within two steps of the cancel
+    assert max_abs_diff(result.frames, reference_frames(reference_pipe, beside)) <= TOL
+    assert not batch_group.cancel("cancel-me")  # gone

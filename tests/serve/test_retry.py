@@ -219,6 +219,41 @@ def test_chaos_every_request_is_answered_exactly_once(pool, reference_pipe):
     )
 
 
+def test_a_video_job_is_polled_downloaded_and_deleted_through_the_other_replica(pool):
+    """The job table is one actor every replica reaches: what one replica created, the other
+    answers for (each response names the replica that answered)."""
+    url = f"{pool}/v1/videos"
+    replica = "X-Ray-Hsdp-Replica"
+
+    def through_other(method, path, owner, **kwargs):
+        for _ in range(40):  # the router picks a replica at random: one of these lands elsewhere
+            response = requests.request(method, path, timeout=60, **kwargs)
+            if response.headers[replica] != owner:
+                return response
+        raise AssertionError("every call landed on the replica that created the job")
+
+    body = {"prompt": "across replicas", "num_frames": 5, "num_inference_steps": 2, "seed": 9, "size": "64x64"}
+    created = requests.post(url, json=body, timeout=60)
+    assert created.status_code == 200, created.text
+    video_id, owner = created.json()["id"], created.headers[replica]
+    while (polled := through_other("GET", f"{url}/{video_id}", owner)).json()["status"] != "completed":
+        assert polled.json()["status"] in ("queued", "in_progress"), polled.text
+        time.sleep(0.05)
+    content = through_other("GET", f"{url}/{video_id}/content", owner)
+    assert content.status_code == 200 and content.headers["content-type"] == "video/mp4"
+    assert content.content[4:8] == b"ftyp"
+    for _ in range(40):  # a DELETE that lands on the creator deletes too: then try with a new job
+        deleted = requests.delete(f"{url}/{video_id}", timeout=60)
+        assert deleted.status_code == 200 and deleted.json()["deleted"], deleted.text
+        if deleted.headers[replica] != owner:
+            break
+        created = requests.post(url, json=body, timeout=60)
+        video_id, owner = created.json()["id"], created.headers[replica]
+    else:
+        raise AssertionError("every DELETE landed on the replica that created the job")
+    assert through_other("GET", f"{url}/{video_id}", "nobody").status_code == 404
+
+
 def test_a_hung_rank_fails_its_request_at_the_collective_timeout_and_the_group_heals(pool):
     """A rank stuck before its collective (fault injection): the other rank's collective times
     out, an unseeded request gets 503, and both groups serve again afterwards."""

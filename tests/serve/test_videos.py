@@ -242,3 +242,53 @@ def test_malformed_video_requests_get_4xx_with_a_message(server):
         assert early.status_code == 409 and "completed" in early.json()["error"]["message"]
     assert requests.get(f"{url}/{running['id']}/content", params={"variant": "spritesheet"}).status_code == 400
     assert requests.delete(f"{url}/{running['id']}").status_code == 200
+
+
+@pytest.fixture(scope="module")
+def limited(server):
+    """A second app on the same server whose job table keeps at most 2 jobs, 1 KiB of videos, 2 s."""
+    from ray import serve
+
+    from ray_hsdp.serve import build_app
+
+    args = {
+        "model": "tiny",
+        "device": "cpu",
+        "shard_size": 2,
+        "default_size": "64x64",
+        "default_steps": 2,
+        "max_video_jobs": 2,
+        "max_video_bytes": 1024,
+        "video_ttl_s": 2,
+    }
+    serve.run(build_app(args), name="limited", route_prefix="/limited")
+    yield f"{server}/limited"
+    serve.delete("limited")
+
+
+def wait_done(url: str, video_id: str) -> dict:
+    while True:
+        video = requests.get(f"{url}/{video_id}", timeout=60).json()
+        if video["status"] in ("completed", "failed"):
+            return video
+        time.sleep(0.05)
+
+
+def test_the_job_table_refuses_work_at_its_limits_and_forgets_expired_jobs(limited):
+    url = f"{limited}/v1/videos"
+    body = {"prompt": "a", "num_frames": 5}
+    first, second = (requests.post(url, json=body, timeout=60) for _ in range(2))
+    assert first.status_code == second.status_code == 200
+    full = requests.post(url, json=body, timeout=60)
+    assert full.status_code == 429 and full.headers["Retry-After"] == "2"
+    assert "max_video_jobs=2" in full.json()["error"]["message"]
+    done = [wait_done(url, r.json()["id"]) for r in (first, second)]
+    assert all(v["status"] == "completed" for v in done)
+    time.sleep(max(0.0, max(v["expires_at"] for v in done) - time.time()) + 1.1)
+    for video in done:  # expired: gone
+        assert requests.get(f"{url}/{video['id']}", timeout=60).status_code == 404
+        assert requests.get(f"{url}/{video['id']}/content", timeout=60).status_code == 404
+    third = requests.post(url, json=body, timeout=60)
+    assert third.status_code == 200 and wait_done(url, third.json()["id"])["status"] == "completed"
+    over = requests.post(url, json=body, timeout=60)  # one MP4 already holds more than 1 KiB
+    assert over.status_code == 429 and "max_video_bytes" in over.json()["error"]["message"]
