@@ -129,6 +129,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print("\nImages written:")
         for path in written:
             print(f"  {path.resolve()}")
+        # A short video job through the same group: the MP4 goes beside the images.
+        clip = handle.generate_video.remote(
+            {"prompt": prompts[-1], "num_frames": 9, "num_inference_steps": args.steps, "seed": args.seed}
+        ).result()
+        video_path = out.with_suffix(".mp4")
+        video_path.write_bytes(clip["mp4"])
+        print(f"\nVideo written ({clip['video']['num_frames']} frames at {clip['video']['fps']} fps):")
+        print(f"  {video_path.resolve()}")
         print("\nPer-rank memory (parameter bytes each rank holds):")
         print(memory_table(pool["ranks"]))
         print(f"\nDemo took {time.perf_counter() - start:.1f}s")
@@ -175,31 +183,64 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _follow(group, future, request_id: str, steps: int) -> None:
+    """A progress bar of a request's denoising steps, then its decode, until ``future`` is done."""
+    from tqdm.auto import tqdm
+
+    with tqdm(total=steps, desc="queued", unit="step", disable=None) as bar:
+        while not future.done():
+            state = group.progress().get(request_id, {})
+            if state.get("state") == "running":
+                bar.set_description("decoding" if state["step"] >= steps else f"denoising (rank {state['rank']})")
+                bar.update(state["step"] - bar.n)
+            time.sleep(0.2)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import ray
 
     from ray_hsdp.config import GroupConfig, parse_size
     from ray_hsdp.group import ShardGroup
     from ray_hsdp.request import GenerationRequest
+    from ray_hsdp.serve.media import encode_mp4
     from ray_hsdp.serve.schema import image_response
 
     width, height = parse_size(args.size)
+    out = Path(args.out)
+    video = args.frames > 1 or out.suffix == ".mp4"
     ray.init(address=args.address, ignore_reinit_error=True, log_to_driver=args.verbose)
     config = GroupConfig(model=args.model, device=args.device, shard_size=args.shard_size, mode=args.mode)
     request = GenerationRequest(
         prompt=args.prompt,
         width=width,
         height=height,
+        num_frames=args.frames,
         num_inference_steps=args.steps,
         guidance_scale=args.guidance_scale,
         seed=args.seed,
         n=args.n,
+        request_id="cli",
+        uint8_frames=video,
     )
     with ShardGroup(config) as group:
-        result = group.generate([request])[0]
+        t = group.pipeline_facts.get("temporal_compression", 1)
+        if video and (not group.pipeline_facts.get("video") or (args.frames - 1) % t):
+            print(
+                f"error: --frames must be {t}k+1 for this video model (or the model makes no videos)", file=sys.stderr
+            )
+            return 2
+        future = group.submit(request)
+        _follow(group, future, request.request_id, args.steps)
+        result = future.result()
         ranks = group.memory()
-    for path in _save_images(image_response(result, config.served_model_name), Path(args.out)):
-        print(f"wrote {path.resolve()}")
+    if video:
+        path = out.with_suffix(".mp4")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(encode_mp4(result.frames[0], args.fps))
+        print(f"wrote {path.resolve()} ({args.frames} frames at {args.fps} fps, {width}x{height})")
+    else:
+        for path in _save_images(image_response(result, config.served_model_name), out):
+            print(f"wrote {path.resolve()}")
     print(memory_table(ranks))
     return 0
 
@@ -267,7 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=["batch", "replicated"], default="batch")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--address", default=None)
-    p.add_argument("--out", default="out/generate.png")
+    p.add_argument("--frames", type=int, default=1, help="frames; more than 1 (or --out *.mp4) writes an MP4")
+    p.add_argument("--fps", type=int, default=16, help="frame rate of the MP4 (Wan: 16)")
+    p.add_argument("--out", default="out/generate.png", help="an image path, or an .mp4 for a video")
     p.add_argument("--verbose", action="store_true")
     p.set_defaults(func=cmd_generate)
     return parser

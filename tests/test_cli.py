@@ -54,12 +54,28 @@ def test_generate_runs_a_group_without_serve(ray_cluster, tiny_model, tmp_path):
     assert re.search(r"^1\s+\S+\s+cpu\s", done.stdout, re.M), done.stdout
 
 
+def test_generate_writes_a_video_with_a_progress_bar(ray_cluster, tiny_model, tmp_path):
+    from ray_hsdp.serve.media import decode_mp4
+
+    out = tmp_path / "fox.mp4"
+    args = ["generate", tiny_model, "--prompt", "a fox", "--frames", "9", "--steps", "3", "--device", "cpu"]
+    done = run(*args, "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    frames, fps = decode_mp4(out.read_bytes())
+    assert frames.shape == (9, 64, 64, 3) and fps == 16
+    assert "9 frames at 16 fps" in done.stdout
+    bad = run(*args[:5], "8", *args[6:], "--out", str(tmp_path / "bad.mp4"))
+    assert bad.returncode == 2 and "4k+1" in bad.stderr
+
+
 def test_demo_prints_the_image_path_and_the_memory_table(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     done = run("demo", "--port", str(free_port()), "--out", str(tmp_path / "demo.png"), env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     paths = [Path(line.strip()) for line in done.stdout.splitlines() if line.strip().endswith(".png")]
     assert len(paths) == 2 and all(Image.open(p).size == (64, 64) for p in paths)
+    (video,) = [Path(line.strip()) for line in done.stdout.splitlines() if line.strip().endswith(".mp4")]
+    assert video.read_bytes()[4:8] == b"ftyp"
     shares = [float(s) for s in re.findall(r"^\d\s+.*?\s(\d+\.\d)%", done.stdout, re.M)]
     assert len(shares) == 2 and all(45 <= s <= 55 for s in shares), done.stdout
 

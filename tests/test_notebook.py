@@ -18,3 +18,8 @@ def test_quickstart_notebook_runs(ray_cluster, tmp_path):
     assert "rank 0: seed 0, (64, 64)" in outputs and "rank 1: seed 1, (64, 64)" in outputs
     images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert images, "the notebook shows the generated image"
+    assert "completed: 9 frames at 16 fps, 64x64" in outputs
+    videos = [
+        o["data"]["text/html"] for c in nb.cells for o in c.get("outputs", []) if "text/html" in o.get("data", {})
+    ]
+    assert any("<video" in html and "data:video/mp4;base64," in html for html in videos), "the notebook plays the video"
