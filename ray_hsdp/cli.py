@@ -83,12 +83,17 @@ def cmd_make_random(args: argparse.Namespace) -> int:
     from ray_hsdp.checkpoints.random_weights import make_random
 
     arch = get_architecture(args.arch)
-    written = make_random(args.arch, args.directory, tiny=args.tiny, dtype=args.dtype, seed=args.seed)
+    written = make_random(
+        args.arch, args.directory, tiny=args.tiny, dtype=args.dtype, seed=args.seed, small_encoders=args.small_encoders
+    )
     size = "tiny variant" if args.tiny else f"real size, {arch.params_billion}B parameters per expert"
     print(f"Wrote {args.arch} ({size}, random weights, seed {args.seed}) to {written['path']}")
     for expert, nbytes in written["transformer_bytes"].items():
         print(f"  {expert}: {nbytes / 2**30:.2f} GiB of {args.dtype} weights")
-    print(f"  stand-ins (small, random, NOT the real architecture): {', '.join(written['stand_ins'])}")
+    for part, nbytes in written["real_parts"].items():
+        print(f"  {part}: real size, {nbytes / 2**30:.2f} GiB")
+    if written["stand_ins"]:
+        print(f"  stand-ins (small, random, NOT the real architecture): {', '.join(written['stand_ins'])}")
     return 0
 
 
@@ -259,6 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("arch", help="wan2.1-t2v-14b, wan2.2-t2v-a14b or flux.1-dev")
     p.add_argument("directory")
     p.add_argument("--tiny", action="store_true", help="the tiny variant of the architecture (CPU tests)")
+    p.add_argument(
+        "--small-encoders",
+        action="store_true",
+        help="small stand-ins for the text encoders and the VAE instead of the real-size ones",
+    )
     p.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],

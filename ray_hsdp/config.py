@@ -93,6 +93,17 @@ class GroupConfig(BaseModel):
         description="CUDA: run each request's own work (scheduler steps, VAE decode) on a stream of its own, "
         "so that a rank's decode overlaps the group's forwards instead of queueing ahead of them.",
     )
+    vae_tiling: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Decode with the VAE's tiling (diffusers' enable_tiling): less memory, a little slower. "
+        "'auto': for frames of at least vae_tiling_min_pixels.",
+    )
+    vae_tiling_min_pixels: int = Field(
+        1280 * 720,
+        ge=1,
+        description="'auto' tiles the decode of frames this large (width x height) or larger; at 1280x720 an "
+        "untiled 81-frame Wan decode does not fit beside a 14B shard (bench/results/video-*).",
+    )
     queue_lookahead: int = Field(
         16, ge=1, description="Queued requests the scheduler looks through to find one of similar cost."
     )

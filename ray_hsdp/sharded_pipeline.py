@@ -47,6 +47,8 @@ class ShardedPipeline:
         #: Whether each request slot runs its own work (scheduler, VAE) on a CUDA stream of its
         #: own, so that a decode overlaps the group's forwards instead of queueing before them.
         self.request_streams = False
+        #: ``("auto" | "on" | "off", min pixels)``: when a request's decode uses the VAE's tiling.
+        self.vae_tiling: tuple[str, int] = ("off", 0)
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._call_params = set(inspect.signature(pipe.__call__).parameters)
         pipe.set_progress_bar_config(disable=True)
@@ -201,6 +203,7 @@ class ShardedPipeline:
         start = time.perf_counter()
         pipe = self._slots.get()
         try:
+            self._set_tiling(pipe, request)
             with torch.cuda.stream(self._slot_stream(pipe)):
                 output = pipe(**kwargs)
         finally:
@@ -219,6 +222,17 @@ class ShardedPipeline:
             request_id=request.request_id,
             peak_device_bytes=peak_device_bytes(self.device),
         )
+
+    def _set_tiling(self, pipe, request: GenerationRequest) -> None:
+        """Tiles the slot's VAE decode for this request or not (each slot has a VAE of its own)."""
+        vae = getattr(pipe, "vae", None)
+        if vae is None or not hasattr(vae, "enable_tiling"):
+            return
+        mode, min_pixels = self.vae_tiling
+        if mode == "on" or (mode == "auto" and request.width * request.height >= min_pixels):
+            vae.enable_tiling()
+        else:
+            vae.disable_tiling()
 
     def _slot_stream(self, pipe) -> torch.cuda.Stream | None:
         """The slot's own CUDA stream, or ``None`` (the current stream) when slots share it."""

@@ -7,6 +7,7 @@ safetensors files, so writing a 14B model never holds it whole in memory.
 from __future__ import annotations
 
 import json
+import shutil
 import zlib
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from ray_hsdp.checkpoints.architectures import Architecture, get_architecture
+from ray_hsdp.checkpoints.real_parts import REAL_PARTS
 from ray_hsdp.checkpoints.standins import STANDINS
 
 WEIGHTS_NAME = "diffusion_pytorch_model"
@@ -42,8 +44,36 @@ def write_random_model(model_cls, kwargs: dict, folder: Path, dtype: torch.dtype
         model = model_cls(**kwargs)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_config(folder)
+    return write_random_weights(model, folder, dtype, seed, shard_bytes, WEIGHTS_NAME)
+
+
+def write_random_encoder(model_cls, config, folder: Path, dtype: torch.dtype, seed: int, shard_bytes: int) -> int:
+    """Writes a transformers model folder (``config.json`` and ``model`` safetensors shards) with
+    random weights, from the meta device: a 5.7B encoder is never whole in memory."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = model_cls(config)
+    model.tie_weights()  # as transformers does at load time: the shared embedding is one tensor
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    return write_random_weights(model, folder, dtype, seed, shard_bytes, "model")
+
+
+def write_random_weights(model, folder: Path, dtype: torch.dtype, seed: int, shard_bytes: int, stem: str) -> int:
+    """Writes the persistent tensors of ``model`` (parameters on the meta device get seeded random
+    values) as safetensors shards named ``stem``, with an index when there are several.
+
+    Returns:
+        Bytes of weights written.
+    """
     persistent = model.state_dict()
-    entries = [(name, t.shape, t.device.type == "meta") for name, t in persistent.items()]
+    # A tied tensor (one parameter under several names) is written once, under its first name.
+    first_name: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        first_name.setdefault(id(param), name)
+    tied = {name for name, param in model.named_parameters(remove_duplicate=False) if first_name[id(param)] != name}
+    entries = [(name, t.shape, t.device.type == "meta") for name, t in persistent.items() if name not in tied]
     shards: list[list[int]] = [[]]
     size = 0
     for i, (_, shape, _) in enumerate(entries):
@@ -57,11 +87,7 @@ def write_random_model(model_cls, kwargs: dict, folder: Path, dtype: torch.dtype
     total = 0
     weight_map = {}
     for k, indices in enumerate(shards, start=1):
-        filename = (
-            f"{WEIGHTS_NAME}.safetensors"
-            if len(shards) == 1
-            else (f"{WEIGHTS_NAME}-{k:05d}-of-{len(shards):05d}.safetensors")
-        )
+        filename = f"{stem}.safetensors" if len(shards) == 1 else f"{stem}-{k:05d}-of-{len(shards):05d}.safetensors"
         tensors = {}
         for i in indices:
             name, shape, is_meta = entries[i]
@@ -72,7 +98,7 @@ def write_random_model(model_cls, kwargs: dict, folder: Path, dtype: torch.dtype
         save_file(tensors, folder / filename, metadata={"format": "pt"})
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (folder / f"{WEIGHTS_NAME}.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        (folder / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return total
 
 
@@ -92,6 +118,7 @@ def make_random(
     seed: int = 0,
     shard_bytes: int = 5 * 2**30,
     pipeline_config: dict | None = None,
+    small_encoders: bool = False,
 ) -> dict:
     """Writes a diffusers folder of architecture ``name`` with seeded random weights.
 
@@ -103,9 +130,12 @@ def make_random(
         seed: Seed of the weights.
         shard_bytes: Largest safetensors file of a transformer.
         pipeline_config: Overrides of the architecture's pipeline settings (``boundary_ratio``).
+        small_encoders: Keep small stand-ins for the text encoders and the VAE (always so for
+            ``tiny``); otherwise the family's real-size ones are written (``real_parts``).
 
     Returns:
-        What was written: path, transformer bytes per expert, and which components are stand-ins.
+        What was written: path, transformer bytes per expert, bytes of each real-size part, and
+        which components are stand-ins.
     """
     import diffusers
 
@@ -127,4 +157,17 @@ def make_random(
         )
         index[expert] = ["diffusers", arch.transformer_class]
     (path / "model_index.json").write_text(json.dumps(index, indent=2))
-    return {"path": str(path), "transformer_bytes": written, "stand_ins": sorted(k for k in small if k != "scheduler")}
+    parts: dict[str, int] = {}
+    if not (tiny or small_encoders):
+        whole, large = REAL_PARTS[arch.family]()
+        for component, module in whole.items():
+            shutil.rmtree(path / component)
+            module.to(DTYPES[dtype] if component != "vae" else torch.float32).save_pretrained(path / component)
+            parts[component] = sum(p.numel() * p.element_size() for p in module.parameters())
+        for i, (component, (model_cls, config)) in enumerate(large.items()):
+            shutil.rmtree(path / component)
+            parts[component] = write_random_encoder(
+                model_cls, config, path / component, DTYPES[dtype], seed + 100 * (i + 1), shard_bytes
+            )
+    stand_ins = sorted(k for k in small if k != "scheduler" and k not in parts)
+    return {"path": str(path), "transformer_bytes": written, "real_parts": parts, "stand_ins": stand_ins}

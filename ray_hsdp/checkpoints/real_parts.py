@@ -1,0 +1,97 @@
+"""The real-size text encoders and VAEs of each family, for ``make-random`` (without
+``--small-encoders``): the memory and speed figures then include UMT5-XXL (5.7B parameters), T5-XXL,
+CLIP-L and the real VAEs, whose decode dominates memory at 720p.
+
+Large encoders are described (class and config) and written tensor by tensor from the meta device
+like the transformers; small parts (VAEs, CLIP-L) are built whole. Tokenizers stay the trained
+stand-ins: a real vocabulary cannot be downloaded here, and the encoders' cost does not depend on
+it (prompts are padded to a fixed length).
+"""
+
+from __future__ import annotations
+
+
+def umt5_xxl_config():
+    """google/umt5-xxl's encoder, as Wan2.1 and Wan2.2 use it."""
+    from transformers import UMT5Config
+
+    return UMT5Config(
+        vocab_size=256384,
+        d_model=4096,
+        d_kv=64,
+        d_ff=10240,
+        num_layers=24,
+        num_heads=64,
+        relative_attention_num_buckets=32,
+        relative_attention_max_distance=128,
+        feed_forward_proj="gated-gelu",
+        tie_word_embeddings=False,
+        layer_norm_epsilon=1e-6,
+    )
+
+
+def t5_xxl_config():
+    """google/t5-v1_1-xxl's encoder, as FLUX.1 uses it."""
+    from transformers import T5Config
+
+    return T5Config(
+        vocab_size=32128,
+        d_model=4096,
+        d_kv=64,
+        d_ff=10240,
+        num_layers=24,
+        num_heads=64,
+        feed_forward_proj="gated-gelu",
+        tie_word_embeddings=False,
+        layer_norm_epsilon=1e-6,
+    )
+
+
+def wan_parts() -> tuple[dict, dict]:
+    """Wan: the Wan2.1 VAE (diffusers' defaults are its config) and UMT5-XXL.
+
+    Returns:
+        Modules built whole, and ``{component: (model class, config)}`` to write from the meta device.
+    """
+    from diffusers import AutoencoderKLWan
+    from transformers import UMT5EncoderModel
+
+    return {"vae": AutoencoderKLWan()}, {"text_encoder": (UMT5EncoderModel, umt5_xxl_config())}
+
+
+def flux_parts() -> tuple[dict, dict]:
+    """FLUX.1: its 16-channel KL VAE, CLIP-L and T5-XXL."""
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModel, T5EncoderModel
+
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=["DownEncoderBlock2D"] * 4,
+        up_block_types=["UpDecoderBlock2D"] * 4,
+        block_out_channels=[128, 256, 512, 512],
+        layers_per_block=2,
+        latent_channels=16,
+        norm_num_groups=32,
+        sample_size=1024,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.1159,
+        scaling_factor=0.3611,
+    )
+    clip = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=49408,
+            hidden_size=768,
+            intermediate_size=3072,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            projection_dim=768,
+            max_position_embeddings=77,
+            hidden_act="quick_gelu",
+        )
+    )
+    return {"vae": vae, "text_encoder": clip}, {"text_encoder_2": (T5EncoderModel, t5_xxl_config())}
+
+
+REAL_PARTS = {"wan": wan_parts, "flux": flux_parts}
