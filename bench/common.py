@@ -41,9 +41,10 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f}"
 
 
-def ensure_model(arch: str, model_dir: Path, device: str) -> float | None:
+def ensure_model(arch: str, model_dir: Path, device: str, small_encoders: bool = False) -> float | None:
     """Writes the random ``arch`` checkpoint to ``model_dir`` unless one is there (real size in bf16
-    on cuda, tiny in fp32 on cpu); returns the seconds writing took, ``None`` when nothing was written."""
+    on cuda, with real-size encoders and VAE unless ``small_encoders``; tiny in fp32 on cpu);
+    returns the seconds writing took, ``None`` when nothing was written."""
     import time
 
     from ray_hsdp.checkpoints.random_weights import make_random
@@ -51,7 +52,8 @@ def ensure_model(arch: str, model_dir: Path, device: str) -> float | None:
     if (model_dir / "model_index.json").exists():
         return None
     start = time.perf_counter()
-    make_random(arch, model_dir, dtype="bfloat16" if device == "cuda" else "float32", tiny=device != "cuda")
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    make_random(arch, model_dir, dtype=dtype, tiny=device != "cuda", small_encoders=small_encoders)
     return time.perf_counter() - start
 
 

@@ -131,19 +131,33 @@ class RankProfile(Observer):
 
     def request(self, request_id: str, event: str) -> None:
         now = round(time.perf_counter() - self._started, 4)
+        peak = None
+        if self.device == "cuda" and event != "start":
+            import torch
+
+            # The most memory held since the previous event (the request's run resets it at its
+            # start); one request at a time per rank gives its phases their own peaks.
+            peak = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
         with self._lock:
-            record = self.requests.setdefault(request_id, {"steps": []})
+            record = self.requests.setdefault(request_id, {"steps": [], "step_peaks": []})
             if event == "step":
                 record["steps"].append(now)
+                record["step_peaks"].append(peak)
             else:
                 record[event] = now
+                if event == "end":
+                    record["end_peak"] = peak
 
     def stop(self, rank: int) -> dict:
         """Ends the window; returns its summary (see ``kernel_summary`` and ``tick_summary``)."""
         self.runtime.observer = Observer()
         wall = time.perf_counter() - self._started
         with self._lock:
-            requests = {rid: {**r, "steps": list(r["steps"])} for rid, r in self.requests.items()}
+            requests = {
+                rid: {**r, "steps": list(r["steps"]), "step_peaks": list(r["step_peaks"])}
+                for rid, r in self.requests.items()
+            }
             ticks = list(self.ticks)
         out: dict = {"rank": rank, "wall_s": round(wall, 4), "requests": requests}
         if self.runtime.modules is not None:

@@ -1,0 +1,126 @@
+"""A video job the way a user runs one: ``serve run`` of a committed YAML, then OpenAI's own client
+creating, polling and downloading the video over HTTP.
+
+    python -m bench.video_http --config serve_configs/wan2.1_t2v_14b_video_2gpu.yaml --model /tmp/wan14b
+
+``--model`` points the YAML's ``model`` at the local checkpoint (a copy of the YAML is served).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from bench.common import environment, write_results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", type=Path, default=Path("serve_configs/wan2.1_t2v_14b_video_2gpu.yaml"))
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--size", default="832x480")
+    parser.add_argument("--seconds", default="5", help="5 s at 16 fps: 81 frames")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--name", default="video-http-wan2.1-t2v-14b")
+    args = parser.parse_args()
+
+    import openai
+    import requests
+
+    from ray_hsdp.serve.media import decode_mp4
+
+    config = yaml.safe_load(args.config.read_text())
+    config["applications"][0]["args"]["model"] = args.model
+    port = config["http_options"]["port"]
+    served = args.out / f"{args.config.stem}.served.yaml"
+    args.out.mkdir(parents=True, exist_ok=True)
+    served.write_text(yaml.safe_dump(config))
+    log = open(args.out / f"{args.name}.serve.log", "w")
+    started = time.perf_counter()
+    proc = subprocess.Popen(
+        [
+            str(Path(sys.executable).with_name("serve"))
+            if Path(sys.executable).with_name("serve").exists()
+            else "serve",
+            "run",
+            str(served),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=os.environ.copy(),
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            try:
+                if requests.get(f"{base}/health", timeout=5).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if proc.poll() is not None:
+                raise RuntimeError(f"serve run exited ({proc.returncode}); see {log.name}")
+            time.sleep(2)
+        ready_s = time.perf_counter() - started
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=1800, max_retries=0)
+        created_at = time.perf_counter()
+        video = client.videos.create(
+            prompt="A red fox runs through fresh snow at dawn, cinematic",
+            size=args.size,
+            seconds=args.seconds,
+            extra_body={"num_inference_steps": args.steps, "seed": 0},
+        )
+        progress = []
+        while video.status in ("queued", "in_progress"):
+            time.sleep(0.5)
+            video = client.videos.retrieve(video.id)
+            progress.append((round(time.perf_counter() - created_at, 1), video.status, video.progress))
+        job_s = time.perf_counter() - created_at
+        mp4 = client.videos.download_content(video.id).read()
+        frames, fps = decode_mp4(mp4)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    payload = {
+        "environment": environment(),
+        "config": str(args.config),
+        "server_ready_s": round(ready_s, 1),
+        "video": video.model_dump(),
+        "job_s": round(job_s, 2),
+        "progress": progress,
+        "mp4_bytes": len(mp4),
+        "decoded_frames": list(frames.shape),
+        "fps": fps,
+    }
+    markdown = "\n".join(
+        [
+            f"# Video job over HTTP: `serve run {args.config}` and the openai client",
+            "",
+            f"GPUs: {', '.join(payload['environment']['gpus']) or 'none'}",
+            f"Command: `{payload['environment']['command']}`",
+            "",
+            f"- server up (group loaded) after {ready_s:.1f} s",
+            f"- job {video.id}: {video.status}, {args.size}, {args.seconds} s, {args.steps} steps: "
+            f"{job_s:.1f} s from create to completed",
+            f"- MP4: {len(mp4) / 2**20:.2f} MiB, decodes to {frames.shape[0]} frames of "
+            f"{frames.shape[2]}x{frames.shape[1]} at {fps:g} fps",
+            f"- progress seen: {', '.join(str(p[2]) for p in progress)}",
+            "",
+        ]
+    )
+    write_results(args.out, args.name, payload, markdown)
+
+
+if __name__ == "__main__":
+    main()
