@@ -46,13 +46,7 @@ def main() -> None:
     log = open(args.out / f"{args.name}.serve.log", "w")
     started = time.perf_counter()
     proc = subprocess.Popen(
-        [
-            str(Path(sys.executable).with_name("serve"))
-            if Path(sys.executable).with_name("serve").exists()
-            else "serve",
-            "run",
-            str(served),
-        ],
+        [sys.executable, "-m", "ray.serve.scripts", "run", str(served)],  # the `serve` CLI, wherever installed
         stdout=log,
         stderr=subprocess.STDOUT,
         env=os.environ.copy(),
