@@ -130,15 +130,19 @@ class RankProfile(Observer):
             self.ticks.append((start, state, module_id, gathered_at, done_at))
 
     def request(self, request_id: str, event: str) -> None:
-        now = round(time.perf_counter() - self._started, 4)
         peak = None
-        if self.device == "cuda" and event != "start":
+        if self.device == "cuda":
             import torch
 
-            # The most memory held since the previous event (the request's run resets it at its
-            # start); one request at a time per rank gives its phases their own peaks.
-            peak = torch.cuda.max_memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
+            # The CPU runs ahead of the GPU: a phase ends when its kernels have, so wait for them
+            # (a profiling window's cost, outside it nothing waits).
+            torch.cuda.synchronize()
+            if event != "start":
+                # The most memory held since the previous event (the request's run resets it at
+                # its start); one request at a time per rank gives its phases their own peaks.
+                peak = torch.cuda.max_memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+        now = round(time.perf_counter() - self._started, 4)
         with self._lock:
             record = self.requests.setdefault(request_id, {"steps": [], "step_peaks": []})
             if event == "step":
