@@ -13,6 +13,7 @@ the other steps, the decode. Each size runs with the VAE's tiling off and on, so
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 
@@ -45,6 +46,10 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=81)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--tiling", nargs="+", default=["off", "on"])
+    parser.add_argument("--tiled-sizes", nargs="+", default=None, help="sizes run with tiling on (default: --sizes)")
+    parser.add_argument(
+        "--warmup", action="store_true", help="one 1-step request first, so that no phase pays the first kernels"
+    )
     parser.add_argument("--ray-cpus", type=int, default=None, help="a Ray of its own with this many CPUs (CPU runs)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--name", default="video-wan2.1-t2v-14b")
@@ -58,6 +63,8 @@ def main() -> None:
     from ray_hsdp.serve.media import encode_mp4
 
     written_s = ensure_model(args.arch, args.model_dir, args.device)
+    if args.warmup:
+        print("warming up with one 1-step request", flush=True)
     start_ray(args.ray_cpus)
     rows = []
     for tiling in args.tiling:
@@ -70,7 +77,11 @@ def main() -> None:
         )
         with ShardGroup(config) as group:
             memory = group.memory()
-            for size in args.sizes:
+            if args.warmup:
+                width, height = parse_size(args.sizes[0])
+                warm = GenerationRequest(prompt="warm up", width=width, height=height, num_frames=args.frames)
+                group.generate([dataclasses.replace(warm, num_inference_steps=1, uint8_frames=True)])
+            for size in args.tiled_sizes or args.sizes if tiling == "on" else args.sizes:
                 width, height = parse_size(size)
                 request = GenerationRequest(
                     prompt="A red fox runs through fresh snow at dawn, cinematic",
