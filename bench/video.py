@@ -7,7 +7,7 @@ at the request's end): text encoding (start to the first step's end, less one st
 (the steps), VAE decode (last step to end), and the MP4 encoding (in this process, as a replica
 does it). Peak memory per phase: start to the first step's end (encoder and first step),
 the other steps, the decode. Each size runs with the VAE's tiling off and on, so the tiling rule
-(``vae_tiling_min_pixels``) comes from a measurement.
+(``vae_tiling_above_pixels``) comes from a measurement.
 """
 
 from __future__ import annotations

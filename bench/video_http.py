@@ -79,6 +79,8 @@ def main() -> None:
         job_s = time.perf_counter() - created_at
         mp4 = client.videos.download_content(video.id).read()
         frames, fps = decode_mp4(mp4)
+        # Written before the server stops: its shutdown can take a minute.
+        report(args, ready_s, video, job_s, progress, mp4, frames, fps)
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -86,6 +88,9 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def report(args, ready_s, video, job_s, progress, mp4, frames, fps) -> None:
     payload = {
         "environment": environment(),
         "config": str(args.config),

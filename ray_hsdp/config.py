@@ -95,14 +95,14 @@ class GroupConfig(BaseModel):
     )
     vae_tiling: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="Decode with the VAE's tiling (diffusers' enable_tiling): less memory, a little slower. "
-        "'auto': for frames of at least vae_tiling_min_pixels.",
+        description="Decode with the VAE's tiling (diffusers' enable_tiling): less memory, slower. "
+        "'auto': for frames larger than vae_tiling_above_pixels.",
     )
-    vae_tiling_min_pixels: int = Field(
+    vae_tiling_above_pixels: int = Field(
         1280 * 720,
         ge=1,
-        description="'auto' tiles the decode of frames this large (width x height) or larger; at 1280x720 an "
-        "untiled 81-frame Wan decode does not fit beside a 14B shard (bench/results/video-*).",
+        description="'auto' tiles the decode of frames larger than this (width x height). Measured on H100: an "
+        "81-frame Wan decode at 1280x720 untiled peaks at 29.5 GiB beside a 14B shard at S=2 (bench/results).",
     )
     queue_lookahead: int = Field(
         16, ge=1, description="Queued requests the scheduler looks through to find one of similar cost."

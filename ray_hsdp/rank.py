@@ -144,7 +144,7 @@ class Rank:
                 self.pipeline.route_calls(modules.proxies(self.runtime.call))
             self.pipeline.set_request_slots(self.config.requests_per_rank, self.config.shard_components)
             self.pipeline.request_streams = self.config.request_streams
-            self.pipeline.vae_tiling = (self.config.vae_tiling, self.config.vae_tiling_min_pixels)
+            self.pipeline.vae_tiling = (self.config.vae_tiling, self.config.vae_tiling_above_pixels)
             self.load_s = time.perf_counter() - start
         self.load_peak_rss_bytes = rss.peak_above_start
         return {**self.memory(), "pipeline": self.pipeline.facts}

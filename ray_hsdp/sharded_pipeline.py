@@ -47,7 +47,7 @@ class ShardedPipeline:
         #: Whether each request slot runs its own work (scheduler, VAE) on a CUDA stream of its
         #: own, so that a decode overlaps the group's forwards instead of queueing before them.
         self.request_streams = False
-        #: ``("auto" | "on" | "off", min pixels)``: when a request's decode uses the VAE's tiling.
+        #: ``("auto" | "on" | "off", pixels)``: when a request's decode uses the VAE's tiling.
         self.vae_tiling: tuple[str, int] = ("off", 0)
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._call_params = set(inspect.signature(pipe.__call__).parameters)
@@ -228,8 +228,8 @@ class ShardedPipeline:
         vae = getattr(pipe, "vae", None)
         if vae is None or not hasattr(vae, "enable_tiling"):
             return
-        mode, min_pixels = self.vae_tiling
-        if mode == "on" or (mode == "auto" and request.width * request.height >= min_pixels):
+        mode, above_pixels = self.vae_tiling
+        if mode == "on" or (mode == "auto" and request.width * request.height > above_pixels):
             vae.enable_tiling()
         else:
             vae.disable_tiling()

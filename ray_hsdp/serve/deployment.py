@@ -210,6 +210,8 @@ class HSDPServer:
             self.config.video_ttl_s,
             self.config.video_stale_after_s,
         )
+        # Started now, not at the first video request (a new actor process takes seconds).
+        ray.get(self.jobs.get.remote(""), timeout=self.config.rendezvous_timeout_s)
         self._video_tasks: dict[str, asyncio.Task] = {}
 
     @property

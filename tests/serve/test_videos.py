@@ -292,3 +292,19 @@ def test_the_job_table_refuses_work_at_its_limits_and_forgets_expired_jobs(limit
     assert third.status_code == 200 and wait_done(url, third.json()["id"])["status"] == "completed"
     over = requests.post(url, json=body, timeout=60)  # one MP4 already holds more than 1 KiB
     assert over.status_code == 429 and "max_video_bytes" in over.json()["error"]["message"]
+
+
+def test_a_job_whose_replica_stops_reporting_reads_failed(ray_cluster):
+    """A replica that dies cannot say so: its jobs fail once it has not reported for a while."""
+    import ray
+
+    from ray_hsdp.serve.jobs import VideoJobs
+
+    table = VideoJobs.remote(max_jobs=4, max_bytes=2**20, ttl_s=60, stale_after_s=0.5)
+    status, video = ray.get(table.create.remote({"model": "m", "prompt": "p", "size": "64x64"}, "gone-replica"))
+    assert status == "ok" and ray.get(table.update.remote(video["id"], progress=30, run=None))
+    time.sleep(0.8)
+    failed = ray.get(table.get.remote(video["id"]))
+    assert failed["status"] == "failed" and failed["error"]["code"] == "replica_lost", failed
+    assert failed["progress"] == 30 and failed["completed_at"] is not None
+    ray.kill(table)
