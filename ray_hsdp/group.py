@@ -45,6 +45,11 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0] if lines else ''}"[:400]
 
 
+def _died(rank_index: int, err: BaseException) -> str:
+    """The failure reason of a group whose rank ``rank_index`` died."""
+    return f"shard group failed: rank {rank_index} died: {_describe(err)}"
+
+
 def _resolve(future: Future, result: object = None, error: BaseException | None = None) -> None:
     """Answers ``future`` unless it was answered already (every path may try; the first wins)."""
     try:
@@ -354,7 +359,7 @@ class ShardGroup:
                         self._session_done(ref, future)
                     elif isinstance(future.exception(), ray.exceptions.RayActorError):  # a rank, idle or not
                         rank_index = self._watchers[ref]
-                        self._fail(f"shard group failed: rank {rank_index} died: {_describe(future.exception())}")
+                        self._fail(_died(rank_index, future.exception()))
                 with self._cond:
                     if self._failure or self._closed:
                         continue
@@ -376,7 +381,7 @@ class ShardGroup:
         rank_index, job = entry
         error = future.exception()
         if isinstance(error, ray.exceptions.RayActorError):
-            self._fail(f"shard group failed: rank {rank_index} died: {_describe(error)}", also=job)
+            self._fail(_died(rank_index, error), also=job)
         elif error is not None and isinstance(_cause(error), SessionFailedError):
             self._fail(f"shard group failed: {_cause(error)}", also=job)
         elif self.config.mode == "replicated" and rank_index != 0:
@@ -398,7 +403,7 @@ class ShardGroup:
                     self._sessions, self._sessions_done = None, set()
                 return
         if isinstance(error, ray.exceptions.RayActorError):
-            self._fail(f"shard group failed: rank {rank_index} died: {_describe(error)}")
+            self._fail(_died(rank_index, error))
         else:
             self._fail(f"shard group failed: {_cause(error)}")
 
@@ -491,7 +496,7 @@ class ShardGroup:
             try:
                 ray.get(ping)
             except ray.exceptions.RayActorError as err:
-                self._fail(f"shard group failed: rank {rank_index} died: {_describe(err)}")
+                self._fail(_died(rank_index, err))
                 break
         if self._failure:
             raise GroupFailedError(self._failure)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import io
 import secrets
 import time
 from typing import Literal
@@ -14,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, Stric
 
 from ray_hsdp.config import AppConfig, parse_size
 from ray_hsdp.request import GenerationRequest, GenerationResult
+from ray_hsdp.serve.media import encode_png as png_bytes
 from ray_hsdp.serve.media import frames_for_seconds
 
 MAX_SEED = 2**63 - 1
@@ -90,12 +90,7 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
 
 def encode_png(frame: np.ndarray) -> str:
     """Base64 PNG of one ``(H, W, 3)`` float frame in [0, 1]."""
-    from PIL import Image
-
-    pixels = (np.clip(frame, 0.0, 1.0) * 255).round().astype(np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
+    return base64.b64encode(png_bytes(frame)).decode("ascii")
 
 
 def image_response(result: GenerationResult, model: str) -> dict:

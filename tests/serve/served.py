@@ -3,14 +3,18 @@ user starts the server. Each test module that needs it gets its own."""
 
 from __future__ import annotations
 
+import base64
+import io
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import yaml
 from conftest import free_port, wait_until_healthy
+from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,3 +49,13 @@ def serve_run(tmp_path_factory):
         proc.kill()
     serve.shutdown()
     log.close()
+
+
+def decode_png(b64: str) -> Image.Image:
+    """The image of a response's ``b64_json``."""
+    return Image.open(io.BytesIO(base64.b64decode(b64)))
+
+
+def png_pixels(payload: dict) -> np.ndarray:
+    """The first image of an images response, as float64 pixels (0-255)."""
+    return np.asarray(decode_png(payload["data"][0]["b64_json"]), dtype=np.float64)

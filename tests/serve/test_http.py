@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import base64
-import io
 import time
 
 import numpy as np
 import pytest
 import requests
 from conftest import reference_frames
-from PIL import Image
-from served import serve_run
+from served import decode_png, serve_run
 
 from ray_hsdp.request import GenerationRequest
 
@@ -21,10 +18,6 @@ APP = "ray_hsdp"
 @pytest.fixture(scope="module")
 def server(ray_cluster, tmp_path_factory):
     yield from serve_run(tmp_path_factory)
-
-
-def decode_png(b64: str) -> Image.Image:
-    return Image.open(io.BytesIO(base64.b64decode(b64)))
 
 
 def test_generation_returns_png_of_requested_size_equal_to_unsharded(server, reference_pipe):

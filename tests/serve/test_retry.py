@@ -3,8 +3,6 @@ the other group, and the answer says so; a chaos run with rank kills answers eve
 
 from __future__ import annotations
 
-import base64
-import io
 import os
 import random
 import signal
@@ -16,7 +14,7 @@ import psutil
 import pytest
 import requests
 from conftest import free_port, reference_frames
-from PIL import Image
+from served import png_pixels
 
 from ray_hsdp.request import GenerationRequest
 
@@ -88,10 +86,6 @@ def busy_replica(groups: dict[str, list[int]], deadline_s: float = 60) -> str:
     raise AssertionError(f"no group started computing within {deadline_s}s")
 
 
-def decode(payload: dict) -> np.ndarray:
-    return np.asarray(Image.open(io.BytesIO(base64.b64decode(payload["data"][0]["b64_json"]))), dtype=np.float64)
-
-
 def expected_image(reference_pipe, body: dict) -> np.ndarray:
     width, height = (int(x) for x in body.get("size", "64x64").split("x"))
     request = GenerationRequest(
@@ -125,7 +119,7 @@ def test_a_seeded_request_is_retried_on_the_other_group_when_its_group_dies(pool
     assert response.status_code == 200, response.text
     payload = response.json()
     assert payload["retried"] is True and f"rank {victim_rank} died" in payload["first_error"], payload
-    assert np.abs(decode(payload) - expected_image(reference_pipe, body)).max() <= 1  # PNG: equal up to rounding
+    assert np.abs(png_pixels(payload) - expected_image(reference_pipe, body)).max() <= 1  # PNG: equal up to rounding
     # The retry started within 10 s of the kill: the answer came within that plus one whole run.
     alone = time.monotonic()
     again = requests.post(url, json={**body, "seed": 12}, timeout=600)
@@ -204,7 +198,7 @@ def test_chaos_every_request_is_answered_exactly_once(pool, reference_pipe):
             )
         if r["status"] == 200:
             body = bodies[r["i"]]
-            assert np.abs(decode(r["payload"]) - expected_image(reference_pipe, body)).max() <= 1, body
+            assert np.abs(png_pixels(r["payload"]) - expected_image(reference_pipe, body)).max() <= 1, body
         else:
             assert "failed" in r["payload"]["error"]["message"], r
     after = requests.post(url, json={"prompt": "after the chaos", "seed": 5, "num_inference_steps": 2}, timeout=120)

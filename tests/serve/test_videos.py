@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import requests
 from conftest import reference_frames
-from served import serve_run
+from served import png_pixels, serve_run
 
 from ray_hsdp.request import GenerationRequest
 from ray_hsdp.serve.media import decode_mp4, encode_mp4
@@ -165,22 +165,13 @@ def test_deleting_a_running_job_stops_it_and_the_group_keeps_serving(server, ref
         ref = reference_frames(
             reference_pipe, GenerationRequest(prompt=body["prompt"], seed=body["seed"], num_inference_steps=3)
         )
-        served = np.asarray(decode_png_bytes(result.json()["data"][0]["b64_json"]), np.float64)
+        served = png_pixels(result.json())
         assert np.abs(served - (np.clip(ref[0, 0], 0, 1) * 255).round()).max() <= 1
     after = requests.post(
         f"{server}/v1/videos/sync", json={"prompt": "after", "num_frames": 5, "num_inference_steps": 2}, timeout=300
     )
     assert after.status_code == 200
     print(f"\nDELETE at step {step}: the job left its rank {stopped_s:.2f}s later, at step {last} of 200")
-
-
-def decode_png_bytes(b64: str):
-    import base64
-    import io
-
-    from PIL import Image
-
-    return Image.open(io.BytesIO(base64.b64decode(b64)))
 
 
 BAD_VIDEO_BODIES = [
