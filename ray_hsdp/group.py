@@ -29,6 +29,9 @@ from ray_hsdp.topology import PLACEMENT_STRATEGY, ParallelDims
 logger = logging.getLogger("ray_hsdp")
 
 _RENDEZVOUS_TRIES = 3
+# A survivor's collective breaks the moment a peer dies, often before Ray reports the death;
+# this long a failed session waits for that report so that the reason names the dead rank.
+_DEATH_REPORT_GRACE_S = 2.0
 
 
 def _cause(err: BaseException) -> BaseException:
@@ -383,7 +386,7 @@ class ShardGroup:
         if isinstance(error, ray.exceptions.RayActorError):
             self._fail(_died(rank_index, error), also=job)
         elif error is not None and isinstance(_cause(error), SessionFailedError):
-            self._fail(f"shard group failed: {_cause(error)}", also=job)
+            self._fail(self._session_failure(error), also=job)
         elif self.config.mode == "replicated" and rank_index != 0:
             pass  # every rank ran the same request; rank 0's outcome is the answer
         elif error is None:
@@ -405,7 +408,22 @@ class ShardGroup:
         if isinstance(error, ray.exceptions.RayActorError):
             self._fail(_died(rank_index, error))
         else:
-            self._fail(f"shard group failed: {_cause(error)}")
+            self._fail(self._session_failure(error))
+
+    def _session_failure(self, error: BaseException) -> str:
+        """The reason for a failed session: a dead peer's, if Ray reports one within a short grace.
+
+        Without the grace, a survivor's broken all-gather would name the survivor, and the
+        operator would look for the fault on the wrong rank.
+        """
+        if self._failure is None:
+            ready, _ = ray.wait(list(self._watchers), num_returns=1, timeout=_DEATH_REPORT_GRACE_S)
+            for ref in ready:
+                try:
+                    ray.get(ref, timeout=0)
+                except ray.exceptions.RayActorError as err:
+                    return _died(self._watchers[ref], err)
+        return f"shard group failed: {_cause(error)}"
 
     def _fail(self, reason: str, also: _Job | None = None) -> None:
         """Marks the group broken, fails every queued and running request (and ``also``) with
