@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ray_hsdp.topology import ParallelDims
+
 #: The model name that stands for the embedded tiny Wan pipeline (written on first use).
 TINY_MODEL = "tiny"
 
@@ -50,12 +52,36 @@ class GroupConfig(BaseModel):
     shard_size: int = Field(
         -1,
         description="Ranks per shard group; each holds 1/shard_size of every sharded module. "
-        "-1: world_size // replicate_size, or 2 when world_size is not given.",
+        "-1: world_size // replicate_size; without world_size, the lane size (cfg x ring x ulysses) when "
+        "requests are split, else 2.",
     )
     mode: Literal["batch", "replicated"] = Field(
         "batch",
         description="'batch': each rank runs its own request (S requests at a time); "
         "'replicated': every rank runs the same request (memory-only HSDP).",
+    )
+    ulysses_degree: int = Field(
+        1,
+        ge=1,
+        description="Ulysses sequence parallel inside a lane: each request's tokens are split over this many "
+        "ranks, which exchange attention heads by all-to-all (diffusers' ContextParallelConfig). Must divide the "
+        "transformer's attention heads and each request's token count.",
+    )
+    ring_degree: int = Field(
+        1,
+        ge=1,
+        description="Ring attention inside a lane: tokens split over this many ranks that pass keys and values "
+        "around. Needs an attention backend that returns the log-sum-exp (CUDA: _native_cudnn, _native_flash).",
+    )
+    cfg_parallel: bool = Field(
+        False,
+        description="Run the conditional and unconditional forwards of each denoising step on two different "
+        "ranks of a lane at once (lanes of 2 x ring x ulysses ranks).",
+    )
+    attention_backend: str = Field(
+        "auto",
+        description="diffusers attention backend of the transformers ('native', '_native_cudnn', 'flash', ...); "
+        "'auto' keeps diffusers' default, or '_native_cudnn' on CUDA when ring_degree > 1.",
     )
     shard_components: tuple[str, ...] = Field(
         DEFAULT_SHARD_COMPONENTS, description="Pipeline components to shard when present; all others stay replicated."
@@ -143,14 +169,39 @@ class GroupConfig(BaseModel):
             raise ValueError("model must name a diffusers pipeline folder or 'tiny'")
         if not self.shard_components:
             raise ValueError("shard_components must name at least one pipeline component")
+        self.parallel_dims()  # its errors name the fields
+        split = self.ulysses_degree * self.ring_degree * (2 if self.cfg_parallel else 1)
+        if split > 1 and self.max_forward_batch > 1:
+            raise ValueError(
+                f"max_forward_batch={self.max_forward_batch} with lanes of {split} ranks: the ranks of a lane "
+                "must run the very same call at every tick, so combined mode runs one call per forward (set 1)"
+            )
         return self
+
+    def parallel_dims(self) -> ParallelDims:
+        """The pool's mesh arithmetic; the caller builds it once and passes it down.
+
+        Raises:
+            ValueError: The lanes do not divide the shard size, or mode and lanes conflict.
+        """
+        return ParallelDims(
+            self.replicate_size,
+            self.resolved_shard_size,
+            cfg=2 if self.cfg_parallel else 1,
+            ring=self.ring_degree,
+            ulysses=self.ulysses_degree,
+            replicated=self.mode == "replicated",
+        )
 
     @property
     def resolved_shard_size(self) -> int:
         """The shard size with ``-1`` resolved."""
         if self.shard_size != -1:
             return self.shard_size
-        return self.world_size // self.replicate_size if self.world_size is not None else 2
+        if self.world_size is not None:
+            return self.world_size // self.replicate_size
+        split = self.ulysses_degree * self.ring_degree * (2 if self.cfg_parallel else 1)
+        return split if split > 1 else 2
 
     @property
     def served_model_name(self) -> str:

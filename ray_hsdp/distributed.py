@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ray_hsdp.topology import MESH_DIM_NAMES
+from ray_hsdp.topology import LANE_MESH_DIM_NAMES, ParallelDims
 
 #: NVLink multicast (NVLS) hangs or fails on the lent GPU hosts and in many containers; every
 #: rank process runs with it off.
@@ -72,9 +72,18 @@ def init_process_group(device: str, master: str, port: int, rank: int, world_siz
     )
 
 
-def build_mesh(device: str, mesh_shape: tuple[int, int]) -> DeviceMesh:
-    """The group's ``("replicate", "shard")`` mesh on its own device type."""
-    return init_device_mesh(device, mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
+def build_meshes(device: str, dims: ParallelDims) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """The group's meshes on its own device type; every rank calls this in the same order.
+
+    Returns:
+        ``(shard, lanes)``: FSDP shards over ``shard``, a 1-D view of the whole group's process
+        group (no new communicator); ``lanes`` has the dims ``("lane", "cfg", "ring", "ulysses")``
+        (``None`` when replicated), whose sub-meshes carry context parallel and the CFG exchange.
+    """
+    shard = DeviceMesh.from_group(dist.group.WORLD, device, mesh_dim_names=("shard",))
+    shape = dims.lane_mesh_shape
+    lanes = init_device_mesh(device, shape, mesh_dim_names=LANE_MESH_DIM_NAMES) if shape else None
+    return shard, lanes
 
 
 def destroy_process_group() -> None:

@@ -1,28 +1,61 @@
-"""The R x S arithmetic of a pool: placement-group bundles and the mesh shape of one group."""
+"""The mesh arithmetic of a pool: R x S ranks, the lanes of a group, placement-group bundles.
+
+``ParallelDims`` is built once, from the configuration, and passed down to the group and its
+ranks; nothing below it recomputes sizes, lanes or mesh shapes.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-MESH_DIM_NAMES = ("replicate", "shard")
+#: Dims of a group's lane mesh, outermost first. diffusers' ``ContextParallelConfig`` indexes the
+#: dims named exactly ``ring`` and ``ulysses``.
+LANE_MESH_DIM_NAMES = ("lane", "cfg", "ring", "ulysses")
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Replicate x shard sizes of a pool and what follows from them.
+    """Replicate x shard sizes of a pool, the lanes of each group and what follows from them.
+
+    A group of ``shard_size`` ranks holds one copy of the weights, FSDP-sharded over all of them.
+    It is split into lanes: the ranks that run one request together. In ``batch`` mode a lane is
+    ``cfg x ring x ulysses`` ranks (one rank when all are 1); in ``replicated`` mode the whole
+    group is one lane whose ranks each compute the whole request.
 
     Attributes:
         replicate_size: Number of shard groups (R).
         shard_size: Ranks per shard group (S).
+        cfg: 2 when the conditional and unconditional forwards of a step run on different ranks.
+        ring: Ring-attention degree of a lane (sequence split, K/V passed around).
+        ulysses: Ulysses degree of a lane (sequence split, heads exchanged by all-to-all).
+        replicated: Every rank of the group runs every request (memory-only HSDP).
     """
 
     replicate_size: int
     shard_size: int
+    cfg: int = 1
+    ring: int = 1
+    ulysses: int = 1
+    replicated: bool = False
 
     def __post_init__(self) -> None:
         if self.replicate_size < 1 or self.shard_size < 1:
             raise ValueError(
                 f"replicate_size and shard_size must be >= 1, got {self.replicate_size} x {self.shard_size}"
+            )
+        if self.cfg not in (1, 2):
+            raise ValueError(f"cfg_parallel splits a step in 2 (cond, uncond); got a cfg degree of {self.cfg}")
+        if self.ring < 1 or self.ulysses < 1:
+            raise ValueError(f"ring_degree and ulysses_degree must be >= 1, got {self.ring} and {self.ulysses}")
+        if self.replicated and self.split_size > 1:
+            raise ValueError(
+                "mode 'replicated' runs the whole request on every rank; it cannot be combined with "
+                "ulysses_degree, ring_degree or cfg_parallel (use mode 'batch')"
+            )
+        if self.shard_size % self.split_size:
+            raise ValueError(
+                f"a lane of cfg x ring x ulysses = {self.cfg} x {self.ring} x {self.ulysses} = {self.split_size} "
+                f"ranks must divide shard_size={self.shard_size}"
             )
 
     @property
@@ -31,9 +64,60 @@ class ParallelDims:
         return self.replicate_size * self.shard_size
 
     @property
-    def group_mesh_shape(self) -> tuple[int, int]:
-        """Mesh shape of one group: groups never talk to each other at run time, so replicate is 1 inside it."""
-        return (1, self.shard_size)
+    def split_size(self) -> int:
+        """Ranks one request is split over: ``cfg x ring x ulysses``."""
+        return self.cfg * self.ring * self.ulysses
+
+    @property
+    def sequence_degree(self) -> int:
+        """Parts a request's token sequence is split into (``ring x ulysses``); 1 without context parallel."""
+        return self.ring * self.ulysses
+
+    @property
+    def lane_size(self) -> int:
+        """Ranks of one lane: the whole group when replicated, else ``cfg x ring x ulysses``."""
+        return self.shard_size if self.replicated else self.split_size
+
+    @property
+    def num_lanes(self) -> int:
+        """Lanes of one group; each runs its own requests."""
+        return self.shard_size // self.lane_size
+
+    def lane_of(self, rank: int) -> int:
+        """The lane of group rank ``rank`` (lanes are consecutive blocks of ranks)."""
+        return rank // self.lane_size
+
+    def lane_ranks(self, lane: int) -> range:
+        """The group ranks of lane ``lane``; the first one leads it."""
+        return range(lane * self.lane_size, (lane + 1) * self.lane_size)
+
+    def leads(self, rank: int) -> bool:
+        """Whether ``rank`` is its lane's leader: its answer is the lane's, its decisions (deadlines,
+        cancellations) the whole lane applies."""
+        return rank % self.lane_size == 0
+
+    def cfg_index(self, rank: int) -> int:
+        """0 on the ranks that run a step's conditional forward, 1 on those that run the unconditional one."""
+        return (rank % self.lane_size) // (self.ring * self.ulysses)
+
+    @property
+    def lane_mesh_shape(self) -> tuple[int, int, int, int] | None:
+        """Shape of the group's ``LANE_MESH_DIM_NAMES`` mesh; ``None`` when replicated (no lane splits)."""
+        if self.replicated:
+            return None
+        return (self.num_lanes, self.cfg, self.ring, self.ulysses)
+
+    def describe(self) -> dict:
+        """The layout as ``/v1/pool`` and the demo show it."""
+        return {
+            "replicate_size": self.replicate_size,
+            "shard_size": self.shard_size,
+            "lanes": self.num_lanes,
+            "lane_size": self.lane_size,
+            "cfg_parallel": self.cfg == 2,
+            "ring_degree": self.ring,
+            "ulysses_degree": self.ulysses,
+        }
 
     def bundles(self, device: str, cpus_per_rank: float) -> list[dict[str, float]]:
         """Placement-group bundles of one group: one per rank, a GPU each on cuda hosts.

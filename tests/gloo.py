@@ -8,6 +8,7 @@ import ray
 from ray import cloudpickle
 
 from ray_hsdp import distributed
+from ray_hsdp.topology import ParallelDims
 
 
 @ray.remote(num_cpus=1)
@@ -18,7 +19,7 @@ class GlooWorker:
 
     def join(self, master: str, port: int, rank: int, world_size: int) -> None:
         distributed.init_process_group("cpu", master, port, rank, world_size, timeout_s=120)
-        self.mesh = distributed.build_mesh("cpu", (1, world_size))
+        self.mesh, _ = distributed.build_meshes("cpu", ParallelDims(1, world_size))
         self.rank = rank
 
     def call(self, fn, *args):

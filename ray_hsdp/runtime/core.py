@@ -16,6 +16,17 @@ from ray_hsdp.batching import compatible
 IDLE = -1
 BUSY = -2
 
+#: A rank offers at each tick a key: ``(module_id + 1) * KEY_SPACE + ticket`` for a waiting call,
+#: or ``ticket`` to start a queued request (lanes of several ranks). A lane acts on a key only when
+#: all its ranks offer it, so its ranks start the same requests and run the same calls together.
+KEY_SPACE = 1 << 40
+#: A rank that offers ``STOP - ticket`` (a negative state below ``STOP``) asks its lane to stop
+#: that request at this tick; every rank that sees it applies it at the same tick.
+STOP = -3
+
+#: Stopped tickets a rank remembers, so that a request whose stop came before its offer never starts.
+_STOPPED_MEMORY = 4096
+
 #: Longest a tick in which no rank ran a module waits for new work before the next tick, so that
 #: ranks that only wait do not spin hot. A new call or request ends the wait at once.
 _QUIET_TICK_S = 0.0005
@@ -24,6 +35,37 @@ _QUIET_TICK_S = 0.0005
 class SessionFailedError(RuntimeError):
     """This rank's session broke: its collectives may no longer match the other ranks', so every
     request and call it held failed, and its group must be torn down."""
+
+
+class RequestStoppedError(RuntimeError):
+    """The request's lane stopped it (cancelled, past its deadline, or failed on another rank of
+    the lane); raised in its request thread from its next sharded call."""
+
+
+def key_of(module_id: int, ticket: int) -> int:
+    """The key of a call of ``module_id`` by the request ``ticket``."""
+    return (module_id + 1) * KEY_SPACE + ticket % KEY_SPACE
+
+
+def module_of(key: int) -> int:
+    """The module a call key runs; -1 for the key that starts a request."""
+    return key // KEY_SPACE - 1
+
+
+def agreed_keys(gathered: Sequence[int], lane_size: int) -> dict[int, int]:
+    """Lane index -> the key all ranks of the lane offered at this tick, for the lanes that agree.
+
+    A lane agrees when all its ranks offer the same call key and none of the gathered states asks
+    to stop that call's request. Every rank computes this from the same gathered list.
+    """
+    stopped = {STOP - state for state in gathered if state <= STOP}
+    agreed = {}
+    for lane in range(len(gathered) // lane_size):
+        row = gathered[lane * lane_size : (lane + 1) * lane_size]
+        key = row[0]
+        if key >= 0 and all(state == key for state in row) and key % KEY_SPACE not in stopped:
+            agreed[lane] = key
+    return agreed
 
 
 class Completion:
@@ -73,13 +115,21 @@ class Completion:
 
 
 class Job(Completion):
-    """One request handed to a rank."""
+    """One request handed to a rank.
 
-    def __init__(self, request: Any) -> None:
+    Args:
+        request: The request (anything with ``request_id`` and ``num_inference_steps``).
+        ticket: The group's number for it: the same on every rank of the lane that runs it.
+    """
+
+    def __init__(self, request: Any, ticket: int = 0) -> None:
         super().__init__()
         self.request = request
+        self.ticket = ticket
         #: Set when the caller gave up (deadline): the request's next step interrupts it.
         self.cancelled = False
+        #: Set when its lane stopped it (lanes of several ranks): its next call raises.
+        self.stopped = False
 
     def cancel(self, error: BaseException) -> bool:
         """Answers the request with ``error`` and asks its run to stop at its next step."""
@@ -90,13 +140,16 @@ class Job(Completion):
 class ForwardCall(Completion):
     """A request thread's call of a sharded root module, run by the tick thread."""
 
-    def __init__(self, module_id: int, args: tuple, kwargs: dict) -> None:
+    def __init__(self, module_id: int, args: tuple, kwargs: dict, ticket: int = 0, context: dict | None = None):
         super().__init__()
         self.module_id = module_id
         self.args = args
         self.kwargs = kwargs
-        #: What the modules need to hand inputs and outputs between threads (CUDA streams, events).
-        self.context: dict = {}
+        self.ticket = ticket
+        self.key = key_of(module_id, ticket)
+        #: What the modules need to hand inputs and outputs between threads (CUDA streams, events,
+        #: the CFG exchange).
+        self.context: dict = dict(context or {})
 
 
 class Modules(Protocol):
@@ -144,7 +197,12 @@ class RankRuntime:
         patience_s: Longest a rank whose requests will call again waits for their next call
             before it ticks without it (a request thread needs a few milliseconds between two
             forwards, and a forward ghosted for want of them is lost).
-        max_batch: Most waiting calls of one module run as one batched forward.
+        max_batch: Most waiting calls of one module run as one batched forward (lanes of one rank).
+        lane_size: Ranks of this rank's lane (consecutive in the gathered list). A lane of several
+            ranks runs each of its requests on all of them: a call runs only at a tick where every
+            rank of the lane offers it, and stops act at one tick on all of them.
+        leads: Whether this rank leads its lane: only a leader decodes and answers; the others
+            end each request after its last denoising step.
     """
 
     def __init__(
@@ -157,9 +215,13 @@ class RankRuntime:
         exchange: Exchange | None = None,
         patience_s: float = 0.1,
         max_batch: int = 1,
+        lane_size: int = 1,
+        leads: bool = True,
     ) -> None:
         if (modules is None) != (exchange is None):
             raise ValueError("modules and exchange go together: both for a sharded rank, neither otherwise")
+        if lane_size > 1 and (modules is None or max_batch != 1):
+            raise ValueError("a lane of several ranks needs sharded modules and one call per forward")
         self._run_request = run_request
         self.rank = rank
         self.slots = slots
@@ -168,6 +230,8 @@ class RankRuntime:
         self.observer = Observer()
         self.patience_s = patience_s
         self.max_batch = max_batch
+        self.lane_size = lane_size
+        self.leads = leads
         self.ticks = 0
         self.ghosts = 0
         self.batched = 0  # calls that ran in a forward together with others
@@ -182,45 +246,87 @@ class RankRuntime:
         self._where = "session"
         self._progress: dict[str, tuple[int, int]] = {}
         self._threads_started = 0
+        self._local = threading.local()  # a request thread's job
+        self._stops: deque[int] = deque()  # tickets this rank asks its lane to stop
+        self._stopped: dict[int, None] = {}  # tickets stopped here (insertion-ordered, bounded)
 
     # ---- callers' side ---------------------------------------------------------------------
 
-    def submit(self, request: Any) -> Job:
-        """Queues a request for this rank's running or next session; a failed rank fails it at once."""
-        job = Job(request)
+    def submit(self, request: Any, ticket: int = 0) -> Job:
+        """Queues a request for this rank's running or next session; a failed rank fails it at once.
+
+        Args:
+            request: The request.
+            ticket: The group's number for it, the same on every rank of its lane.
+        """
+        job = Job(request, ticket)
         with self._cond:
-            if self._failure is None:
+            if self._failure is None and ticket in self._stopped:
+                # Its lane stopped it before this rank's offer arrived.
+                job.stopped = True
+            elif self._failure is None:
                 self._inbox.append(job)
                 self._cond.notify_all()
                 return job
-            message = str(self._failure)
-        job.complete(error=SessionFailedError(message))
+            message = str(self._failure) if self._failure is not None else None
+        if message is not None:
+            job.complete(error=SessionFailedError(message))
+        else:
+            job.complete(error=self._stopped_error(job))
         return job
 
-    def call(self, module_id: int, args: tuple, kwargs: dict) -> Any:
-        """A request thread's forward of sharded module ``module_id``: run by the tick thread at a tick."""
-        call = ForwardCall(module_id, args, kwargs)
+    def call(self, module_id: int, args: tuple, kwargs: dict, context: dict | None = None) -> Any:
+        """A request thread's forward of sharded module ``module_id``: run by the tick thread at a tick.
+
+        Args:
+            context: Handed to the modules with the call (for example the CFG exchange's part).
+        """
+        job: Job | None = getattr(self._local, "job", None)
+        call = ForwardCall(module_id, args, kwargs, job.ticket if job is not None else 0, context)
         modules = self.modules
         modules.before_call(call)
         with self._cond:
             failure = self._failure
-            if failure is None:
+            stopped = job is not None and job.stopped
+            if failure is None and not stopped:
                 self._calls.append(call)
                 self._cond.notify_all()
         if failure is not None:  # a failed rank refuses the call, which still completes once
             call.complete(error=SessionFailedError(str(failure)))
+        elif stopped:
+            call.complete(error=self._stopped_error(job))
         value = call.get()
         modules.after_call(call)
         return value
 
     def cancel(self, request_id: str, error: BaseException) -> bool:
         """Answers the request with ``error`` and stops it: a queued one never starts, a running
-        one at the end of its current step. Returns whether this rank held it."""
+        one at the end of its current step (in a lane of several ranks: at the next tick, on all
+        of them). Returns whether this rank held it."""
         with self._cond:
             jobs = [job for job in [*self._inbox, *self._running] if job.request.request_id == request_id]
         for job in jobs:
-            job.cancel(error)
+            self.cancel_job(job, error)
         return bool(jobs)
+
+    def cancel_job(self, job: Job, error: BaseException) -> None:
+        """Answers ``job`` with ``error`` and stops it (see ``cancel``)."""
+        job.cancel(error)
+        if self.lane_size > 1:
+            self._ask_stop(job.ticket)
+
+    def _ask_stop(self, ticket: int) -> None:
+        with self._cond:
+            if ticket not in self._stopped and ticket not in self._stops:
+                self._stops.append(ticket)
+                self._cond.notify_all()
+
+    @staticmethod
+    def _stopped_error(job: Job) -> RequestStoppedError:
+        return RequestStoppedError(
+            f"request {job.request.request_id!r} was stopped by its lane (cancelled, past its deadline, "
+            "or failed on another rank of the lane)"
+        )
 
     @property
     def failure(self) -> SessionFailedError | None:
@@ -254,15 +360,16 @@ class RankRuntime:
         with self._cond:
             if self._failure is not None:
                 raise SessionFailedError(str(self._failure))
-        started = 0
+        before = self._threads_started
         try:
             while True:
-                started += self._start_requests()
+                if self.lane_size == 1:  # a lane of several ranks starts requests at a tick
+                    self._start_requests()
                 if self.modules is None:
                     if self._wait_for_requests():
-                        return started
+                        return self._threads_started - before
                 elif self._tick():
-                    return started
+                    return self._threads_started - before
         except BaseException as err:
             raise self.fail(err) from err
 
@@ -294,27 +401,48 @@ class RankRuntime:
             call.complete(error=SessionFailedError(message))
         return self._failure
 
-    def _start_requests(self) -> int:
-        started = 0
+    def _start_requests(self) -> None:
         with self._cond:
             while len(self._running) < self.slots and self._inbox:
                 job = self._inbox.popleft()
-                if job.done:  # its caller gave up while it was queued
-                    continue
-                if self.modules is not None:
-                    # Before the thread starts: the next tick must already wait for its first call.
-                    self._expecting += 1
-                thread = threading.Thread(
-                    target=self._run_job,
-                    args=(job,),
-                    name=f"rank{self.rank}-request-{self._threads_started}",
-                    daemon=True,
-                )
-                self._running[job] = thread
-                self._threads_started += 1
-                started += 1
-                thread.start()
-        return started
+                if not job.done:  # else its caller gave up while it was queued
+                    self._start(job)
+
+    def _start(self, job: Job) -> None:
+        """Starts ``job``'s request thread (called with the lock held)."""
+        if self.modules is not None:
+            # Before the thread starts: the next tick must already wait for its first call.
+            self._expecting += 1
+        thread = threading.Thread(
+            target=self._run_job, args=(job,), name=f"rank{self.rank}-request-{self._threads_started}", daemon=True
+        )
+        self._running[job] = thread
+        self._threads_started += 1
+        thread.start()
+
+    def _lane_state(self, busy: bool) -> int:
+        """What this rank offers at a tick: a stop it asks for, else its cheapest waiting call, else
+        the oldest queued request if it has room for it, else ``BUSY`` or ``IDLE``.
+
+        Calls come before starts: the ranks of a lane run the same requests, so their calls
+        agree, while a start waits until every rank of the lane has room (a leader still decoding
+        has none).
+        """
+        with self._cond:
+            if self._stops:
+                return STOP - self._stops.popleft()
+            if self._waiting:
+                return min(c.key for c in self._waiting)
+            if self.lane_size > 1 and self._inbox and len(self._running) < self.slots:
+                return min(job.ticket for job in self._inbox) % KEY_SPACE
+        return BUSY if busy else IDLE
+
+    def _start_agreed(self, key: int) -> None:
+        """Starts the queued request of the start key its lane agreed on at this tick."""
+        with self._cond:
+            job = next(j for j in self._inbox if j.ticket % KEY_SPACE == key)
+            self._inbox.remove(job)
+            self._start(job)
 
     def _wait_for_requests(self) -> bool:
         """Unsharded: waits until a request ends or one can start; True when nothing is left."""
@@ -332,15 +460,20 @@ class RankRuntime:
             True when every rank was idle at this tick (all ranks see the same answer).
         """
         busy = self._take_calls()
-        state = min((c.module_id for c in self._waiting), default=BUSY if busy else IDLE)
+        state = self._lane_state(busy)
         self._where = "the tick's all-gather"
         start = time.perf_counter()
         gathered = self.exchange(state)
         gathered_at = time.perf_counter()
         self.ticks += 1
-        module_id = min((g for g in gathered if g >= 0), default=None)
+        self._apply_stops(STOP - g for g in gathered if g <= STOP)
+        agreed = agreed_keys(gathered, self.lane_size)
+        mine = agreed.get(self.rank // self.lane_size)
+        if mine is not None and module_of(mine) < 0:
+            self._start_agreed(mine)
+        module_id = min((module_of(key) for key in agreed.values() if module_of(key) >= 0), default=None)
         if module_id is not None:
-            batch = self._batch(module_id)
+            batch = self._batch(mine) if mine is not None and module_of(mine) == module_id else []
             if batch:
                 self._where = f"the forward of {self.modules.names[module_id]}"
                 self._forward(batch)
@@ -375,11 +508,45 @@ class RankRuntime:
                     return bool(self._running or self._inbox)
                 self._cond.wait(remaining)
 
-    def _batch(self, module_id: int) -> list[ForwardCall]:
-        """Takes the oldest waiting call of ``module_id`` and up to ``max_batch - 1`` more that can
-        run in the same forward."""
+    def _apply_stops(self, tickets) -> None:
+        """Stops the requests of ``tickets`` at this tick: queued ones never start, waiting calls
+        fail, later calls fail at once. Every rank of the lane does this at the same tick."""
+        failed: list[ForwardCall] = []
+        dropped: list[Job] = []
+        with self._cond:
+            for ticket in tickets:
+                self._stopped[ticket] = None
+                while len(self._stopped) > _STOPPED_MEMORY:
+                    del self._stopped[next(iter(self._stopped))]
+                for job in [*self._inbox, *self._running]:
+                    if job.ticket != ticket:
+                        continue
+                    job.stopped = True
+                    if job in self._inbox:
+                        self._inbox.remove(job)
+                        dropped.append(job)
+                for queue in (self._calls, self._waiting):
+                    for call in [c for c in queue if c.ticket == ticket]:
+                        queue.remove(call)
+                        failed.append(call)
+        for job in dropped:
+            job.complete(error=self._stopped_error(job))
+        for call in failed:
+            call.complete(error=RequestStoppedError(f"the request of ticket {call.ticket} was stopped by its lane"))
+
+    def _batch(self, key: int) -> list[ForwardCall]:
+        """Takes the waiting call of ``key`` and, in a lane of one rank, up to ``max_batch - 1`` more
+        calls of its module that can run in the same forward (oldest first)."""
+        module_id = module_of(key)
         batch: list[ForwardCall] = []
         with self._cond:
+            first = next((c for c in self._waiting if c.key == key), None)
+            if first is None:
+                return []
+            if self.lane_size == 1:  # the oldest call of the module leads the batch
+                first = next(c for c in self._waiting if c.module_id == module_id)
+            batch.append(first)
+            self._waiting.remove(first)
             for call in list(self._waiting):
                 if call.module_id != module_id or len(batch) == self.max_batch:
                     continue
@@ -406,6 +573,9 @@ class RankRuntime:
     def _run_job(self, job: Job) -> None:
         request_id = job.request.request_id
         expecting = [self.modules is not None]
+        self._local.job = job
+        lane = self.lane_size > 1
+        follower_done = [False]
 
         def stop_expecting() -> None:
             if expecting[0]:
@@ -417,17 +587,29 @@ class RankRuntime:
         def on_step(done: int, total: int) -> bool:
             self._progress[request_id] = (done, total)
             self.observer.request(request_id, "step")
-            if done >= total or job.cancelled:
+            # A lane acts on its stops, decided at a tick; a lone rank on its own cancellation.
+            halt = job.stopped if lane else job.cancelled
+            if done >= total and not self.leads:
+                follower_done[0] = True  # the leader decodes and answers; this rank is done
+                halt = True
+            if done >= total or halt:
                 stop_expecting()  # decoding (or interrupted) from here: no more sharded forwards
-            return job.cancelled
+            return halt
 
         self._progress[request_id] = (0, job.request.num_inference_steps)
         self.observer.request(request_id, "start")
         try:
             job.complete(self._run_request(job.request, on_step))
         except BaseException as err:  # noqa: BLE001 - the request's own error belongs to its caller
-            job.complete(error=err)
+            if follower_done[0]:
+                job.complete(None)
+            else:
+                job.complete(error=err)
+                if lane and not job.stopped:
+                    # The other ranks of the lane may wait on a call this one will never make.
+                    self._ask_stop(job.ticket)
         finally:
+            self._local.job = None
             stop_expecting()
             self._progress.pop(request_id, None)
             self.observer.request(request_id, "end")

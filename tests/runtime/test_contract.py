@@ -338,3 +338,117 @@ def test_an_unsharded_runtime_runs_requests_without_ticks():
     assert [job.value for job in jobs if job.error is None] == ["R0", "R1", "R3", "R4"]
     assert isinstance(jobs[2].error, InjectedError)
     assert runtime.ticks == 0
+
+
+class LaneModules(FakeModules):
+    """Fake modules that also log the keys (module, request) of the real forwards they ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.keys: list[int] = []
+
+    def forward(self, calls: list[ForwardCall]) -> list:
+        self.keys.extend(c.key for c in calls)
+        return super().forward(calls)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_lanes_run_each_call_on_all_their_ranks_at_the_same_tick(seed):
+    """Lanes of 2 ranks (2 or 3 lanes): each request runs on both ranks of its lane, offered to them
+    at different moments; leaders cancel at random; a request fails on one rank only at random.
+    Every request and call completes once, no thread hangs, both ranks of a lane ran exactly the
+    same calls (by key) and a leader's uncancelled, unfailed request returns its real result."""
+    rng = random.Random(1000 + seed)
+    lanes, lane_size = rng.choice((2, 3)), 2
+    world_size = lanes * lane_size
+    gather = FakeAllGather(world_size)
+    runtimes, modules = [], []
+    for rank in range(world_size):
+        mods = LaneModules()
+        holder: dict = {}
+        fail_here = {f"q{i}" for i in range(12) if rng.random() < 0.1}  # errors of this rank alone
+
+        def run_request(request: FakeRequest, on_step, holder=holder, fail_here=fail_here):
+            total = 0.0
+            for step, (module_id, x) in enumerate(request.calls):
+                if request.request_id in fail_here and step == len(request.calls) // 2:
+                    raise InjectedError(f"{request.request_id}: its own error on one rank")
+                total += holder["runtime"].call(module_id, (torch.tensor([x]),), {}).item()
+                time.sleep(rng.random() * 0.002)
+                if on_step(step + 1, len(request.calls)):
+                    raise InjectedError(f"{request.request_id}: stopped after step {step + 1}")
+            return total
+
+        runtime = RankRuntime(
+            run_request,
+            rank=rank,
+            slots=rng.randint(1, 2),
+            modules=mods,
+            exchange=gather.for_rank(rank),
+            patience_s=0.01,
+            lane_size=lane_size,
+            leads=rank % lane_size == 0,
+        )
+        holder["runtime"] = runtime
+        runtimes.append(runtime)
+        modules.append(mods)
+
+    requests = [make_request(rng, f"q{i}", own_errors=False) for i in range(12)]
+    jobs: list[tuple[FakeRequest, int, object]] = []
+    cancelled: set[str] = set()
+    stop = threading.Event()
+
+    def feed() -> None:
+        for ticket, request in enumerate(requests):
+            lane = rng.randrange(lanes)
+            ranks = list(range(lane * lane_size, (lane + 1) * lane_size))
+            rng.shuffle(ranks)  # the ranks of a lane get their offers in any order
+            for rank in ranks:
+                jobs.append((request, rank, runtimes[rank].submit(request, ticket)))
+                time.sleep(rng.random() * 0.003)
+            if rng.random() < 0.25:
+                time.sleep(rng.random() * 0.01)
+                runtimes[lane * lane_size].cancel(request.request_id, InjectedError("cancelled"))
+                cancelled.add(request.request_id)
+
+    # The group's part: all ranks run sessions together, and stop together.
+    decision = [False]
+    between = threading.Barrier(world_size, action=lambda: decision.__setitem__(0, stop.is_set()))
+
+    def rank_thread(rank: int) -> None:
+        while True:
+            runtimes[rank].session()
+            between.wait()
+            if decision[0]:
+                return
+            time.sleep(0.001)
+
+    feeder = threading.Thread(target=feed)
+    threads = [threading.Thread(target=rank_thread, args=(r,), daemon=True) for r in range(world_size)]
+    for t in [feeder, *threads]:
+        t.start()
+    feeder.join()
+    deadline = time.monotonic() + DEADLINE_S
+    while not all(job.done for _, _, job in jobs) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(job.done for _, _, job in jobs), [(r.request_id, rank) for r, rank, j in jobs if not j.done]
+    while any(rt.request_threads() for rt in runtimes) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(rt.request_threads() for rt in runtimes), "a request thread hangs"
+    stop.set()
+    for t in threads:
+        t.join(timeout=DEADLINE_S)
+    assert not any(t.is_alive() for t in threads)
+    for mods in modules:
+        assert all(call.done for call in mods.calls)
+        assert all(count == 1 for count in mods.call_completions.values())
+    for lane in range(lanes):
+        lead, follower = modules[lane * lane_size], modules[lane * lane_size + 1]
+        assert lead.keys == follower.keys, (lane, lead.keys, follower.keys)
+        assert lead.ran == follower.ran
+    for request, rank, job in jobs:
+        if rank % lane_size == 0 and job.error is None:
+            assert job.value == pytest.approx(request.expected())
+            assert request.request_id not in cancelled
+        elif rank % lane_size:
+            assert job.value is None  # followers never answer: the leader does
