@@ -6,6 +6,7 @@ deployment wraps one group per replica.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
@@ -72,11 +73,23 @@ class GroupOverloadedError(RuntimeError):
     """The group's queue is full; the request was not accepted."""
 
 
+class UnsplittableRequestError(ValueError):
+    """The request's tokens cannot be split evenly over its lane (HTTP 400)."""
+
+
+def sequence_tokens(sequence: dict, height: int, width: int, frames: int) -> int:
+    """Tokens of one request in a pipeline whose token grid is ``sequence`` (``ShardedPipeline.facts``)."""
+    latent_frames = (frames - 1) // sequence["temporal_stride"] + 1
+    spatial = sequence["spatial_stride"]
+    return latent_frames // sequence["temporal_patch"] * (height // spatial) * (width // spatial)
+
+
 @dataclass
 class _Job:
     request: GenerationRequest
     future: Future
     enqueued: float
+    ticket: int = -1  # given when a lane takes it: the same on all the lane's ranks
 
 
 def pick_next(
@@ -112,21 +125,27 @@ def pick_next(
 class ShardGroup:
     """S ranks that together hold one copy of the pipeline and run requests from one queue.
 
-    In ``batch`` mode each rank runs its own request and takes the next queued one as soon as it
-    is done; the tick protocol keeps any mix of requests in lock step. In ``replicated`` mode every
-    rank runs the same request.
+    The ranks form lanes (``ParallelDims``): a lane runs each of its requests on all its ranks
+    (split by sequence and CFG parallel in combined mode; the whole request on every rank when
+    replicated), its leader answers, and it takes the next queued request as soon as it has room.
+    In ``batch`` mode without splits a lane is one rank. The tick protocol keeps any mix of
+    requests on the lanes in lock step.
 
     Args:
         config: Group configuration.
         placement_group: A placement group of S bundles to place the ranks in (a Serve replica's
             own); when ``None`` the group creates one and removes it at shutdown.
+        dims: The pool's mesh arithmetic; built from ``config`` when not given.
 
     Use ``start()`` (or a ``with`` block), then ``generate`` (blocking) or ``submit`` (a future).
     """
 
-    def __init__(self, config: GroupConfig, placement_group: PlacementGroup | None = None):
+    def __init__(
+        self, config: GroupConfig, placement_group: PlacementGroup | None = None, dims: ParallelDims | None = None
+    ):
         self.config = config
-        self.dims = ParallelDims(config.replicate_size, config.resolved_shard_size)
+        self.dims = dims or config.parallel_dims()
+        self._tickets = itertools.count()
         self._pg = placement_group
         self._owns_pg = placement_group is None
         self.ranks: list = []
@@ -199,7 +218,7 @@ class ShardGroup:
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=self._pg, placement_group_bundle_index=i
                     ),
-                ).remote(i, self.config)
+                ).remote(i, self.config, self.dims)
                 for i in range(self.dims.shard_size)
             ]
             ray.get([r.prepare.remote() for r in self.ranks], timeout=self.config.load_timeout_s)
@@ -265,7 +284,9 @@ class ShardGroup:
         Raises:
             GroupFailedError: The group is shut down or broken.
             GroupOverloadedError: Every rank is busy and ``max_queue`` requests are already waiting.
+            UnsplittableRequestError: The request cannot be split over a lane (see ``check``).
         """
+        self.check(request)
         future: Future = Future()
         with self._cond:
             if self._closed or self._failure:
@@ -281,10 +302,28 @@ class ShardGroup:
             self._cond.notify_all()
         return future
 
+    def check(self, request: GenerationRequest) -> None:
+        """Refuses a request whose tokens do not split evenly over a lane's ``ring x ulysses`` ranks.
+
+        Raises:
+            UnsplittableRequestError: With the token count, the degree and what to change.
+        """
+        sequence = self.pipeline_facts.get("sequence")
+        if not sequence:
+            return
+        tokens = sequence_tokens(sequence, request.height, request.width, request.num_frames)
+        if tokens % sequence["degree"]:
+            raise UnsplittableRequestError(
+                f"{request.width}x{request.height} with {request.num_frames} frames is {tokens} tokens, which do not "
+                f"split over ulysses_degree x ring_degree = {sequence['degree']} ranks; choose a size whose "
+                f"width / {sequence['spatial_stride']} x height / {sequence['spatial_stride']} x latent frames is "
+                f"a multiple of {sequence['degree']}"
+            )
+
     @property
     def _running_capacity(self) -> int:
-        """Requests the ranks run at once: one per group when replicated, else ``requests_per_rank`` each."""
-        return 1 if self.config.mode == "replicated" else self.dims.shard_size * self.config.requests_per_rank
+        """Requests the ranks run at once: ``requests_per_rank`` per lane."""
+        return self.dims.num_lanes * self.config.requests_per_rank
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Runs requests through the queue and waits for all of them, in the order given."""
@@ -295,10 +334,13 @@ class ShardGroup:
         job = self._pending.pop(index)
         return job if job.future.set_running_or_notify_cancel() else None
 
-    def _offer(self, rank_index: int, job: _Job) -> None:
-        ref = self.ranks[rank_index].offer.remote(job.request)
-        self._inflight[ref] = (rank_index, job)
-        self._watch("offer", ref)
+    def _offer(self, lane: int, job: _Job) -> None:
+        """Hands ``job`` to every rank of ``lane`` under one ticket (called with the lock held)."""
+        job.ticket = next(self._tickets)
+        for rank_index in self.dims.lane_ranks(lane):
+            ref = self.ranks[rank_index].offer.remote(job.request, job.ticket)
+            self._inflight[ref] = (rank_index, job)
+            self._watch("offer", ref)
 
     def _watch(self, kind: str, ref: ray.ObjectRef) -> None:
         """Hands ``ref``'s completion to the scheduler thread (Ray calls back; nothing polls)."""
@@ -311,20 +353,15 @@ class ShardGroup:
         ref.future().add_done_callback(completed)
 
     def _assign(self) -> None:
-        """Hands queued requests to ranks with room (called with the lock held)."""
-        if self.config.mode == "replicated":
-            while not self._inflight and self._pending:
-                job = self._take(0)
-                if job is not None:
-                    for i in range(len(self.ranks)):
-                        self._offer(i, job)
-            return
+        """Hands queued requests to lanes with room (called with the lock held)."""
         while self._pending:
-            # The least loaded rank first, so that every rank has work before any has two.
-            rank_index = min(range(len(self.ranks)), key=self._load)
-            if self._load(rank_index) >= self.config.requests_per_rank:
+            # The least loaded lane first, so that every lane has work before any has two.
+            lane = min(range(self.dims.num_lanes), key=self._load)
+            if self._load(lane) >= self.config.requests_per_rank:
                 return
-            others = [job.request for i, job in self._inflight.values() if i != rank_index]
+            others = list(
+                {id(job): job.request for i, job in self._inflight.values() if self.dims.lane_of(i) != lane}.values()
+            )
             index = pick_next(
                 [j.request for j in self._pending],
                 time.monotonic() - self._pending[0].enqueued,
@@ -334,10 +371,12 @@ class ShardGroup:
             )
             job = self._take(index)
             if job is not None:
-                self._offer(rank_index, job)
+                self._offer(lane, job)
 
-    def _load(self, rank_index: int) -> int:
-        return sum(1 for i, _ in self._inflight.values() if i == rank_index)
+    def _load(self, lane: int) -> int:
+        """Requests on ``lane``: its busiest rank's (a leader still decodes after its lane moved on)."""
+        ranks = self.dims.lane_ranks(lane)
+        return max(sum(1 for i, _ in self._inflight.values() if i == r) for r in ranks)
 
     def _schedule(self) -> None:
         """The scheduler thread: hands requests to ranks, answers them, starts sessions.
@@ -387,8 +426,8 @@ class ShardGroup:
             self._fail(_died(rank_index, error), also=job)
         elif error is not None and isinstance(_cause(error), SessionFailedError):
             self._fail(self._session_failure(error), also=job)
-        elif self.config.mode == "replicated" and rank_index != 0:
-            pass  # every rank ran the same request; rank 0's outcome is the answer
+        elif not self.dims.leads(rank_index):
+            pass  # the lane's leader answers
         elif error is None:
             _resolve(job.future, result=future.result())
         else:  # the request's own error (bad input, deadline): the group is fine
@@ -453,7 +492,10 @@ class ShardGroup:
         with self._cond:
             queued = [j for j in self._pending if j.request.request_id == request_id]
             self._pending = [j for j in self._pending if j.request.request_id != request_id]
-            holders = {i for i, j in self._inflight.values() if j.request.request_id == request_id}
+            # The leader decides for its lane: it stops the request on all the lane's ranks at one tick.
+            holders = {
+                i for i, j in self._inflight.values() if j.request.request_id == request_id and self.dims.leads(i)
+            }
             ranks = list(self.ranks)
         for job in queued:
             _resolve(job.future, error=RequestCancelledError(f"request {request_id!r} was cancelled while queued"))
@@ -462,18 +504,25 @@ class ShardGroup:
         return bool(queued or holders)
 
     def progress(self) -> dict[str, dict]:
-        """Request id -> ``{"state": "queued"}`` or ``{"state": "running", "rank": i, "step": s, "total": n}``."""
+        """Request id -> ``{"state": "queued"}`` or ``{"state": "running", "rank": i, "lane": l,
+        "step": s, "total": n}`` (``rank`` is the lane's leader, which answers)."""
         with self._cond:
             out = {j.request.request_id: {"state": "queued"} for j in self._pending}
-            running = {j.request.request_id: (i, j.request.num_inference_steps) for i, j in self._inflight.values()}
+            running = {
+                j.request.request_id: (i, j.request.num_inference_steps)
+                for i, j in self._inflight.values()
+                if self.dims.leads(i)
+            }
             ranks = list(self.ranks)
         for request_id, (rank_index, total) in running.items():
-            out[request_id] = {"state": "running", "rank": rank_index, "step": 0, "total": total}
-        reports = ray.get([r.progress.remote() for r in ranks], timeout=self.config.request_timeout_s)
-        for rank_index, report in enumerate(reports):
+            lane = self.dims.lane_of(rank_index)
+            out[request_id] = {"state": "running", "rank": rank_index, "lane": lane, "step": 0, "total": total}
+        leaders = [i for i in range(len(ranks)) if self.dims.leads(i)]
+        reports = ray.get([ranks[i].progress.remote() for i in leaders], timeout=self.config.request_timeout_s)
+        for report in reports:
             for request_id, (step, total) in report.items():
                 if request_id in running:
-                    out[request_id] = {"state": "running", "rank": rank_index, "step": step, "total": total}
+                    out[request_id].update(step=step, total=total)
         return out
 
     # ---- inspection ------------------------------------------------------------------------
@@ -522,8 +571,7 @@ class ShardGroup:
     def describe(self) -> dict:
         """Topology of this group: sizes, mode, device, where each rank runs."""
         return {
-            "replicate_size": self.dims.replicate_size,
-            "shard_size": self.dims.shard_size,
+            **self.dims.describe(),
             "mode": self.config.mode,
             "device": self.config.device,
             "dtype": self.config.dtype,

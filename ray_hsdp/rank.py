@@ -14,7 +14,8 @@ from ray_hsdp import distributed
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.memory import RssSampler, device_allocated_bytes
 from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
-from ray_hsdp.runtime import RankRuntime
+from ray_hsdp.runtime import RankRuntime, SessionFailedError
+from ray_hsdp.runtime.core import RequestStoppedError
 from ray_hsdp.topology import ParallelDims
 
 logger = logging.getLogger("ray_hsdp")
@@ -36,14 +37,15 @@ class Rank:
     Args:
         rank: Index in the group (0..S-1), which is also its shard index.
         config: The group's configuration, with device and dtype resolved.
+        dims: The pool's mesh arithmetic, built once by the group's creator.
     """
 
-    def __init__(self, rank: int, config: GroupConfig):
+    def __init__(self, rank: int, config: GroupConfig, dims: ParallelDims):
         distributed.apply_nccl_env()
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s rank=" + str(rank) + " %(message)s")
         self.rank = rank
         self.config = config
-        self.dims = ParallelDims(config.replicate_size, config.resolved_shard_size)
+        self.dims = dims
         self.pipeline = None
         self.runtime: RankRuntime | None = None
         self.model_path = None
@@ -81,9 +83,9 @@ class Rank:
             distributed.init_process_group(
                 self.config.device, master, port, self.rank, self.dims.shard_size, self.config.collective_timeout_s
             )
-            self.mesh = distributed.build_mesh(self.config.device, self.dims.group_mesh_shape)
+            self.mesh, self.lane_mesh = distributed.build_meshes(self.config.device, self.dims)
         else:
-            self.mesh = None
+            self.mesh = self.lane_mesh = None
         return {
             "rank": self.rank,
             "node_id": ray.get_runtime_context().get_node_id(),
@@ -101,6 +103,7 @@ class Rank:
         The report adds ``load_s`` and ``load_peak_rss_bytes``: the most host memory this process
         held above its level before loading, sampled while loading.
         """
+        from ray_hsdp.runtime.cfg import CfgSplit
         from ray_hsdp.runtime.modules import ProcessGroupExchange, ShardedModules
         from ray_hsdp.sharded_pipeline import ShardedPipeline
 
@@ -108,7 +111,13 @@ class Rank:
             raise RuntimeError("prepare() must run before load()")
         if self.rank == 0:
             logger.info(
-                "HSDP Inference: replicate_size=%d, shard_size=%d", self.dims.replicate_size, self.dims.shard_size
+                "HSDP Inference: replicate_size=%d, shard_size=%d, lanes=%d x (cfg %d x ring %d x ulysses %d)",
+                self.dims.replicate_size,
+                self.dims.shard_size,
+                self.dims.num_lanes,
+                self.dims.cfg,
+                self.dims.ring,
+                self.dims.ulysses,
             )
         with RssSampler() as rss:
             start = time.perf_counter()
@@ -123,11 +132,17 @@ class Rank:
                 reshard_after_forward=self.config.reshard_after_forward,
                 forward_prefetch=self.config.forward_prefetch,
                 allow_pickle=self.config.allow_pickle,
+                dims=self.dims,
+                lane_mesh=self.lane_mesh,
+                attention_backend=self.config.attention_backend,
             )
             modules = exchange = None
             if self.pipeline.sharded:
                 modules = ShardedModules(
-                    self.pipeline.sharded_modules, self.config.device, self.config.reshard_after_forward
+                    self.pipeline.sharded_modules,
+                    self.config.device,
+                    self.config.reshard_after_forward,
+                    cfg_group=self.lane_mesh.get_group("cfg") if self.dims.cfg == 2 else None,
                 )
                 exchange = ProcessGroupExchange(self.config.device)
             self.runtime = RankRuntime(
@@ -137,11 +152,16 @@ class Rank:
                 modules=modules,
                 exchange=exchange,
                 max_batch=self.config.max_forward_batch,
+                lane_size=self.dims.lane_size,
+                leads=self.dims.leads(self.rank),
             )
             if modules is not None:
+                split = CfgSplit(self.runtime.call, self.dims.cfg_index(self.rank), self.pipeline.guided)
                 # Before the request slots are copied from the pipeline: every slot must call the
                 # stand-ins, or a request thread would issue collectives of its own.
-                self.pipeline.route_calls(modules.proxies(self.runtime.call))
+                self.pipeline.route_calls(
+                    modules.proxies(self.runtime.call, {name: split for name in self.pipeline.cfg_split})
+                )
             self.pipeline.set_request_slots(self.config.requests_per_rank, self.config.shard_components)
             self.pipeline.request_streams = self.config.request_streams
             self.pipeline.vae_tiling = (self.config.vae_tiling, self.config.vae_tiling_above_pixels)
@@ -155,20 +175,39 @@ class Rank:
         return self.runtime
 
     @ray.method(concurrency_group="intake")
-    def offer(self, request: GenerationRequest) -> GenerationResult:
+    def offer(self, request: GenerationRequest, ticket: int = 0) -> GenerationResult | None:
         """Hands a request to this rank's running or next session and waits for its result.
 
         Runs on the intake threads, so the group can hand over work while a session computes.
+
+        Args:
+            request: The request.
+            ticket: The group's number for it, the same on every rank of the lane that runs it.
+
+        Returns:
+            The result on a lane's leader; ``None`` on the other ranks of a lane, which only
+            help (the leader decodes and answers, and applies the deadline for the whole lane).
 
         Raises:
             SessionFailedError: This rank's session failed (its group must be torn down).
             TimeoutError: The request missed its deadline; it is interrupted at its next step.
         """
-        job = self._loaded().submit(request)
+        runtime = self._loaded()
+        job = runtime.submit(request, ticket)
+        if not runtime.leads:
+            try:
+                job.get()
+            except (SessionFailedError, RequestStoppedError) as err:
+                if isinstance(err, SessionFailedError):
+                    raise
+            except Exception as err:  # noqa: BLE001 - the leader answers; an error only here stopped the lane
+                logger.warning("Request %r failed on rank %d of its lane: %s", request.request_id, self.rank, err)
+            return None
         deadline = request.timeout_s or self.config.request_timeout_s
         if not job.wait(deadline):
             # Interrupting is safe: the tick protocol takes any number of forwards per request.
-            job.cancel(TimeoutError(f"request {request.request_id!r} missed its deadline of {deadline:g}s"))
+            error = TimeoutError(f"request {request.request_id!r} missed its deadline of {deadline:g}s")
+            runtime.cancel_job(job, error)
         result = job.get()
         self.last_request_peak_device_bytes = result.peak_device_bytes
         return result
@@ -185,11 +224,17 @@ class Rank:
 
     @ray.method(concurrency_group="control")
     def tick_stats(self) -> dict[str, int]:
-        """Ticks, ghost passes and batched calls this rank has run since it loaded."""
+        """Ticks, real forwards, ghost passes and batched calls this rank has run since it loaded."""
         runtime = self.runtime
         if runtime is None:
-            return {"rank": self.rank, "ticks": 0, "ghosts": 0, "batched": 0}
-        return {"rank": self.rank, "ticks": runtime.ticks, "ghosts": runtime.ghosts, "batched": runtime.batched}
+            return {"rank": self.rank, "ticks": 0, "forwards": 0, "ghosts": 0, "batched": 0}
+        return {
+            "rank": self.rank,
+            "ticks": runtime.ticks,
+            "forwards": runtime.forwards,
+            "ghosts": runtime.ghosts,
+            "batched": runtime.batched,
+        }
 
     @ray.method(concurrency_group="profile")
     def start_profile(self, trace_dir: str | None = None) -> None:
@@ -219,6 +264,7 @@ class Rank:
         return {
             "rank": self.rank,
             "shard_index": self.rank,
+            "lane": self.dims.lane_of(self.rank),
             "device": self.config.device,
             "load_s": round(self.load_s, 3),
             "load_peak_rss_bytes": self.load_peak_rss_bytes,

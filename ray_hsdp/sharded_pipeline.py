@@ -6,6 +6,7 @@ import copy
 import inspect
 import logging
 import queue
+import threading
 import time
 from collections.abc import Callable
 
@@ -18,6 +19,9 @@ from ray_hsdp.loading import build_on_meta, fill_from_checkpoint, load_pipeline,
 from ray_hsdp.memory import module_memory, peak_device_bytes, unit_memory
 from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
 from ray_hsdp.sharding import apply_fsdp, resolve_plan
+from ray_hsdp.sharding.context_parallel import attention_backend_for, enable_context_parallel
+from ray_hsdp.sharding.policy import registered_policy
+from ray_hsdp.topology import ParallelDims
 
 logger = logging.getLogger("ray_hsdp")
 
@@ -38,12 +42,26 @@ class ShardedPipeline:
         load_stats: What loading read, per sharded component.
     """
 
-    def __init__(self, pipe, device: str, rank: int, sharded: dict[str, int] | None = None, load_stats=None):
+    def __init__(
+        self,
+        pipe,
+        device: str,
+        rank: int,
+        sharded: dict[str, int] | None = None,
+        load_stats=None,
+        sequence: dict | None = None,
+        cfg_split: tuple[str, ...] = (),
+    ):
         self.pipe = pipe
         self.device = device
         self.rank = rank
         self.sharded = dict(sharded or {})
         self.load_stats = dict(load_stats or {})
+        #: How requests' tokens are split (``degree`` and the token grid), when they are.
+        self.sequence = sequence
+        #: Components whose cond / uncond calls of a step run on the two CFG halves of a lane.
+        self.cfg_split = cfg_split
+        self._running_slot = threading.local()
         #: Whether each request slot runs its own work (scheduler, VAE) on a CUDA stream of its
         #: own, so that a decode overlaps the group's forwards instead of queueing before them.
         self.request_streams = False
@@ -72,16 +90,24 @@ class ShardedPipeline:
         reshard_after_forward: bool,
         forward_prefetch: int = 0,
         allow_pickle: bool = False,
+        dims: ParallelDims | None = None,
+        lane_mesh: DeviceMesh | None = None,
+        attention_backend: str = "auto",
     ) -> ShardedPipeline:
         """Loads a pipeline folder, sharding the named components over ``mesh``.
 
         A sharded component is built on the meta device, sharded, materialised on ``device`` and
-        filled with this rank's slices only. Without a mesh (one rank) nothing is sharded.
+        filled with this rank's slices only. Without a mesh (one rank) nothing is sharded. With
+        lanes that split the sequence, each sharded diffusers model that has a context-parallel
+        plan splits its forwards over the lane's ``ring`` x ``ulysses`` sub-mesh of ``lane_mesh``.
 
         Raises:
-            ValueError: None of ``shard_components`` is a module of the pipeline.
+            ValueError: None of ``shard_components`` is a module of the pipeline, or the lanes ask
+                for a split (sequence, CFG) that no component of this pipeline supports.
         """
-        prebuilt, sharded, stats = {}, {}, {}
+        dims = dims or ParallelDims(1, 1)
+        backend = attention_backend_for(attention_backend, device, dims.ring)
+        prebuilt, sharded, stats, policies = {}, {}, {}, {}
         if mesh is not None:
             index = model_index(path)
             for name in shard_components:
@@ -93,13 +119,57 @@ class ShardedPipeline:
                 materialize(module, device)
                 stats[name] = fill_from_checkpoint(module, path / name, allow_pickle)
                 prebuilt[name] = module
+                policies[name] = registered_policy(module)
             if not sharded:
                 raise ValueError(
                     f"None of shard_components={list(shard_components)} is a component of this pipeline "
                     f"(its components: {sorted(index)}); nothing would be sharded"
                 )
         pipe = load_pipeline(path, dtype, allow_pickle, **prebuilt)
-        return cls(pipe, device, rank, sharded, stats)
+        # Only diffusers models have attention backends and context parallel; text encoders do not.
+        models = [name for name in sharded if hasattr(prebuilt[name], "enable_parallelism")]
+        sequence = None
+        if dims.sequence_degree > 1:
+            if not models:
+                raise ValueError(
+                    f"ulysses_degree x ring_degree = {dims.sequence_degree}, but no sharded component of "
+                    f"{type(pipe).__name__} is a diffusers model that context parallel can split"
+                )
+            for name in models:
+                policy = policies[name]
+                enable_context_parallel(
+                    prebuilt[name],
+                    lane_mesh,
+                    ring=dims.ring,
+                    ulysses=dims.ulysses,
+                    device=device,
+                    attention_backend=backend,
+                    cp_plan=policy.cp_plan if policy else None,
+                )
+                if policy is None or policy.token_grid is None:
+                    raise ValueError(
+                        f"{name} ({type(prebuilt[name]).__name__.removeprefix('FSDP')}) has no token grid in its "
+                        "sharding policy, so request sizes cannot be checked against ulysses_degree x ring_degree"
+                    )
+                temporal_stride, temporal_patch, spatial_stride = policy.token_grid(pipe, prebuilt[name])
+                sequence = {
+                    "degree": dims.sequence_degree,
+                    "temporal_stride": temporal_stride,
+                    "temporal_patch": temporal_patch,
+                    "spatial_stride": spatial_stride,
+                }
+        elif backend is not None:
+            for name in models:
+                prebuilt[name].set_attention_backend(backend)
+        cfg_split: tuple[str, ...] = ()
+        if dims.cfg == 2:
+            cfg_split = tuple(name for name in sharded if policies[name] is not None and policies[name].cfg_split)
+            if not cfg_split:
+                raise ValueError(
+                    f"cfg_parallel: no sharded component of {type(pipe).__name__} declares in its sharding policy "
+                    "that the pipeline calls it for the conditional, then the unconditional prediction (cfg_split)"
+                )
+        return cls(pipe, device, rank, sharded, stats, sequence, cfg_split)
 
     @property
     def facts(self) -> dict:
@@ -108,7 +178,15 @@ class ShardedPipeline:
         return {
             "video": "num_frames" in self._call_params,
             "temporal_compression": int(getattr(self.pipe, "vae_scale_factor_temporal", 1) or 1),
+            "sequence": self.sequence,
+            "cfg_split": list(self.cfg_split),
         }
+
+    def guided(self) -> bool:
+        """Whether the request running on this thread makes an unconditional forward at each step
+        (diffusers' ``do_classifier_free_guidance`` of its slot pipeline)."""
+        pipe = getattr(self._running_slot, "pipe", None)
+        return bool(getattr(pipe, "do_classifier_free_guidance", False))
 
     @property
     def sharded_modules(self) -> dict[str, nn.Module]:
@@ -202,11 +280,13 @@ class ShardedPipeline:
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         pipe = self._slots.get()
+        self._running_slot.pipe = pipe
         try:
             self._set_tiling(pipe, request)
             with torch.cuda.stream(self._slot_stream(pipe)):
                 output = pipe(**kwargs)
         finally:
+            self._running_slot.pipe = None
             self._slots.put(pipe)
         frames = output.frames if hasattr(output, "frames") else output.images
         frames = np.asarray(frames, dtype=np.float32)

@@ -233,6 +233,7 @@ class RankRuntime:
         self.lane_size = lane_size
         self.leads = leads
         self.ticks = 0
+        self.forwards = 0
         self.ghosts = 0
         self.batched = 0  # calls that ran in a forward together with others
         self._cond = threading.Condition()
@@ -561,6 +562,7 @@ class RankRuntime:
         # An error here propagates: this rank may have issued part of the forward's collectives,
         # so it is out of step, and ``fail`` answers these calls with everything else.
         results = self.modules.forward(batch)
+        self.forwards += 1
         with self._cond:
             self._current = []
         for call, result in zip(batch, results):

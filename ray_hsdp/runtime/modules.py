@@ -50,9 +50,14 @@ class ShardedModules:
         device: ``"cuda"`` or ``"cpu"``.
         reshard_after_forward: Whether units free gathered weights after forward; a ghost pass
             must leave each unit in the state a real forward leaves it in.
+        cfg_group: The process group of this rank's two CFG halves (the lane mesh's ``cfg`` dim),
+            over which a call marked ``cfg`` exchanges its output; ``None`` without CFG parallel.
     """
 
-    def __init__(self, modules: dict[str, nn.Module], device: str, reshard_after_forward: bool):
+    def __init__(
+        self, modules: dict[str, nn.Module], device: str, reshard_after_forward: bool, cfg_group=None
+    ):
+        self.cfg_group = cfg_group
         # Parameter counts are global (DTensor), so every rank gets the same order.
         self.names = sorted(modules, key=lambda n: (sum(p.numel() for p in modules[n].parameters()), n))
         self.modules = [modules[name] for name in self.names]
@@ -63,9 +68,20 @@ class ShardedModules:
             [m for name, m in root.named_modules() if name and isinstance(m, FSDPModule)] for root in self.modules
         ]
 
-    def proxies(self, call: Callable[[int, tuple, dict], object]) -> dict[str, TickedModule]:
-        """Name -> the stand-in a pipeline calls instead of the module; ``call`` is the runtime's."""
-        return {name: TickedModule(module, i, call) for i, (name, module) in enumerate(zip(self.names, self.modules))}
+    def proxies(
+        self, call: Callable[[int, tuple, dict], object], overrides: dict[str, Callable] | None = None
+    ) -> dict[str, TickedModule]:
+        """Name -> the stand-in a pipeline calls instead of the module.
+
+        Args:
+            call: The runtime's ``call``.
+            overrides: Name -> the call to use instead for that module (the CFG split).
+        """
+        overrides = overrides or {}
+        return {
+            name: TickedModule(module, i, overrides.get(name, call))
+            for i, (name, module) in enumerate(zip(self.names, self.modules))
+        }
 
     def before_call(self, call: ForwardCall) -> None:
         if self.cuda:
@@ -86,6 +102,8 @@ class ShardedModules:
         else:
             args, kwargs, sizes = concatenate([(c.args, c.kwargs) for c in calls])
             results = split(module(*args, **kwargs), sizes)
+        if calls[0].context.get("cfg"):  # one call: combined mode runs no batches
+            results = [self._exchange_cfg(results[0])]
         finished = None
         for call, result in zip(calls, results):
             stream = call.context.get("stream")
@@ -99,6 +117,19 @@ class ShardedModules:
                     finished.record()
                 call.context["finished"] = finished
         return results
+
+    def _exchange_cfg(self, output) -> tuple[torch.Tensor, torch.Tensor]:
+        """All-gathers a forward's prediction between the lane's two CFG halves.
+
+        Returns:
+            ``(conditional, unconditional)``: the outputs of CFG index 0 and 1.
+        """
+        tensor = output if isinstance(output, torch.Tensor) else output[0]
+        tensor = tensor.contiguous()
+        n = tensor.shape[0]
+        both = torch.empty((2 * n, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        dist.all_gather_into_tensor(both, tensor, group=self.cfg_group)
+        return both[:n], both[n:]
 
     def after_call(self, call: ForwardCall) -> None:
         if "finished" in call.context:

@@ -9,7 +9,7 @@ from ray.serve.config import RequestRouterConfig
 from ray_hsdp.config import AppConfig
 from ray_hsdp.serve.deployment import HSDPServer
 from ray_hsdp.serve.routing import GroupAwareRouter
-from ray_hsdp.topology import PLACEMENT_STRATEGY, ParallelDims
+from ray_hsdp.topology import PLACEMENT_STRATEGY
 
 OVERFLOW = 64
 
@@ -26,7 +26,7 @@ def build_app(args: dict) -> Application:
     if not ray.is_initialized():
         ray.init()
     config = AppConfig(**args).resolve_device(ray.cluster_resources().get("GPU", 0) > 0)
-    dims = ParallelDims(config.replicate_size, config.resolved_shard_size)
+    dims = config.parallel_dims()
     return HSDPServer.options(
         num_replicas=dims.replicate_size,
         placement_group_bundles=dims.bundles(config.device, config.cpus_per_rank),
@@ -35,11 +35,11 @@ def build_app(args: dict) -> Application:
         ray_actor_options={"num_cpus": 0},
         # Room for every rank's requests, the group's own queue and a margin of requests that the
         # group answers at once with 429; Serve's router queues at most OVERFLOW more (its 503).
-        max_ongoing_requests=dims.shard_size * config.requests_per_rank + config.max_queue + OVERFLOW,
+        max_ongoing_requests=dims.num_lanes * config.requests_per_rank + config.max_queue + OVERFLOW,
         max_queued_requests=OVERFLOW,
         # Healthy groups first, and a retry never back to the group that failed it; the stats
         # say within a second when a group broke.
         request_router_config=RequestRouterConfig(
             request_router_class=GroupAwareRouter, request_routing_stats_period_s=1
         ),
-    ).bind(config.model_dump())
+    ).bind(config.model_dump(), dims)

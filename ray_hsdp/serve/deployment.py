@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from ray import serve
 
 from ray_hsdp.config import AppConfig
-from ray_hsdp.group import GroupFailedError, GroupOverloadedError, ShardGroup
+from ray_hsdp.group import GroupFailedError, GroupOverloadedError, ShardGroup, UnsplittableRequestError
 from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
 from ray_hsdp.serve.jobs import DECODED, DENOISED, VideoJobs, table_name
 from ray_hsdp.serve.keeper import GroupKeeper
@@ -30,6 +30,7 @@ from ray_hsdp.serve.schema import (
     to_generation_request,
     to_video_request,
 )
+from ray_hsdp.topology import ParallelDims
 
 logger = logging.getLogger("ray_hsdp")
 
@@ -59,6 +60,11 @@ async def _invalid_model(request: Request, exc: ValidationError) -> JSONResponse
 @api.exception_handler(RequestLimitError)
 async def _over_limit(_: Request, exc: RequestLimitError) -> JSONResponse:
     return _error(400, str(exc), "invalid_request_error")
+
+
+@api.exception_handler(UnsplittableRequestError)
+async def _unsplittable(_: Request, exc: UnsplittableRequestError) -> JSONResponse:
+    return _error(400, str(exc), "invalid_request_error", "size")
 
 
 @api.exception_handler(GroupOverloadedError)
@@ -192,16 +198,18 @@ class HSDPServer:
 
     Args:
         config: ``AppConfig`` fields as a dict (what the app builder passes).
+        dims: The pool's mesh arithmetic, as the app builder computed it.
     """
 
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, dims: ParallelDims | None = None):
         self.config = AppConfig(**config)
+        self.dims = dims or self.config.parallel_dims()
         self.model_name = self.config.served_model_name
         # One replica per process: the middleware reads this process's settings from the app state.
         api.state.config = self.config
         api.state.api_key = read_api_key(self.config)
         placement = ray.util.get_current_placement_group()
-        self.keeper = GroupKeeper(lambda: ShardGroup(self.config, placement_group=placement).start())
+        self.keeper = GroupKeeper(lambda: ShardGroup(self.config, placement_group=placement, dims=self.dims).start())
         self.jobs = VideoJobs.options(
             name=table_name(serve.get_replica_context().app_name), lifetime="detached", get_if_exists=True
         ).remote(
@@ -312,6 +320,7 @@ class HSDPServer:
         if not facts.get("video"):
             raise RequestLimitError(f"{self.model_name} makes images, not videos; use /v1/images/generations")
         job, fps = to_video_request(body, self.config, facts["temporal_compression"], request_id="")
+        self.group.check(job)
         fields = {
             "model": self.model_name,
             "prompt": job.prompt,

@@ -33,12 +33,24 @@ class ShardingPolicy:
             (small embedders, modules kept in fp32); they are left out of the root unit.
         reshard_after_forward: Per-policy override of the group's setting; ``None`` keeps it.
         note: Why the policy is shaped this way, shown in logs.
+        cp_plan: diffusers context-parallel plan for a model class that ships none (``_cp_plan``);
+            ``None`` uses the model's own.
+        token_grid: ``(pipe, module) -> (temporal_stride, temporal_patch, spatial_stride)``: how a
+            request's frames and pixels become the tokens context parallel splits, ``tokens =
+            ((frames - 1) // temporal_stride + 1) // temporal_patch * (height // spatial_stride) *
+            (width // spatial_stride)``. ``None``: the model cannot be context-parallel here.
+        cfg_split: Its pipelines call it once for the conditional and once for the unconditional
+            prediction of a step, in that order, and use the first output only after the second
+            call returns: the condition under which CFG parallel defers the first call's result.
     """
 
     units: tuple[str, ...]
     keep_replicated: tuple[str, ...] = ()
     reshard_after_forward: bool | None = None
     note: str = ""
+    cp_plan: dict | None = None
+    token_grid: Callable | None = None
+    cfg_split: bool = False
 
 
 @dataclass

@@ -1,0 +1,93 @@
+"""Context parallel (Ulysses, ring) on an FSDP-sharded transformer, through diffusers.
+
+diffusers splits the sequence at the points its ``_cp_plan`` names and replaces each attention
+with an all-to-all (Ulysses) or a K/V ring over the lane's ``ring`` x ``ulysses`` sub-mesh; FSDP2
+keeps gathering the weights over the whole group. Nothing here reimplements either.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+from diffusers import ContextParallelConfig
+from torch.distributed.device_mesh import DeviceMesh
+
+#: Attention backends that return the log-sum-exp ring attention merges partial results with.
+RING_BACKENDS = ("_native_cudnn", "_native_flash")
+
+
+def attention_backend_for(requested: str, device: str, ring: int) -> str | None:
+    """The attention backend a transformer gets: ``requested``, or for ``"auto"`` diffusers' own
+    default (``None``), except ``_native_cudnn`` on CUDA when ring attention needs the log-sum-exp."""
+    if requested != "auto":
+        return requested
+    return RING_BACKENDS[0] if ring > 1 and device == "cuda" else None
+
+
+@contextmanager
+def _one_device_per_rank(device: str):
+    """diffusers 0.42.1's ``enable_parallelism`` picks the rank's device as ``rank %
+    torch.accelerator.device_count()``, which divides by zero on a host without accelerators.
+    A rank here owns exactly one device (``cuda:0`` inside its Ray actor, or the CPU), so the
+    count it should see is 1; on CUDA it is 1 already and nothing changes."""
+    if device != "cpu":
+        yield
+        return
+    count = torch.accelerator.device_count
+    torch.accelerator.device_count = lambda: 1
+    try:
+        yield
+    finally:
+        torch.accelerator.device_count = count
+
+
+def enable_context_parallel(
+    module: nn.Module,
+    lane_mesh: DeviceMesh,
+    *,
+    ring: int,
+    ulysses: int,
+    device: str,
+    attention_backend: str | None,
+    cp_plan: dict | None = None,
+) -> None:
+    """Splits every forward of ``module`` over its lane's ``ring`` x ``ulysses`` ranks.
+
+    Call it on every rank of the group in the same order (diffusers flattens the sub-mesh, which
+    creates process groups).
+
+    Args:
+        module: A diffusers model, FSDP-sharded already.
+        lane_mesh: The group's ``("lane", "cfg", "ring", "ulysses")`` mesh.
+        ring: Ring degree.
+        ulysses: Ulysses degree.
+        device: ``"cuda"`` or ``"cpu"``.
+        attention_backend: diffusers backend name, or ``None`` for diffusers' default.
+        cp_plan: The policy's plan for a model class without ``_cp_plan``.
+
+    Raises:
+        ValueError: The degrees do not fit the model (heads), the attention backend cannot run
+            ring attention, or the model has no context-parallel plan; each names the setting.
+    """
+    name = type(module).__name__.removeprefix("FSDP")
+    heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
+    if heads is not None and heads % ulysses:
+        raise ValueError(f"ulysses_degree={ulysses} does not divide the {heads} attention heads of {name}")
+    if ring > 1 and attention_backend not in RING_BACKENDS:
+        raise ValueError(
+            f"ring_degree={ring} needs an attention backend that returns the log-sum-exp "
+            f"({', '.join(RING_BACKENDS)}; CUDA and bf16/fp16 only); attention_backend is "
+            f"{attention_backend or 'diffusers default (native)'} on {device}"
+        )
+    if cp_plan is None and getattr(module, "_cp_plan", None) is None:
+        raise ValueError(
+            f"{name} has no context-parallel plan (diffusers' _cp_plan) and its sharding policy gives none: "
+            "ulysses_degree and ring_degree must stay 1 for this model"
+        )
+    if attention_backend is not None:
+        module.set_attention_backend(attention_backend)
+    config = ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses, mesh=lane_mesh)
+    with _one_device_per_rank(device):
+        module.enable_parallelism(config=config, cp_plan=cp_plan)
