@@ -25,6 +25,7 @@ def memory_table(ranks: list[dict], component: str = "transformer") -> str:
     rows = [
         (
             "rank",
+            "lane",
             "node",
             "device",
             f"{component} local",
@@ -43,6 +44,7 @@ def memory_table(ranks: list[dict], component: str = "transformer") -> str:
         rows.append(
             (
                 str(r["rank"]),
+                str(r.get("lane", r["rank"])),
                 r.get("node_ip", "?"),
                 r["device"],
                 _format_bytes(comp["sharded_local"]),
@@ -159,8 +161,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     shard_size = args.hsdp_shard_size if args.use_hsdp else 1
     replicate_size = args.hsdp_replicate_size if args.use_hsdp else 1
-    if args.usp and args.usp > 1:
-        print("error: --usp (sequence parallel) is not implemented yet", file=sys.stderr)
+    if (args.usp > 1 or args.ring > 1 or args.cfg_parallel) and not args.use_hsdp:
+        print(
+            "error: --usp, --ring and --cfg-parallel split requests over the ranks of a shard group, whose weights "
+            "are sharded over them: add --use-hsdp (the shard size then defaults to the lane size)",
+            file=sys.stderr,
+        )
         return 2
     ray.init(address=args.address, ignore_reinit_error=True)
     serve.start(http_options={"host": args.host, "port": args.port})
@@ -171,6 +177,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "mode": args.mode,
         "shard_size": shard_size,
         "replicate_size": replicate_size,
+        "ulysses_degree": args.usp,
+        "ring_degree": args.ring,
+        "cfg_parallel": args.cfg_parallel,
     }
     if args.default_size:
         config["default_size"] = args.default_size
@@ -293,9 +302,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve a diffusers pipeline folder over HTTP")
     p.add_argument("model", help="diffusers pipeline folder, or 'tiny'")
     p.add_argument("--use-hsdp", action="store_true", help="shard the weights over each group's GPUs")
-    p.add_argument("--hsdp-shard-size", type=int, default=-1, help="ranks per shard group (-1: 2)")
+    p.add_argument(
+        "--hsdp-shard-size", type=int, default=-1, help="ranks per shard group (-1: the lane size, or 2 without lanes)"
+    )
     p.add_argument("--hsdp-replicate-size", type=int, default=1, help="number of shard groups")
-    p.add_argument("--usp", type=int, default=1, help="sequence-parallel degree (not implemented yet)")
+    p.add_argument("--usp", type=int, default=1, help="Ulysses sequence-parallel degree of a lane (combined mode)")
+    p.add_argument("--ring", type=int, default=1, help="ring-attention degree of a lane (CUDA backends only)")
+    p.add_argument(
+        "--cfg-parallel", action="store_true", help="run the cond and uncond forwards of a step on two ranks at once"
+    )
     p.add_argument("--mode", choices=["batch", "replicated"], default="batch")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")

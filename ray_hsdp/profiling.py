@@ -87,7 +87,7 @@ def tick_summary(trace: list[tuple]) -> dict:
     """
     out: dict[str, dict] = {}
     for start, state, module_id, gathered_at, done_at in trace:
-        kind = "own" if state >= 0 else {BUSY: "busy", IDLE: "idle"}[state]
+        kind = "own" if state >= 0 else {BUSY: "busy", IDLE: "idle"}.get(state, "stop")
         entry = out.setdefault(kind, {"ticks": 0, "gather_s": 0.0, "run_s": 0.0, "with_forward": 0})
         entry["ticks"] += 1
         entry["gather_s"] += gathered_at - start
@@ -111,6 +111,7 @@ class RankProfile(Observer):
         self.trace_dir = trace_dir
         self.requests: dict[str, dict] = {}
         self.ticks: list[tuple] = []
+        self.forward_ticks: list[int] = []
         # The tick thread and the request threads report while stop() reads.
         self._lock = threading.Lock()
         self._profiler = None
@@ -125,9 +126,20 @@ class RankProfile(Observer):
             self._profiler.start()
         self.runtime.observer = self
 
-    def tick(self, start: float, state: int, module_id: int | None, gathered_at: float, done_at: float) -> None:
+    def tick(
+        self,
+        number: int,
+        start: float,
+        state: int,
+        module_id: int | None,
+        ran: bool,
+        gathered_at: float,
+        done_at: float,
+    ) -> None:
         with self._lock:
             self.ticks.append((start, state, module_id, gathered_at, done_at))
+            if ran:
+                self.forward_ticks.append(number)
 
     def request(self, request_id: str, event: str) -> None:
         peak = None
@@ -166,6 +178,9 @@ class RankProfile(Observer):
         out: dict = {"rank": rank, "wall_s": round(wall, 4), "requests": requests}
         if self.runtime.modules is not None:
             out["ticks"] = tick_summary(ticks)
+            # Tick numbers are the same on every rank: two lanes whose leaders list the same
+            # number ran forwards at the same time.
+            out["forward_ticks"] = list(self.forward_ticks)
         if self._profiler is not None:
             self._profiler.stop()
             with tempfile.TemporaryDirectory() as tmp:

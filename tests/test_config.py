@@ -68,7 +68,14 @@ def test_app_config_checks_default_size():
 def test_parallel_dims_bundles_and_mesh():
     dims = ParallelDims(replicate_size=2, shard_size=4)
     assert dims.world_size == 8
-    assert dims.group_mesh_shape == (1, 4)
+    assert dims.lane_mesh_shape == (4, 1, 1, 1)  # batch mode: lanes of one rank
+    combined = ParallelDims(replicate_size=1, shard_size=8, cfg=2, ulysses=2)
+    assert (combined.lane_size, combined.num_lanes, combined.lane_mesh_shape) == (4, 2, (2, 2, 1, 2))
+    assert [combined.lane_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [combined.cfg_index(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [r for r in range(8) if combined.leads(r)] == [0, 4]
+    replicated = ParallelDims(replicate_size=1, shard_size=4, replicated=True)
+    assert (replicated.lane_size, replicated.num_lanes, replicated.lane_mesh_shape) == (4, 1, None)
     assert dims.bundles("cuda", 2) == [{"GPU": 1.0, "CPU": 2.0}] * 4
     assert dims.bundles("cpu", 0) == [{"CPU": 1.0}] * 4
     with pytest.raises(ValueError):

@@ -52,6 +52,9 @@ _WAN_14B = dict(
     eps=1e-6,
     rope_max_seq_len=1024,
 )
+#: Wan2.1-T2V-1.3B: the small public Wan, for GPU checks that must fit a short device call.
+_WAN_1_3B = {**_WAN_14B, "num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30}
+
 _WAN_TINY = dict(num_attention_heads=2, attention_head_dim=16, text_dim=32, freq_dim=64, ffn_dim=64, num_layers=4)
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -65,6 +68,15 @@ ARCHITECTURES: dict[str, Architecture] = {
             transformer=_WAN_14B,
             tiny=_WAN_TINY,
             params_billion=14.3,
+        ),
+        Architecture(
+            name="wan2.1-t2v-1.3b",
+            family="wan",
+            pipeline_class="WanPipeline",
+            transformer_class="WanTransformer3DModel",
+            transformer=_WAN_1_3B,
+            tiny=_WAN_TINY,
+            params_billion=1.4,
         ),
         Architecture(
             name="wan2.2-t2v-a14b",

@@ -177,8 +177,19 @@ Exchange = Callable[[int], list[int]]
 class Observer:
     """Where the runtime reports what it does; this one ignores it (profiling replaces it)."""
 
-    def tick(self, start: float, state: int, module_id: int | None, gathered_at: float, done_at: float) -> None:
-        """One tick: ``time.perf_counter`` at its start, after its all-gather, at its end."""
+    def tick(
+        self,
+        number: int,
+        start: float,
+        state: int,
+        module_id: int | None,
+        ran: bool,
+        gathered_at: float,
+        done_at: float,
+    ) -> None:
+        """One tick: its number (the same on every rank of the group), what this rank offered,
+        the module the tick ran, whether it ran here for real (else as a ghost pass), and
+        ``time.perf_counter`` at its start, after its all-gather and at its end."""
 
     def request(self, request_id: str, event: str) -> None:
         """``start``, ``step`` (a denoising step ended) or ``end`` of a request."""
@@ -473,6 +484,7 @@ class RankRuntime:
         if mine is not None and module_of(mine) < 0:
             self._start_agreed(mine)
         module_id = min((module_of(key) for key in agreed.values() if module_of(key) >= 0), default=None)
+        batch = []
         if module_id is not None:
             batch = self._batch(mine) if mine is not None and module_of(mine) == module_id else []
             if batch:
@@ -483,7 +495,7 @@ class RankRuntime:
                 self.modules.ghost(module_id)
                 self.ghosts += 1
         self._where = "a tick"
-        self.observer.tick(start, state, module_id, gathered_at, time.perf_counter())
+        self.observer.tick(self.ticks, start, state, module_id, bool(batch), gathered_at, time.perf_counter())
         if module_id is None:
             if all(g == IDLE for g in gathered):
                 return True

@@ -19,14 +19,14 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def serve_run(tmp_path_factory):
-    """Generator for a module fixture: yields the server's base URL, then stops it."""
+def serve_run(tmp_path_factory, name: str = "tiny_cpu.yaml"):
+    """Generator for a module fixture: yields the URL of the server of YAML ``name``, then stops it."""
     from ray import serve
 
-    config = yaml.safe_load((ROOT / "serve_configs" / "tiny_cpu.yaml").read_text())
+    config = yaml.safe_load((ROOT / "serve_configs" / name).read_text())
     port = free_port()
     config["http_options"]["port"] = port
-    path = tmp_path_factory.mktemp("serve") / "tiny_cpu.yaml"
+    path = tmp_path_factory.mktemp("serve") / name
     path.write_text(yaml.safe_dump(config))
     log = open(path.with_suffix(".log"), "w")
     proc = subprocess.Popen(

@@ -1,0 +1,280 @@
+"""Combined mode against plain diffusers: one request's denoising loop and end to end, per layout.
+
+    python -m bench.lanes --model-dir /tmp/wan14b --sizes 1280x720 832x480 --frames 81 --steps 4 \\
+        --layouts plain s2-u2 s2-cfg2 s4-u4 s4-cfg2-u2 --throughput 8
+
+A layout is ``plain`` (``DiffusionPipeline.from_pretrained(...).to("cuda")`` on one GPU: the
+baseline, in the same run) or ``s<S>-...`` (a shard group of S ranks whose lanes split requests by
+``u<N>`` Ulysses, ``r<N>`` ring, ``cfg2`` CFG parallel; ``s4`` alone is 4 lanes of one rank).
+Each layout runs a 1-step warm-up, then one guided request per size; the denoising loop is timed
+from the first step's start to the last step's end (CUDA synchronised at each step), and the
+result's frames are compared with the plain run's (``--parity``). ``--throughput N`` then sends N
+requests at once to each group layout and reports the wall time and each request's latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import time
+from pathlib import Path
+
+from bench.common import ensure_model, environment, gib, start_ray, write_results
+
+PROMPT = "A red fox runs through fresh snow at dawn, cinematic"
+
+
+def layout_fields(name: str) -> dict:
+    """GroupConfig fields of a layout name such as ``s4-cfg2-u2`` or ``s2-r2``."""
+    match = re.fullmatch(r"s(\d+)((?:-(?:u\d+|r\d+|cfg2))*)", name)
+    if not match:
+        raise ValueError(f"layout {name!r}: expected 'plain' or s<S>[-u<N>][-r<N>][-cfg2]")
+    fields = {"shard_size": int(match.group(1))}
+    for part in filter(None, match.group(2).split("-")):
+        if part == "cfg2":
+            fields["cfg_parallel"] = True
+        elif part.startswith("u"):
+            fields["ulysses_degree"] = int(part[1:])
+        else:
+            fields["ring_degree"] = int(part[1:])
+    return fields
+
+
+def request_for(size: str, frames: int, steps: int, request_id: str, seed: int = 0):
+    from ray_hsdp.config import parse_size
+    from ray_hsdp.request import GenerationRequest
+
+    width, height = parse_size(size)
+    return GenerationRequest(
+        prompt=PROMPT,
+        width=width,
+        height=height,
+        num_frames=frames,
+        num_inference_steps=steps,
+        guidance_scale=5.0,
+        seed=seed,
+        request_id=request_id,
+    )
+
+
+def run_plain(model_dir: Path, requests: list, device: str) -> tuple[list[dict], list, float]:
+    """Plain diffusers on one GPU: rows, frames, parameter bytes."""
+    import numpy as np
+    import torch
+    from diffusers import DiffusionPipeline
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    pipe = DiffusionPipeline.from_pretrained(str(model_dir), torch_dtype=dtype).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    modules = [c for c in pipe.components.values() if isinstance(c, torch.nn.Module)]
+    weights = sum(p.numel() * p.element_size() for module in modules for p in module.parameters())
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    first = requests[0]
+    # The same 1-step warm-up as the groups get: no row pays the first kernels' one-time costs.
+    size = {"width": first.width, "height": first.height, "num_frames": first.num_frames}
+    pipe(prompt="warm up", num_inference_steps=1, output_type="latent", **size)
+    rows, frames = [], []
+    for request in requests:
+        marks: list[float] = []
+
+        def on_step(_pipe, _step, _t, kwargs, marks=marks):
+            sync()
+            marks.append(time.perf_counter())
+            return kwargs
+
+        first_call: list[float] = []
+
+        def first(*_, seen=first_call):
+            if not seen:  # the loop starts at the first transformer call (text encoding before it)
+                seen.append(time.perf_counter())
+
+        hook = pipe.transformer.register_forward_pre_hook(first)
+        sync()
+        start = time.perf_counter()
+        out = pipe(
+            prompt=request.prompt,
+            negative_prompt=request.negative_prompt,
+            width=request.width,
+            height=request.height,
+            num_frames=request.num_frames,
+            num_inference_steps=request.num_inference_steps,
+            guidance_scale=request.guidance_scale,
+            generator=torch.Generator("cpu").manual_seed(request.seed),
+            output_type="np",
+            callback_on_step_end=on_step,
+        )
+        sync()
+        end = time.perf_counter()
+        hook.remove()
+        frames.append(np.asarray(out.frames, dtype=np.float32))
+        rows.append(
+            {
+                "request": request.request_id,
+                "denoising_s": round(marks[-1] - first_call[0], 3),
+                "step_s": round((marks[-1] - marks[0]) / max(len(marks) - 1, 1), 3),
+                "request_s": round(end - start, 3),
+                "outside_denoising_s": round(end - start - (marks[-1] - first_call[0]), 3),
+            }
+        )
+    del pipe
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows, frames, weights
+
+
+def run_group(model_dir: Path, fields: dict, requests: list, args):
+    """One layout's group: rows of the single requests, their frames, parameter bytes per rank,
+    and the throughput run."""
+    import numpy as np
+
+    from ray_hsdp.config import GroupConfig
+    from ray_hsdp.group import ShardGroup
+
+    config = GroupConfig(model=str(model_dir), device=args.device, requests_per_rank=1, **fields)
+    rows, frames, batch = [], [], None
+    with ShardGroup(config) as group:
+        memory = group.memory()
+        warm = dataclasses.replace(requests[0], num_inference_steps=1, request_id="warm-up")
+        group.generate([warm])
+        for request in requests:
+            group.start_profile()
+            start = time.perf_counter()
+            result = group.submit(request).result()
+            end = time.perf_counter()
+            profiles = group.stop_profile()
+            record = next(p["requests"][request.request_id] for p in profiles if request.request_id in p["requests"])
+            steps = record["steps"]
+            step_s = (steps[-1] - steps[0]) / max(len(steps) - 1, 1)
+            # The first step's end less one step is where the loop starts (text encoding before it).
+            loop_start = steps[0] - step_s
+            rows.append(
+                {
+                    "request": request.request_id,
+                    "denoising_s": round(steps[-1] - loop_start, 3),
+                    "step_s": round(step_s, 3),
+                    "request_s": round(end - start, 3),
+                    "outside_denoising_s": round(end - start - (steps[-1] - loop_start), 3),
+                }
+            )
+            frames.append(np.asarray(result.frames, dtype=np.float32))
+        if args.throughput:
+            many = [
+                request_for(args.throughput_size, args.frames, args.steps, f"t{i}", seed=i)
+                for i in range(args.throughput)
+            ]
+            start = time.perf_counter()
+            futures = [(time.perf_counter(), group.submit(r)) for r in many]
+            latencies = []
+            for submitted, future in futures:
+                future.result()
+                latencies.append(time.perf_counter() - submitted)
+            wall = time.perf_counter() - start
+            batch = {
+                "requests": args.throughput,
+                "size": args.throughput_size,
+                "wall_s": round(wall, 3),
+                "requests_per_min": round(60 * args.throughput / wall, 3),
+                "latency_s_mean": round(sum(latencies) / len(latencies), 3),
+                "latency_s_max": round(max(latencies), 3),
+            }
+    weights = [r["total"]["sharded_local"] + r["total"]["replicated"] for r in memory]
+    return rows, frames, weights, batch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", default="wan2.1-t2v-14b")
+    parser.add_argument("--model-dir", type=Path, default=Path("/tmp/wan14b"))
+    parser.add_argument("--small-encoders", action="store_true", help="write the checkpoint with small encoders")
+    parser.add_argument("--sizes", nargs="+", default=["1280x720", "832x480"])
+    parser.add_argument("--frames", type=int, default=81)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--layouts", nargs="+", default=["plain", "s2-u2", "s2-cfg2", "s4-u4", "s4-cfg2-u2"])
+    parser.add_argument("--throughput", type=int, default=0, help="requests sent at once to each group layout")
+    parser.add_argument("--throughput-size", default="832x480")
+    parser.add_argument("--device", default="cuda", help="cpu: a dry run on gloo ranks with the tiny architecture")
+    parser.add_argument("--ray-cpus", type=int, default=None, help="a Ray of its own with this many CPUs (CPU runs)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--name", default="lanes-wan2.1-t2v-14b")
+    args = parser.parse_args()
+
+    import numpy as np
+
+    written_s = ensure_model(args.arch, args.model_dir, args.device, small_encoders=args.small_encoders)
+    requests = [request_for(size, args.frames, args.steps, size) for size in args.sizes]
+    results: dict = {"environment": environment(), "arch": args.arch, "checkpoint_written_s": written_s, "layouts": {}}
+    reference = None
+    started_ray = False
+    for layout in args.layouts:
+        began = time.perf_counter()
+        if layout == "plain":
+            rows, frames, weights = run_plain(args.model_dir, requests, args.device)
+            entry = {"rows": rows, "parameter_bytes_per_gpu": [weights]}
+            reference = frames
+        else:
+            if not started_ray:
+                start_ray(args.ray_cpus)
+                started_ray = True
+            try:
+                rows, frames, weights, batch = run_group(args.model_dir, layout_fields(layout), requests, args)
+            except Exception as err:  # noqa: BLE001 - a layout that fails is a result of its own
+                results["layouts"][layout] = {"error": f"{type(err).__name__}: {str(err)[:400]}"}
+                print(layout, results["layouts"][layout], flush=True)
+                continue
+            entry = {"rows": rows, "parameter_bytes_per_gpu": weights, "throughput": batch}
+            if reference is not None:
+                entry["max_abs_diff_to_plain"] = [float(np.abs(a - b).max()) for a, b in zip(frames, reference)]
+        entry["layout_s"] = round(time.perf_counter() - began, 1)
+        results["layouts"][layout] = entry
+        print(layout, entry, flush=True)
+        # Written after every layout, so that a run cut short still leaves what it measured.
+        write_results(args.out, args.name, results, markdown(results, args))
+
+
+def markdown(results: dict, args) -> str:
+    env = results["environment"]
+    plain = results["layouts"].get("plain")
+    lines = [
+        f"# Combined mode vs plain diffusers: {results['arch']}, {args.frames} frames, {args.steps} steps, guidance 5",
+        "",
+        f"GPUs: {', '.join(env['gpus']) or 'none (CPU dry run)'}; torch {env['torch']}, "
+        f"diffusers {env['diffusers']}, Ray {env['ray']}.",
+        f"Command: `{env['command']}`",
+        "",
+        "| layout | size | denoising loop s | per step s | speed-up of the loop vs plain | request s (end to end) |"
+        " outside the loop s | max abs diff to plain | parameters per GPU GiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for layout, entry in results["layouts"].items():
+        if "error" in entry:
+            lines.append(f"| {layout} | | failed: {entry['error']} | | | | | | |")
+            continue
+        for i, row in enumerate(entry["rows"]):
+            base = plain["rows"][i]["denoising_s"] if plain else None
+            speedup = f"{base / row['denoising_s']:.2f}x" if base else "n/a"
+            diffs = entry.get("max_abs_diff_to_plain")
+            diff = f"{diffs[i]:.4f}" if diffs else ""
+            weights = max(entry["parameter_bytes_per_gpu"])
+            lines.append(
+                f"| {layout} | {row['request']} | {row['denoising_s']:.2f} | {row['step_s']:.2f} | {speedup} | "
+                f"{row['request_s']:.2f} | {row['outside_denoising_s']:.2f} | {diff} | {gib(weights)} |"
+            )
+    batches = [(k, v["throughput"]) for k, v in results["layouts"].items() if v.get("throughput")]
+    if batches:
+        lines += ["", "| layout | requests at once | wall s | requests/min | mean latency s | max latency s |"]
+        lines.append("| --- | --- | --- | --- | --- | --- |")
+        for layout, b in batches:
+            lines.append(
+                f"| {layout} | {b['requests']} x {b['size']} | {b['wall_s']:.1f} | {b['requests_per_min']:.2f} | "
+                f"{b['latency_s_mean']:.1f} | {b['latency_s_max']:.1f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

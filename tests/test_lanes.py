@@ -1,0 +1,165 @@
+"""Combined mode on CPU (gloo, fp32): lanes of ranks that split one request by Ulysses sequence
+parallel and CFG parallel, on top of FSDP over the whole group. Every result equals the plain
+diffusers pipeline's for the same request and seed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import max_abs_diff, reference_frames
+from pydantic import ValidationError
+
+from ray_hsdp.checkpoints.tiny import make_tiny
+from ray_hsdp.config import GroupConfig
+from ray_hsdp.group import ShardGroup, UnsplittableRequestError
+from ray_hsdp.loading import load_pipeline
+from ray_hsdp.request import GenerationRequest
+
+TOLERANCE = 1e-5
+
+#: Different steps, sizes, frames and guidance (on and off): one lane must take any of them.
+MIXED = [
+    GenerationRequest(prompt="a cat on a roof", seed=3, num_inference_steps=3, width=32, height=32, num_frames=5),
+    GenerationRequest(
+        prompt="a dog", seed=4, num_inference_steps=2, width=48, height=32, num_frames=1, guidance_scale=1.0
+    ),
+    GenerationRequest(prompt="rain at night", seed=5, num_inference_steps=4, width=64, height=32, num_frames=9),
+]
+
+
+def assert_parity(pipe, requests, results):
+    for request, result in zip(requests, results):
+        assert max_abs_diff(result.frames, reference_frames(pipe, request)) <= TOLERANCE, request
+
+
+@pytest.fixture(scope="module")
+def two_expert_model(tmp_path_factory):
+    folder = make_tiny(tmp_path_factory.mktemp("models") / "tiny-wan22", two_experts=True)
+    pipe = load_pipeline(Path(folder), "float32")
+    pipe.set_progress_bar_config(disable=True)
+    return str(folder), pipe
+
+
+def test_a_lane_of_two_with_ulysses_2_equals_unsharded(ray_cluster, tiny_model, reference_pipe):
+    config = GroupConfig(model=tiny_model, device="cpu", ulysses_degree=2)
+    with ShardGroup(config) as group:
+        assert group.describe()["lanes"] == 1 and group.describe()["lane_size"] == 2
+        results = group.generate(MIXED)
+        stats = group.tick_stats()
+        # Sizes whose tokens do not split over 2 ranks are refused before they reach a rank.
+        with pytest.raises(UnsplittableRequestError, match="1 tokens, which do not split over"):
+            group.submit(GenerationRequest(prompt="x", width=16, height=16, num_frames=1))
+    assert_parity(reference_pipe, MIXED, results)
+    assert {r.rank for r in results} == {0}  # the lane's leader answers
+    # Both ranks of the lane ran every forward together: no ghost passes, the same count.
+    assert stats[0]["forwards"] == stats[1]["forwards"] > 0
+    assert stats[0]["ghosts"] == stats[1]["ghosts"] == 0
+
+
+def test_cfg_parallel_runs_cond_and_uncond_on_two_ranks_and_equals_unsharded(ray_cluster, tiny_model, reference_pipe):
+    guided = GenerationRequest(prompt="a lighthouse", seed=8, num_inference_steps=5, width=32, height=32, num_frames=5)
+    config = GroupConfig(model=tiny_model, device="cpu", cfg_parallel=True)
+    with ShardGroup(config) as group:
+        assert group.pipeline_facts["cfg_split"] == ["transformer"]
+        first = group.generate([guided])
+        stats = group.tick_stats()
+        results = group.generate(MIXED)
+    assert_parity(reference_pipe, [guided, *MIXED], [*first, *results])
+    # Two text-encoder forwards (prompt, negative prompt), then ONE transformer forward per step
+    # on each rank, where one GPU runs two.
+    assert [s["forwards"] for s in stats] == [2 + guided.num_inference_steps] * 2
+
+
+def test_two_experts_with_ulysses_2_equal_unsharded(ray_cluster, two_expert_model):
+    folder, pipe = two_expert_model
+    config = GroupConfig(model=folder, device="cpu", ulysses_degree=2)
+    # 8 and 2 steps: the boundary at half the schedule puts them on different experts.
+    requests = [
+        GenerationRequest(prompt="a cat", seed=1, num_inference_steps=8, width=32, height=32, num_frames=5),
+        GenerationRequest(prompt="a dog", seed=2, num_inference_steps=2, width=32, height=32, num_frames=5),
+    ]
+    with ShardGroup(config) as group:
+        results = group.generate(requests)
+    assert_parity(pipe, requests, results)
+
+
+def test_two_lanes_of_ulysses_2_run_different_requests_at_the_same_ticks(ray_cluster, two_expert_model):
+    """A group of 4 ranks as 2 lanes x (cfg 1 x ulysses 2), with CFG parallel in a second group of
+    the same 4 ranks as 1 lane x (cfg 2 x ulysses 2): different requests in the two lanes, their
+    forwards at the same ticks (tick numbers are shared by every rank of a group)."""
+    folder, pipe = two_expert_model
+    requests = [
+        GenerationRequest(
+            prompt="slow one", seed=11, num_inference_steps=8, width=64, height=32, num_frames=9, request_id="slow"
+        ),
+        GenerationRequest(
+            prompt="fast one", seed=12, num_inference_steps=5, width=32, height=32, num_frames=5, request_id="fast"
+        ),
+        GenerationRequest(
+            prompt="unguided",
+            seed=13,
+            num_inference_steps=3,
+            width=32,
+            height=32,
+            num_frames=5,
+            guidance_scale=1.0,
+            request_id="unguided",
+        ),
+    ]
+    config = GroupConfig(model=folder, device="cpu", shard_size=4, ulysses_degree=2, requests_per_rank=1)
+    with ShardGroup(config) as group:
+        assert group.describe()["lanes"] == 2
+        group.start_profile()
+        results = group.generate(requests)
+        profiles = group.stop_profile()
+    assert_parity(pipe, requests, results)
+    assert {r.rank for r in results} == {0, 2}  # both leaders answered
+    # The two lanes' leaders ran forwards at the same ticks, for different requests.
+    lane0, lane1 = set(profiles[0]["forward_ticks"]), set(profiles[2]["forward_ticks"])
+    assert profiles[0]["forward_ticks"] == profiles[1]["forward_ticks"]  # a lane's ranks act together
+    assert profiles[2]["forward_ticks"] == profiles[3]["forward_ticks"]
+    together = lane0 & lane1
+    assert len(together) >= 5, (sorted(lane0), sorted(lane1))
+    ran0, ran1 = set(profiles[0]["requests"]), set(profiles[2]["requests"])
+    assert ran0 | ran1 == {"slow", "fast", "unguided"} and not ran0 & ran1
+
+    config = GroupConfig(model=folder, device="cpu", shard_size=4, ulysses_degree=2, cfg_parallel=True)
+    with ShardGroup(config) as group:
+        assert group.describe()["lane_size"] == 4
+        results = group.generate(requests)
+    assert_parity(pipe, requests, results)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"ulysses_degree": 3, "shard_size": 4}, "ranks must divide shard_size=4"),
+        ({"ulysses_degree": 2, "cfg_parallel": True, "shard_size": 2}, "= 4 ranks must divide shard_size=2"),
+        ({"ring_degree": 0}, "ring_degree"),
+        ({"ulysses_degree": 0}, "ulysses_degree"),
+        ({"mode": "replicated", "ulysses_degree": 2}, "cannot be combined with ulysses_degree"),
+        ({"mode": "replicated", "cfg_parallel": True}, "cannot be combined"),
+        ({"ulysses_degree": 2, "max_forward_batch": 2}, "max_forward_batch=2 with lanes of 2 ranks"),
+        ({"world_size": 4, "replicate_size": 2, "ulysses_degree": 4}, "must divide shard_size=2"),
+    ],
+)
+def test_bad_combinations_are_refused_naming_the_field(fields, message):
+    with pytest.raises(ValidationError, match=message):
+        GroupConfig(**fields)
+
+
+def test_shard_size_defaults_to_the_lane_size():
+    assert GroupConfig(ulysses_degree=4).resolved_shard_size == 4
+    assert GroupConfig(ulysses_degree=2, cfg_parallel=True).resolved_shard_size == 4
+    assert GroupConfig().resolved_shard_size == 2
+    assert GroupConfig(world_size=8, ulysses_degree=2).parallel_dims().num_lanes == 4
+
+
+def test_model_facts_are_checked_when_the_group_loads(ray_cluster, tiny_model):
+    """What only the model knows: its 2 heads do not split over ulysses 4; ring attention needs a
+    backend that CPUs do not have. The group does not start, and says why."""
+    with pytest.raises(Exception, match="ulysses_degree=4 does not divide the 2 attention heads"):
+        ShardGroup(GroupConfig(model=tiny_model, device="cpu", ulysses_degree=4)).start()
+    with pytest.raises(Exception, match="ring_degree=2 needs an attention backend that returns the log-sum-exp"):
+        ShardGroup(GroupConfig(model=tiny_model, device="cpu", ring_degree=2)).start()
