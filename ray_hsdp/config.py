@@ -57,8 +57,9 @@ class GroupConfig(BaseModel):
     )
     mode: Literal["batch", "replicated"] = Field(
         "batch",
-        description="'batch': each rank runs its own request (S requests at a time); "
-        "'replicated': every rank runs the same request (memory-only HSDP).",
+        description="'batch': each lane runs its own requests: lanes of one rank (S requests at a time), or of "
+        "cfg x ring x ulysses ranks in combined mode; 'replicated': every rank runs the same request "
+        "(memory-only HSDP).",
     )
     ulysses_degree: int = Field(
         1,
@@ -169,12 +170,12 @@ class GroupConfig(BaseModel):
             raise ValueError("model must name a diffusers pipeline folder or 'tiny'")
         if not self.shard_components:
             raise ValueError("shard_components must name at least one pipeline component")
-        self.parallel_dims()  # its errors name the fields
-        split = self.ulysses_degree * self.ring_degree * (2 if self.cfg_parallel else 1)
-        if split > 1 and self.max_forward_batch > 1:
+        lane_size = self.parallel_dims().lane_size  # its errors name the fields
+        if lane_size > 1 and self.max_forward_batch > 1:
             raise ValueError(
-                f"max_forward_batch={self.max_forward_batch} with lanes of {split} ranks: the ranks of a lane "
-                "must run the very same call at every tick, so combined mode runs one call per forward (set 1)"
+                f"max_forward_batch={self.max_forward_batch} with lanes of {lane_size} ranks (mode {self.mode!r}, "
+                "ulysses_degree, ring_degree, cfg_parallel): the ranks of a lane must run the very same call at "
+                "every tick, so they run one call per forward (set 1)"
             )
         return self
 
@@ -264,6 +265,9 @@ class AppConfig(GroupConfig):
         60.0,
         gt=0,
         description="A running video job whose replica has not reported for this long is failed (the replica is gone).",
+    )
+    metrics_interval_s: float = Field(
+        5.0, gt=0, description="How often a replica reports its group's queue, ranks and the video jobs as metrics."
     )
     api_key_env: str = Field(
         "RAY_HSDP_API_KEY",

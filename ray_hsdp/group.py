@@ -6,14 +6,16 @@ deployment wraps one group per replica.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 import logging
 import math
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
@@ -90,6 +92,35 @@ class _Job:
     future: Future
     enqueued: float
     ticket: int = -1  # given when a lane takes it: the same on all the lane's ranks
+    taken: float | None = None  # when a lane took it
+    lane: int | None = None
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """What happened to one accepted request: one per request, on every path.
+
+    Attributes:
+        request_id: The request's id.
+        status: ``ok``, ``cancelled``, ``error`` (its own: bad input, deadline) or ``failed`` (its
+            group failed under it).
+        steps: Denoising steps it asked for.
+        queued_s: Seconds in the group's queue (to its end when it never left the queue).
+        run_s: Seconds from a lane taking it to its answer; ``None`` when it never ran.
+        lane: The lane that ran it, and ``rank`` its leader (the rank that answered).
+        step_s: Mean seconds per denoising step, as the rank measured them.
+        error: The error's type and first line, when it did not succeed.
+    """
+
+    request_id: str
+    status: str
+    steps: int
+    queued_s: float
+    run_s: float | None = None
+    lane: int | None = None
+    rank: int | None = None
+    step_s: float | None = None
+    error: str | None = None
 
 
 def pick_next(
@@ -136,15 +167,25 @@ class ShardGroup:
         placement_group: A placement group of S bundles to place the ranks in (a Serve replica's
             own); when ``None`` the group creates one and removes it at shutdown.
         dims: The pool's mesh arithmetic; built from ``config`` when not given.
+        labels: Said in each request's log line and in ``describe`` (a Serve replica passes its id).
 
     Use ``start()`` (or a ``with`` block), then ``generate`` (blocking) or ``submit`` (a future).
     """
 
     def __init__(
-        self, config: GroupConfig, placement_group: PlacementGroup | None = None, dims: ParallelDims | None = None
+        self,
+        config: GroupConfig,
+        placement_group: PlacementGroup | None = None,
+        dims: ParallelDims | None = None,
+        labels: dict[str, str] | None = None,
     ):
         self.config = config
         self.dims = dims or config.parallel_dims()
+        #: This group's id: in its ranks' actor names, their log prefixes and every request's log line.
+        self.group_id = uuid.uuid4().hex[:8]
+        self.labels = dict(labels or {})
+        #: Called with a ``RequestRecord`` once per accepted request, when it is answered (metrics).
+        self.listeners: list[Callable[[RequestRecord], None]] = []
         self._tickets = itertools.count()
         self._pg = placement_group
         self._owns_pg = placement_group is None
@@ -208,7 +249,7 @@ class ShardGroup:
         actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(Rank)
         for attempt in range(1, _RENDEZVOUS_TRIES + 1):
             # Named, so that `ray list actors` and operators can tell the ranks of each group apart.
-            names = [f"ray_hsdp-{uuid.uuid4().hex[:8]}-rank{i}" for i in range(self.dims.shard_size)]
+            names = [f"ray_hsdp-{self.group_id}-{attempt}-rank{i}" for i in range(self.dims.shard_size)]
             self.ranks = [
                 actor.options(
                     name=names[i],
@@ -218,7 +259,7 @@ class ShardGroup:
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=self._pg, placement_group_bundle_index=i
                     ),
-                ).remote(i, self.config, self.dims)
+                ).remote(i, self.config, self.dims, self.group_id)
                 for i in range(self.dims.shard_size)
             ]
             ray.get([r.prepare.remote() for r in self.ranks], timeout=self.config.load_timeout_s)
@@ -297,10 +338,42 @@ class ShardGroup:
                     f"the shard group's queue is full: {running} requests running, {len(self._pending)} waiting "
                     f"(max_queue={self.config.max_queue}); retry later"
                 )
-            self._pending.append(_Job(request, future, time.monotonic()))
+            job = _Job(request, future, time.monotonic())
+            self._pending.append(job)
             self._wake = True
             self._cond.notify_all()
+        future.add_done_callback(lambda done: self._record(job, done))
         return future
+
+    def _record(self, job: _Job, future: Future) -> None:
+        """Logs the request's one structured line and tells the listeners."""
+        now = time.monotonic()
+        error = None if future.cancelled() else future.exception()
+        result = future.result() if not future.cancelled() and error is None else None
+        if result is not None:
+            status = "ok"
+        elif future.cancelled() or isinstance(error, RequestCancelledError):
+            status = "cancelled"
+        else:
+            status = "failed" if isinstance(error, GroupFailedError) else "error"
+        record = RequestRecord(
+            request_id=job.request.request_id,
+            status=status,
+            steps=job.request.num_inference_steps,
+            queued_s=round((job.taken or now) - job.enqueued, 4),
+            run_s=round(now - job.taken, 4) if job.taken is not None else None,
+            lane=job.lane,
+            rank=result.rank if result is not None else None,
+            step_s=result.step_s if result is not None else None,
+            error=_describe(error) if error is not None else None,
+        )
+        line = {"event": "request", "group": self.group_id, **self.labels, **dataclasses.asdict(record)}
+        logger.info("request %s", json.dumps(line))
+        for listener in list(self.listeners):
+            try:
+                listener(record)
+            except Exception:  # noqa: BLE001 - a listener's bug must not break the answer path
+                logger.exception("A request listener failed")
 
     def check(self, request: GenerationRequest) -> None:
         """Refuses a request whose tokens do not split evenly over a lane's ``ring x ulysses`` ranks.
@@ -337,6 +410,7 @@ class ShardGroup:
     def _offer(self, lane: int, job: _Job) -> None:
         """Hands ``job`` to every rank of ``lane`` under one ticket (called with the lock held)."""
         job.ticket = next(self._tickets)
+        job.taken, job.lane = time.monotonic(), lane
         for rank_index in self.dims.lane_ranks(lane):
             ref = self.ranks[rank_index].offer.remote(job.request, job.ticket)
             self._inflight[ref] = (rank_index, job)
@@ -503,6 +577,11 @@ class ShardGroup:
             ranks[rank_index].cancel.remote(request_id)  # the offer then fails with RequestCancelledError
         return bool(queued or holders)
 
+    def load(self) -> tuple[int, int]:
+        """``(queued, running)``: requests waiting in the queue, and those the lanes run now."""
+        with self._cond:
+            return len(self._pending), len({id(job) for _, job in self._inflight.values()})
+
     def progress(self) -> dict[str, dict]:
         """Request id -> ``{"state": "queued"}`` or ``{"state": "running", "rank": i, "lane": l,
         "step": s, "total": n}`` (``rank`` is the lane's leader, which answers)."""
@@ -572,6 +651,8 @@ class ShardGroup:
         """Topology of this group: sizes, mode, device, where each rank runs."""
         return {
             **self.dims.describe(),
+            "group": self.group_id,
+            **self.labels,
             "mode": self.config.mode,
             "device": self.config.device,
             "dtype": self.config.dtype,

@@ -38,11 +38,14 @@ class Rank:
         rank: Index in the group (0..S-1), which is also its shard index.
         config: The group's configuration, with device and dtype resolved.
         dims: The pool's mesh arithmetic, built once by the group's creator.
+        group_id: The group's id, in this rank's log lines and Ray's prefix of its logs.
     """
 
-    def __init__(self, rank: int, config: GroupConfig, dims: ParallelDims):
+    def __init__(self, rank: int, config: GroupConfig, dims: ParallelDims, group_id: str = ""):
         distributed.apply_nccl_env()
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s rank=" + str(rank) + " %(message)s")
+        where = f"group={group_id} rank={rank} lane={dims.lane_of(rank)}"
+        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(name)s {where} %(message)s")
+        self.group_id = group_id
         self.rank = rank
         self.config = config
         self.dims = dims
@@ -54,6 +57,10 @@ class Rank:
         self.last_request_peak_device_bytes = 0
         self._profile = None
         self._leaving = threading.Event()
+
+    def __repr__(self) -> str:
+        # Ray prefixes an actor's log lines with this (and names its log files' entries by it).
+        return f"Rank(group={self.group_id}, rank={self.rank})"
 
     def prepare(self) -> str:
         """Finds the model folder on this node (writing the embedded tiny model if needed) and
@@ -224,16 +231,15 @@ class Rank:
 
     @ray.method(concurrency_group="control")
     def tick_stats(self) -> dict[str, int]:
-        """Ticks, real forwards, ghost passes and batched calls this rank has run since it loaded."""
+        """What this rank did since it loaded (ticks, idle ticks, real forwards, ghost passes,
+        batched calls) and its device memory: allocated now, and the peak of its latest request."""
         runtime = self.runtime
-        if runtime is None:
-            return {"rank": self.rank, "ticks": 0, "forwards": 0, "ghosts": 0, "batched": 0}
+        counts = ("ticks", "idle_ticks", "forwards", "ghosts", "batched")
         return {
             "rank": self.rank,
-            "ticks": runtime.ticks,
-            "forwards": runtime.forwards,
-            "ghosts": runtime.ghosts,
-            "batched": runtime.batched,
+            **{name: getattr(runtime, name) if runtime is not None else 0 for name in counts},
+            "device_allocated_bytes": device_allocated_bytes(self.config.device),
+            "last_request_peak_device_bytes": self.last_request_peak_device_bytes,
         }
 
     @ray.method(concurrency_group="profile")

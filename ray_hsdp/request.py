@@ -70,6 +70,7 @@ class GenerationResult:
         request_id: The request's id.
         peak_device_bytes: Peak device memory allocated on the rank since this request started (0 on
             CPU; requests running at once on one rank share the counter, so each sees the joint peak).
+        step_s: Mean seconds between two denoising steps' ends; ``None`` for a one-step request.
     """
 
     frames: np.ndarray
@@ -78,3 +79,4 @@ class GenerationResult:
     elapsed_s: float
     request_id: str = ""
     peak_device_bytes: int = 0
+    step_s: float | None = None

@@ -265,10 +265,12 @@ class ShardedPipeline:
                 than through diffusers' interrupt flag, which still decodes every frame (in Wan).
         """
         kwargs = self._kwargs(request)
+        step_ends: list[float] = []
         if on_step is not None and "callback_on_step_end" in self._call_params:
             total = request.num_inference_steps
 
             def step_end(pipe, step, timestep, callback_kwargs):
+                step_ends.append(time.perf_counter())
                 if on_step(step + 1, total):
                     raise RequestCancelledError(
                         f"request {request.request_id!r} stopped after step {step + 1} of {total}, not decoded"
@@ -301,6 +303,7 @@ class ShardedPipeline:
             elapsed_s=time.perf_counter() - start,
             request_id=request.request_id,
             peak_device_bytes=peak_device_bytes(self.device),
+            step_s=(step_ends[-1] - step_ends[0]) / (len(step_ends) - 1) if len(step_ends) > 1 else None,
         )
 
     def _set_tiling(self, pipe, request: GenerationRequest) -> None:

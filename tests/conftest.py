@@ -27,8 +27,14 @@ def ray_cluster(tmp_path_factory):
     from ray.cluster_utils import Cluster
 
     os.environ["RAY_HSDP_HOME"] = str(tmp_path_factory.mktemp("ray_hsdp_home"))
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": NODE_CPUS, "include_dashboard": False})
-    cluster.add_node(num_cpus=NODE_CPUS)
+    # Each node's Prometheus endpoint on a port of its own (the metrics tests read them).
+    ports = [free_port(), free_port()]
+    os.environ["RAY_HSDP_TEST_METRICS_PORTS"] = ",".join(map(str, ports))
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": NODE_CPUS, "include_dashboard": False, "metrics_export_port": ports[0]},
+    )
+    cluster.add_node(num_cpus=NODE_CPUS, metrics_export_port=ports[1])
     cluster.wait_for_nodes()
     os.environ["RAY_ADDRESS"] = cluster.address
     ray.init(address=cluster.address, log_to_driver=False)

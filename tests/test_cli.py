@@ -51,7 +51,7 @@ def test_generate_runs_a_group_without_serve(ray_cluster, tiny_model, tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert Image.open(out).size == (96, 64)
-    assert re.search(r"^1\s+\S+\s+cpu\s", done.stdout, re.M), done.stdout
+    assert re.search(r"^1\s+1\s+\S+\s+cpu\s", done.stdout, re.M), done.stdout  # rank 1, its own lane
 
 
 def test_generate_writes_a_video_with_a_progress_bar(ray_cluster, tiny_model, tmp_path):
@@ -80,7 +80,13 @@ def test_demo_prints_the_image_path_and_the_memory_table(tmp_path):
     assert len(shares) == 2 and all(45 <= s <= 55 for s in shares), done.stdout
 
 
-def test_make_random_tiny_then_serve_it_over_http(ray_cluster, tmp_path):
+def test_usp_without_use_hsdp_is_refused_with_the_fix():
+    done = run("serve", "tiny", "--usp", "2", "--device", "cpu")
+    assert done.returncode == 2 and "add --use-hsdp" in done.stderr
+
+
+def test_make_random_tiny_then_serve_it_over_http_with_usp_2(ray_cluster, tmp_path):
+    """As vllm-omni users type it: --use-hsdp --usp 2, no shard size (it defaults to the lane's 2)."""
     import requests
 
     folder = tmp_path / "wan14b-tiny"
@@ -94,7 +100,7 @@ def test_make_random_tiny_then_serve_it_over_http(ray_cluster, tmp_path):
             "serve",
             str(folder),
             "--use-hsdp",
-            "--hsdp-shard-size",
+            "--usp",
             "2",
             "--device",
             "cpu",
@@ -118,6 +124,7 @@ def test_make_random_tiny_then_serve_it_over_http(ray_cluster, tmp_path):
         assert Image.open(io.BytesIO(png)).size == (64, 64)
         pool = requests.get(f"{base}/v1/pool", timeout=60).json()
         assert pool["shard_size"] == 2 and pool["model"] == "wan14b-tiny"
+        assert (pool["lanes"], pool["lane_size"], pool["ulysses_degree"]) == (1, 2, 2)
     finally:
         proc.send_signal(signal.SIGINT)
         try:

@@ -141,6 +141,7 @@ def test_two_lanes_of_ulysses_2_run_different_requests_at_the_same_ticks(ray_clu
         ({"mode": "replicated", "ulysses_degree": 2}, "cannot be combined with ulysses_degree"),
         ({"mode": "replicated", "cfg_parallel": True}, "cannot be combined"),
         ({"ulysses_degree": 2, "max_forward_batch": 2}, "max_forward_batch=2 with lanes of 2 ranks"),
+        ({"mode": "replicated", "max_forward_batch": 2}, "max_forward_batch=2 with lanes of 2 ranks"),
         ({"world_size": 4, "replicate_size": 2, "ulysses_degree": 4}, "must divide shard_size=2"),
     ],
 )

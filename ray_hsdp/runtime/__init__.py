@@ -3,10 +3,15 @@
 The contract of :class:`RankRuntime`, which the ``Rank`` actor merely wraps:
 
 - **Lock step.** Every rank of a group issues the same collectives in the same order: before
-  every forward of a sharded root module the ranks all-gather one integer (the cheapest module
-  one of the rank's waiting calls wants, ``BUSY`` or ``IDLE``); the smallest module gathered runs
-  for real on the ranks that asked for it and as a ghost pass (the same unshard / reshard
-  sequence, no compute) on the others.
+  every forward of a sharded root module the ranks all-gather one integer each: a key (the
+  cheapest waiting call's module and request ticket, or a queued request to start), a stop, or
+  ``BUSY`` / ``IDLE``. The smallest module among the lanes whose ranks all offered the same key
+  runs for real on those lanes' ranks and as a ghost pass (the same unshard / reshard sequence,
+  no compute) on every other rank.
+- **Lanes.** The ranks of a lane (several in combined mode or when replicated) run each request
+  together; they start it, run each of its calls and stop it at the same tick, because they act
+  only on a key all of them offered, so a context-parallel all-to-all inside a forward always
+  finds the whole lane. Only the leader answers and decodes.
 - **Exactly once.** Every forward call and every request completes exactly once, with a result
   or an error.
 - **Fail fast.** An error inside a forward, a ghost pass or a tick (the all-gather included)
@@ -17,7 +22,7 @@ The contract of :class:`RankRuntime`, which the ``Rank`` actor merely wraps:
   An error of a request's own (bad input, a failed decode) fails that request only: it issued no
   collective.
 - **Seams.** The all-gather (``exchange``), the modules (``modules``) and the observer are
-  replaceable attributes; fault injection and profiling wrap them (``ray_hsdp.runtime.seams``)
+  replaceable attributes; fault injection and profiling wrap them (``ray_hsdp.runtime.faults``)
   rather than adding branches to the tick.
 """
 

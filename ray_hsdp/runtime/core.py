@@ -244,6 +244,7 @@ class RankRuntime:
         self.lane_size = lane_size
         self.leads = leads
         self.ticks = 0
+        self.idle_ticks = 0  # ticks at which this rank had nothing to do
         self.forwards = 0
         self.ghosts = 0
         self.batched = 0  # calls that ran in a forward together with others
@@ -478,6 +479,7 @@ class RankRuntime:
         gathered = self.exchange(state)
         gathered_at = time.perf_counter()
         self.ticks += 1
+        self.idle_ticks += state == IDLE
         self._apply_stops(STOP - g for g in gathered if g <= STOP)
         agreed = agreed_keys(gathered, self.lane_size)
         mine = agreed.get(self.rank // self.lane_size)

@@ -5,6 +5,7 @@ import dataclasses
 import hmac
 import logging
 import os
+import threading
 import uuid
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancell
 from ray_hsdp.serve.jobs import DECODED, DENOISED, VideoJobs, table_name
 from ray_hsdp.serve.keeper import GroupKeeper
 from ray_hsdp.serve.media import encode_mp4, encode_png
+from ray_hsdp.serve.metrics import ReplicaMetrics
 from ray_hsdp.serve.routing import GROUP_OK
 from ray_hsdp.serve.schema import (
     ImageGenerationRequest,
@@ -208,8 +210,10 @@ class HSDPServer:
         # One replica per process: the middleware reads this process's settings from the app state.
         api.state.config = self.config
         api.state.api_key = read_api_key(self.config)
-        placement = ray.util.get_current_placement_group()
-        self.keeper = GroupKeeper(lambda: ShardGroup(self.config, placement_group=placement, dims=self.dims).start())
+        self._placement = ray.util.get_current_placement_group()
+        self._replica = serve.get_replica_context().replica_id.unique_id
+        self.metrics = ReplicaMetrics(self.model_name)
+        self.keeper = GroupKeeper(self._build_group)
         self.jobs = VideoJobs.options(
             name=table_name(serve.get_replica_context().app_name), lifetime="detached", get_if_exists=True
         ).remote(
@@ -221,6 +225,26 @@ class HSDPServer:
         # Started now, not at the first video request (a new actor process takes seconds).
         ray.get(self.jobs.get.remote(""), timeout=self.config.rendezvous_timeout_s)
         self._video_tasks: dict[str, asyncio.Task] = {}
+        self._stopping = threading.Event()
+        threading.Thread(target=self._report_metrics, name="ray_hsdp-metrics", daemon=True).start()
+
+    def _build_group(self) -> ShardGroup:
+        labels = {"replica": self._replica}
+        group = ShardGroup(self.config, placement_group=self._placement, dims=self.dims, labels=labels)
+        group.listeners.append(self.metrics.request_done)
+        return group.start()
+
+    def _report_metrics(self) -> None:
+        """Every ``metrics_interval_s``: the group's queue and ranks, its failures, the job table."""
+        while not self._stopping.wait(self.config.metrics_interval_s):
+            try:
+                if self.keeper.ready:
+                    group = self.keeper.group
+                    self.metrics.group(group.group_id, *group.load(), group.tick_stats())
+                self.metrics.keeper(self.keeper.failures, self.keeper.rebuilds)
+                self.metrics.video_jobs(ray.get(self.jobs.counts.remote(), timeout=self.config.metrics_interval_s))
+            except Exception as err:  # noqa: BLE001 - a missed poll is reported again at the next one
+                logger.warning("Metrics poll failed: %s", err)
 
     @property
     def group(self) -> ShardGroup:
@@ -462,6 +486,9 @@ class HSDPServer:
             current.result().check_health()  # raises for a group that could not be rebuilt
 
     def __del__(self) -> None:
+        stopping = getattr(self, "_stopping", None)
+        if stopping is not None:
+            stopping.set()
         keeper = getattr(self, "keeper", None)
         if keeper is not None:
             keeper.shutdown()

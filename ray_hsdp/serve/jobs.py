@@ -142,6 +142,14 @@ class VideoJobs:
         if video_id in self.jobs and self.jobs[video_id]["status"] in ("queued", "in_progress"):
             self._finish(video_id, "failed", error={"code": code, "message": message})
 
+    def counts(self) -> dict[str, int]:
+        """Jobs kept, by status (the metrics' gauge)."""
+        self._sweep()
+        out: dict[str, int] = {}
+        for job in self.jobs.values():
+            out[job["status"]] = out.get(job["status"], 0) + 1
+        return out
+
     def get(self, video_id: str) -> dict | None:
         """The video object, or ``None`` when there is no such job (any more)."""
         self._sweep()

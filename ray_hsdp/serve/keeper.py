@@ -39,6 +39,7 @@ class GroupKeeper:
         self._rebuild: Future | None = None
         self.broken: str | None = None
         self.rebuilds = 0
+        self.failures = 0  # failures noticed (each started a rebuild)
 
     def current(self) -> Future:
         """A future of the group to use: done at once while the group is healthy; else the
@@ -50,6 +51,7 @@ class GroupKeeper:
                 if not self.group.failure:
                     return _settled(self.group)
                 logger.warning("Rebuilding the shard group after: %s", self.group.failure)
+                self.failures += 1
                 self._rebuild = Future()
                 threading.Thread(
                     target=self._run_rebuild, args=(self.group, self._rebuild), name="ray_hsdp-rebuild", daemon=True

@@ -23,6 +23,7 @@ def serve_run(tmp_path_factory, name: str = "tiny_cpu.yaml"):
     """Generator for a module fixture: yields the URL of the server of YAML ``name``, then stops it."""
     from ray import serve
 
+    serve.shutdown()  # a Serve left by an earlier test (a notebook's) would keep its own HTTP port
     config = yaml.safe_load((ROOT / "serve_configs" / name).read_text())
     port = free_port()
     config["http_options"]["port"] = port
