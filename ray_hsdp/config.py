@@ -27,6 +27,24 @@ def cache_dir() -> Path:
     return Path(os.environ.get("RAY_HSDP_HOME", Path.home() / ".cache" / "ray_hsdp"))
 
 
+def check_attention_backend_name(name: str) -> None:
+    """Refuses a name diffusers does not know, and the ``*_hub`` backends, which download their
+    kernels from the Hugging Face Hub at first use (our hosts cannot reach it).
+
+    Raises:
+        ValueError: Naming ``attention_backend`` and the backends that can be used.
+    """
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    known = [b.value for b in AttentionBackendName if not b.value.endswith("_hub")]
+    if name.endswith("_hub"):
+        raise ValueError(
+            f"attention_backend={name!r} downloads its kernels from the Hub at first use; use one of {known}"
+        )
+    if name not in known:
+        raise ValueError(f"attention_backend={name!r} is not a diffusers attention backend; known: {known} or 'auto'")
+
+
 class GroupConfig(BaseModel):
     """How one shard group loads, shards and runs a diffusers pipeline."""
 
@@ -170,6 +188,8 @@ class GroupConfig(BaseModel):
             raise ValueError("model must name a diffusers pipeline folder or 'tiny'")
         if not self.shard_components:
             raise ValueError("shard_components must name at least one pipeline component")
+        if self.attention_backend != "auto":
+            check_attention_backend_name(self.attention_backend)
         lane_size = self.parallel_dims().lane_size  # its errors name the fields
         if lane_size > 1 and self.max_forward_batch > 1:
             raise ValueError(

@@ -128,6 +128,9 @@ class ShardedPipeline:
         pipe = load_pipeline(path, dtype, allow_pickle, **prebuilt)
         # Only diffusers models have attention backends and context parallel; text encoders do not.
         models = [name for name in sharded if hasattr(prebuilt[name], "enable_parallelism")]
+        unsharded = [
+            n for n in shard_components if n not in sharded and hasattr(getattr(pipe, n, None), "enable_parallelism")
+        ]
         sequence = None
         if dims.sequence_degree > 1:
             if not models:
@@ -161,6 +164,9 @@ class ShardedPipeline:
         elif backend is not None:
             for name in models:
                 prebuilt[name].set_attention_backend(backend)
+        if backend is not None:  # a group of one rank: its transformers are whole
+            for name in unsharded:
+                getattr(pipe, name).set_attention_backend(backend)
         cfg_split: tuple[str, ...] = ()
         if dims.cfg == 2:
             cfg_split = tuple(name for name in sharded if policies[name] is not None and policies[name].cfg_split)

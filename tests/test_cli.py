@@ -93,6 +93,9 @@ def test_make_random_tiny_then_serve_it_over_http_with_usp_2(ray_cluster, tmp_pa
     done = run("make-random", "wan2.1-t2v-14b", str(folder), "--tiny")
     assert done.returncode == 0, done.stderr
     assert "stand-ins" in done.stdout and "tiny variant" in done.stdout
+    from ray import serve
+
+    serve.shutdown()  # a Serve left on the shared cluster would keep its own HTTP port
     port = free_port()
     proc = subprocess.Popen(
         [

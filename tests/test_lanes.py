@@ -143,6 +143,8 @@ def test_two_lanes_of_ulysses_2_run_different_requests_at_the_same_ticks(ray_clu
         ({"ulysses_degree": 2, "max_forward_batch": 2}, "max_forward_batch=2 with lanes of 2 ranks"),
         ({"mode": "replicated", "max_forward_batch": 2}, "max_forward_batch=2 with lanes of 2 ranks"),
         ({"world_size": 4, "replicate_size": 2, "ulysses_degree": 4}, "must divide shard_size=2"),
+        ({"attention_backend": "flash_hub"}, "downloads its kernels from the Hub"),
+        ({"attention_backend": "fastest"}, "not a diffusers attention backend"),
     ],
 )
 def test_bad_combinations_are_refused_naming_the_field(fields, message):
@@ -164,3 +166,5 @@ def test_model_facts_are_checked_when_the_group_loads(ray_cluster, tiny_model):
         ShardGroup(GroupConfig(model=tiny_model, device="cpu", ulysses_degree=4)).start()
     with pytest.raises(Exception, match="ring_degree=2 needs an attention backend that returns the log-sum-exp"):
         ShardGroup(GroupConfig(model=tiny_model, device="cpu", ring_degree=2)).start()
+    with pytest.raises(Exception, match="attention_backend='_native_cudnn' needs CUDA"):
+        ShardGroup(GroupConfig(model=tiny_model, device="cpu", attention_backend="_native_cudnn")).start()

@@ -13,8 +13,14 @@ NOTEBOOK = NOTEBOOKS / "quickstart.ipynb"
 
 def run_notebook(path: Path, tmp_path: Path):
     """Executes ``path``; returns the notebook and the text of its outputs."""
+    from ray import serve
+
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    try:
+        client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+        client.execute()
+    finally:
+        serve.shutdown()  # the kernel's Serve (its HTTP port) would outlive it on the shared cluster
     outputs = "".join(
         out.get("text", "") for cell in nb.cells if cell.cell_type == "code" for out in cell.get("outputs", [])
     )

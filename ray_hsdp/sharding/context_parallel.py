@@ -18,12 +18,22 @@ from torch.distributed.device_mesh import DeviceMesh
 RING_BACKENDS = ("_native_cudnn", "_native_flash")
 
 
+#: Backends that run without CUDA (PyTorch's SDPA and its math kernel).
+CPU_BACKENDS = ("native", "_native_math")
+
+
 def attention_backend_for(requested: str, device: str, ring: int) -> str | None:
     """The attention backend a transformer gets: ``requested``, or for ``"auto"`` diffusers' own
-    default (``None``), except ``_native_cudnn`` on CUDA when ring attention needs the log-sum-exp."""
-    if requested != "auto":
-        return requested
-    return RING_BACKENDS[0] if ring > 1 and device == "cuda" else None
+    default (``None``), except ``_native_cudnn`` on CUDA when ring attention needs the log-sum-exp.
+
+    Raises:
+        ValueError: A backend that needs CUDA on CPU ranks.
+    """
+    if requested == "auto":
+        return RING_BACKENDS[0] if ring > 1 and device == "cuda" else None
+    if device == "cpu" and requested not in CPU_BACKENDS:
+        raise ValueError(f"attention_backend={requested!r} needs CUDA; on CPU ranks use one of {list(CPU_BACKENDS)}")
+    return requested
 
 
 @contextmanager
