@@ -3,8 +3,8 @@
 #
 #   bash bench/multi_gpu.sh GPUS PART        PART: wan21 | a14b-memory | a14b-throughput
 #
-#   wan21            Wan2.1-14B, 21 and 81 frames: R=GPUS x S=1 (ceiling) vs batch on 1xGPUS and
-#                    2x(GPUS/2) (on 8 GPUs also 4x2)
+#   wan21            Wan2.1-14B, 21 and 81 frames: plain diffusers on every GPU (the baseline),
+#                    R=GPUS x S=1 (ceiling) vs batch on 1xGPUS and 2x(GPUS/2) (on 8 GPUs also 4x2)
 #   a14b-memory      Wan2.2 A14B (both experts): weights per GPU at S=1 and S=4
 #   a14b-throughput  Wan2.2 A14B, 21 frames: batch with S=4 (R=GPUS/4) vs the ceiling
 #
@@ -34,7 +34,8 @@ if [ "$GPUS" -ge 8 ]; then LAYOUTS+=("4x$((GPUS / 4))"); fi
 case "$PART" in
   wan21)
     "$PYTHON" -m bench.throughput --arch wan2.1-t2v-14b --model-dir "$MODELS/wan14b$SUFFIX" --gpus "$GPUS" \
-      --frames "${FRAMES[@]}" --steps 2 --setups ceiling batch --layouts "${LAYOUTS[@]}" "${COMMON[@]}" --out "$OUT"
+      --frames "${FRAMES[@]}" --steps 2 --setups plain ceiling batch --layouts "${LAYOUTS[@]}" "${COMMON[@]}" \
+      --out "$OUT"
     ;;
   a14b-memory)
     "$PYTHON" -m bench.memory --arch wan2.2-t2v-a14b --model-dir "$MODELS/wan22$SUFFIX" --shard-sizes 1 4 \

@@ -2,7 +2,10 @@
 
     python -m bench.throughput --model-dir /tmp/wan14b --out bench/results
 
-Setups (N GPUs): R=N x S=1 unsharded replicas (the ceiling); ``batch`` (ours) on R x S layouts
+Setups (N GPUs): ``plain``: plain diffusers (``from_pretrained(...).to("cuda")``, no Ray actor
+protocol, no FSDP) on every GPU at once, one Ray task per GPU, each running its share of the
+requests one after another: the baseline every ratio is taken against; R=N x S=1 unsharded
+replicas of ours (the ceiling); ``batch`` (ours) on R x S layouts
 (``--layouts``, default R=1 x S=N);
 R=1 x S=N ``replicated`` (vllm-omni's standalone HSDP semantics); one GPU with diffusers' group
 offload (a user without HSDP); and ``batch`` on a mixed workload (steps interleaved). Every setup
@@ -38,14 +41,67 @@ def run_groups(groups, requests) -> dict:
 
 
 def summary(latencies: list[float], wall: float) -> dict:
-    """Rate and latencies of one measured batch of requests."""
+    """Rate and latencies (from the batch's start to each answer) of one measured batch of requests."""
+    ordered = sorted(latencies)
     return {
         "requests": len(latencies),
         "wall_s": round(wall, 3),
         "requests_per_s": round(len(latencies) / wall, 4),
         "latency_mean_s": round(statistics.mean(latencies), 3),
+        "latency_p50_s": round(ordered[len(ordered) // 2], 3),
+        "latency_p95_s": round(ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))], 3),
         "latency_max_s": round(max(latencies), 3),
     }
+
+
+def plain_baseline(model_dir: str, requests, gpus: int, device: str) -> dict:
+    """Plain diffusers on every GPU at once: GPU i runs requests i, i + N, ... one after another.
+
+    Each task loads and warms up first, then times its share; the rate is the sum of the GPUs'
+    own rates (N independent replicas), latencies run from each GPU's start to each answer.
+    """
+    import ray
+
+    @ray.remote(num_gpus=1 if device == "cuda" else 0, num_cpus=1)
+    def run(model_dir, share):
+        import torch
+        from diffusers import DiffusionPipeline
+
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        pipe = DiffusionPipeline.from_pretrained(model_dir, torch_dtype=dtype).to(device)
+        pipe.set_progress_bar_config(disable=True)
+
+        def call(r):
+            pipe(
+                prompt=r.prompt,
+                negative_prompt=r.negative_prompt,
+                width=r.width,
+                height=r.height,
+                num_frames=r.num_frames,
+                num_inference_steps=r.num_inference_steps,
+                guidance_scale=r.guidance_scale,
+                generator=torch.Generator("cpu").manual_seed(r.seed),
+                output_type="np",
+            )
+            if device == "cuda":
+                torch.cuda.synchronize()
+
+        call(share[0])  # warm-up
+        start = time.perf_counter()
+        latencies = []
+        for r in share:
+            call(r)
+            latencies.append(time.perf_counter() - start)
+        peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
+        return latencies, time.perf_counter() - start, peak
+
+    shares = [requests[i::gpus] for i in range(gpus)]
+    outcomes = ray.get([run.remote(model_dir, share) for share in shares if share])
+    latencies = [t for lat, _, _ in outcomes for t in lat]
+    out = summary(latencies, max(wall for _, wall, _ in outcomes))
+    out["requests_per_s"] = round(sum(len(lat) / wall for lat, wall, _ in outcomes), 4)
+    out["peak_device_bytes"] = max(peak for _, _, peak in outcomes)
+    return out
 
 
 def offload_baseline(model_dir: str, requests, device: str) -> dict:
@@ -104,7 +160,9 @@ def main() -> None:
     )
     parser.add_argument("--ray-cpus", type=int, default=None, help="logical CPUs of the local Ray (CPU dry runs)")
     parser.add_argument(
-        "--setups", nargs="+", default=["ceiling", "batch", "replicated", "mixed", "batch-prefetch0", "offload"]
+        "--setups",
+        nargs="+",
+        default=["plain", "ceiling", "batch", "replicated", "mixed", "batch-prefetch0", "offload"],
     )
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
@@ -153,12 +211,16 @@ def main() -> None:
                 if replicas * shards != args.gpus:
                     parser.error(f"layout {layout} does not use {args.gpus} GPUs")
                 runs.append(("batch" if replicas == 1 else f"batch-{layout}", setup, replicas, shards))
-        elif setup == "ceiling":
+        elif setup in ("ceiling", "plain"):
             runs.append((setup, setup, args.gpus, 1))
         else:
             runs.append((setup, setup, 1, args.gpus))
 
     for row, setup, replicas, shard_size in runs:
+        if setup == "plain":
+            for frames in args.frames:
+                record(setup, frames, plain_baseline(str(model_dir), requests(frames), args.gpus, args.device))
+            continue
         if setup == "offload":
             for frames in args.offload_frames:
                 record(setup, frames, offload_baseline(str(model_dir), requests(frames, count=2), args.device))
@@ -195,26 +257,26 @@ def table(rows: list[dict], args) -> str:
         "",
         f"GPUs: {', '.join(environment()['gpus']) or 'none'}",
         "",
-        "| setup | frames | tokens | requests | requests/s | vs ceiling | latency mean (s) | weights/GPU (GiB) "
-        "| peak/GPU (GiB) |",
+        "| setup | frames | tokens | requests | requests/s | vs plain diffusers (else our ceiling) "
+        "| latency p50 / p95 (s) | weights/GPU (GiB) | peak/GPU (GiB) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        ceiling = by.get(("ceiling", r["frames"]))
+        base = by.get(("plain", r["frames"])) or by.get(("ceiling", r["frames"]))
         ideal = by.get(("ceiling-mixed", r["frames"]))
         if r["setup"] == "mixed" and ideal:
             ratio = f"{ideal['wall_s'] / r['wall_s']:.3f} of ideal"
         elif r["setup"] == "ceiling-mixed":
             ratio = "ideal"
-        elif ceiling:
-            ratio = f"{r['requests_per_s'] / ceiling['requests_per_s']:.3f}"
+        elif base:
+            ratio = f"{r['requests_per_s'] / base['requests_per_s']:.3f}"
         else:
             ratio = "-"
         weights = f"{r['weights_per_gpu_bytes'] / 2**30:.2f}" if r.get("weights_per_gpu_bytes") else "-"
         peak = f"{r['peak_per_gpu_bytes'] / 2**30:.2f}" if r.get("peak_per_gpu_bytes") else "-"
         lines.append(
             f"| {r['setup']} | {r['frames']} | {r['tokens']} | {r['requests']} | {r['requests_per_s']:.3f} "
-            f"| {ratio} | {r['latency_mean_s']:.2f} | {weights} | {peak} |"
+            f"| {ratio} | {r['latency_p50_s']:.2f} / {r['latency_p95_s']:.2f} | {weights} | {peak} |"
         )
     lines += ["", f"Command: `{environment()['command']}`", ""]
     return "\n".join(lines)
