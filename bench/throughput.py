@@ -8,7 +8,9 @@ requests one after another: the baseline every ratio is taken against; R=N x S=1
 replicas of ours (the ceiling); ``batch`` (ours) on R x S layouts
 (``--layouts``, default R=1 x S=N);
 R=1 x S=N ``replicated`` (vllm-omni's standalone HSDP semantics); one GPU with diffusers' group
-offload (a user without HSDP); and ``batch`` on a mixed workload (steps interleaved). Every setup
+offload (a user without HSDP); ``batch`` on a mixed workload (steps interleaved); and
+``batch-compile`` against ``plain-compile`` (``compile: true`` against diffusers'
+``compile_repeated_blocks``). Every setup
 runs the same requests (480x832, guidance on) at each frame count; results are written after
 every setup so that a run cut short keeps what it measured.
 """
@@ -54,8 +56,9 @@ def summary(latencies: list[float], wall: float) -> dict:
     }
 
 
-def plain_baseline(model_dir: str, requests, gpus: int, device: str) -> dict:
-    """Plain diffusers on every GPU at once: GPU i runs requests i, i + N, ... one after another.
+def plain_baseline(model_dir: str, requests, gpus: int, device: str, compile: bool = False) -> dict:
+    """Plain diffusers on every GPU at once: GPU i runs requests i, i + N, ... one after another
+    (with ``compile``, after diffusers' ``compile_repeated_blocks`` on its transformers).
 
     Each task loads and warms up first, then times its share; the rate is the sum of the GPUs'
     own rates (N independent replicas), latencies run from each GPU's start to each answer.
@@ -70,6 +73,10 @@ def plain_baseline(model_dir: str, requests, gpus: int, device: str) -> dict:
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
         pipe = DiffusionPipeline.from_pretrained(model_dir, torch_dtype=dtype).to(device)
         pipe.set_progress_bar_config(disable=True)
+        if compile:
+            for name in ("transformer", "transformer_2"):
+                if getattr(pipe, name, None) is not None:
+                    getattr(pipe, name).compile_repeated_blocks()
 
         def call(r):
             pipe(
@@ -211,21 +218,26 @@ def main() -> None:
                 if replicas * shards != args.gpus:
                     parser.error(f"layout {layout} does not use {args.gpus} GPUs")
                 runs.append(("batch" if replicas == 1 else f"batch-{layout}", setup, replicas, shards))
-        elif setup in ("ceiling", "plain"):
+        elif setup in ("ceiling", "plain", "plain-compile"):
             runs.append((setup, setup, args.gpus, 1))
         else:
             runs.append((setup, setup, 1, args.gpus))
 
     for row, setup, replicas, shard_size in runs:
-        if setup == "plain":
+        if setup in ("plain", "plain-compile"):
             for frames in args.frames:
-                record(setup, frames, plain_baseline(str(model_dir), requests(frames), args.gpus, args.device))
+                outcome = plain_baseline(str(model_dir), requests(frames), args.gpus, args.device, setup != "plain")
+                record(setup, frames, outcome)
             continue
         if setup == "offload":
             for frames in args.offload_frames:
                 record(setup, frames, offload_baseline(str(model_dir), requests(frames, count=2), args.device))
             continue
-        options = {"batch-prefetch0": {"forward_prefetch": 0}, "batch-fwd2": {"max_forward_batch": 2}}.get(setup, {})
+        options = {
+            "batch-prefetch0": {"forward_prefetch": 0},
+            "batch-fwd2": {"max_forward_batch": 2},
+            "batch-compile": {"compile": True},
+        }.get(setup, {})
         mode = "replicated" if setup == "replicated" else "batch"
         groups = [group(shard_size=shard_size, replicate_size=replicas, mode=mode, **options) for _ in range(replicas)]
         try:
@@ -262,7 +274,9 @@ def table(rows: list[dict], args) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        base = by.get(("plain", r["frames"])) or by.get(("ceiling", r["frames"]))
+        # A compiled setup against plain diffusers compiled the same way; the rest against plain.
+        plain = "plain-compile" if r["setup"].endswith("compile") else "plain"
+        base = by.get((plain, r["frames"])) or by.get(("ceiling", r["frames"]))
         ideal = by.get(("ceiling-mixed", r["frames"]))
         if r["setup"] == "mixed" and ideal:
             ratio = f"{ideal['wall_s'] / r['wall_s']:.3f} of ideal"

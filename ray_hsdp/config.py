@@ -102,6 +102,12 @@ class GroupConfig(BaseModel):
         description="diffusers attention backend of the transformers ('native', '_native_cudnn', 'flash', ...); "
         "'auto' keeps diffusers' default, or '_native_cudnn' on CUDA when ring_degree > 1.",
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile the transformers' repeated blocks on every rank (regional compile, in place, "
+        "FSDP2's gathers left eager); the group compiles with a warm-up request per lane before it serves. "
+        "Off until measured on GPUs: each new request shape compiles again once.",
+    )
     shard_components: tuple[str, ...] = Field(
         DEFAULT_SHARD_COMPONENTS, description="Pipeline components to shard when present; all others stay replicated."
     )

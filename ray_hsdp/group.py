@@ -236,6 +236,17 @@ class ShardGroup:
             self._watch("rank", watch)
         self._scheduler = threading.Thread(target=self._schedule, name="ray_hsdp-scheduler", daemon=True)
         self._scheduler.start()
+        if self.config.compile:
+            # The first forwards compile: here, one small request per lane, not in a user's request.
+            warm = [
+                GenerationRequest(prompt="warm up", num_inference_steps=1, request_id=f"warm-up-{lane}")
+                for lane in range(self.dims.num_lanes)
+            ]
+            try:
+                self.generate(warm)
+            except BaseException:
+                self.shutdown()
+                raise
         logger.info(
             "Shard group ready: %d ranks on %s, mode=%s",
             self.dims.shard_size,

@@ -59,7 +59,7 @@ class Rank:
         self._leaving = threading.Event()
 
     def __repr__(self) -> str:
-        # Ray prefixes an actor's log lines with this (and names its log files' entries by it).
+        # Ray prefixes the actor's log lines with this: "(Rank(group=..., rank=...) pid=...)".
         return f"Rank(group={self.group_id}, rank={self.rank})"
 
     def prepare(self) -> str:
@@ -142,6 +142,7 @@ class Rank:
                 dims=self.dims,
                 lane_mesh=self.lane_mesh,
                 attention_backend=self.config.attention_backend,
+                compile=self.config.compile,
             )
             modules = exchange = None
             if self.pipeline.sharded:
@@ -204,9 +205,10 @@ class Rank:
         if not runtime.leads:
             try:
                 job.get()
-            except (SessionFailedError, RequestStoppedError) as err:
-                if isinstance(err, SessionFailedError):
-                    raise
+            except SessionFailedError:
+                raise
+            except RequestStoppedError:
+                pass  # its lane stopped it: the leader answers why
             except Exception as err:  # noqa: BLE001 - the leader answers; an error only here stopped the lane
                 logger.warning("Request %r failed on rank %d of its lane: %s", request.request_id, self.rank, err)
             return None

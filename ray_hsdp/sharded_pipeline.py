@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ray_hsdp.loading import build_on_meta, fill_from_checkpoint, load_pipeline, materialize, model_index
 from ray_hsdp.memory import module_memory, peak_device_bytes, unit_memory
 from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
-from ray_hsdp.sharding import apply_fsdp, resolve_plan
+from ray_hsdp.sharding import apply_fsdp, compile_units, resolve_plan
 from ray_hsdp.sharding.context_parallel import attention_backend_for, enable_context_parallel
 from ray_hsdp.sharding.policy import registered_policy
 from ray_hsdp.topology import ParallelDims
@@ -29,6 +29,47 @@ logger = logging.getLogger("ray_hsdp")
 def components(pipe) -> dict[str, nn.Module]:
     """The ``nn.Module`` components of a diffusers pipeline, by name."""
     return {name: c for name, c in pipe.components.items() if isinstance(c, nn.Module)}
+
+
+def _split_sequences(pipe, models: dict, policies: dict, dims: ParallelDims, lane_mesh, device: str, backend):
+    """Enables context parallel on every (sharded) diffusers model of the pipeline.
+
+    Returns:
+        The facts callers check request sizes with: the degree and the token grid.
+
+    Raises:
+        ValueError: No model can be split, or one's policy gives no token grid.
+    """
+    if not models:
+        raise ValueError(
+            f"ulysses_degree x ring_degree = {dims.sequence_degree}, but no sharded component of "
+            f"{type(pipe).__name__} is a diffusers model that context parallel can split"
+        )
+    sequence = None
+    for name, module in models.items():
+        policy = policies.get(name)
+        enable_context_parallel(
+            module,
+            lane_mesh,
+            ring=dims.ring,
+            ulysses=dims.ulysses,
+            device=device,
+            attention_backend=backend,
+            cp_plan=policy.cp_plan if policy else None,
+        )
+        if policy is None or policy.token_grid is None:
+            raise ValueError(
+                f"{name} ({type(module).__name__.removeprefix('FSDP')}) has no token grid in its sharding policy, "
+                "so request sizes cannot be checked against ulysses_degree x ring_degree"
+            )
+        temporal_stride, temporal_patch, spatial_stride = policy.token_grid(pipe, module)
+        sequence = {
+            "degree": dims.sequence_degree,
+            "temporal_stride": temporal_stride,
+            "temporal_patch": temporal_patch,
+            "spatial_stride": spatial_stride,
+        }
+    return sequence
 
 
 class ShardedPipeline:
@@ -93,6 +134,7 @@ class ShardedPipeline:
         dims: ParallelDims | None = None,
         lane_mesh: DeviceMesh | None = None,
         attention_backend: str = "auto",
+        compile: bool = False,
     ) -> ShardedPipeline:
         """Loads a pipeline folder, sharding the named components over ``mesh``.
 
@@ -100,6 +142,8 @@ class ShardedPipeline:
         filled with this rank's slices only. Without a mesh (one rank) nothing is sharded. With
         lanes that split the sequence, each sharded diffusers model that has a context-parallel
         plan splits its forwards over the lane's ``ring`` x ``ulysses`` sub-mesh of ``lane_mesh``.
+        With ``compile`` the repeated blocks of the diffusers models are compiled in place (the
+        first forwards of each shape compile).
 
         Raises:
             ValueError: None of ``shard_components`` is a module of the pipeline, or the lanes ask
@@ -126,47 +170,21 @@ class ShardedPipeline:
                     f"(its components: {sorted(index)}); nothing would be sharded"
                 )
         pipe = load_pipeline(path, dtype, allow_pickle, **prebuilt)
-        # Only diffusers models have attention backends and context parallel; text encoders do not.
-        models = [name for name in sharded if hasattr(prebuilt[name], "enable_parallelism")]
-        unsharded = [
-            n for n in shard_components if n not in sharded and hasattr(getattr(pipe, n, None), "enable_parallelism")
-        ]
+        # Only diffusers models have attention backends, context parallel and repeated blocks.
+        candidates = {name: getattr(pipe, name, None) for name in shard_components}
+        models = {name: m for name, m in candidates.items() if hasattr(m, "enable_parallelism")}
         sequence = None
         if dims.sequence_degree > 1:
-            if not models:
-                raise ValueError(
-                    f"ulysses_degree x ring_degree = {dims.sequence_degree}, but no sharded component of "
-                    f"{type(pipe).__name__} is a diffusers model that context parallel can split"
-                )
-            for name in models:
-                policy = policies[name]
-                enable_context_parallel(
-                    prebuilt[name],
-                    lane_mesh,
-                    ring=dims.ring,
-                    ulysses=dims.ulysses,
-                    device=device,
-                    attention_backend=backend,
-                    cp_plan=policy.cp_plan if policy else None,
-                )
-                if policy is None or policy.token_grid is None:
-                    raise ValueError(
-                        f"{name} ({type(prebuilt[name]).__name__.removeprefix('FSDP')}) has no token grid in its "
-                        "sharding policy, so request sizes cannot be checked against ulysses_degree x ring_degree"
-                    )
-                temporal_stride, temporal_patch, spatial_stride = policy.token_grid(pipe, prebuilt[name])
-                sequence = {
-                    "degree": dims.sequence_degree,
-                    "temporal_stride": temporal_stride,
-                    "temporal_patch": temporal_patch,
-                    "spatial_stride": spatial_stride,
-                }
+            sequence = _split_sequences(pipe, models, policies, dims, lane_mesh, device, backend)
         elif backend is not None:
-            for name in models:
-                prebuilt[name].set_attention_backend(backend)
-        if backend is not None:  # a group of one rank: its transformers are whole
-            for name in unsharded:
-                getattr(pipe, name).set_attention_backend(backend)
+            for module in models.values():
+                module.set_attention_backend(backend)
+        if compile:
+            for name, module in models.items():
+                if name in sharded:
+                    compile_units(module)
+                else:  # a group of one rank: diffusers' own regional compile
+                    module.compile_repeated_blocks()
         cfg_split: tuple[str, ...] = ()
         if dims.cfg == 2:
             cfg_split = tuple(name for name in sharded if policies[name] is not None and policies[name].cfg_split)
