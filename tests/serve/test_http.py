@@ -1,23 +1,92 @@
-"""HTTP end to end: ``serve run serve_configs/tiny_cpu.yaml`` on 127.0.0.1, then real requests."""
+"""HTTP end to end: ``serve run serve_configs/tiny_cpu.yaml`` on 127.0.0.1, then real requests;
+the metrics they leave on Ray's Prometheus endpoints, and the dashboard built on them."""
 
 from __future__ import annotations
 
+import json
+import re
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import requests
 from conftest import reference_frames
+from prometheus import SAMPLE, samples, scrape, total
 from served import decode_png, serve_run
 
 from ray_hsdp.request import GenerationRequest
+from ray_hsdp.serve.metrics import METRICS
 
 APP = "ray_hsdp"
+DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "ray_hsdp.json"
 
 
 @pytest.fixture(scope="module")
 def server(ray_cluster, tmp_path_factory):
     yield from serve_run(tmp_path_factory)
+
+
+# The metrics tests come first: they count this server's requests from its start.
+
+
+def test_metrics_count_the_requests_sent_with_their_labels(server):
+    replica = requests.get(f"{server}/v1/pool", timeout=60).json()["replica"]
+    for i in range(3):
+        body = {"prompt": f"a fox {i}", "seed": i, "num_inference_steps": 3}
+        assert requests.post(f"{server}/v1/images/generations", json=body, timeout=120).status_code == 200
+    # Refused before it is accepted: not a request of the group.
+    assert requests.post(f"{server}/v1/images/generations", json={"prompt": ""}, timeout=60).status_code == 400
+    mine = {"replica": replica, "model": "tiny-wan"}
+    deadline = time.monotonic() + 120
+    while True:  # Ray exports at intervals
+        text = scrape()
+        done = total(text, "ray_hsdp_requests_total", status="ok", **mine) == 3
+        polled = {labels["rank"] for labels, _ in samples(text, "ray_hsdp_ticks_total", **mine)} == {"0", "1"}
+        if (done and polled) or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert total(text, "ray_hsdp_requests_total", status="ok", **mine) == 3
+    assert total(text, "ray_hsdp_queue_seconds_count", status="ok", **mine) == 3
+    assert total(text, "ray_hsdp_step_seconds_count", **mine) == 3
+    step_sum = total(text, "ray_hsdp_step_seconds_sum", **mine)
+    assert 0 < step_sum < 60
+    for rank in ("0", "1"):
+        assert total(text, "ray_hsdp_ticks_total", rank=rank, **mine) > 0
+        assert samples(text, "ray_hsdp_idle_ticks_total", rank=rank, **mine)
+        assert samples(text, "ray_hsdp_device_allocated_bytes", rank=rank, **mine)  # 0 on CPU, but exported
+    # One request at a time: the rank without it took part in its forwards as ghost passes.
+    assert total(text, "ray_hsdp_ghost_passes_total", **mine) > 0
+    assert total(text, "ray_hsdp_forwards_total", **mine) >= 3 * 3
+    assert samples(text, "ray_hsdp_queue_depth", **mine)[0][1] == 0
+    assert {labels["status"] for labels, _ in samples(text, "ray_hsdp_video_jobs", replica=replica)} >= {
+        "queued",
+        "in_progress",
+        "completed",
+        "failed",
+    }
+
+
+def test_the_dashboard_has_the_operator_panels_and_names_exported_metrics(server):
+    dashboard = json.loads(DASHBOARD.read_text())
+    titles = {panel["title"] for panel in dashboard["panels"]}
+    assert titles >= {
+        "Throughput",
+        "Latency percentiles",
+        "Queue depth and wait",
+        "Ghost share",
+        "Memory per rank",
+        "Failures and rebuilds",
+    }
+    text = scrape()  # after the previous test's requests: Serve's own metrics are there too
+    exported = {m.group(1) for m in map(SAMPLE.match, text.splitlines()) if m}
+    ours = {f"{name}{suffix}" for name, (kind, _, _) in METRICS.items() for suffix in
+            (("_bucket", "_count", "_sum") if kind == "histogram" else ("",))}
+    for panel in dashboard["panels"]:
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            for name in re.findall(r"\b(ray_[a-z0-9_]+)", target["expr"]):
+                assert name in ours or name in exported, (panel["title"], name)
 
 
 def test_generation_returns_png_of_requested_size_equal_to_unsharded(server, reference_pipe):
