@@ -131,7 +131,7 @@ def test_make_random_tiny_then_serve_it_over_http_with_usp_2(ray_cluster, tmp_pa
     finally:
         proc.send_signal(signal.SIGINT)
         try:
-            proc.wait(timeout=60)
+            proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             proc.kill()
         from ray import serve
