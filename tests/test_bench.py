@@ -23,10 +23,10 @@ def test_wan21_layouts_on_four_ranks(tmp_path):
     out = dry_run("wan21", tmp_path)
     rows = json.loads((out / "throughput-wan2.1-t2v-14b.json").read_text())["rows"]
     assert {(r["setup"], r["frames"]) for r in rows} == {
-        (setup, frames) for setup in ("plain", "ceiling", "batch", "batch-2x2") for frames in (5, 9)
+        (setup, 5) for setup in ("plain", "ceiling", "batch", "batch-2x2")
     }
     assert all(r["requests"] == 8 and r["requests_per_s"] > 0 for r in rows)
-    assert "| batch-2x2 | 9 |" in (out / "throughput-wan2.1-t2v-14b.md").read_text()
+    assert "| batch-2x2 | 5 |" in (out / "throughput-wan2.1-t2v-14b.md").read_text()
     assert all(r["latency_p50_s"] <= r["latency_p95_s"] <= r["latency_max_s"] for r in rows)
 
 
