@@ -92,3 +92,31 @@ def fox_requests(
         )
         for i in range(count)
     ]
+
+
+def load_plain(model_dir, device: str):
+    """Plain diffusers, as a user without ray_hsdp runs it: ``from_pretrained(...).to(device)``."""
+    import torch
+    from diffusers import DiffusionPipeline
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    pipe = DiffusionPipeline.from_pretrained(str(model_dir), torch_dtype=dtype).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def plain_kwargs(request) -> dict:
+    """The arguments a plain diffusers call takes for ``request`` (a ``GenerationRequest``)."""
+    import torch
+
+    return {
+        "prompt": request.prompt,
+        "negative_prompt": request.negative_prompt,
+        "width": request.width,
+        "height": request.height,
+        "num_frames": request.num_frames,
+        "num_inference_steps": request.num_inference_steps,
+        "guidance_scale": request.guidance_scale,
+        "generator": torch.Generator("cpu").manual_seed(request.seed),
+        "output_type": "np",
+    }

@@ -20,7 +20,7 @@ import re
 import time
 from pathlib import Path
 
-from bench.common import ensure_model, environment, gib, start_ray, write_results
+from bench.common import ensure_model, environment, gib, load_plain, plain_kwargs, start_ray, write_results
 
 PROMPT = "A red fox runs through fresh snow at dawn, cinematic"
 
@@ -62,11 +62,8 @@ def run_plain(model_dir: Path, requests: list, device: str) -> tuple[list[dict],
     """Plain diffusers on one GPU: rows, frames, parameter bytes."""
     import numpy as np
     import torch
-    from diffusers import DiffusionPipeline
 
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    pipe = DiffusionPipeline.from_pretrained(str(model_dir), torch_dtype=dtype).to(device)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = load_plain(model_dir, device)
     modules = [c for c in pipe.components.values() if isinstance(c, torch.nn.Module)]
     weights = sum(p.numel() * p.element_size() for module in modules for p in module.parameters())
 
@@ -96,18 +93,7 @@ def run_plain(model_dir: Path, requests: list, device: str) -> tuple[list[dict],
         hook = pipe.transformer.register_forward_pre_hook(first)
         sync()
         start = time.perf_counter()
-        out = pipe(
-            prompt=request.prompt,
-            negative_prompt=request.negative_prompt,
-            width=request.width,
-            height=request.height,
-            num_frames=request.num_frames,
-            num_inference_steps=request.num_inference_steps,
-            guidance_scale=request.guidance_scale,
-            generator=torch.Generator("cpu").manual_seed(request.seed),
-            output_type="np",
-            callback_on_step_end=on_step,
-        )
+        out = pipe(**plain_kwargs(request), callback_on_step_end=on_step)
         sync()
         end = time.perf_counter()
         hook.remove()

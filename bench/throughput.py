@@ -22,7 +22,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.common import ensure_model, environment, fox_requests, start_ray, write_results
+from bench.common import ensure_model, environment, fox_requests, load_plain, plain_kwargs, start_ray, write_results
 
 
 def latent_tokens(width: int, height: int, frames: int) -> int:
@@ -68,28 +68,15 @@ def plain_baseline(model_dir: str, requests, gpus: int, device: str, compile: bo
     @ray.remote(num_gpus=1 if device == "cuda" else 0, num_cpus=1)
     def run(model_dir, share):
         import torch
-        from diffusers import DiffusionPipeline
 
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        pipe = DiffusionPipeline.from_pretrained(model_dir, torch_dtype=dtype).to(device)
-        pipe.set_progress_bar_config(disable=True)
+        pipe = load_plain(model_dir, device)
         if compile:
             for name in ("transformer", "transformer_2"):
                 if getattr(pipe, name, None) is not None:
                     getattr(pipe, name).compile_repeated_blocks()
 
         def call(r):
-            pipe(
-                prompt=r.prompt,
-                negative_prompt=r.negative_prompt,
-                width=r.width,
-                height=r.height,
-                num_frames=r.num_frames,
-                num_inference_steps=r.num_inference_steps,
-                guidance_scale=r.guidance_scale,
-                generator=torch.Generator("cpu").manual_seed(r.seed),
-                output_type="np",
-            )
+            pipe(**plain_kwargs(r))
             if device == "cuda":
                 torch.cuda.synchronize()
 

@@ -44,7 +44,7 @@ def memory_table(ranks: list[dict], component: str = "transformer") -> str:
         rows.append(
             (
                 str(r["rank"]),
-                str(r.get("lane", r["rank"])),
+                str(r["lane"]),
                 r.get("node_ip", "?"),
                 r["device"],
                 _format_bytes(comp["sharded_local"]),
