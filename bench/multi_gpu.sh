@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The runs of a 4- or 8-GPU host (issue 6), one part per call so that each fits a 10-minute slot:
+# The runs of a 2-, 4- or 8-GPU host (issue 6), one part per call so that each fits a 10-minute slot:
 #
 #   bash bench/multi_gpu.sh GPUS PART        PART: wan21 | a14b-memory | a14b-throughput
 #
 #   wan21            Wan2.1-14B, 21 and 81 frames: plain diffusers on every GPU (the baseline),
-#                    R=GPUS x S=1 (ceiling) vs batch on 1xGPUS and 2x(GPUS/2) (on 8 GPUs also 4x2)
-#   a14b-memory      Wan2.2 A14B (both experts): weights per GPU at S=1 and S=4
+#                    R=GPUS x S=1 (ceiling) vs batch on 1xGPUS, 2x(GPUS/2) from 4 GPUs, 4x2 on 8
+#   a14b-memory      Wan2.2 A14B (both experts): weights per GPU at S=1 and S=min(GPUS, 4)
 #   a14b-throughput  Wan2.2 A14B, 21 frames: batch with S=4 (R=GPUS/4) vs the ceiling
 #
 # DEVICE=cpu runs the same parts with tiny architectures on gloo ranks (a dry run on a CPU host);
@@ -28,8 +28,10 @@ else
   FRAMES=(21 81)
   SUFFIX=
 fi
-LAYOUTS=("1x$GPUS" "2x$((GPUS / 2))")
+LAYOUTS=("1x$GPUS")
+if [ "$GPUS" -ge 4 ]; then LAYOUTS+=("2x$((GPUS / 2))"); fi  # on 2 GPUs, 2x1 is the ceiling
 if [ "$GPUS" -ge 8 ]; then LAYOUTS+=("4x$((GPUS / 4))"); fi
+SHARDS=$((GPUS < 4 ? GPUS : 4))
 
 case "$PART" in
   wan21)
@@ -38,7 +40,7 @@ case "$PART" in
       --out "$OUT"
     ;;
   a14b-memory)
-    "$PYTHON" -m bench.memory --arch wan2.2-t2v-a14b --model-dir "$MODELS/wan22$SUFFIX" --shard-sizes 1 4 \
+    "$PYTHON" -m bench.memory --arch wan2.2-t2v-a14b --model-dir "$MODELS/wan22$SUFFIX" --shard-sizes 1 "$SHARDS" \
       --frames "${FRAMES[0]}" "${COMMON[@]}" --out "$OUT"
     ;;
   a14b-throughput)

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from ray_hsdp.config import TINY_MODEL
+from ray_hsdp.request import DEFAULT_GUIDANCE_SCALE
 
 
 def _format_bytes(n: int) -> str:
@@ -326,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True)
     p.add_argument("--size", default="64x64")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--guidance-scale", type=float, default=5.0)
+    p.add_argument("--guidance-scale", type=float, default=DEFAULT_GUIDANCE_SCALE)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--n", type=int, default=1)
     p.add_argument("--shard-size", type=int, default=2)

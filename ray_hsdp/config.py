@@ -12,10 +12,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ray_hsdp.request import DEFAULT_GUIDANCE_SCALE
 from ray_hsdp.topology import ParallelDims
 
 #: The model name that stands for the embedded tiny Wan pipeline (written on first use).
 TINY_MODEL = "tiny"
+
+#: CPUs a CPU rank reserves unless ``cpus_per_rank`` says otherwise.
+CPU_RANK_CPUS = 0.5
 
 #: Pipeline components sharded by default: the transformers (both experts of a two-expert
 #: pipeline) and the text encoders. VAEs are small next to them and stay replicated.
@@ -167,7 +171,13 @@ class GroupConfig(BaseModel):
         description="Requests a group holds queued beyond those its ranks run at once; more are refused "
         "(HTTP 429). 0: no queue, only what the ranks can run.",
     )
-    cpus_per_rank: float = Field(1.0, ge=0, description="CPUs reserved per rank in its placement-group bundle.")
+    cpus_per_rank: float | None = Field(
+        None,
+        gt=0,
+        description="CPUs reserved per rank in its placement-group bundle; None: 1 on cuda, "
+        f"{CPU_RANK_CPUS} on cpu (a gloo rank computes little between collectives, and 4 of them must fit a "
+        "2-core laptop).",
+    )
     rendezvous_timeout_s: float = Field(120.0, gt=0, description="Deadline for the ranks to form their process group.")
     collective_timeout_s: float = Field(600.0, gt=0, description="Timeout of every collective of the process group.")
     load_timeout_s: float = Field(1800.0, gt=0, description="Deadline for the ranks to load and shard the pipeline.")
@@ -238,14 +248,15 @@ class GroupConfig(BaseModel):
         return "tiny-wan" if self.model == TINY_MODEL else Path(self.model).name
 
     def resolve_device(self, cluster_has_gpus: bool) -> GroupConfig:
-        """Returns a copy with ``device`` and ``dtype`` made concrete.
+        """Returns a copy with ``device``, ``dtype`` and ``cpus_per_rank`` made concrete.
 
         Args:
             cluster_has_gpus: Whether the Ray cluster offers GPUs (decides ``device='auto'``).
         """
         device = self.device if self.device != "auto" else ("cuda" if cluster_has_gpus else "cpu")
         dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-        return self.model_copy(update={"device": device, "dtype": dtype})
+        cpus = self.cpus_per_rank if self.cpus_per_rank is not None else (1.0 if device == "cuda" else CPU_RANK_CPUS)
+        return self.model_copy(update={"device": device, "dtype": dtype, "cpus_per_rank": cpus})
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -268,7 +279,9 @@ class AppConfig(GroupConfig):
 
     default_size: str = Field("832x480", description="Image size ('WxH') when a request gives none.")
     default_steps: int = Field(30, ge=1, description="Denoising steps when a request gives none.")
-    default_guidance_scale: float = Field(5.0, ge=0, description="Guidance scale when a request gives none.")
+    default_guidance_scale: float = Field(
+        DEFAULT_GUIDANCE_SCALE, ge=0, description="Guidance scale when a request gives none."
+    )
     max_n: int = Field(4, ge=1, description="Largest number of images one request may ask for.")
     max_steps: int = Field(200, ge=1, description="Largest num_inference_steps a request may ask for.")
     max_pixels: int = Field(1280 * 1280, ge=256, description="Largest width x height a request may ask for.")

@@ -75,6 +75,39 @@ class GroupOverloadedError(RuntimeError):
     """The group's queue is full; the request was not accepted."""
 
 
+class GroupUnplaceableError(RuntimeError):
+    """No node of the Ray cluster can hold a group's bundles (a group never spans nodes)."""
+
+
+def check_placeable(bundles: list[dict[str, float]]) -> None:
+    """Fails at once when no alive node of the cluster has the resources of all of a group's
+    bundles together, instead of leaving Ray to wait for a node that will never come.
+
+    Raises:
+        GroupUnplaceableError: With what a group needs, what the largest node has, and the fix.
+    """
+    need: dict[str, float] = {}
+    for bundle in bundles:
+        for name, amount in bundle.items():
+            need[name] = need.get(name, 0.0) + amount
+    nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+    if any(all(node.get(name, 0.0) >= amount for name, amount in need.items()) for node in nodes):
+        return
+    largest = max(nodes, key=lambda node: tuple(node.get(name, 0.0) for name in need), default={})
+    have = ", ".join(f"{name}: {largest.get(name, 0.0):g}" for name in need)
+    fixes = []
+    if "GPU" in need and largest.get("GPU", 0.0) < need["GPU"]:
+        fixes.append(f"a smaller shard_size (at most {int(largest.get('GPU', 0.0))})")
+    elif largest.get("CPU", 0.0) < need.get("CPU", 0.0):
+        fits = int(100 * largest.get("CPU", 0.0) / len(bundles)) / 100
+        fixes.append(f"cpus_per_rank: {fits:g}" if fits > 0 else "a smaller shard_size")
+    raise GroupUnplaceableError(
+        f"a shard group needs {len(bundles)} x {bundles[0]} on one node; the largest node has {{{have}}} "
+        f"(cluster: {ray.cluster_resources()}); set {' or '.join(fixes) or 'smaller bundles'}, or add a node "
+        "that large"
+    )
+
+
 class UnsplittableRequestError(ValueError):
     """The request's tokens cannot be split evenly over its lane (HTTP 400)."""
 
@@ -213,15 +246,14 @@ class ShardGroup:
         if not ray.is_initialized():
             ray.init()
         self.config = self.config.resolve_device(ray.cluster_resources().get("GPU", 0) > 0)
+        bundles = self.dims.bundles(self.config.device, self.config.cpus_per_rank)
         try:
             if self._pg is None:
-                self._pg = placement_group(
-                    self.dims.bundles(self.config.device, self.config.cpus_per_rank), strategy=PLACEMENT_STRATEGY
-                )
+                check_placeable(bundles)
+                self._pg = placement_group(bundles, strategy=PLACEMENT_STRATEGY)
             if not self._pg.wait(timeout_seconds=self.config.rendezvous_timeout_s):
                 raise GroupFailedError(
-                    f"could not place {self.dims.shard_size} ranks of "
-                    f"{self.dims.bundles(self.config.device, self.config.cpus_per_rank)[0]} on one node within "
+                    f"could not place {self.dims.shard_size} ranks of {bundles[0]} on one node within "
                     f"{self.config.rendezvous_timeout_s:.0f}s (cluster resources: {ray.available_resources()})"
                 )
             self._spawn_and_join()

@@ -22,9 +22,10 @@ logger = logging.getLogger("ray_hsdp")
 
 
 #: Sessions (the tick thread) run on the default thread. ``offer`` calls wait on "intake" threads,
-#: one per request handed over; ``ping``, ``memory`` and ``progress`` answer on "control" while a
-#: long request runs. The torch profiler must stop on the thread that started it: "profile". The
-#: group's ``watch`` call waits on "watch" for as long as the rank lives.
+#: one per request handed over; ``ping``, ``memory``, ``progress``, ``tick_stats``, ``cancel``,
+#: ``inject_fault`` and ``leave`` answer on "control" while a long request runs. The torch profiler
+#: must stop on the thread that started it: "profile". The group's ``watch`` call waits on "watch"
+#: for as long as the rank lives.
 CONCURRENCY_GROUPS = {"control": 2, "intake": 8, "profile": 1, "watch": 1}
 
 #: Faults ``inject_fault`` knows: a rank hung before its next collective, a forward that raises.
@@ -304,8 +305,9 @@ class Rank:
 
     @ray.method(concurrency_group="control")
     def cancel(self, request_id: str) -> bool:
-        """Cancels a request held here: queued, it never starts; running, it stops at the end of
-        its current denoising step, without decoding. Returns whether this rank held it."""
+        """Cancels a request: queued, it never starts; running, it stops at the end of its current
+        denoising step, without decoding; not here yet (the cancel overtook the offer), it never
+        starts. Returns whether the cancel answered a request held here."""
         error = RequestCancelledError(f"request {request_id!r} was cancelled")
         return self.runtime.cancel(request_id, error) if self.runtime is not None else False
 
@@ -321,7 +323,14 @@ class Rank:
         self._leaving.wait()
         return self.rank
 
+    @ray.method(concurrency_group="control")
     def leave(self) -> None:
-        """Destroys the process group (the actor is killed right after)."""
+        """Leaves the group; the actor is killed right after.
+
+        On "control", so that it answers at once even while a session runs on the default thread.
+        The process group is destroyed only when no session runs: a session's thread may sit in a
+        collective, and the kill that follows ends it, with the process.
+        """
         self._leaving.set()
-        distributed.destroy_process_group()
+        if self.runtime is None or not self.runtime.in_session:
+            distributed.destroy_process_group()

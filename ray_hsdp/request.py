@@ -6,10 +6,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+#: Guidance when nobody says otherwise: Wan's and diffusers' usual 5.0 (the config and CLI defaults).
+DEFAULT_GUIDANCE_SCALE = 5.0
+
 
 class RequestCancelledError(RuntimeError):
-    """The request was cancelled (deleted by its client, or past its deadline): it stopped at the
-    end of a denoising step, before its decode."""
+    """The request was cancelled (its video job deleted, or its client gone): it stopped at the end
+    of a denoising step, before its decode. A missed deadline is a ``TimeoutError`` instead."""
 
 
 @dataclass(frozen=True)
@@ -39,17 +42,12 @@ class GenerationRequest:
     height: int = 64
     num_frames: int = 1
     num_inference_steps: int = 2
-    guidance_scale: float = 5.0
+    guidance_scale: float = DEFAULT_GUIDANCE_SCALE
     seed: int = 0
     n: int = 1
     request_id: str = ""
     timeout_s: float | None = None
     uint8_frames: bool = False
-
-    @property
-    def guidance(self) -> bool:
-        """Whether classifier-free guidance runs (a second forward per step)."""
-        return self.guidance_scale > 1.0
 
     @property
     def forward_cost(self) -> int:

@@ -129,7 +129,7 @@ class ShardedPipeline:
         shard_components: tuple[str, ...],
         min_num_params: int,
         reshard_after_forward: bool,
-        forward_prefetch: int = 0,
+        forward_prefetch: int,
         allow_pickle: bool = False,
         dims: ParallelDims | None = None,
         lane_mesh: DeviceMesh | None = None,

@@ -126,11 +126,7 @@ class ParallelDims:
             device: ``"cuda"`` or ``"cpu"``.
             cpus_per_rank: CPUs reserved per rank.
         """
-        if device == "cuda":
-            bundle = {"GPU": 1.0, "CPU": float(cpus_per_rank)}
-        else:
-            # A CPU rank needs at least one CPU slot in its bundle, else nothing pins it.
-            bundle = {"CPU": float(max(cpus_per_rank, 1.0))}
+        bundle = {"GPU": 1.0, "CPU": float(cpus_per_rank)} if device == "cuda" else {"CPU": float(cpus_per_rank)}
         return [dict(bundle) for _ in range(self.shard_size)]
 
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import max_abs_diff, reference_frames
+from support import max_abs_diff, reference_frames
 
 from ray_hsdp.batching import compatible, concatenate, split
 from ray_hsdp.config import GroupConfig

@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import free_port, wait_until_healthy
 from PIL import Image
+from support import free_port, wait_until_healthy
 
 CLI = str(Path(sys.executable).with_name("ray-hsdp"))
 

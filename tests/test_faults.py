@@ -7,6 +7,7 @@ import time
 
 import pytest
 import ray
+from support import wait_until
 
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.group import GroupFailedError, ShardGroup
@@ -20,8 +21,7 @@ def test_a_hung_rank_fails_the_request_after_the_collective_timeout(ray_cluster,
     try:
         long = GenerationRequest(prompt="a long one", num_inference_steps=200, width=96, request_id="long")
         future = group.submit(long)
-        while group.progress().get("long", {}).get("step", 0) < 1:
-            time.sleep(0.05)
+        wait_until(lambda: group.progress().get("long", {}).get("step", 0) >= 1, what="the first step")
         stalled_at = time.monotonic()
         group.ranks[1].inject_fault.remote("stall", 60.0)  # far past the collective timeout
         with pytest.raises(GroupFailedError, match="shard group failed"):
@@ -47,7 +47,7 @@ def test_a_request_past_its_deadline_is_answered_and_interrupted(ray_cluster, ti
         with pytest.raises(TimeoutError, match="missed its deadline of 1s"):
             group.submit(late).result(timeout=60)
         assert time.monotonic() - started < 10
-        # Interrupted, not left running: it leaves the rank well before its 200 steps would end.
+        # Interrupted, not left running: it leaves the rank well before its 3000 steps would end.
         while "late" in group.progress():
             assert time.monotonic() - started < 6, "the late request was not interrupted"
             time.sleep(0.05)
@@ -57,7 +57,7 @@ def test_a_request_past_its_deadline_is_answered_and_interrupted(ray_cluster, ti
 
 
 def test_other_groups_keep_serving_while_one_fails(ray_cluster, tiny_model, reference_pipe):
-    from conftest import max_abs_diff, reference_frames
+    from support import max_abs_diff, reference_frames
 
     config = GroupConfig(model=tiny_model, device="cpu", shard_size=2, replicate_size=2)
     broken, healthy = ShardGroup(config), ShardGroup(config)
@@ -65,8 +65,7 @@ def test_other_groups_keep_serving_while_one_fails(ray_cluster, tiny_model, refe
         broken.start()
         healthy.start()
         doomed = broken.submit(GenerationRequest(prompt="doomed", num_inference_steps=3000, request_id="doomed"))
-        while broken.progress().get("doomed", {}).get("step", 0) < 1:
-            time.sleep(0.05)
+        wait_until(lambda: broken.progress().get("doomed", {}).get("step", 0) >= 1, what="the first step")
         os.kill(broken.placement[1]["pid"], signal.SIGKILL)
         during = [GenerationRequest(prompt=f"meanwhile {i}", seed=i) for i in range(4)]
         futures = [healthy.submit(r) for r in during]
@@ -103,7 +102,7 @@ def wait_running(group: ShardGroup, names: list[str], deadline_s: float = 60) ->
 
 def assert_serves_again(keeper, reference_pipe, failed_at: float) -> float:
     """The keeper's rebuilt group serves a request equal to the unsharded run; returns when it did."""
-    from conftest import max_abs_diff, reference_frames
+    from support import max_abs_diff, reference_frames
 
     group = keeper.current().result(timeout=120)
     request = GenerationRequest(prompt="after the fault", seed=99, num_inference_steps=2)

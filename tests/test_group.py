@@ -2,8 +2,8 @@
 
 import pytest
 import ray
-from conftest import max_abs_diff, reference_frames
 from ray.util.placement_group import placement_group_table
+from support import max_abs_diff, reference_frames, wait_until
 
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.group import ShardGroup, pick_next
@@ -111,14 +111,12 @@ def test_a_cancelled_request_stops_at_its_next_step_without_decoding(batch_group
     long = request("cancelled", 5, num_inference_steps=200, request_id="cancel-me")
     beside = request("beside it", 6, num_inference_steps=3)
     doomed, other = batch_group.submit(long), batch_group.submit(beside)
-    while batch_group.progress().get("cancel-me", {}).get("step", 0) < 3:
-        pass
+    wait_until(lambda: batch_group.progress().get("cancel-me", {}).get("step", 0) >= 3, what="step 3")
     step = batch_group.progress()["cancel-me"]["step"]
     assert batch_group.cancel("cancel-me")
     with pytest.raises(RequestCancelledError):
         doomed.result(timeout=30)
-    while "cancel-me" in batch_group.progress():
-        pass
+    wait_until(lambda: "cancel-me" not in batch_group.progress(), 30, "the cancelled request leaving its rank")
     result = other.result(timeout=120)
     profiles = batch_group.stop_profile()
     (record,) = [p["requests"]["cancel-me"] for p in profiles if "cancel-me" in p["requests"]]

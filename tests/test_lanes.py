@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import max_abs_diff, reference_frames
 from pydantic import ValidationError
+from support import max_abs_diff, reference_frames
 
 from ray_hsdp.checkpoints.tiny import make_tiny
 from ray_hsdp.config import GroupConfig

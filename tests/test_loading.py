@@ -31,6 +31,7 @@ def local_shards(mesh, rank, path, dtype):
         shard_components=DEFAULT_SHARD_COMPONENTS,
         min_num_params=10**9,
         reshard_after_forward=True,
+        forward_prefetch=1,
     )
     out = {}
     for name, module in pipe.modules.items():

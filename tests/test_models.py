@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import pytest
-from conftest import max_abs_diff, reference_frames
+from support import max_abs_diff, reference_frames
 
 from ray_hsdp.checkpoints.random_weights import make_random
 from ray_hsdp.config import GroupConfig

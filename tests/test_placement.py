@@ -1,6 +1,6 @@
 """Placement on Ray's simulated two-node cluster: a shard group never spans nodes."""
 
-from conftest import NODE_CPUS, max_abs_diff, reference_frames
+from support import NODE_CPUS, max_abs_diff, reference_frames
 
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.group import ShardGroup
@@ -8,14 +8,12 @@ from ray_hsdp.request import GenerationRequest
 
 
 def test_each_group_lands_on_one_node_and_groups_spread(ray_cluster, tiny_model, reference_pipe):
-    # Two groups of 3 ranks on two nodes of 4 CPUs: they cannot share a node, and STRICT_PACK
-    # must keep each group whole on its own node instead of splitting 4 + 2.
+    # Two groups of 3 ranks of a whole CPU each on two nodes of 4 CPUs: they cannot share a node,
+    # and STRICT_PACK must keep each group whole on its own node instead of splitting 4 + 2.
     shard_size = 3
     assert 2 * shard_size > NODE_CPUS
-    groups = [
-        ShardGroup(GroupConfig(model=tiny_model, device="cpu", shard_size=shard_size, replicate_size=2))
-        for _ in range(2)
-    ]
+    config = GroupConfig(model=tiny_model, device="cpu", shard_size=shard_size, replicate_size=2, cpus_per_rank=1)
+    groups = [ShardGroup(config) for _ in range(2)]
     try:
         for group in groups:
             group.start()

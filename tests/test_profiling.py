@@ -1,6 +1,6 @@
 """Profiling is a seam of the runtime: a window opened and closed while the tick thread runs."""
 
-import time
+from support import wait_until
 
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.group import ShardGroup
@@ -12,8 +12,7 @@ def test_a_profile_stopped_while_a_request_ticks_reports_ticks_and_steps(ray_clu
         group.start_profile()
         request = GenerationRequest(prompt="profiled", num_inference_steps=80, width=96, request_id="p")
         future = group.submit(request)
-        while group.progress().get("p", {}).get("step", 0) < 5:
-            time.sleep(0.02)
+        wait_until(lambda: group.progress().get("p", {}).get("step", 0) >= 5, what="step 5")
         summaries = group.stop_profile()  # the tick thread keeps ticking meanwhile
         assert future.result(timeout=120).frames.shape == (1, 1, 64, 96, 3)
         group.start_profile()  # a second window on the same ranks

@@ -18,6 +18,7 @@ def test_a_stopped_request_raises_at_its_step_and_skips_the_decode(tiny_model):
         shard_components=("transformer",),
         min_num_params=10**9,
         reshard_after_forward=True,
+        forward_prefetch=1,
     )
     vae = pipeline.pipe.vae
     decodes = []

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import max_abs_diff, reference_frames
 from gloo import GlooGroup
+from support import max_abs_diff, reference_frames
 
 from ray_hsdp.checkpoints.tiny import make_tiny
 from ray_hsdp.config import GroupConfig
@@ -68,7 +68,9 @@ def test_progress_is_visible_while_a_request_runs(ray_cluster, tiny_model):
         req = GenerationRequest(prompt="a slow one", num_inference_steps=30, width=96, num_frames=9, request_id="slow")
         future = group.submit(req)
         seen = set()
+        deadline = time.monotonic() + DEADLINE_S
         while not future.done():
+            assert time.monotonic() < deadline, "the request did not finish"
             state = group.progress().get("slow")
             if state and state["state"] == "running":
                 seen.add(state["step"])
@@ -79,7 +81,7 @@ def test_progress_is_visible_while_a_request_runs(ray_cluster, tiny_model):
     assert any(0 < step < 30 for step in seen), seen
 
 
-def count_collectives(mesh, rank, model_dir):
+def count_collectives(mesh, rank, model_dir, forward_prefetch):
     """Rank 0 runs a real transformer forward while rank 1 ghosts it; both record their collectives."""
     import torch.distributed as dist
 
@@ -96,6 +98,7 @@ def count_collectives(mesh, rank, model_dir):
         shard_components=("transformer", "text_encoder"),
         min_num_params=10**9,
         reshard_after_forward=True,
+        forward_prefetch=forward_prefetch,
     )
     record = []
     for name in ("all_gather_single", "all_gather_into_tensor"):
@@ -131,9 +134,10 @@ def count_collectives(mesh, rank, model_dir):
     return record
 
 
-def test_a_ghost_pass_issues_exactly_the_collectives_of_the_real_forward(ray_cluster, tiny_model):
+@pytest.mark.parametrize("forward_prefetch", [0, 1])  # FSDP2's implicit order, and the default explicit one
+def test_a_ghost_pass_issues_exactly_the_collectives_of_the_real_forward(ray_cluster, tiny_model, forward_prefetch):
     with GlooGroup(2) as group:
-        real, ghost = group.run(count_collectives, tiny_model)
+        real, ghost = group.run(count_collectives, tiny_model, forward_prefetch)
     units = 4 + 1  # the tiny transformer's blocks and its root
     gathers = [c for c in real if c[0] != (2,)]  # leave out the ticks' own all-gathers of two integers
     assert len(gathers) == 2 * units  # two forwards, each gathering every unit once

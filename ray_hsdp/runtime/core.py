@@ -24,7 +24,8 @@ KEY_SPACE = 1 << 40
 #: that request at this tick; every rank that sees it applies it at the same tick.
 STOP = -3
 
-#: Stopped tickets a rank remembers, so that a request whose stop came before its offer never starts.
+#: Stopped tickets (and cancelled request ids) a rank remembers, so that a request whose stop or
+#: cancel came before its offer never starts.
 _STOPPED_MEMORY = 4096
 
 #: Longest a tick in which no rank ran a module waits for new work before the next tick, so that
@@ -259,9 +260,12 @@ class RankRuntime:
         self._where = "session"
         self._progress: dict[str, tuple[int, int]] = {}
         self._threads_started = 0
+        #: Whether a session runs now (its thread may sit in a collective).
+        self.in_session = False
         self._local = threading.local()  # a request thread's job
         self._stops: deque[int] = deque()  # tickets this rank asks its lane to stop
         self._stopped: dict[int, None] = {}  # tickets stopped here (insertion-ordered, bounded)
+        self._cancelled: dict[str, BaseException] = {}  # request id -> the error of a cancel that came first
 
     # ---- callers' side ---------------------------------------------------------------------
 
@@ -274,16 +278,20 @@ class RankRuntime:
         """
         job = Job(request, ticket)
         with self._cond:
+            cancelled = self._cancelled.pop(request.request_id, None)
             if self._failure is None and ticket in self._stopped:
                 # Its lane stopped it before this rank's offer arrived.
                 job.stopped = True
-            elif self._failure is None:
+            elif self._failure is None and cancelled is None:
                 self._inbox.append(job)
                 self._cond.notify_all()
                 return job
             message = str(self._failure) if self._failure is not None else None
         if message is not None:
             job.complete(error=SessionFailedError(message))
+        elif cancelled is not None:
+            # Its cancel arrived before it did (they travel on different threads of the actor).
+            self.cancel_job(job, cancelled)
         else:
             job.complete(error=self._stopped_error(job))
         return job
@@ -315,18 +323,26 @@ class RankRuntime:
     def cancel(self, request_id: str, error: BaseException) -> bool:
         """Answers the request with ``error`` and stops it: a queued one never starts, a running
         one at the end of its current step (in a lane of several ranks: at the next tick, on all
-        of them). Returns whether this rank held it."""
+        of them). A cancel of a request not handed to this rank yet is remembered: when it comes,
+        it is answered with ``error`` at once and never starts.
+
+        Returns:
+            Whether the cancel answered a request held here (False for one that had already ended).
+        """
         with self._cond:
             jobs = [job for job in [*self._inbox, *self._running] if job.request.request_id == request_id]
-        for job in jobs:
-            self.cancel_job(job, error)
-        return bool(jobs)
+            if not jobs:
+                self._cancelled[request_id] = error
+                while len(self._cancelled) > _STOPPED_MEMORY:
+                    del self._cancelled[next(iter(self._cancelled))]
+        return any([self.cancel_job(job, error) for job in jobs])
 
-    def cancel_job(self, job: Job, error: BaseException) -> None:
-        """Answers ``job`` with ``error`` and stops it (see ``cancel``)."""
-        job.cancel(error)
+    def cancel_job(self, job: Job, error: BaseException) -> bool:
+        """Answers ``job`` with ``error`` and stops it (see ``cancel``); False when it had an answer already."""
+        answered = job.cancel(error)
         if self.lane_size > 1:
             self._ask_stop(job.ticket)
+        return answered
 
     def _ask_stop(self, ticket: int) -> None:
         with self._cond:
@@ -374,6 +390,7 @@ class RankRuntime:
             if self._failure is not None:
                 raise SessionFailedError(str(self._failure))
         before = self._threads_started
+        self.in_session = True
         try:
             while True:
                 if self.lane_size == 1:  # a lane of several ranks starts requests at a tick
@@ -385,6 +402,8 @@ class RankRuntime:
                     return self._threads_started - before
         except BaseException as err:
             raise self.fail(err) from err
+        finally:
+            self.in_session = False
 
     def fail(self, cause: BaseException) -> SessionFailedError:
         """Fails the session: every request and call held here gets the error, new ones are refused.

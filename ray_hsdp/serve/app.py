@@ -7,6 +7,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from ray_hsdp.config import AppConfig
+from ray_hsdp.group import check_placeable
 from ray_hsdp.serve.deployment import HSDPServer
 from ray_hsdp.serve.routing import GroupAwareRouter
 from ray_hsdp.topology import PLACEMENT_STRATEGY
@@ -27,9 +28,11 @@ def build_app(args: dict) -> Application:
         ray.init()
     config = AppConfig(**args).resolve_device(ray.cluster_resources().get("GPU", 0) > 0)
     dims = config.parallel_dims()
+    bundles = dims.bundles(config.device, config.cpus_per_rank)
+    check_placeable(bundles)  # else Serve waits forever for a node that could hold the replica
     return HSDPServer.options(
         num_replicas=dims.replicate_size,
-        placement_group_bundles=dims.bundles(config.device, config.cpus_per_rank),
+        placement_group_bundles=bundles,
         placement_group_strategy=PLACEMENT_STRATEGY,
         # The replica process only routes; its bundle's resources belong to rank 0.
         ray_actor_options={"num_cpus": 0},

@@ -39,6 +39,21 @@ logger = logging.getLogger("ray_hsdp")
 api = FastAPI(title="ray_hsdp", description="FSDP2-sharded diffusion serving on Ray")
 
 
+def show_logs() -> None:
+    """Sends the ``ray_hsdp`` logger's INFO lines (the request log) to this process's stderr.
+
+    Serve configures only its own ``ray.serve`` logger in a replica; without this, the one JSON
+    line per request and the group's lifecycle lines would be dropped at the root logger's WARNING.
+    """
+    ours = logging.getLogger("ray_hsdp")
+    if not ours.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
 def _error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param}})
 
@@ -204,6 +219,7 @@ class HSDPServer:
     """
 
     def __init__(self, config: dict, dims: ParallelDims | None = None):
+        show_logs()
         self.config = AppConfig(**config)
         self.dims = dims or self.config.parallel_dims()
         self.model_name = self.config.served_model_name
@@ -354,7 +370,7 @@ class HSDPServer:
             "fps": fps,
             "seed": job.seed,
         }
-        status, created = await self.jobs.create.remote(fields, serve.get_replica_context().replica_id.unique_id)
+        status, created = await self.jobs.create.remote(fields)
         if status == "full":
             raise JobTableFullError(created)
         job = dataclasses.replace(job, request_id=created["id"])
@@ -457,10 +473,11 @@ class HSDPServer:
         return {"video": video, "mp4": await self.video_content(created["id"])}
 
     def pool(self) -> dict:
-        """Topology of this replica's group and each rank's memory report."""
+        """Topology of this replica's group, each rank's memory report, and the requests it holds
+        (queued, or running with their denoising step: ``ShardGroup.progress``)."""
         group = self._ready_group()
         replica = serve.get_replica_context().replica_id.unique_id
-        return {**group.describe(), "replica": replica, "ranks": group.memory()}
+        return {**group.describe(), "replica": replica, "ranks": group.memory(), "requests": group.progress()}
 
     def progress(self) -> dict:
         """Request id -> state (queued, or running with its denoising step) of this replica's requests."""

@@ -81,7 +81,7 @@ class VideoJobs:
 
     # ---- what replicas call ----------------------------------------------------------------
 
-    def create(self, fields: dict, owner: str) -> tuple[str, dict | str]:
+    def create(self, fields: dict) -> tuple[str, dict | str]:
         """Adds a queued job.
 
         Returns:
@@ -103,7 +103,6 @@ class VideoJobs:
             "expires_at": None,
             "error": None,
             **fields,
-            "_owner": owner,
             "_heartbeat": time.time(),
             "_run": None,
         }

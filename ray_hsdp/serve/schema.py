@@ -6,10 +6,10 @@ import base64
 import dataclasses
 import secrets
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
 
 from ray_hsdp.config import AppConfig, parse_size
 from ray_hsdp.request import GenerationRequest, GenerationResult
@@ -17,6 +17,16 @@ from ray_hsdp.serve.media import encode_png as png_bytes
 from ray_hsdp.serve.media import frames_for_seconds
 
 MAX_SEED = 2**63 - 1
+
+
+def _size_is_wxh(value: str | None) -> str | None:
+    if value is not None:
+        parse_size(value)
+    return value
+
+
+#: ``"WxH"``, each side a multiple of 16 (checked by ``parse_size``).
+Size = Annotated[str | None, AfterValidator(_size_is_wxh)]
 
 
 class ImageGenerationRequest(BaseModel):
@@ -27,7 +37,9 @@ class ImageGenerationRequest(BaseModel):
     prompt: StrictStr = Field(..., min_length=1, description="Text prompt.")
     model: StrictStr | None = Field(None, description="Served model name; the deployment's model when omitted.")
     n: StrictInt = Field(1, ge=1, description="Number of images.")
-    size: StrictStr | None = Field(None, description="'WxH', each a multiple of 16; the server default when omitted.")
+    size: Annotated[StrictStr | None, AfterValidator(_size_is_wxh)] = Field(
+        None, description="'WxH', each a multiple of 16; the server default when omitted."
+    )
     response_format: Literal["b64_json"] = Field("b64_json", description="Only base64 PNG is returned.")
     user: StrictStr | None = Field(None, description="OpenAI's end-user id; accepted and ignored.")
     negative_prompt: StrictStr | None = Field(None, description="Negative prompt.")
@@ -37,13 +49,6 @@ class ImageGenerationRequest(BaseModel):
     timeout_s: StrictFloat | StrictInt | None = Field(
         None, gt=0, description="Deadline once a rank takes the request; the server's request_timeout_s when omitted."
     )
-
-    @field_validator("size")
-    @classmethod
-    def _size_is_wxh(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_size(value)
-        return value
 
 
 class RequestLimitError(ValueError):
@@ -115,7 +120,7 @@ class VideoCreateRequest(BaseModel):
 
     prompt: str = Field(..., min_length=1, description="Text prompt.")
     model: str | None = Field(None, description="Served model name; the deployment's model when omitted.")
-    size: str | None = Field(None, description="'WxH', each a multiple of 16; the server default when omitted.")
+    size: Size = Field(None, description="'WxH', each a multiple of 16; the server default when omitted.")
     seconds: float | None = Field(
         None, gt=0, description="Clip length; frames = the nearest count the VAE takes at the model's frame rate."
     )
@@ -126,13 +131,6 @@ class VideoCreateRequest(BaseModel):
     negative_prompt: str | None = Field(None, description="Negative prompt.")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Noise seed; random when omitted.")
     user: str | None = Field(None, description="OpenAI's end-user id; accepted and ignored.")
-
-    @field_validator("size")
-    @classmethod
-    def _size_is_wxh(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_size(value)
-        return value
 
 
 def to_video_request(

@@ -65,7 +65,8 @@ def apply_fsdp(
     # inference never runs; the root follows the same setting as its units instead.
     root.set_reshard_after_forward(reshard, recurse=False)
     if forward_prefetch > 0:
-        # Registration order is forward order for the block stacks of DiTs and text encoders.
+        # Module order is forward order within the block stacks of DiTs and text encoders; where it
+        # is not (a unit outside the stack), a prefetch only gathers early: FSDP2 still waits for it.
         order = [m for name, m in root.named_modules() if name and isinstance(m, FSDPModule)]
         for i, unit in enumerate(order[:-1]):
             unit.set_modules_to_forward_prefetch(order[i + 1 : i + 1 + forward_prefetch])

@@ -1,5 +1,6 @@
-"""The shipped tiny YAML, deployed by the ``serve run`` CLI on a free port of 127.0.0.1: the way a
-user starts the server. Each test module that needs it gets its own."""
+"""The shipped YAMLs, deployed by the ``serve run`` CLI on a free port of 127.0.0.1: the way a user
+starts the server. The serve tests share one server of the tiny YAML on the session's cluster
+(``conftest.server``); ``own_ray`` runs one as on a fresh machine, with a Ray of its own."""
 
 from __future__ import annotations
 
@@ -9,21 +10,34 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import yaml
-from conftest import free_port, wait_until_healthy
 from PIL import Image
+from support import free_port, wait_until_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def serve_run(tmp_path_factory, name: str = "tiny_cpu.yaml"):
-    """Generator for a module fixture: yields the URL of the server of YAML ``name``, then stops it."""
+def serve_run(tmp_path_factory, name: str = "tiny_cpu.yaml", own_ray: bool = False):
+    """Generator for a fixture: yields the URL of the server of YAML ``name``, then stops it.
+
+    Args:
+        own_ray: Start it as on a fresh machine: no ``RAY_ADDRESS`` and a Ray temp folder of its
+            own, so ``serve run`` starts a local Ray with this machine's real CPUs instead of
+            joining the session's simulated cluster.
+    """
     from ray import serve
 
-    serve.shutdown()  # a Serve left by an earlier test (a notebook's) would keep its own HTTP port
+    env = os.environ.copy()
+    if own_ray:
+        env.pop("RAY_ADDRESS", None)
+        # Short: Ray's socket paths live under it. Without it, Ray finds the session's cluster.
+        env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rh", dir="/tmp")
+    else:
+        serve.shutdown()  # a Serve left by an earlier test would keep its own HTTP port
     config = yaml.safe_load((ROOT / "serve_configs" / name).read_text())
     port = free_port()
     config["http_options"]["port"] = port
@@ -33,7 +47,7 @@ def serve_run(tmp_path_factory, name: str = "tiny_cpu.yaml"):
     proc = subprocess.Popen(
         [str(Path(sys.executable).with_name("serve")), "run", str(path)],
         cwd=ROOT,
-        env=os.environ.copy(),
+        env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -49,8 +63,20 @@ def serve_run(tmp_path_factory, name: str = "tiny_cpu.yaml"):
     except subprocess.TimeoutExpired:
         # Seen in full runs: it sometimes never logs the interrupt; Serve is shut down below anyway.
         proc.kill()
-    serve.shutdown()
+        proc.wait(timeout=30)
+    if not own_ray:  # its own local Ray went with it: Ray's processes share the fate of the driver
+        serve.shutdown()
     log.close()
+
+
+def deploy(server: str, name: str, args: dict) -> str:
+    """Deploys ``build_app(args)`` as app ``name`` at ``/name`` on the server's Serve; returns its URL."""
+    from ray import serve
+
+    from ray_hsdp.serve import build_app
+
+    serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+    return f"{server}/{name}"
 
 
 def decode_png(b64: str) -> Image.Image:

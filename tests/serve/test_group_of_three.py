@@ -6,23 +6,17 @@ import time
 
 import pytest
 import requests
-from conftest import free_port
+from served import deploy
 
 
 @pytest.fixture(scope="module")
-def trio(ray_cluster):
-    """An app of one shard group of 3 CPU ranks on a free port of 127.0.0.1."""
+def trio(server):
+    """An app of one shard group of 3 CPU ranks beside the tiny server's app."""
     from ray import serve
 
-    from ray_hsdp.serve import build_app
-
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {"model": "tiny", "device": "cpu", "shard_size": 3, "default_size": "64x64", "requests_per_rank": 1}
-    serve.run(build_app(args), name="trio", route_prefix="/trio")
-    yield f"http://127.0.0.1:{port}/trio"
+    yield deploy(server, "trio", args)
     serve.delete("trio")
-    serve.shutdown()
 
 
 def test_killing_the_last_rank_of_three_answers_every_client_with_503_and_the_group_heals(trio):
@@ -38,7 +32,9 @@ def test_killing_the_last_rank_of_three_answers_every_client_with_503_and_the_gr
     handle = serve.get_app_handle("trio")
     with ThreadPoolExecutor(max_workers=3) as pool:
         pending = [pool.submit(requests.post, url, json=body, timeout=120) for body in slow]
+        deadline = time.monotonic() + 60
         while len(handle.progress.remote().result(timeout_s=60)) < 3:  # one request on each rank
+            assert time.monotonic() < deadline, "the three requests did not all start within 60 s"
             time.sleep(0.05)
         killed_at = time.monotonic()
         os.kill(victim, signals.SIGKILL)

@@ -11,20 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
-from conftest import reference_frames
 from prometheus import SAMPLE, samples, scrape, total
-from served import decode_png, serve_run
+from served import decode_png
+from support import reference_frames
 
 from ray_hsdp.request import GenerationRequest
 from ray_hsdp.serve.metrics import METRICS
 
 APP = "ray_hsdp"
 DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "ray_hsdp.json"
-
-
-@pytest.fixture(scope="module")
-def server(ray_cluster, tmp_path_factory):
-    yield from serve_run(tmp_path_factory)
 
 
 # The metrics tests come first: they count this server's requests from its start.

@@ -1,17 +1,17 @@
 """Combined mode over HTTP: ``serve run serve_configs/tiny_cpu_usp.yaml`` (4 CPU ranks as 2 lanes of
-Ulysses 2). Images and videos equal the unsharded pipeline's, the two lanes serve two requests at
-once, a size that does not split is a 400, and a job deleted mid-run leaves its lane serving."""
+Ulysses 2), started as on a fresh 2-core machine: no cluster, a Ray of its own. Images and videos
+equal the unsharded pipeline's, the two lanes serve two requests at once, a size that does not
+split is a 400, and a job deleted mid-run stops within two steps and leaves its lane serving."""
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import requests
-from conftest import reference_frames
 from served import png_pixels, serve_run
+from support import reference_frames, wait_until
 from test_videos import SAME_MP4_MAE, as_mp4, mae, reference_video
 
 from ray_hsdp.request import GenerationRequest
@@ -20,7 +20,9 @@ from ray_hsdp.serve.media import decode_mp4
 
 @pytest.fixture(scope="module")
 def server(ray_cluster, tmp_path_factory):
-    yield from serve_run(tmp_path_factory, "tiny_cpu_usp.yaml")
+    """The YAML as a user starts it: plain ``serve run``, this machine's CPUs (the session's cluster
+    only writes the tiny model's cache the server reads)."""
+    yield from serve_run(tmp_path_factory, "tiny_cpu_usp.yaml", own_ray=True)
 
 
 def test_the_pool_shows_two_lanes_of_two(server):
@@ -63,18 +65,23 @@ def test_a_size_whose_tokens_do_not_split_is_a_400(server, route, body):
 
 
 def test_deleting_a_running_job_stops_its_lane_and_the_lane_serves_again(server, reference_pipe):
-    from ray import serve
-
-    handle = serve.get_app_handle("ray_hsdp")
     long = {"prompt": "a long one", "size": "128x128", "num_frames": 17, "num_inference_steps": 200, "seed": 4}
     job = requests.post(f"{server}/v1/videos", json=long, timeout=60).json()
-    step = 0
-    while step < 2:
-        step = handle.progress.remote().result(timeout_s=60).get(job["id"], {}).get("step", 0)
-        time.sleep(0.02)
+
+    def state() -> dict | None:  # what the group says of the job (its request id is the job's id)
+        return requests.get(f"{server}/v1/pool", timeout=60).json()["requests"].get(job["id"])
+
+    step = wait_until(lambda: (s := (state() or {}).get("step", 0)) >= 2 and s, 120, "step 2 of the job")
     assert requests.delete(f"{server}/v1/videos/{job['id']}", timeout=60).json()["deleted"] is True
-    while handle.progress.remote().result(timeout_s=60).get(job["id"]) is not None:
-        time.sleep(0.05)
+    seen = [step]
+
+    def gone() -> bool:
+        now = state()
+        seen.append((now or {}).get("step", 0))
+        return now is None
+
+    wait_until(gone, 60, "the deleted job leaving its lane")
+    assert max(seen) <= step + 2, (step, seen)  # stopped within two steps of the DELETE
     # Both lanes serve: two requests at once, each equal to the unsharded run.
     bodies = [{"prompt": f"after {i}", "seed": 30 + i, "num_inference_steps": 2} for i in range(2)]
     with ThreadPoolExecutor(max_workers=2) as pool:

@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import requests
-from conftest import reference_frames
-from served import png_pixels, serve_run
+from served import png_pixels
+from support import reference_frames, wait_until
 
 from ray_hsdp.request import GenerationRequest
 from ray_hsdp.serve.media import decode_mp4, encode_mp4
@@ -25,11 +25,6 @@ from ray_hsdp.serve.media import decode_mp4, encode_mp4
 SAME_MP4_MAE = 0.2
 #: The codec's own error against the uncompressed frames, on this noise-like content (measured 1.5).
 CODEC_MAE = 3.0
-
-
-@pytest.fixture(scope="module")
-def server(ray_cluster, tmp_path_factory):
-    yield from serve_run(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +60,9 @@ def test_the_openai_client_creates_polls_and_downloads_a_video_equal_to_unsharde
     )
     assert job.status in ("queued", "in_progress") and job.object == "video"
     seen = [job.progress]
+    deadline = time.monotonic() + 120
     while job.status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, "the job did not finish within 120 s"
         time.sleep(0.05)
         job = client.videos.retrieve(job.id)
         seen.append(job.progress)
@@ -143,19 +140,22 @@ def test_deleting_a_running_job_stops_it_and_the_group_keeps_serving(server, ref
         others = [
             executor.submit(requests.post, f"{server}/v1/images/generations", json=b, timeout=300) for b in images
         ]
-        step = 0
-        while step < 3:
-            step = handle.progress.remote().result(timeout_s=60).get(job["id"], {}).get("step", 0)
-            time.sleep(0.02)
+        def job_step() -> int:
+            return handle.progress.remote().result(timeout_s=60).get(job["id"], {}).get("step", 0)
+
+        step = wait_until(lambda: (s := job_step()) >= 3 and s, 120, "step 3 of the job")
         response = requests.delete(f"{server}/v1/videos/{job['id']}", timeout=60)
         deleted_at = time.monotonic()
         assert response.json() == {"id": job["id"], "object": "video.deleted", "deleted": True}
-        last = step
-        while True:
+        seen = [step]
+
+        def gone() -> bool:
             state = handle.progress.remote().result(timeout_s=60).get(job["id"])
-            if state is None:
-                break
-            last = max(last, state.get("step", 0))
+            seen.append(state.get("step", 0) if state else 0)
+            return state is None
+
+        wait_until(gone, 60, "the deleted job leaving its rank")
+        last = max(seen)
         stopped_s = time.monotonic() - deleted_at
         results = [f.result(timeout=300) for f in others]
     assert last <= step + 2, (step, last)  # stopped within two steps of the DELETE
@@ -258,11 +258,11 @@ def limited(server):
 
 
 def wait_done(url: str, video_id: str) -> dict:
-    while True:
+    def finished() -> dict | None:
         video = requests.get(f"{url}/{video_id}", timeout=60).json()
-        if video["status"] in ("completed", "failed"):
-            return video
-        time.sleep(0.05)
+        return video if video["status"] in ("completed", "failed") else None
+
+    return wait_until(finished, 120, f"video {video_id} finishing", interval_s=0.05)
 
 
 def test_the_job_table_refuses_work_at_its_limits_and_forgets_expired_jobs(limited):
@@ -292,7 +292,7 @@ def test_a_job_whose_replica_stops_reporting_reads_failed(ray_cluster):
     from ray_hsdp.serve.jobs import VideoJobs
 
     table = VideoJobs.remote(max_jobs=4, max_bytes=2**20, ttl_s=60, stale_after_s=0.5)
-    status, video = ray.get(table.create.remote({"model": "m", "prompt": "p", "size": "64x64"}, "gone-replica"))
+    status, video = ray.get(table.create.remote({"model": "m", "prompt": "p", "size": "64x64"}))
     assert status == "ok" and ray.get(table.update.remote(video["id"], progress=30, run=None))
     time.sleep(0.8)
     failed = ray.get(table.get.remote(video["id"]))
