@@ -18,6 +18,9 @@ from ray_hsdp.topology import ParallelDims
 #: The model name that stands for the embedded tiny Wan pipeline (written on first use).
 TINY_MODEL = "tiny"
 
+#: Requests a rank can be handed at once: the threads its ``offer`` calls wait on.
+MAX_REQUESTS_PER_RANK = 8
+
 #: CPUs a CPU rank reserves unless ``cpus_per_rank`` says otherwise.
 CPU_RANK_CPUS = 0.5
 
@@ -128,7 +131,9 @@ class GroupConfig(BaseModel):
     requests_per_rank: int = Field(
         2,
         ge=1,
-        description="Requests one rank works on at once: while one decodes its video, the next denoises.",
+        le=MAX_REQUESTS_PER_RANK,
+        description="Requests one rank works on at once: while one decodes its video, the next denoises. "
+        f"At most {MAX_REQUESTS_PER_RANK} (the threads a rank waits on them with).",
     )
     forward_prefetch: int = Field(
         1,
@@ -182,7 +187,13 @@ class GroupConfig(BaseModel):
     collective_timeout_s: float = Field(600.0, gt=0, description="Timeout of every collective of the process group.")
     load_timeout_s: float = Field(1800.0, gt=0, description="Deadline for the ranks to load and shard the pipeline.")
     request_timeout_s: float = Field(
-        600.0, gt=0, description="Deadline for one request, from the moment a rank takes it."
+        600.0, gt=0, description="Deadline for one request, from the moment a rank takes it (HTTP 504 past it)."
+    )
+    queue_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="Longest a request waits before a rank takes it: in the group's queue, or for a failed group's "
+        "rebuild (HTTP 504 past it).",
     )
     allow_pickle: bool = Field(False, description="Also load pickle (.bin) checkpoints; only safetensors otherwise.")
 
@@ -207,6 +218,12 @@ class GroupConfig(BaseModel):
         if self.attention_backend != "auto":
             check_attention_backend_name(self.attention_backend)
         lane_size = self.parallel_dims().lane_size  # its errors name the fields
+        if lane_size > 1 and "vae" in self.shard_components:
+            raise ValueError(
+                f"shard_components names 'vae' with lanes of {lane_size} ranks: only a lane's leader decodes, so a "
+                "sharded VAE's gathers would wait for ranks that never join them; leave 'vae' out (VAEs stay "
+                "replicated) or use lanes of one rank"
+            )
         if lane_size > 1 and self.max_forward_batch > 1:
             raise ValueError(
                 f"max_forward_batch={self.max_forward_batch} with lanes of {lane_size} ranks (mode {self.mode!r}, "

@@ -75,6 +75,10 @@ class GroupOverloadedError(RuntimeError):
     """The group's queue is full; the request was not accepted."""
 
 
+class QueueTimeoutError(TimeoutError):
+    """No rank took the request within ``queue_timeout_s`` (HTTP 504)."""
+
+
 class GroupUnplaceableError(RuntimeError):
     """No node of the Ray cluster can hold a group's bundles (a group never spans nodes)."""
 
@@ -419,11 +423,18 @@ class ShardGroup:
                 logger.exception("A request listener failed")
 
     def check(self, request: GenerationRequest) -> None:
-        """Refuses a request whose tokens do not split evenly over a lane's ``ring x ulysses`` ranks.
+        """Refuses a request this pipeline cannot run: one whose tokens do not split evenly over a
+        lane's ``ring x ulysses`` ranks, or that asks a single-expert pipeline for ``guidance_scale_2``.
 
         Raises:
             UnsplittableRequestError: With the token count, the degree and what to change.
+            ValueError: ``guidance_scale_2`` for a pipeline without a second expert.
         """
+        if request.guidance_scale_2 is not None and not self.pipeline_facts.get("guidance_scale_2"):
+            raise ValueError(
+                "guidance_scale_2 is the low-noise expert's guidance of a two-expert pipeline (Wan2.2 A14B); "
+                f"{self.config.served_model_name} has one expert: use guidance_scale"
+            )
         sequence = self.pipeline_facts.get("sequence")
         if not sequence:
             return
@@ -505,7 +516,8 @@ class ShardGroup:
             while True:
                 with self._cond:
                     while not (self._closed or self._events or self._wake):
-                        self._cond.wait()
+                        if not self._cond.wait(self._until_queue_timeout()):
+                            break  # the oldest queued request's time is up
                     if self._closed:
                         return
                     self._wake = False
@@ -519,6 +531,7 @@ class ShardGroup:
                     elif isinstance(future.exception(), ray.exceptions.RayActorError):  # a rank, idle or not
                         rank_index = self._watchers[ref]
                         self._fail(_died(rank_index, future.exception()))
+                self._expire_queued()
                 with self._cond:
                     if self._failure or self._closed:
                         continue
@@ -532,6 +545,25 @@ class ShardGroup:
             logger.exception("The shard group's scheduler crashed")
             self._fail(f"shard group failed: its scheduler crashed: {type(err).__name__}: {err}")
 
+    def _until_queue_timeout(self) -> float | None:
+        """Seconds until the oldest queued request's ``queue_timeout_s`` ends (lock held)."""
+        if not self._pending:
+            return None
+        return max(0.0, self._pending[0].enqueued + self.config.queue_timeout_s - time.monotonic())
+
+    def _expire_queued(self) -> None:
+        """Answers the queued requests no lane took within ``queue_timeout_s`` (504)."""
+        now = time.monotonic()
+        with self._cond:
+            expired = [j for j in self._pending if now - j.enqueued >= self.config.queue_timeout_s]
+            self._pending = [j for j in self._pending if j not in expired]
+        for job in expired:
+            error = QueueTimeoutError(
+                f"request {job.request.request_id!r} waited {now - job.enqueued:.0f}s in the queue, and no rank took "
+                f"it within queue_timeout_s={self.config.queue_timeout_s:g}"
+            )
+            _resolve(job.future, error=error)
+
     def _offer_done(self, ref: ray.ObjectRef, future: Future) -> None:
         with self._cond:
             entry = self._inflight.pop(ref, None)
@@ -544,7 +576,8 @@ class ShardGroup:
         elif error is not None and isinstance(_cause(error), SessionFailedError):
             self._fail(self._session_failure(error), also=job)
         elif not self.dims.leads(rank_index):
-            pass  # the lane's leader answers
+            if error is not None:  # its own error, which stopped the lane: the cause, not the leader's stop
+                _resolve(job.future, error=_cause(error))
         elif error is None:
             _resolve(job.future, result=future.result())
         else:  # the request's own error (bad input, deadline): the group is fine

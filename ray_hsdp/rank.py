@@ -11,7 +11,7 @@ import time
 import ray
 
 from ray_hsdp import distributed
-from ray_hsdp.config import GroupConfig
+from ray_hsdp.config import MAX_REQUESTS_PER_RANK, GroupConfig
 from ray_hsdp.memory import RssSampler, device_allocated_bytes
 from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
 from ray_hsdp.runtime import RankRuntime, SessionFailedError
@@ -26,7 +26,7 @@ logger = logging.getLogger("ray_hsdp")
 #: ``inject_fault`` and ``leave`` answer on "control" while a long request runs. The torch profiler
 #: must stop on the thread that started it: "profile". The group's ``watch`` call waits on "watch"
 #: for as long as the rank lives.
-CONCURRENCY_GROUPS = {"control": 2, "intake": 8, "profile": 1, "watch": 1}
+CONCURRENCY_GROUPS = {"control": 2, "intake": MAX_REQUESTS_PER_RANK, "profile": 1, "watch": 1}
 
 #: Faults ``inject_fault`` knows: a rank hung before its next collective, a forward that raises.
 FAULTS = ("stall", "forward")
@@ -200,6 +200,8 @@ class Rank:
         Raises:
             SessionFailedError: This rank's session failed (its group must be torn down).
             TimeoutError: The request missed its deadline; it is interrupted at its next step.
+            Exception: The request's own error; on a rank that is not the leader, the error that
+                made it stop its lane.
         """
         runtime = self._loaded()
         job = runtime.submit(request, ticket)
@@ -210,8 +212,10 @@ class Rank:
                 raise
             except RequestStoppedError:
                 pass  # its lane stopped it: the leader answers why
-            except Exception as err:  # noqa: BLE001 - the leader answers; an error only here stopped the lane
+            except Exception as err:
+                # An error only here stopped the lane: the caller learns its cause from this rank.
                 logger.warning("Request %r failed on rank %d of its lane: %s", request.request_id, self.rank, err)
+                raise
             return None
         deadline = request.timeout_s or self.config.request_timeout_s
         if not job.wait(deadline):

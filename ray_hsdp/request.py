@@ -27,6 +27,8 @@ class GenerationRequest:
         num_frames: Frames of the output; 1 for an image.
         num_inference_steps: Denoising steps.
         guidance_scale: Classifier-free guidance scale; guidance is on when it is above 1.
+        guidance_scale_2: Guidance of the low-noise expert of a two-expert pipeline (Wan2.2
+            A14B); ``None``: the same as ``guidance_scale``.
         seed: Seed of the initial noise (a CPU ``torch.Generator``, so results match across devices).
         n: Outputs for this prompt, run as one batch.
         request_id: Caller's id, carried through for logs and results.
@@ -43,6 +45,7 @@ class GenerationRequest:
     num_frames: int = 1
     num_inference_steps: int = 2
     guidance_scale: float = DEFAULT_GUIDANCE_SCALE
+    guidance_scale_2: float | None = None
     seed: int = 0
     n: int = 1
     request_id: str = ""

@@ -204,6 +204,9 @@ class ShardedPipeline:
             "temporal_compression": int(getattr(self.pipe, "vae_scale_factor_temporal", 1) or 1),
             "sequence": self.sequence,
             "cfg_split": list(self.cfg_split),
+            # Two experts with a boundary: the low-noise one takes its own guidance.
+            "guidance_scale_2": "guidance_scale_2" in self._call_params
+            and getattr(self.pipe.config, "boundary_ratio", None) is not None,
         }
 
     def guided(self) -> bool:
@@ -235,6 +238,8 @@ class ShardedPipeline:
             "generator": torch.Generator("cpu").manual_seed(request.seed),
             "output_type": "np",
         }
+        if request.guidance_scale_2 is not None:
+            kwargs["guidance_scale_2"] = request.guidance_scale_2
         # Video pipelines take frames and "videos per prompt"; image pipelines take neither.
         if "num_frames" in self._call_params:
             kwargs["num_frames"] = request.num_frames

@@ -27,6 +27,8 @@ def reference_frames(pipe, request: GenerationRequest) -> np.ndarray:
         video = {"num_frames": request.num_frames, "num_videos_per_prompt": request.n}
     else:
         video = {"num_images_per_prompt": request.n}
+    if request.guidance_scale_2 is not None:
+        video["guidance_scale_2"] = request.guidance_scale_2
     out = pipe(
         prompt=request.prompt,
         negative_prompt=request.negative_prompt,

@@ -27,6 +27,9 @@ def test_defaults_are_a_usable_group():
         ({"model": ""}, "model must name"),
         ({"shard_sise": 2}, "Extra inputs are not permitted"),
         ({"collective_timeout_s": 0}, "greater than 0"),
+        ({"requests_per_rank": 9}, "less than or equal to 8"),
+        ({"ulysses_degree": 2, "shard_components": ("transformer", "vae")}, "leave 'vae' out"),
+        ({"cpus_per_rank": 0}, "greater than 0"),
     ],
 )
 def test_bad_group_config_names_the_problem(fields, message):
@@ -77,6 +80,28 @@ def test_parallel_dims_bundles_and_mesh():
     replicated = ParallelDims(replicate_size=1, shard_size=4, replicated=True)
     assert (replicated.lane_size, replicated.num_lanes, replicated.lane_mesh_shape) == (4, 1, None)
     assert dims.bundles("cuda", 2) == [{"GPU": 1.0, "CPU": 2.0}] * 4
-    assert dims.bundles("cpu", 0) == [{"CPU": 1.0}] * 4
+    assert dims.bundles("cpu", 0.5) == [{"CPU": 0.5}] * 4  # a fraction of a CPU pins a gloo rank
     with pytest.raises(ValueError):
         ParallelDims(0, 2)
+
+
+def test_cpu_ranks_take_half_a_cpu_unless_told_and_gpu_ranks_one():
+    assert GroupConfig().resolve_device(cluster_has_gpus=False).cpus_per_rank == 0.5
+    assert GroupConfig().resolve_device(cluster_has_gpus=True).cpus_per_rank == 1.0
+    assert GroupConfig(cpus_per_rank=2).resolve_device(cluster_has_gpus=False).cpus_per_rank == 2
+    # The usp YAML's group of 4 CPU ranks fits a 2-core machine.
+    dims = GroupConfig(ulysses_degree=2, shard_size=4).parallel_dims()
+    assert sum(b["CPU"] for b in dims.bundles("cpu", 0.5)) == 2
+
+
+def test_a_group_no_node_can_hold_fails_at_once_with_what_it_needs_and_the_fix(ray_cluster):
+    from ray_hsdp.group import GroupUnplaceableError, check_placeable
+    from ray_hsdp.serve import build_app
+
+    with pytest.raises(GroupUnplaceableError, match=r"needs 8 x \{'CPU': 1.0\}.*cpus_per_rank: 0.5"):
+        check_placeable(ParallelDims(1, 8).bundles("cpu", 1.0))
+    with pytest.raises(GroupUnplaceableError, match="a smaller shard_size"):
+        check_placeable(ParallelDims(1, 2).bundles("cuda", 1.0))
+    check_placeable(ParallelDims(1, 8).bundles("cpu", 0.5))  # fits one node of 4 CPUs
+    with pytest.raises(GroupUnplaceableError, match="cpus_per_rank"):
+        build_app({"model": "tiny", "device": "cpu", "shard_size": 8, "cpus_per_rank": 1})

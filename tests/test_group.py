@@ -78,10 +78,20 @@ def test_each_rank_holds_about_half_of_every_sharded_module(batch_group):
     assert all(v["sharded_full"] == 0 and v["replicated"] > 0 for v in vae)
 
 
-def test_shutdown_removes_everything_and_is_safe_twice(ray_cluster, tiny_model):
+def test_shutdown_with_a_request_running_answers_it_removes_everything_and_is_safe_twice(ray_cluster, tiny_model):
+    import time
+
+    from ray_hsdp.group import GroupFailedError
+
     group = ShardGroup(GroupConfig(model=tiny_model, device="cpu", shard_size=2)).start()
     ranks, pg = list(group.ranks), group._pg
-    group.shutdown()
+    running = group.submit(request("a long one", 1, num_inference_steps=2000, request_id="long"))
+    wait_until(lambda: group.progress().get("long", {}).get("step", 0) >= 1, what="the first step")
+    started = time.monotonic()
+    group.shutdown()  # the rank's session sits in its loop: leave must not wait behind it
+    assert time.monotonic() - started < 10
+    with pytest.raises(GroupFailedError, match="shut down"):
+        running.result(timeout=0)
     group.shutdown()
     assert placement_group_table(pg)["state"] == "REMOVED"
     for rank in ranks:

@@ -31,4 +31,10 @@ def test_a_stopped_request_raises_at_its_step_and_skips_the_decode(tiny_model):
     assert steps == [1, 2, 3] and decodes == []
     result = pipeline.run(request, on_step=lambda done, total: False)
     assert decodes == [1] and result.frames.shape == (1, 5, 64, 64, 3)
-    assert pipeline.facts == {"video": True, "temporal_compression": 4, "sequence": None, "cfg_split": []}
+    assert pipeline.facts == {
+        "video": True,
+        "temporal_compression": 4,
+        "sequence": None,
+        "cfg_split": [],
+        "guidance_scale_2": False,  # one expert
+    }

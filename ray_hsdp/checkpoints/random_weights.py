@@ -21,18 +21,29 @@ from ray_hsdp.checkpoints.standins import STANDINS
 WEIGHTS_NAME = "diffusion_pytorch_model"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+#: Standard deviation of random weight matrices. The tiny transformers (width 32) get more: at 0.02
+#: the text's path through cross-attention is so weak that the output moves by 1e-5 between two
+#: prompts, so guidance, CFG parallel and prompts could not change a tiny result; at 0.15 a prompt
+#: moves it by about 2% (measured), and parity tests can tell them apart.
+WEIGHT_STD = 0.02
+TINY_TRANSFORMER_STD = 0.15
 
-def _random_tensor(name: str, shape: torch.Size, dtype: torch.dtype, seed: int, device: str) -> torch.Tensor:
+
+def _random_tensor(
+    name: str, shape: torch.Size, dtype: torch.dtype, seed: int, device: str, std: float = WEIGHT_STD
+) -> torch.Tensor:
     # A seed per tensor name: the same file whatever order or device the tensors are written in.
     generator = torch.Generator(device).manual_seed(seed ^ zlib.crc32(name.encode()))
     if len(shape) <= 1:
         # Norm scales around 1 and biases around 0 keep activations finite through 40+ blocks.
         base = torch.zeros if name.endswith("bias") else torch.ones
         return base(shape, dtype=dtype, device=device)
-    return (torch.randn(shape, generator=generator, device=device) * 0.02).to(dtype)
+    return (torch.randn(shape, generator=generator, device=device) * std).to(dtype)
 
 
-def write_random_model(model_cls, kwargs: dict, folder: Path, dtype: torch.dtype, seed: int, shard_bytes: int) -> int:
+def write_random_model(
+    model_cls, kwargs: dict, folder: Path, dtype: torch.dtype, seed: int, shard_bytes: int, std: float = WEIGHT_STD
+) -> int:
     """Writes a diffusers model folder (config and safetensors shards) with random weights.
 
     Returns:
@@ -44,7 +55,7 @@ def write_random_model(model_cls, kwargs: dict, folder: Path, dtype: torch.dtype
         model = model_cls(**kwargs)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_config(folder)
-    return write_random_weights(model, folder, dtype, seed, shard_bytes, WEIGHTS_NAME)
+    return write_random_weights(model, folder, dtype, seed, shard_bytes, WEIGHTS_NAME, std)
 
 
 def write_random_encoder(model_cls, config, folder: Path, dtype: torch.dtype, seed: int, shard_bytes: int) -> int:
@@ -60,7 +71,9 @@ def write_random_encoder(model_cls, config, folder: Path, dtype: torch.dtype, se
     return write_random_weights(model, folder, dtype, seed, shard_bytes, "model")
 
 
-def write_random_weights(model, folder: Path, dtype: torch.dtype, seed: int, shard_bytes: int, stem: str) -> int:
+def write_random_weights(
+    model, folder: Path, dtype: torch.dtype, seed: int, shard_bytes: int, stem: str, std: float = WEIGHT_STD
+) -> int:
     """Writes the persistent tensors of ``model`` (parameters on the meta device get seeded random
     values) as safetensors shards named ``stem``, with an index when there are several.
 
@@ -91,7 +104,7 @@ def write_random_weights(model, folder: Path, dtype: torch.dtype, seed: int, sha
         tensors = {}
         for i in indices:
             name, shape, is_meta = entries[i]
-            value = _random_tensor(name, shape, dtype, seed, device) if is_meta else persistent[name].to(dtype)
+            value = _random_tensor(name, shape, dtype, seed, device, std) if is_meta else persistent[name].to(dtype)
             tensors[name] = value.cpu().contiguous()
             weight_map[name] = filename
             total += tensors[name].numel() * tensors[name].element_size()
@@ -153,7 +166,13 @@ def make_random(
     written = {}
     for i, expert in enumerate(arch.experts):
         written[expert] = write_random_model(
-            model_cls, kwargs, path / expert, DTYPES[dtype], seed + 1000 * (i + 1), shard_bytes
+            model_cls,
+            kwargs,
+            path / expert,
+            DTYPES[dtype],
+            seed + 1000 * (i + 1),
+            shard_bytes,
+            TINY_TRANSFORMER_STD if tiny else WEIGHT_STD,
         )
         index[expert] = ["diffusers", arch.transformer_class]
     (path / "model_index.json").write_text(json.dumps(index, indent=2))

@@ -9,6 +9,7 @@ from ray.serve.config import RequestRouterConfig
 from ray_hsdp.config import AppConfig
 from ray_hsdp.group import check_placeable
 from ray_hsdp.serve.deployment import HSDPServer
+from ray_hsdp.serve.jobs import VideoJobTable, limits
 from ray_hsdp.serve.routing import GroupAwareRouter
 from ray_hsdp.topology import PLACEMENT_STRATEGY
 
@@ -45,4 +46,4 @@ def build_app(args: dict) -> Application:
         request_router_config=RequestRouterConfig(
             request_router_class=GroupAwareRouter, request_routing_stats_period_s=1
         ),
-    ).bind(config.model_dump(), dims)
+    ).bind(config.model_dump(), dims, VideoJobTable.options(user_config=limits(config)).bind())

@@ -15,11 +15,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from ray import serve
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
 
 from ray_hsdp.config import AppConfig
-from ray_hsdp.group import GroupFailedError, GroupOverloadedError, ShardGroup, UnsplittableRequestError
+from ray_hsdp.group import (
+    GroupFailedError,
+    GroupOverloadedError,
+    GroupUnplaceableError,
+    ShardGroup,
+    UnsplittableRequestError,
+)
 from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
-from ray_hsdp.serve.jobs import DECODED, DENOISED, VideoJobs, table_name
+from ray_hsdp.serve.jobs import DECODED, DENOISED
 from ray_hsdp.serve.keeper import GroupKeeper
 from ray_hsdp.serve.media import encode_mp4, encode_png
 from ray_hsdp.serve.metrics import ReplicaMetrics
@@ -58,6 +66,61 @@ def _error(status: int, message: str, kind: str, param: str | None = None) -> JS
     return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param}})
 
 
+class UnknownModelError(LookupError):
+    """The request names a model this deployment does not serve."""
+
+
+class VideoNotFoundError(LookupError):
+    """No video job has this id (any more: deleted or expired)."""
+
+
+class VideoNotReadyError(RuntimeError):
+    """The video job has no content yet (or failed)."""
+
+
+class JobTableFullError(RuntimeError):
+    """The video job table is at one of its limits."""
+
+
+#: The one error table: exception class -> (HTTP status, OpenAI error type, the param it names,
+#: whether the client should retry after ``retry_after_s``). The first class an error is an
+#: instance of decides (more specific classes first); anything else is a 500 with its cause.
+ERRORS: list[tuple[type[BaseException], int, str, str | None, bool]] = [
+    (RequestLimitError, 400, "invalid_request_error", None, False),
+    (UnsplittableRequestError, 400, "invalid_request_error", "size", False),
+    (UnknownModelError, 404, "invalid_request_error", "model", False),
+    (VideoNotFoundError, 404, "invalid_request_error", "video_id", False),
+    (VideoNotReadyError, 409, "invalid_request_error", "video_id", False),
+    (GroupOverloadedError, 429, "rate_limit_error", None, True),
+    (JobTableFullError, 429, "rate_limit_error", None, True),
+    (BackPressureError, 503, "server_error", None, True),  # Serve's own queue is full
+    (GroupFailedError, 503, "server_error", None, True),
+    (GroupUnplaceableError, 503, "server_error", None, False),
+    (TimeoutError, 504, "server_error", None, False),  # deadline or queue_timeout_s missed
+    (ValueError, 400, "invalid_request_error", None, False),  # the pipeline refused the input
+]
+
+
+def error_response(exc: BaseException, retry_after_s: int) -> JSONResponse:
+    """The JSON error answer of ``exc`` by ``ERRORS``; the message keeps its cause."""
+    exc = _cause(exc)
+    for cls, status, kind, param, retry in ERRORS:
+        if isinstance(exc, cls):
+            response = _error(status, str(exc), kind, param)
+            if retry:
+                response.headers["Retry-After"] = str(retry_after_s)
+            return response
+    logger.error("Unexpected error answered with 500: %s: %s", type(exc).__name__, exc)
+    return _error(500, f"{type(exc).__name__}: {exc}", "server_error")
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The error inside a Ray task error (a retry on another replica, a job-table call)."""
+    if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None:
+        return exc.cause
+    return exc
+
+
 @api.exception_handler(RequestValidationError)
 async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
     problems = []
@@ -74,26 +137,9 @@ async def _invalid_model(request: Request, exc: ValidationError) -> JSONResponse
     return await _invalid_request(request, RequestValidationError(exc.errors()))
 
 
-@api.exception_handler(RequestLimitError)
-async def _over_limit(_: Request, exc: RequestLimitError) -> JSONResponse:
-    return _error(400, str(exc), "invalid_request_error")
-
-
-@api.exception_handler(UnsplittableRequestError)
-async def _unsplittable(_: Request, exc: UnsplittableRequestError) -> JSONResponse:
-    return _error(400, str(exc), "invalid_request_error", "size")
-
-
-@api.exception_handler(GroupOverloadedError)
-async def _overloaded(request: Request, exc: GroupOverloadedError) -> JSONResponse:
-    response = _error(429, str(exc), "rate_limit_error")
-    response.headers["Retry-After"] = str(request.app.state.config.retry_after_s)
-    return response
-
-
 @api.middleware("http")
 async def _guard(request: Request, call_next):
-    """API key and body size, before any route runs."""
+    """API key and body size, before any route runs; an error no handler took still answers JSON."""
     config: AppConfig = request.app.state.config
     key: str | None = request.app.state.api_key
     path = request.url.path.removeprefix(request.scope.get("root_path", ""))  # route prefix of the app
@@ -112,7 +158,10 @@ async def _guard(request: Request, call_next):
             return _error(411, "a request body needs a Content-Length header", "invalid_request_error")
         if not length.isdigit() or int(length) > config.max_body_bytes:
             return _error(413, f"request body larger than {config.max_body_bytes} bytes", "invalid_request_error")
-    response = await call_next(request)
+    try:
+        response = await call_next(request)
+    except Exception as exc:  # noqa: BLE001 - every route error is answered here, by ERRORS
+        response = error_response(exc, config.retry_after_s)
     # Which replica answered: jobs live in a table every replica reaches, so any may answer.
     response.headers["X-Ray-Hsdp-Replica"] = serve.get_replica_context().replica_id.unique_id
     return response
@@ -128,54 +177,6 @@ def read_api_key(config: AppConfig) -> str | None:
             raise ValueError(f"api_key_file {config.api_key_file} is missing or empty")
         return key
     return os.environ.get(config.api_key_env) or None
-
-
-@api.exception_handler(TimeoutError)
-async def _deadline(_: Request, exc: TimeoutError) -> JSONResponse:
-    return _error(503, str(exc), "server_error")
-
-
-@api.exception_handler(GroupFailedError)
-async def _group_failed(_: Request, exc: GroupFailedError) -> JSONResponse:
-    return _error(503, str(exc), "server_error")
-
-
-class UnknownModelError(LookupError):
-    """The request names a model this deployment does not serve."""
-
-
-@api.exception_handler(UnknownModelError)
-async def _unknown_model(_: Request, exc: UnknownModelError) -> JSONResponse:
-    return _error(404, str(exc), "invalid_request_error", "model")
-
-
-class VideoNotFoundError(LookupError):
-    """No video job has this id (any more: deleted or expired)."""
-
-
-@api.exception_handler(VideoNotFoundError)
-async def _video_not_found(_: Request, exc: VideoNotFoundError) -> JSONResponse:
-    return _error(404, str(exc), "invalid_request_error", "video_id")
-
-
-class VideoNotReadyError(RuntimeError):
-    """The video job has no content yet (or failed)."""
-
-
-@api.exception_handler(VideoNotReadyError)
-async def _video_not_ready(_: Request, exc: VideoNotReadyError) -> JSONResponse:
-    return _error(409, str(exc), "invalid_request_error", "video_id")
-
-
-class JobTableFullError(RuntimeError):
-    """The video job table is at one of its limits."""
-
-
-@api.exception_handler(JobTableFullError)
-async def _table_full(request: Request, exc: JobTableFullError) -> JSONResponse:
-    response = _error(429, str(exc), "rate_limit_error")
-    response.headers["Retry-After"] = str(request.app.state.config.retry_after_s)
-    return response
 
 
 async def _video_body(request: Request) -> VideoCreateRequest:
@@ -216,12 +217,13 @@ class HSDPServer:
     Args:
         config: ``AppConfig`` fields as a dict (what the app builder passes).
         dims: The pool's mesh arithmetic, as the app builder computed it.
+        jobs: The application's video job table (``VideoJobTable``'s handle).
     """
 
-    def __init__(self, config: dict, dims: ParallelDims | None = None):
+    def __init__(self, config: dict, dims: ParallelDims, jobs: DeploymentHandle):
         show_logs()
         self.config = AppConfig(**config)
-        self.dims = dims or self.config.parallel_dims()
+        self.dims = dims
         self.model_name = self.config.served_model_name
         # One replica per process: the middleware reads this process's settings from the app state.
         api.state.config = self.config
@@ -230,16 +232,7 @@ class HSDPServer:
         self._replica = serve.get_replica_context().replica_id.unique_id
         self.metrics = ReplicaMetrics(self.model_name)
         self.keeper = GroupKeeper(self._build_group)
-        self.jobs = VideoJobs.options(
-            name=table_name(serve.get_replica_context().app_name), lifetime="detached", get_if_exists=True
-        ).remote(
-            self.config.max_video_jobs,
-            self.config.max_video_bytes,
-            self.config.video_ttl_s,
-            self.config.video_stale_after_s,
-        )
-        # Started now, not at the first video request (a new actor process takes seconds).
-        ray.get(self.jobs.get.remote(""), timeout=self.config.rendezvous_timeout_s)
+        self.jobs = jobs
         self._video_tasks: dict[str, asyncio.Task] = {}
         self._stopping = threading.Event()
         threading.Thread(target=self._report_metrics, name="ray_hsdp-metrics", daemon=True).start()
@@ -258,7 +251,7 @@ class HSDPServer:
                     group = self.keeper.group
                     self.metrics.group(group.group_id, *group.load(), group.tick_stats())
                 self.metrics.keeper(self.keeper.failures, self.keeper.rebuilds)
-                self.metrics.video_jobs(ray.get(self.jobs.counts.remote(), timeout=self.config.metrics_interval_s))
+                self.metrics.video_jobs(self.jobs.counts.remote().result(timeout_s=self.config.metrics_interval_s))
             except Exception as err:  # noqa: BLE001 - a missed poll is reported again at the next one
                 logger.warning("Metrics poll failed: %s", err)
 
@@ -275,26 +268,39 @@ class HSDPServer:
         return current.result()
 
     async def _submit(self, job: GenerationRequest):
-        """Hands ``job`` to the group; a group being rebuilt is waited for, within the job's deadline.
+        """Hands ``job`` to the group; a group being rebuilt is waited for, as a queued request
+        waits, up to ``queue_timeout_s``.
 
         Returns:
             The group's future of the result.
         """
-        deadline = job.timeout_s or self.config.request_timeout_s
+        wait_s = self.config.queue_timeout_s
         try:
-            group = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self.keeper.current())), deadline)
+            group = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self.keeper.current())), wait_s)
         except asyncio.TimeoutError:
-            raise GroupFailedError(f"the shard group was still being rebuilt after {deadline:g}s") from None
+            raise GroupFailedError(f"the shard group was still being rebuilt after {wait_s:g}s") from None
         return group.submit(job)
+
+    def _cancel(self, request_id: str) -> None:
+        """The one cancel path of a request this replica runs (DELETE, or its client gone):
+        ``ShardGroup.cancel``, which drops it from the queue or stops it on its lane."""
+        try:
+            self.group.cancel(request_id)
+        except Exception as err:  # noqa: BLE001 - a failed group answers the request itself
+            logger.warning("Cancelling %s failed: %s", request_id, err)
 
     async def _result(self, job: GenerationRequest, seeded: bool, future=None) -> tuple[GenerationResult, str | None]:
         """The result of ``job`` (awaiting ``future``, or submitting it), and the failure it was
         retried after, if any: a seeded job whose group fails under it is retried once on another
-        replica's group (the same seed gives the same output)."""
+        replica's group (the same seed gives the same output). A caller that goes away (its HTTP
+        client disconnects) cancels it."""
         try:
             if future is None:
                 future = await self._submit(job)
-            return await asyncio.wrap_future(future), None
+            return await asyncio.shield(asyncio.wrap_future(future)), None
+        except asyncio.CancelledError:
+            self._cancel(job.request_id)
+            raise
         except GroupFailedError as err:
             if not seeded or serve.get_replica_context().world_size < 2:
                 raise
@@ -308,10 +314,12 @@ class HSDPServer:
             return await handle.run_request.remote(job, avoid_replica=context.replica_id.unique_id)
         except ray.exceptions.RayTaskError as err:
             # The other replica's own error (429, 503, ...), without the remote traceback.
-            cause = err.cause if err.cause is not None else err
+            cause = _cause(err)
             if isinstance(cause, GroupFailedError):
                 raise GroupFailedError(f"{error}; the retry on another shard group failed too: {cause}") from None
             raise cause from None
+        except BackPressureError as err:  # every other replica's queue is full
+            raise GroupFailedError(f"{error}; no other shard group could take the retry now: {err}") from None
 
     async def run_request(self, job: GenerationRequest, avoid_replica: str | None = None) -> GenerationResult:
         """Runs a prepared request on this replica's group: how another replica retries one.
@@ -346,6 +354,7 @@ class HSDPServer:
         body = ImageGenerationRequest.model_validate(request)
         self._check_model(body.model)
         job = to_generation_request(body, self.config, request_id=uuid.uuid4().hex)
+        self.group.check(job)
         result, first_error = await self._result(job, seeded=body.seed is not None)
         response = {**image_response(result, self.model_name), "id": job.request_id, "retried": first_error is not None}
         return {**response, "first_error": first_error} if first_error else response
@@ -353,7 +362,8 @@ class HSDPServer:
     # ---- video jobs ------------------------------------------------------------------------
 
     async def create_video(self, request: dict | VideoCreateRequest) -> dict:
-        """Creates a video job (``POST /v1/videos``) and starts it; returns the video object."""
+        """Creates a video job (``POST /v1/videos``) and starts it; returns the video object at
+        once, in every state of the group: while the group is rebuilt, the job waits queued."""
         body = VideoCreateRequest.model_validate(request)
         self._check_model(body.model)
         facts = self.group.pipeline_facts
@@ -374,19 +384,25 @@ class HSDPServer:
         if status == "full":
             raise JobTableFullError(created)
         job = dataclasses.replace(job, request_id=created["id"])
-        try:
-            future = await self._submit(job)
-        except GroupOverloadedError:
-            await self.jobs.delete.remote(created["id"])
-            raise
-        except GroupFailedError:
-            future = None  # the job's task retries it elsewhere (seeded) or fails it
+        future = None
+        current = self.keeper.current()
+        if current.done() and current.exception() is None:
+            try:
+                future = current.result().submit(job)
+            except GroupOverloadedError:
+                await self.jobs.delete.remote(created["id"])
+                raise
+            except GroupFailedError:
+                pass  # it failed just now: the job's task waits for the rebuild, or retries elsewhere
         task = asyncio.create_task(self._run_video(created["id"], job, fps, body.seed is not None, future))
         self._video_tasks[created["id"]] = task
         task.add_done_callback(lambda _: self._video_tasks.pop(created["id"], None))
         return created
 
-    async def _run_video(self, video_id: str, job: GenerationRequest, fps: int, seeded: bool, future) -> None:
+    async def _run_video(
+        self, video_id: str, job: GenerationRequest, fps: int, seeded: bool, future
+    ) -> BaseException | None:
+        """Runs a job to its MP4 in the table; returns the error that failed it, if any."""
         reporter = asyncio.create_task(self._report_progress(video_id, job.request_id))
         try:
             result, _ = await self._result(job, seeded, future)
@@ -394,36 +410,31 @@ class HSDPServer:
             frames = result.frames[0]
             mp4 = await asyncio.to_thread(encode_mp4, frames, fps)  # off the event loop, far from any tick
             await self.jobs.complete.remote(video_id, mp4, encode_png(frames[0]))
-        except RequestCancelledError:
-            pass  # deleted: nothing is kept
+            return None
+        except RequestCancelledError as err:
+            return err  # deleted: nothing is kept
         except Exception as err:  # noqa: BLE001 - the job says why it failed
+            err = _cause(err)
             code = "group_failed" if isinstance(err, GroupFailedError) else type(err).__name__
             logger.warning("Video job %s failed: %s", video_id, err)
             await self.jobs.fail.remote(video_id, code, str(err))
+            return err
         finally:
             reporter.cancel()
 
     async def _report_progress(self, video_id: str, request_id: str) -> None:
-        """Reports a job's denoising progress to the table (also its heartbeat) until it ends; a
-        job deleted meanwhile is cancelled here if it still waits in the group's queue."""
-        registered = False
+        """Reports a job's progress to the table (also its heartbeat, queued or running) until it
+        ends; a job deleted meanwhile, or failed by the table's sweep, is cancelled here."""
         while True:
-            group = self.group
             try:
-                state = (await asyncio.to_thread(group.progress)).get(request_id)
+                state = (await asyncio.to_thread(self.group.progress)).get(request_id)
             except Exception:  # noqa: BLE001 - a failed group answers the job itself
                 state = None
             running = state is not None and state["state"] == "running"
             progress = DENOISED * state["step"] // max(state["total"], 1) if running else None
-            run = None
-            if running and not registered:
-                # Where a DELETE through any replica must reach to stop it at once.
-                ranks = [[place["actor_name"], place["namespace"]] for place in group.placement]
-                run = {"request_id": request_id, "ranks": ranks}
-            if not await self.jobs.update.remote(video_id, progress=progress, run=run):
-                group.cancel(request_id)
+            if not await self.jobs.update.remote(video_id, progress=progress, running=running):
+                self._cancel(request_id)
                 return
-            registered = registered or run is not None
             await asyncio.sleep(0.25)
 
     async def video(self, video_id: str) -> dict:
@@ -446,15 +457,12 @@ class HSDPServer:
 
     async def delete_video(self, video_id: str) -> dict:
         """Deletes a job: a queued one is dropped, a running one stops at its next step without
-        decoding; afterwards the id is 404."""
-        existed, run = await self.jobs.delete.remote(video_id)
-        if not existed:
+        decoding; afterwards the id is 404. The replica that runs it stops it: at once when that
+        is this one, else at its next report to the table (every 0.25 s)."""
+        if not await self.jobs.delete.remote(video_id):
             raise VideoNotFoundError(f"no video {video_id!r} (never created, deleted, or expired)")
-        for name, namespace in (run or {}).get("ranks", []):
-            try:
-                ray.get_actor(name, namespace=namespace).cancel.remote(run["request_id"])
-            except ValueError:
-                pass  # that group is gone; its job went with it
+        if video_id in self._video_tasks:
+            self._cancel(video_id)  # a job's request id is its video id
         return {"id": video_id, "object": "video.deleted", "deleted": True}
 
     async def generate_video(self, request: dict | VideoCreateRequest) -> dict:
@@ -464,12 +472,10 @@ class HSDPServer:
             ``{"video": the video object, "mp4": the MP4's bytes}``; raises if the job failed.
         """
         created = await self.create_video(request)
-        task = self._video_tasks.get(created["id"])
-        if task is not None:
-            await asyncio.shield(task)
+        error = await asyncio.shield(self._video_tasks[created["id"]])
+        if error is not None:
+            raise error  # answered by its own class: bad input 400, deadline 504, broken group 503
         video = await self.video(created["id"])
-        if video["status"] != "completed":
-            raise GroupFailedError(f"video {created['id']} {video['status']}: {(video['error'] or {}).get('message')}")
         return {"video": video, "mp4": await self.video_content(created["id"])}
 
     def pool(self) -> dict:

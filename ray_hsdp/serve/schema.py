@@ -45,6 +45,9 @@ class ImageGenerationRequest(BaseModel):
     negative_prompt: StrictStr | None = Field(None, description="Negative prompt.")
     num_inference_steps: StrictInt | None = Field(None, ge=1, description="Denoising steps.")
     guidance_scale: StrictFloat | StrictInt | None = Field(None, ge=0, description="Classifier-free guidance scale.")
+    guidance_scale_2: StrictFloat | StrictInt | None = Field(
+        None, ge=0, description="Guidance of the low-noise expert (Wan2.2 A14B); guidance_scale when omitted."
+    )
     seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED, description="Noise seed; random when omitted.")
     timeout_s: StrictFloat | StrictInt | None = Field(
         None, gt=0, description="Deadline once a rank takes the request; the server's request_timeout_s when omitted."
@@ -86,6 +89,7 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
         num_frames=1,
         num_inference_steps=steps,
         guidance_scale=float(guidance),
+        guidance_scale_2=float(body.guidance_scale_2) if body.guidance_scale_2 is not None else None,
         seed=body.seed if body.seed is not None else secrets.randbelow(2**31),
         n=body.n,
         request_id=request_id,
@@ -128,6 +132,9 @@ class VideoCreateRequest(BaseModel):
     fps: int | None = Field(None, ge=1, le=120, description="Frame rate of the MP4; the model's when omitted.")
     num_inference_steps: int | None = Field(None, ge=1, description="Denoising steps.")
     guidance_scale: float | None = Field(None, ge=0, description="Classifier-free guidance scale.")
+    guidance_scale_2: float | None = Field(
+        None, ge=0, description="Guidance of the low-noise expert (Wan2.2 A14B); guidance_scale when omitted."
+    )
     negative_prompt: str | None = Field(None, description="Negative prompt.")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Noise seed; random when omitted.")
     user: str | None = Field(None, description="OpenAI's end-user id; accepted and ignored.")
@@ -153,6 +160,7 @@ def to_video_request(
                 "negative_prompt": body.negative_prompt,
                 "num_inference_steps": body.num_inference_steps,
                 "guidance_scale": body.guidance_scale,
+                "guidance_scale_2": body.guidance_scale_2,
                 "seed": body.seed,
             }.items()
             if v is not None

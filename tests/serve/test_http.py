@@ -13,7 +13,7 @@ import pytest
 import requests
 from prometheus import SAMPLE, samples, scrape, total
 from served import decode_png
-from support import reference_frames
+from support import reference_frames, wait_until
 
 from ray_hsdp.request import GenerationRequest
 from ray_hsdp.serve.metrics import METRICS
@@ -204,6 +204,38 @@ def test_malformed_json_and_wrong_method(server):
     assert requests.get(f"{server}/v1/images/generations", timeout=60).status_code == 405
 
 
+@pytest.mark.parametrize(
+    "method, path, body, status, kind, mentions",
+    [
+        # A deadline missed: the gateway-timeout answer.
+        ("post", "/v1/images/generations", {"prompt": "slow", "num_inference_steps": 200, "size": "256x256",
+                                            "timeout_s": 0.5}, 504, "server_error", "missed its deadline"),
+        # The pipeline cannot run it: bad input, not a server error.
+        ("post", "/v1/images/generations", {"prompt": "a", "guidance_scale_2": 2.0}, 400, "invalid_request_error",
+         "guidance_scale_2"),
+        ("post", "/v1/videos", {"prompt": "a", "num_frames": 5, "guidance_scale_2": 2.0}, 400,
+         "invalid_request_error", "two-expert"),
+        ("get", "/v1/videos/video_nope", None, 404, "invalid_request_error", "video_nope"),
+        ("get", "/v1/videos/video_nope/content", None, 404, "invalid_request_error", "video_nope"),
+        ("post", "/v1/images/generations", {"prompt": "a", "model": "sora"}, 404, "invalid_request_error", "sora"),
+    ],
+)
+def test_each_error_class_is_its_status_in_the_json_error_shape(server, method, path, body, status, kind, mentions):
+    response = requests.request(method, f"{server}{path}", json=body, timeout=120)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param"} and error["type"] == kind
+    assert mentions in error["message"], error
+
+
+def test_content_before_completion_is_409(server):
+    created = requests.post(f"{server}/v1/videos", json={"prompt": "a", "num_frames": 5, "num_inference_steps": 40},
+                            timeout=60).json()
+    early = requests.get(f"{server}/v1/videos/{created['id']}/content", timeout=60)
+    assert early.status_code == 409 and early.json()["error"]["param"] == "video_id", early.text
+    assert requests.delete(f"{server}/v1/videos/{created['id']}", timeout=60).status_code == 200
+
+
 def test_unknown_model_is_404(server):
     response = requests.post(f"{server}/v1/images/generations", json={"prompt": "a", "model": "flux-dev"}, timeout=60)
     assert response.status_code == 404
@@ -317,6 +349,12 @@ def test_a_killed_rank_fails_its_request_with_503_and_the_group_heals(server):
     assert response.status_code == 503, response.text
     assert "rank 0 died" in response.json()["error"]["message"]
     assert error_s < 10
+    # A video job created while the group is rebuilt is accepted at once and waits queued.
+    posted = time.monotonic()
+    created = requests.post(f"{server}/v1/videos", json={"prompt": "during", "num_frames": 5, "seed": 2}, timeout=60)
+    create_s = time.monotonic() - posted
+    assert created.status_code == 200 and created.json()["status"] == "queued", created.text
+    assert create_s < 5, create_s
     healed = None
     while time.monotonic() - killed_at < 240:
         # A request that arrives while the group is rebuilt waits for it.
@@ -327,7 +365,18 @@ def test_a_killed_rank_fails_its_request_with_503_and_the_group_heals(server):
         assert attempt.status_code == 503, attempt.text
         time.sleep(1)
     assert healed is not None, "the group did not come back"
+    video = wait_until(
+        lambda: (v := requests.get(f"{server}/v1/videos/{created.json()['id']}", timeout=60).json())["status"]
+        in ("completed", "failed")
+        and v,
+        120,
+        "the job created during the rebuild finishing",
+    )
+    assert video["status"] == "completed", video
     pool_after = requests.get(f"{server}/v1/pool", timeout=60).json()
     assert victim not in [r["pid"] for r in pool_after["ranks"]] and len(pool_after["ranks"]) == 2
     message = response.json()["error"]["message"]
-    print(f"\nrank 0 killed -> client 503 in {error_s:.2f}s ({message[:80]}); serving again after {healed:.1f}s")
+    print(
+        f"\nrank 0 killed -> client 503 in {error_s:.2f}s ({message[:80]}); a video job created meanwhile answered "
+        f"in {create_s:.2f}s and completed; serving again after {healed:.1f}s"
+    )

@@ -285,17 +285,67 @@ def test_the_job_table_refuses_work_at_its_limits_and_forgets_expired_jobs(limit
     assert over.status_code == 429 and "max_video_bytes" in over.json()["error"]["message"]
 
 
-def test_a_job_whose_replica_stops_reporting_reads_failed(ray_cluster):
-    """A replica that dies cannot say so: its jobs fail once it has not reported for a while."""
-    import ray
+def test_a_job_whose_replica_stops_reporting_reads_failed_and_stays_failed():
+    """A replica that dies cannot say so: its jobs fail once it has not reported for a while, and
+    a failed job never completes afterwards (the table's transitions forbid it)."""
+    from ray_hsdp.serve.jobs import JobTable
 
-    from ray_hsdp.serve.jobs import VideoJobs
-
-    table = VideoJobs.remote(max_jobs=4, max_bytes=2**20, ttl_s=60, stale_after_s=0.5)
-    status, video = ray.get(table.create.remote({"model": "m", "prompt": "p", "size": "64x64"}))
-    assert status == "ok" and ray.get(table.update.remote(video["id"], progress=30, run=None))
+    table = JobTable(max_jobs=4, max_bytes=2**20, ttl_s=60, stale_after_s=0.5)
+    status, video = table.create({"model": "m", "prompt": "p", "size": "64x64"})
+    assert status == "ok" and table.update(video["id"], progress=30)
     time.sleep(0.8)
-    failed = ray.get(table.get.remote(video["id"]))
+    failed = table.get(video["id"])
     assert failed["status"] == "failed" and failed["error"]["code"] == "replica_lost", failed
     assert failed["progress"] == 30 and failed["completed_at"] is not None
-    ray.kill(table)
+    # Its replica comes back to life too late: the job stays failed, nothing is stored.
+    assert table.update(video["id"], progress=60) is False
+    assert table.complete(video["id"], b"mp4", b"png") is False
+    assert table.get(video["id"])["status"] == "failed" and table.content(video["id"], "video") == (
+        "not_ready",
+        "failed",
+    )
+    assert table.fail(video["id"], "other", "later") is False  # terminal: the first reason stays
+    assert table.get(video["id"])["error"]["code"] == "replica_lost"
+
+
+def test_the_job_table_moves_only_forward():
+    from ray_hsdp.serve.jobs import TRANSITIONS, JobTable
+
+    table = JobTable(max_jobs=4, max_bytes=2**20, ttl_s=60, stale_after_s=60)
+    _, video = table.create({"prompt": "p"})
+    assert table.update(video["id"], running=True) and table.get(video["id"])["status"] == "in_progress"
+    assert table.complete(video["id"], b"mp4", b"png") and table.get(video["id"])["progress"] == 100
+    assert table.fail(video["id"], "late", "too late") is False and table.get(video["id"])["status"] == "completed"
+    assert all(not TRANSITIONS[state] for state in ("completed", "failed"))
+
+
+def test_a_redeploy_applies_new_limits_and_serve_delete_removes_the_table(server):
+    """The table belongs to the app: a redeploy's limits apply, and the app's deletion takes the
+    table and its MP4s with it."""
+    from ray import serve
+
+    from ray_hsdp.serve import build_app
+
+    args = {"model": "tiny", "device": "cpu", "shard_size": 2, "default_size": "64x64", "max_video_jobs": 1}
+    serve.run(build_app(args), name="redeployed", route_prefix="/redeployed")
+    url = f"{server}/redeployed/v1/videos"
+    body = {"prompt": "a", "num_frames": 5, "num_inference_steps": 2}
+    first = requests.post(url, json=body, timeout=60)
+    assert first.status_code == 200, first.text
+    assert requests.post(url, json=body, timeout=60).status_code == 429  # max_video_jobs=1
+    serve.run(build_app({**args, "max_video_jobs": 100}), name="redeployed", route_prefix="/redeployed")
+    for _ in range(2):  # the new limit (one job may remain from before the redeploy)
+        again = requests.post(url, json=body, timeout=60)
+        assert again.status_code == 200, again.text
+    assert tables("redeployed")
+    serve.delete("redeployed")
+    assert "redeployed" not in serve.status().applications
+    wait_until(lambda: not tables("redeployed"), 30, "the job table's replica going with its app")
+
+
+def tables(app: str) -> list[str]:
+    """The live job-table replica actors of ``app`` (Serve names them after app and deployment)."""
+    import ray
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    return [n for n in names if "VideoJobTable" in n and f"{app}#" in n]
