@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import requests
-from served import png_pixels
+from served import deploy, png_pixels
 from support import reference_frames, wait_until
 
 from ray_hsdp.request import GenerationRequest
@@ -235,26 +235,26 @@ def test_malformed_video_requests_get_4xx_with_a_message(server):
     assert requests.delete(f"{url}/{running['id']}").status_code == 200
 
 
+LIMITED = {
+    "model": "tiny",
+    "device": "cpu",
+    "shard_size": 2,
+    "default_size": "64x64",
+    "default_steps": 2,
+    "max_video_jobs": 2,
+    "max_video_bytes": 1024,
+    "video_ttl_s": 2,
+}
+
+
 @pytest.fixture(scope="module")
 def limited(server):
     """A second app on the same server whose job table keeps at most 2 jobs, 1 KiB of videos, 2 s."""
     from ray import serve
 
-    from ray_hsdp.serve import build_app
-
-    args = {
-        "model": "tiny",
-        "device": "cpu",
-        "shard_size": 2,
-        "default_size": "64x64",
-        "default_steps": 2,
-        "max_video_jobs": 2,
-        "max_video_bytes": 1024,
-        "video_ttl_s": 2,
-    }
-    serve.run(build_app(args), name="limited", route_prefix="/limited")
-    yield f"{server}/limited"
-    serve.delete("limited")
+    yield deploy(server, "limited", LIMITED)
+    if "limited" in serve.status().applications:
+        serve.delete("limited")
 
 
 def wait_done(url: str, video_id: str) -> dict:
@@ -319,28 +319,22 @@ def test_the_job_table_moves_only_forward():
     assert all(not TRANSITIONS[state] for state in ("completed", "failed"))
 
 
-def test_a_redeploy_applies_new_limits_and_serve_delete_removes_the_table(server):
+def test_a_redeploy_applies_new_limits_and_serve_delete_removes_the_table(limited, server):
     """The table belongs to the app: a redeploy's limits apply, and the app's deletion takes the
     table and its MP4s with it."""
     from ray import serve
 
-    from ray_hsdp.serve import build_app
-
-    args = {"model": "tiny", "device": "cpu", "shard_size": 2, "default_size": "64x64", "max_video_jobs": 1}
-    serve.run(build_app(args), name="redeployed", route_prefix="/redeployed")
-    url = f"{server}/redeployed/v1/videos"
-    body = {"prompt": "a", "num_frames": 5, "num_inference_steps": 2}
-    first = requests.post(url, json=body, timeout=60)
-    assert first.status_code == 200, first.text
-    assert requests.post(url, json=body, timeout=60).status_code == 429  # max_video_jobs=1
-    serve.run(build_app({**args, "max_video_jobs": 100}), name="redeployed", route_prefix="/redeployed")
-    for _ in range(2):  # the new limit (one job may remain from before the redeploy)
-        again = requests.post(url, json=body, timeout=60)
-        assert again.status_code == 200, again.text
-    assert tables("redeployed")
-    serve.delete("redeployed")
-    assert "redeployed" not in serve.status().applications
-    wait_until(lambda: not tables("redeployed"), 30, "the job table's replica going with its app")
+    url = f"{limited}/v1/videos"
+    body = {"prompt": "a", "num_frames": 5}
+    codes = [requests.post(url, json=body, timeout=60).status_code for _ in range(3)]
+    assert 429 in codes, codes  # max_video_jobs=2 (or the bytes of the limits test's MP4s)
+    deploy(server, "limited", {**LIMITED, "max_video_jobs": 100, "max_video_bytes": 2**30})
+    again = requests.post(url, json=body, timeout=60)
+    assert again.status_code == 200, again.text  # the redeploy's limits
+    assert tables("limited")
+    serve.delete("limited")
+    assert "limited" not in serve.status().applications
+    wait_until(lambda: not tables("limited"), 30, "the job table's replica going with its app")
 
 
 def tables(app: str) -> list[str]:
