@@ -22,10 +22,12 @@ if [ "$DEVICE" = cpu ]; then
   # Tiny checkpoints, small frames, and a logical CPU per rank beside the real ones.
   COMMON=(--device cpu --ray-cpus $((GPUS * 2)) --width 64 --height 64)
   FRAMES=(5)  # one frame count: the dry run checks that every setup runs, not how cost grows
+  SETUPS=(plain batch)  # the ceiling is batch's own code with groups of one rank
   SUFFIX=-tiny
 else
   COMMON=(--device cuda)
   FRAMES=(21 81)
+  SETUPS=(plain ceiling batch)
   SUFFIX=
 fi
 LAYOUTS=("1x$GPUS")
@@ -36,7 +38,7 @@ SHARDS=$((GPUS < 4 ? GPUS : 4))
 case "$PART" in
   wan21)
     "$PYTHON" -m bench.throughput --arch wan2.1-t2v-14b --model-dir "$MODELS/wan14b$SUFFIX" --gpus "$GPUS" \
-      --frames "${FRAMES[@]}" --steps 2 --setups plain ceiling batch --layouts "${LAYOUTS[@]}" "${COMMON[@]}" \
+      --frames "${FRAMES[@]}" --steps 2 --setups "${SETUPS[@]}" --layouts "${LAYOUTS[@]}" "${COMMON[@]}" \
       --out "$OUT"
     ;;
   a14b-memory)

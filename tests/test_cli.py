@@ -33,37 +33,18 @@ def test_make_tiny_writes_a_loadable_pipeline_and_refuses_to_overwrite(tmp_path)
     assert again.returncode == 2 and "already holds a diffusers pipeline" in again.stderr
 
 
-def test_generate_runs_a_group_without_serve(ray_cluster, tiny_model, tmp_path):
-    out = tmp_path / "fox.png"
-    done = run(
-        "generate",
-        tiny_model,
-        "--prompt",
-        "a fox",
-        "--size",
-        "96x64",
-        "--steps",
-        "2",
-        "--device",
-        "cpu",
-        "--out",
-        str(out),
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert Image.open(out).size == (96, 64)
-    assert re.search(r"^1\s+1\s+\S+\s+cpu\s", done.stdout, re.M), done.stdout  # rank 1, its own lane
-
-
-def test_generate_writes_a_video_with_a_progress_bar(ray_cluster, tiny_model, tmp_path):
+def test_generate_runs_a_group_without_serve_and_writes_a_video(ray_cluster, tiny_model, tmp_path):
+    """(Images from the CLI: the demo's test.)"""
     from ray_hsdp.serve.media import decode_mp4
 
     out = tmp_path / "fox.mp4"
     args = ["generate", tiny_model, "--prompt", "a fox", "--frames", "9", "--steps", "3", "--device", "cpu"]
-    done = run(*args, "--out", str(out))
+    done = run(*args, "--size", "96x64", "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     frames, fps = decode_mp4(out.read_bytes())
-    assert frames.shape == (9, 64, 64, 3) and fps == 16
+    assert frames.shape == (9, 64, 96, 3) and fps == 16
     assert "9 frames at 16 fps" in done.stdout
+    assert re.search(r"^1\s+1\s+\S+\s+cpu\s", done.stdout, re.M), done.stdout  # rank 1, its own lane
     bad = run(*args[:5], "8", *args[6:], "--out", str(tmp_path / "bad.mp4"))
     assert bad.returncode == 2 and "4k+1" in bad.stderr
 

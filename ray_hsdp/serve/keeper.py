@@ -37,6 +37,7 @@ class GroupKeeper:
         self._lock = threading.Lock()
         self.group = build()
         self._rebuild: Future | None = None
+        self._closed = False
         self.broken: str | None = None
         self.rebuilds = 0
         self.failures = 0  # failures noticed (each started a rebuild)
@@ -77,15 +78,21 @@ class GroupKeeper:
             group = None
         else:
             with self._lock:
+                closed = self._closed
                 self.group, self._rebuild = group, None
                 self.rebuilds += 1
             error = None
             logger.info("Shard group rebuilt (rebuild %d)", self.rebuilds)
+            if closed:  # the keeper was shut down while this rebuild ran: nothing may outlive it
+                group.shutdown()
         try:
             future.set_exception(error) if error else future.set_result(group)
         except InvalidStateError:  # a waiter cancelled it; the others were answered by this one
             pass
 
     def shutdown(self) -> None:
-        """Shuts the group down (a rebuild that runs finishes on its own thread)."""
-        self.group.shutdown()
+        """Shuts the group down; a rebuild that runs shuts its new group down when it is built."""
+        with self._lock:
+            self._closed = True
+            group = self.group
+        group.shutdown()
