@@ -149,7 +149,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(memory_table(pool["ranks"]))
         print(f"\nDemo took {time.perf_counter() - start:.1f}s")
     finally:
-        serve.shutdown()
+        # The local cluster goes with Serve in it. serve.shutdown() first would kill the controller
+        # under the driver's open calls, and Ray prints each failed one ("Task ServeController...").
         ray.shutdown()
     return 0
 
