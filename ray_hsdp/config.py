@@ -190,10 +190,10 @@ class GroupConfig(BaseModel):
         600.0, gt=0, description="Deadline for one request, from the moment a rank takes it (HTTP 504 past it)."
     )
     queue_timeout_s: float = Field(
-        300.0,
+        1800.0,
         gt=0,
         description="Longest a request waits before a rank takes it: in the group's queue, or for a failed group's "
-        "rebuild (HTTP 504 past it).",
+        "rebuild (HTTP 504 past it). Long enough for a full queue of long videos ahead of it.",
     )
     allow_pickle: bool = Field(False, description="Also load pickle (.bin) checkpoints; only safetensors otherwise.")
 

@@ -91,6 +91,7 @@ ERRORS: list[tuple[type[BaseException], int, str, str | None, bool]] = [
     (UnknownModelError, 404, "invalid_request_error", "model", False),
     (VideoNotFoundError, 404, "invalid_request_error", "video_id", False),
     (VideoNotReadyError, 409, "invalid_request_error", "video_id", False),
+    (RequestCancelledError, 409, "invalid_request_error", None, False),  # deleted while a sync call waited
     (GroupOverloadedError, 429, "rate_limit_error", None, True),
     (JobTableFullError, 429, "rate_limit_error", None, True),
     (BackPressureError, 503, "server_error", None, True),  # Serve's own queue is full
