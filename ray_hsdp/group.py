@@ -37,8 +37,8 @@ _RENDEZVOUS_TRIES = 3
 _DEATH_REPORT_GRACE_S = 2.0
 
 
-def _cause(err: BaseException) -> BaseException:
-    """The remote exception inside a Ray task error."""
+def remote_cause(err: BaseException) -> BaseException:
+    """The remote exception inside a Ray task error (else ``err`` itself)."""
     if isinstance(err, ray.exceptions.RayTaskError) and err.cause is not None:
         return err.cause
     return err
@@ -46,7 +46,7 @@ def _cause(err: BaseException) -> BaseException:
 
 def _describe(err: BaseException) -> str:
     """One line for an error from a rank: the remote cause without Ray's traceback and colours."""
-    err = _cause(err)
+    err = remote_cause(err)
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return f"{type(err).__name__}: {lines[0] if lines else ''}"[:400]
 
@@ -573,15 +573,15 @@ class ShardGroup:
         error = future.exception()
         if isinstance(error, ray.exceptions.RayActorError):
             self._fail(_died(rank_index, error), also=job)
-        elif error is not None and isinstance(_cause(error), SessionFailedError):
+        elif error is not None and isinstance(remote_cause(error), SessionFailedError):
             self._fail(self._session_failure(error), also=job)
         elif not self.dims.leads(rank_index):
             if error is not None:  # its own error, which stopped the lane: the cause, not the leader's stop
-                _resolve(job.future, error=_cause(error))
+                _resolve(job.future, error=remote_cause(error))
         elif error is None:
             _resolve(job.future, result=future.result())
         else:  # the request's own error (bad input, deadline): the group is fine
-            _resolve(job.future, error=_cause(error))
+            _resolve(job.future, error=remote_cause(error))
 
     def _session_done(self, ref: ray.ObjectRef, future: Future) -> None:
         error = future.exception()
@@ -612,7 +612,7 @@ class ShardGroup:
                     ray.get(ref, timeout=0)
                 except ray.exceptions.RayActorError as err:
                     return _died(self._watchers[ref], err)
-        return f"shard group failed: {_cause(error)}"
+        return f"shard group failed: {remote_cause(error)}"
 
     def _fail(self, reason: str, also: _Job | None = None) -> None:
         """Marks the group broken, fails every queued and running request (and ``also``) with

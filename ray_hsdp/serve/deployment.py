@@ -25,6 +25,7 @@ from ray_hsdp.group import (
     GroupUnplaceableError,
     ShardGroup,
     UnsplittableRequestError,
+    remote_cause,
 )
 from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
 from ray_hsdp.serve.jobs import DECODED, DENOISED
@@ -104,7 +105,7 @@ ERRORS: list[tuple[type[BaseException], int, str, str | None, bool]] = [
 
 def error_response(exc: BaseException, retry_after_s: int) -> JSONResponse:
     """The JSON error answer of ``exc`` by ``ERRORS``; the message keeps its cause."""
-    exc = _cause(exc)
+    exc = remote_cause(exc)
     for cls, status, kind, param, retry in ERRORS:
         if isinstance(exc, cls):
             response = _error(status, str(exc), kind, param)
@@ -113,13 +114,6 @@ def error_response(exc: BaseException, retry_after_s: int) -> JSONResponse:
             return response
     logger.error("Unexpected error answered with 500: %s: %s", type(exc).__name__, exc)
     return _error(500, f"{type(exc).__name__}: {exc}", "server_error")
-
-
-def _cause(exc: BaseException) -> BaseException:
-    """The error inside a Ray task error (a retry on another replica, a job-table call)."""
-    if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None:
-        return exc.cause
-    return exc
 
 
 @api.exception_handler(RequestValidationError)
@@ -315,7 +309,7 @@ class HSDPServer:
             return await handle.run_request.remote(job, avoid_replica=context.replica_id.unique_id)
         except ray.exceptions.RayTaskError as err:
             # The other replica's own error (429, 503, ...), without the remote traceback.
-            cause = _cause(err)
+            cause = remote_cause(err)
             if isinstance(cause, GroupFailedError):
                 raise GroupFailedError(f"{error}; the retry on another shard group failed too: {cause}") from None
             raise cause from None
@@ -415,7 +409,7 @@ class HSDPServer:
         except RequestCancelledError as err:
             return err  # deleted: nothing is kept
         except Exception as err:  # noqa: BLE001 - the job says why it failed
-            err = _cause(err)
+            err = remote_cause(err)
             code = "group_failed" if isinstance(err, GroupFailedError) else type(err).__name__
             logger.warning("Video job %s failed: %s", video_id, err)
             await self.jobs.fail.remote(video_id, code, str(err))
