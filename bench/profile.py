@@ -22,6 +22,9 @@ SETUPS = {
     "ceiling": {"shard_size": 1, "replicate_size": 2},
     "batch": {"mode": "batch"},
     "batch-streams": {"mode": "batch", "request_streams": True},
+    "batch-inplace": {"mode": "batch", "gather": "in_place"},
+    "batch-compile": {"mode": "batch", "compile": True},
+    "batch-inplace-compile": {"mode": "batch", "gather": "in_place", "compile": True},
     "replicated": {"mode": "replicated"},
 }
 

@@ -10,7 +10,7 @@ replicas of ours (the ceiling); ``batch`` (ours) on R x S layouts
 R=1 x S=N ``replicated`` (vllm-omni's standalone HSDP semantics); one GPU with diffusers' group
 offload (a user without HSDP); ``batch`` on a mixed workload (steps interleaved); and
 ``batch-compile`` against ``plain-compile`` (``compile: true`` against diffusers'
-``compile_repeated_blocks``). Every setup
+``compile_repeated_blocks``); ``batch-inplace`` (and ``-compile``): ``gather: in_place``. Every setup
 runs the same requests (480x832, guidance on) at each frame count; results are written after
 every setup so that a run cut short keeps what it measured.
 """
@@ -224,6 +224,8 @@ def main() -> None:
             "batch-prefetch0": {"forward_prefetch": 0},
             "batch-fwd2": {"max_forward_batch": 2},
             "batch-compile": {"compile": True},
+            "batch-inplace": {"gather": "in_place"},
+            "batch-inplace-compile": {"gather": "in_place", "compile": True},
         }.get(setup, {})
         mode = "replicated" if setup == "replicated" else "batch"
         groups = [group(shard_size=shard_size, replicate_size=replicas, mode=mode, **options) for _ in range(replicas)]

@@ -330,9 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", default="64x64")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--guidance-scale", type=float, default=DEFAULT_GUIDANCE_SCALE)
-    p.add_argument(
-        "--guidance-scale-2", type=float, default=None, help="the low-noise expert's guidance (Wan2.2 A14B)"
-    )
+    p.add_argument("--guidance-scale-2", type=float, default=None, help="the low-noise expert's guidance (Wan2.2 A14B)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--n", type=int, default=1)
     p.add_argument("--shard-size", type=int, default=2)

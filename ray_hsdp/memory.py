@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 
@@ -36,24 +34,24 @@ def module_memory(module: nn.Module) -> dict[str, int]:
     return out
 
 
-def unit_memory(module: nn.Module) -> dict[str, dict[str, int]]:
-    """Local vs full bytes of each FSDP unit's own parameters (those not inside a nested unit)."""
+def unit_memory(units: list[tuple[str, nn.Module]]) -> dict[str, dict[str, int]]:
+    """Local vs full bytes of each unit's own parameters (those not inside another listed unit).
+
+    Args:
+        units: ``(qualified name, module)`` of a sharded model's units, the root as ``""``.
+    """
     out: dict[str, dict[str, int]] = {}
-    for name, unit in module.named_modules():
-        if not isinstance(unit, FSDPModule):
-            continue
+    for name, unit in units:
+        nested = {
+            id(p) for other, m in units if other.startswith(f"{name}.") or (other and not name) for p in m.parameters()
+        }
         local = full = 0
-        for p in _own_params(unit):
-            if isinstance(p, DTensor):
+        for p in unit.parameters():
+            if isinstance(p, DTensor) and id(p) not in nested:
                 local += _bytes(p.to_local())
                 full += p.numel() * p.element_size()
         out[name or "<root>"] = {"local": local, "full": full}
     return out
-
-
-def _own_params(unit: nn.Module) -> Iterable[torch.Tensor]:
-    nested = {id(p) for name, m in unit.named_modules() if name and isinstance(m, FSDPModule) for p in m.parameters()}
-    return (p for p in unit.parameters() if id(p) not in nested)
 
 
 def device_allocated_bytes(device: str) -> int:

@@ -139,6 +139,7 @@ class Rank:
                 min_num_params=self.config.min_num_params,
                 reshard_after_forward=self.config.reshard_after_forward,
                 forward_prefetch=self.config.forward_prefetch,
+                gather=self.config.gather,
                 allow_pickle=self.config.allow_pickle,
                 dims=self.dims,
                 lane_mesh=self.lane_mesh,
@@ -150,7 +151,7 @@ class Rank:
                 modules = ShardedModules(
                     self.pipeline.sharded_modules,
                     self.config.device,
-                    self.config.reshard_after_forward,
+                    {name: sharding.ghost for name, sharding in self.pipeline.shardings.items()},
                     cfg_group=self.lane_mesh.get_group("cfg") if self.dims.cfg == 2 else None,
                 )
                 exchange = ProcessGroupExchange(self.config.device)

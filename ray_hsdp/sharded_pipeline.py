@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ray_hsdp.loading import build_on_meta, fill_from_checkpoint, load_pipeline, materialize, model_index
 from ray_hsdp.memory import module_memory, peak_device_bytes, unit_memory
 from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
-from ray_hsdp.sharding import apply_fsdp, compile_units, resolve_plan
+from ray_hsdp.sharding import compile_units, resolve_plan, shard_module
 from ray_hsdp.sharding.context_parallel import attention_backend_for, enable_context_parallel
 from ray_hsdp.sharding.policy import registered_policy
 from ray_hsdp.topology import ParallelDims
@@ -79,7 +79,8 @@ class ShardedPipeline:
         pipe: A loaded diffusers pipeline; sharded components already on ``device``.
         device: ``"cuda"`` or ``"cpu"``.
         rank: This rank's index in its group.
-        sharded: Component name -> number of FSDP units, for the components that are sharded.
+        shardings: Component name -> how it is sharded (``FsdpUnits`` or ``InPlaceUnits``), for
+            the components that are.
         load_stats: What loading read, per sharded component.
     """
 
@@ -88,7 +89,7 @@ class ShardedPipeline:
         pipe,
         device: str,
         rank: int,
-        sharded: dict[str, int] | None = None,
+        shardings: dict | None = None,
         load_stats=None,
         sequence: dict | None = None,
         cfg_split: tuple[str, ...] = (),
@@ -96,7 +97,9 @@ class ShardedPipeline:
         self.pipe = pipe
         self.device = device
         self.rank = rank
-        self.sharded = dict(sharded or {})
+        self.shardings = dict(shardings or {})
+        #: Component name -> number of units below its root, for the sharded components.
+        self.sharded = {name: len(s.unit_modules) - 1 for name, s in self.shardings.items()}
         self.load_stats = dict(load_stats or {})
         #: How requests' tokens are split (``degree`` and the token grid), when they are.
         self.sequence = sequence
@@ -130,6 +133,7 @@ class ShardedPipeline:
         min_num_params: int,
         reshard_after_forward: bool,
         forward_prefetch: int,
+        gather: str = "fsdp2",
         allow_pickle: bool = False,
         dims: ParallelDims | None = None,
         lane_mesh: DeviceMesh | None = None,
@@ -151,7 +155,7 @@ class ShardedPipeline:
         """
         dims = dims or ParallelDims(1, 1)
         backend = attention_backend_for(attention_backend, device, dims.ring)
-        prebuilt, sharded, stats, policies = {}, {}, {}, {}
+        prebuilt, shardings, stats, policies = {}, {}, {}, {}
         if mesh is not None:
             index = model_index(path)
             for name in shard_components:
@@ -159,12 +163,20 @@ class ShardedPipeline:
                     continue
                 module = build_on_meta(path / name, *index[name], dtype)
                 plan = resolve_plan(module, min_num_params)
-                sharded[name] = apply_fsdp(module, plan, mesh, reshard_after_forward, forward_prefetch)
+                shardings[name] = shard_module(
+                    module,
+                    plan,
+                    mesh,
+                    gather=gather,
+                    reshard_after_forward=reshard_after_forward,
+                    forward_prefetch=forward_prefetch,
+                )
                 materialize(module, device)
                 stats[name] = fill_from_checkpoint(module, path / name, allow_pickle)
+                shardings[name].activate()
                 prebuilt[name] = module
                 policies[name] = registered_policy(module)
-            if not sharded:
+            if not shardings:
                 raise ValueError(
                     f"None of shard_components={list(shard_components)} is a component of this pipeline "
                     f"(its components: {sorted(index)}); nothing would be sharded"
@@ -181,19 +193,19 @@ class ShardedPipeline:
                 module.set_attention_backend(backend)
         if compile:
             for name, module in models.items():
-                if name in sharded:
-                    compile_units(module)
+                if name in shardings:
+                    compile_units(shardings[name])
                 else:  # a group of one rank: diffusers' own regional compile
                     module.compile_repeated_blocks()
         cfg_split: tuple[str, ...] = ()
         if dims.cfg == 2:
-            cfg_split = tuple(name for name in sharded if policies[name] is not None and policies[name].cfg_split)
+            cfg_split = tuple(name for name in shardings if policies[name] is not None and policies[name].cfg_split)
             if not cfg_split:
                 raise ValueError(
                     f"cfg_parallel: no sharded component of {type(pipe).__name__} declares in its sharding policy "
                     "that the pipeline calls it for the conditional, then the unconditional prediction (cfg_split)"
                 )
-        return cls(pipe, device, rank, sharded, stats, sequence, cfg_split)
+        return cls(pipe, device, rank, shardings, stats, sequence, cfg_split)
 
     @property
     def facts(self) -> dict:
@@ -358,11 +370,13 @@ class ShardedPipeline:
         """Bytes held on this rank, per component and in total.
 
         Args:
-            units: Also report each FSDP unit's local and full bytes.
+            units: Also report each unit's local and full bytes.
         """
         per_component = {name: module_memory(m) for name, m in self.modules.items()}
         total = {key: sum(c[key] for c in per_component.values()) for key in next(iter(per_component.values()))}
         total["replicated"] += self.slot_copy_bytes  # the other request slots' own VAE, tokenizers...
+        # In-place gathers hold their buffers at all times (FSDP2 allocates per forward: 0 here).
+        total["gather_buffers"] = sum(s.buffer_bytes for s in self.shardings.values())
         out = {
             "components": per_component,
             "total": total,
@@ -370,5 +384,5 @@ class ShardedPipeline:
             "request_slots": self.request_slots,
         }
         if units:
-            out["units"] = {name: unit_memory(self.modules[name]) for name in self.sharded}
+            out["units"] = {name: unit_memory(s.unit_modules) for name, s in self.shardings.items()}
         return out

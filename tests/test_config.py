@@ -50,6 +50,15 @@ def test_auto_device_and_dtype():
     assert GroupConfig(device="cpu", dtype="bfloat16").resolve_device(True).device == "cpu"
 
 
+def test_auto_gather_is_in_place_on_cuda_and_fsdp2_on_cpu():
+    assert GroupConfig().resolve_device(cluster_has_gpus=True).gather == "in_place"
+    assert GroupConfig().resolve_device(cluster_has_gpus=False).gather == "fsdp2"
+    assert GroupConfig(reshard_after_forward=False).resolve_device(True).gather == "fsdp2"
+    assert GroupConfig(device="cpu", gather="in_place").resolve_device(False).gather == "in_place"
+    with pytest.raises(ValueError, match="gather='in_place' frees each unit's gathered weights"):
+        GroupConfig(gather="in_place", reshard_after_forward=False)
+
+
 @pytest.mark.parametrize("size", ["64", "64x", "x64", "axb", "64x64x5", "-64x64", "65x64", "64x8", "0x0"])
 def test_parse_size_rejects(size):
     with pytest.raises(ValueError):

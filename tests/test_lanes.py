@@ -42,8 +42,9 @@ def two_expert_model(tmp_path_factory):
     return str(folder), pipe
 
 
-def test_a_lane_of_two_with_ulysses_2_equals_unsharded(ray_cluster, tiny_model, reference_pipe):
-    config = GroupConfig(model=tiny_model, device="cpu", ulysses_degree=2)
+@pytest.mark.parametrize("gather", ["fsdp2", "in_place"])
+def test_a_lane_of_two_with_ulysses_2_equals_unsharded(ray_cluster, tiny_model, reference_pipe, gather):
+    config = GroupConfig(model=tiny_model, device="cpu", ulysses_degree=2, gather=gather)
     with ShardGroup(config) as group:
         assert group.describe()["lanes"] == 1 and group.describe()["lane_size"] == 2
         results = group.generate(MIXED)

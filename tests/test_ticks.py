@@ -81,7 +81,15 @@ def test_progress_is_visible_while_a_request_runs(ray_cluster, tiny_model):
     assert any(0 < step < 30 for step in seen), seen
 
 
-def count_collectives(mesh, rank, model_dir, forward_prefetch):
+def in_place_params(model_dir) -> int:
+    """Parameters the tiny transformer shards in place: all but its minority-dtype ones."""
+    from diffusers import WanTransformer3DModel
+
+    model = WanTransformer3DModel.from_pretrained(Path(model_dir) / "transformer")
+    return sum(1 for p in model.parameters() if p.dim() > 0)
+
+
+def count_collectives(mesh, rank, model_dir, forward_prefetch, gather):
     """Rank 0 runs a real transformer forward while rank 1 ghosts it; both record their collectives."""
     import torch.distributed as dist
 
@@ -99,6 +107,7 @@ def count_collectives(mesh, rank, model_dir, forward_prefetch):
         min_num_params=10**9,
         reshard_after_forward=True,
         forward_prefetch=forward_prefetch,
+        gather=gather,
     )
     record = []
     for name in ("all_gather_single", "all_gather_into_tensor"):
@@ -123,7 +132,8 @@ def count_collectives(mesh, rank, model_dir, forward_prefetch):
             pipe.pipe.transformer(**inputs)
             on_step(step + 1, 2)
 
-    modules = ShardedModules(pipe.sharded_modules, "cpu", reshard_after_forward=True)
+    ghosts = {name: sharding.ghost for name, sharding in pipe.shardings.items()}
+    modules = ShardedModules(pipe.sharded_modules, "cpu", ghosts)
     runtime = RankRuntime(run_request, rank=rank, modules=modules, exchange=ProcessGroupExchange("cpu"))
     pipe.route_calls(modules.proxies(runtime.call))
     if rank == 0:
@@ -134,11 +144,17 @@ def count_collectives(mesh, rank, model_dir, forward_prefetch):
     return record
 
 
-@pytest.mark.parametrize("forward_prefetch", [0, 1])  # FSDP2's implicit order, and the default explicit one
-def test_a_ghost_pass_issues_exactly_the_collectives_of_the_real_forward(ray_cluster, tiny_model, forward_prefetch):
+# FSDP2's implicit order and the default explicit one; in-place gathers with and without prefetch.
+@pytest.mark.parametrize("gather, forward_prefetch", [("fsdp2", 0), ("fsdp2", 1), ("in_place", 0), ("in_place", 1)])
+def test_a_ghost_pass_issues_exactly_the_collectives_of_the_real_forward(
+    ray_cluster, tiny_model, gather, forward_prefetch
+):
     with GlooGroup(2) as group:
-        real, ghost = group.run(count_collectives, tiny_model, forward_prefetch)
+        real, ghost = group.run(count_collectives, tiny_model, forward_prefetch, gather)
     units = 4 + 1  # the tiny transformer's blocks and its root
     gathers = [c for c in real if c[0] != (2,)]  # leave out the ticks' own all-gathers of two integers
-    assert len(gathers) == 2 * units  # two forwards, each gathering every unit once
+    # Two forwards, each gathering every unit once: FSDP2 in one collective per unit, in-place
+    # gathers in one per sharded parameter.
+    per_forward = units if gather == "fsdp2" else in_place_params(tiny_model)
+    assert len(gathers) == 2 * per_forward
     assert real == ghost  # the same collectives, ticks included, in the same order

@@ -1,5 +1,5 @@
-"""The real side of the runtime's seams: FSDP2-sharded root modules and the tick's all-gather
-over a torch process group."""
+"""The real side of the runtime's seams: sharded root modules and the tick's all-gather over a
+torch process group."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule
 
 from ray_hsdp.batching import concatenate, split
 from ray_hsdp.runtime.core import ForwardCall
@@ -43,30 +42,26 @@ class TickedModule:
 
 
 class ShardedModules:
-    """A rank's FSDP2-sharded root modules (text encoders, transformers), numbered smallest first.
+    """A rank's sharded root modules (text encoders, transformers), numbered smallest first.
 
     Args:
         modules: Name -> sharded root module; every rank passes the same names.
         device: ``"cuda"`` or ``"cpu"``.
-        reshard_after_forward: Whether units free gathered weights after forward; a ghost pass
-            must leave each unit in the state a real forward leaves it in.
+        ghosts: Name -> the module's ghost pass: the collectives of one forward, in its order,
+            leaving the module as a real forward leaves it (``FsdpUnits.ghost``, ``InPlaceUnits.ghost``).
         cfg_group: The process group of this rank's two CFG halves (the lane mesh's ``cfg`` dim),
             over which a call marked ``cfg`` exchanges its output; ``None`` without CFG parallel.
     """
 
     def __init__(
-        self, modules: dict[str, nn.Module], device: str, reshard_after_forward: bool, cfg_group=None
+        self, modules: dict[str, nn.Module], device: str, ghosts: dict[str, Callable[[], None]], cfg_group=None
     ):
         self.cfg_group = cfg_group
         # Parameter counts are global (DTensor), so every rank gets the same order.
         self.names = sorted(modules, key=lambda n: (sum(p.numel() for p in modules[n].parameters()), n))
         self.modules = [modules[name] for name in self.names]
         self.cuda = device == "cuda"
-        self.reshard_after_forward = reshard_after_forward
-        # Diffusion transformers and text encoders call their blocks in registration order.
-        self.units = [
-            [m for name, m in root.named_modules() if name and isinstance(m, FSDPModule)] for root in self.modules
-        ]
+        self.ghosts = [ghosts[name] for name in self.names]
 
     def proxies(
         self, call: Callable[[int, tuple, dict], object], overrides: dict[str, Callable] | None = None
@@ -135,16 +130,8 @@ class ShardedModules:
         if "finished" in call.context:
             call.context["stream"].wait_event(call.context["finished"])
 
-    @torch.no_grad()
     def ghost(self, module_id: int) -> None:
-        root = self.modules[module_id]
-        root.unshard()
-        for unit in self.units[module_id]:
-            unit.unshard()
-            if self.reshard_after_forward:
-                unit.reshard()
-        if self.reshard_after_forward:
-            root.reshard()
+        self.ghosts[module_id]()
 
 
 class ProcessGroupExchange:

@@ -58,9 +58,7 @@ class JobTable:
         self.media: dict[str, dict[str, bytes]] = {}
         # Serve may run a deployment's sync methods on several threads.
         self._lock = threading.RLock()
-        self.reconfigure(
-            {"max_jobs": max_jobs, "max_bytes": max_bytes, "ttl_s": ttl_s, "stale_after_s": stale_after_s}
-        )
+        self.reconfigure({"max_jobs": max_jobs, "max_bytes": max_bytes, "ttl_s": ttl_s, "stale_after_s": stale_after_s})
 
     def reconfigure(self, config: dict) -> None:
         """Applies new limits (Serve calls it with the ``user_config`` at start and on a redeploy)."""

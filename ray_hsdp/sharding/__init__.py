@@ -1,15 +1,18 @@
-"""Generic FSDP2 sharding of pipeline components and the per-model policies it reads."""
+"""Generic sharding (FSDP2 or in-place gathers) of pipeline components and the per-model policies it reads."""
 
 from ray_hsdp.sharding import policies  # noqa: F401 - registers the per-model policies
-from ray_hsdp.sharding.apply import apply_fsdp, compile_units
+from ray_hsdp.sharding.apply import FsdpUnits, compile_units, shard_module
+from ray_hsdp.sharding.in_place import InPlaceUnits
 from ray_hsdp.sharding.policy import ShardingPolicy, ShardingPolicyError, ShardPlan, register_policy, resolve_plan
 
 __all__ = [
+    "FsdpUnits",
+    "InPlaceUnits",
     "ShardPlan",
     "ShardingPolicy",
     "ShardingPolicyError",
-    "apply_fsdp",
     "compile_units",
     "register_policy",
     "resolve_plan",
+    "shard_module",
 ]

@@ -1,4 +1,4 @@
-"""Generic FSDP2 application: shard the units of a plan bottom-up, then the root."""
+"""Generic sharding of a model as its plan says: FSDP2 (units bottom-up, then the root) or in-place gathers."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from ray_hsdp.sharding.in_place import InPlaceUnits
 from ray_hsdp.sharding.policy import ShardPlan
 
 logger = logging.getLogger("ray_hsdp")
@@ -37,55 +38,110 @@ def minority_dtype_params(unit: nn.Module) -> set[torch.Tensor]:
     return {p for p in params if p.dtype != dominant}
 
 
-def apply_fsdp(
-    root: nn.Module, plan: ShardPlan, mesh: DeviceMesh, reshard_after_forward: bool, forward_prefetch: int = 0
-) -> int:
-    """Applies ``fully_shard`` to every unit of ``plan`` and then to ``root``.
+class FsdpUnits:
+    """A root module sharded by FSDP2: ``fully_shard`` on every unit of the plan, then on the root.
+
+    The same interface as ``InPlaceUnits``: ``unit_modules``, ``buffer_bytes``, ``activate``
+    and ``ghost``.
 
     Args:
-        root: The module to shard; becomes the root FSDP unit.
+        root: The module to shard (on the meta device); becomes the root FSDP unit.
         plan: Units (deepest first) and the submodules that stay replicated. Parameters of a
             minority dtype in a unit stay replicated too (see ``minority_dtype_params``).
-        mesh: The group's ``("replicate", "shard")`` mesh; FSDP2 shards over ``shard``.
+        mesh: The group's ``shard`` mesh.
         reshard_after_forward: The group's setting; the plan's own value wins when set.
         forward_prefetch: How many following units each unit's forward starts gathering
             (explicit FSDP2 forward prefetch); 0 leaves FSDP2's default.
-
-    Returns:
-        The number of units sharded, the root not counted.
     """
-    model_class = type(root).__name__  # fully_shard renames the class (FSDP<name>)
-    reshard = plan.reshard_after_forward if plan.reshard_after_forward is not None else reshard_after_forward
-    for _, unit in plan.units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, ignored_params=minority_dtype_params(unit) or None)
-    ignored = {p for _, module in plan.replicated for p in module.parameters()}
-    ignored |= {p for p in minority_dtype_params(root) if p not in ignored}
-    fully_shard(root, mesh=mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
-    # FSDP2 keeps the root's weights gathered after forward by default, for a backward that
-    # inference never runs; the root follows the same setting as its units instead.
-    root.set_reshard_after_forward(reshard, recurse=False)
-    if forward_prefetch > 0:
+
+    buffer_bytes = 0  # FSDP2 allocates its gathered weights per forward
+
+    def __init__(
+        self, root: nn.Module, plan: ShardPlan, mesh: DeviceMesh, reshard_after_forward: bool, forward_prefetch: int = 0
+    ):
+        reshard = plan.reshard_after_forward if plan.reshard_after_forward is not None else reshard_after_forward
+        self.reshard_after_forward = reshard
+        for _, unit in plan.units:
+            fully_shard(
+                unit, mesh=mesh, reshard_after_forward=reshard, ignored_params=minority_dtype_params(unit) or None
+            )
+        ignored = {p for _, module in plan.replicated for p in module.parameters()}
+        ignored |= {p for p in minority_dtype_params(root) if p not in ignored}
+        fully_shard(root, mesh=mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
+        # FSDP2 keeps the root's weights gathered after forward by default, for a backward that
+        # inference never runs; the root follows the same setting as its units instead.
+        root.set_reshard_after_forward(reshard, recurse=False)
         # Module order is forward order within the block stacks of DiTs and text encoders; where it
         # is not (a unit outside the stack), a prefetch only gathers early: FSDP2 still waits for it.
-        order = [m for name, m in root.named_modules() if name and isinstance(m, FSDPModule)]
-        for i, unit in enumerate(order[:-1]):
-            unit.set_modules_to_forward_prefetch(order[i + 1 : i + 1 + forward_prefetch])
-    logger.info("Sharded %d modules + root (%s, %s)", len(plan.units), model_class, plan.source)
-    return len(plan.units)
+        self.root = root
+        self.units = [m for name, m in root.named_modules() if name and isinstance(m, FSDPModule)]
+        if forward_prefetch > 0:
+            for i, unit in enumerate(self.units[:-1]):
+                unit.set_modules_to_forward_prefetch(self.units[i + 1 : i + 1 + forward_prefetch])
+
+    @property
+    def unit_modules(self) -> list[tuple[str, nn.Module]]:
+        """``(qualified name, module)`` of each unit in module order, then the root (``""``)."""
+        return [(name, m) for name, m in self.root.named_modules() if isinstance(m, FSDPModule) and name] + [
+            ("", self.root)
+        ]
+
+    def activate(self) -> None:
+        """Nothing to do after the load: FSDP2 hooked the forwards when it sharded."""
+
+    @torch.no_grad()
+    def ghost(self) -> None:
+        """The collectives of one forward, in its order, without computing it."""
+        self.root.unshard()
+        for unit in self.units:
+            unit.unshard()
+            if self.reshard_after_forward:
+                unit.reshard()
+        if self.reshard_after_forward:
+            self.root.reshard()
 
 
-def compile_units(root: nn.Module) -> int:
-    """Compiles each FSDP unit below ``root`` in place (regional compile of the repeated blocks).
+def shard_module(
+    root: nn.Module,
+    plan: ShardPlan,
+    mesh: DeviceMesh,
+    *,
+    gather: str,
+    reshard_after_forward: bool,
+    forward_prefetch: int,
+) -> FsdpUnits | InPlaceUnits:
+    """Shards ``root`` (on the meta device) as ``plan`` says.
+
+    Args:
+        gather: ``"fsdp2"`` (``FsdpUnits``) or ``"in_place"`` (``InPlaceUnits``, which always
+            frees a unit's gathered weights after its forward).
+        reshard_after_forward: FSDP2's setting.
+        forward_prefetch: Units whose gathers a unit's forward starts ahead.
+    """
+    model_class = type(root).__name__  # fully_shard renames the class (FSDP<name>)
+    if gather == "in_place":
+        sharded = InPlaceUnits(root, plan, mesh, forward_prefetch)
+    elif gather == "fsdp2":
+        sharded = FsdpUnits(root, plan, mesh, reshard_after_forward, forward_prefetch)
+    else:
+        raise ValueError(f"gather must be 'fsdp2' or 'in_place' once resolved, got {gather!r}")
+    logger.info("Sharded %d modules + root (%s, %s, %s gathers)", len(plan.units), model_class, plan.source, gather)
+    return sharded
+
+
+def compile_units(sharded: FsdpUnits | InPlaceUnits) -> int:
+    """Compiles each unit below the root in place (regional compile of the repeated blocks).
 
     ``fully_shard`` renames the block classes, so diffusers' ``compile_repeated_blocks`` (which
-    matches class names) finds nothing after sharding: the units themselves are compiled. FSDP2's
-    hooks stay outside the compiled code (dynamo skips them), so a unit still gathers and frees its
-    weights as in eager mode, and ghost passes, which call no forward, are unchanged.
+    matches class names) finds nothing after sharding: the units themselves are compiled. The
+    gathers stay outside the compiled code (dynamo skips FSDP2's hooks, and the in-place hooks
+    are ``torch.compiler.disable``), so a unit still gathers and frees its weights as in eager
+    mode, and ghost passes, which call no forward, are unchanged.
 
     Returns:
         The number of units compiled.
     """
-    units = [m for name, m in root.named_modules() if name and isinstance(m, FSDPModule)]
+    units = [m for name, m in sharded.unit_modules if name]
     for unit in units:
         unit.compile()
     return len(units)

@@ -225,11 +225,10 @@ CASES = {
 }
 
 
-def shard_and_compare(mesh, rank, case):
+def shard_and_compare(mesh, rank, case, gather):
     """On each rank: the same seeded model and input, forward unsharded, shard, forward again."""
-    from torch.distributed.fsdp import FSDPModule
-
-    from ray_hsdp.sharding import apply_fsdp, resolve_plan
+    from ray_hsdp.memory import unit_memory
+    from ray_hsdp.sharding import resolve_plan, shard_module
 
     build, _ = CASES[case]
     torch.manual_seed(0)
@@ -243,15 +242,19 @@ def shard_and_compare(mesh, rank, case):
     with torch.no_grad():
         reference = output(model)
     plan = resolve_plan(model, min_num_params=10**9)
-    apply_fsdp(model, plan, mesh, reshard_after_forward=True)
+    sharded = shard_module(model, plan, mesh, gather=gather, reshard_after_forward=True, forward_prefetch=1)
+    sharded.activate()
     with torch.no_grad():
-        sharded = output(model)
-    units = {name for name, m in model.named_modules() if name and isinstance(m, FSDPModule)}
+        sharded_output = output(model)
+        again = output(model)  # the buffers taken in turn hold the right weights on every forward
+    units = unit_memory(sharded.unit_modules)
     return {
         "class": plan.source,
-        "units": units,
-        "root_sharded": isinstance(model, FSDPModule),
-        "max_abs_diff": float((sharded - reference).abs().max()),
+        "units": {name for name in units if name != "<root>"},
+        "units_hold_their_share": all(u["local"] * 2 <= u["full"] + 2 * 4096 for u in units.values()),
+        "root_sharded": units["<root>"]["full"] > 0,
+        "max_abs_diff": float((sharded_output - reference).abs().max()),
+        "repeat_equal": bool(torch.equal(again, sharded_output)),
         "finite": bool(torch.isfinite(reference).all()),
     }
 
@@ -262,12 +265,14 @@ def gloo_pair(ray_cluster):
         yield group
 
 
+@pytest.mark.parametrize("gather", ["fsdp2", "in_place"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_policy_units_and_forward_parity(gloo_pair, case):
+def test_policy_units_and_forward_parity(gloo_pair, case, gather):
     _, expected_units = CASES[case]
-    for result in gloo_pair.run(shard_and_compare, case):
+    for result in gloo_pair.run(shard_and_compare, case, gather):
         assert result["class"] == f"policy for {case}"
         assert result["units"] == expected_units
-        assert result["root_sharded"]
+        assert result["root_sharded"] and result["units_hold_their_share"], result
+        assert result["repeat_equal"]
         assert result["finite"]
         assert result["max_abs_diff"] <= 1e-5, result

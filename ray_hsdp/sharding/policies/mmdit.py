@@ -1,7 +1,7 @@
 """Diffusion transformers built from MMDiT / DiT blocks: FLUX, SD3, HunyuanVideo, Qwen-Image,
 CogVideoX, LTX-Video. One FSDP unit per transformer block; embedders, final norm and output
 projection stay in the root unit. Parameters a library keeps in float32 stay replicated (the
-generic minority-dtype rule of ``apply_fsdp``)."""
+generic minority-dtype rule of ``FsdpUnits`` and ``InPlaceUnits``)."""
 
 from ray_hsdp.sharding.policy import ShardingPolicy, register_policy
 

@@ -1,0 +1,284 @@
+"""Sharded units gathered in place: each parameter's all-gather lands in a persistent buffer that the
+module's parameter views, with nothing copied in or out.
+
+FSDP2 gathers a unit as one flat buffer: it copies the unit's shards into its send buffer and,
+after the all-gather, copies each parameter out of the received buffer, which is laid out rank by
+rank. That is two passes over the weights of a model per forward on every rank: a 14B Wan
+transformer at S=2 on H100 spends +54 ms of copy kernels per 0.65 s forward
+(bench/results/profile-wan2.1-t2v-14b-2xH100-21f8s.md). A parameter sharded on dim 0 needs
+neither pass: the all-gather of its own rows arrives rank-major, which is the full parameter's
+layout. The flat buffer serves training (gradients, reduce-scatter, mixed precision); inference
+has none of it.
+
+Units take turns in ``prefetch + 1`` buffer slots (unit ``i`` uses slot ``i mod (prefetch + 1)``),
+so the gathered weights held at any time are those of ``prefetch + 1`` units and the root, as with
+FSDP2's reshard after forward and explicit prefetch; the buffers are allocated once, after the
+load. A unit's gathers are issued from the compute stream, so NCCL starts them only after the
+kernels already queued there, among them those of the unit that used the slot before.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from ray_hsdp.sharding.policy import ShardPlan
+
+#: Bytes every gathered parameter's view is aligned to inside its slot.
+_ALIGN = 256
+
+
+@dataclass
+class _Param:
+    """One sharded parameter: its DTensor at rest and, once activated, where it is gathered."""
+
+    owners: list[tuple[nn.Module, str]]  # (module, attribute): tied parameters have several
+    sharded: nn.Parameter
+    send: torch.Tensor | None = None  # this rank's rows, padded to the shard's row count
+    receive: torch.Tensor | None = None  # world x padded rows: the first rows are the parameter
+    gathered: nn.Parameter | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.sharded.shape[0]
+
+    def receive_bytes(self, world: int) -> int:
+        padded = math.ceil(self.rows / world) * world
+        return padded * math.prod(self.sharded.shape[1:]) * self.sharded.element_size()
+
+
+@dataclass
+class _Unit:
+    name: str
+    module: nn.Module
+    params: list[_Param] = field(default_factory=list)
+    slot: int = -1  # -1: the root's own buffer
+
+    def swap(self, attribute: str) -> None:
+        for param in self.params:
+            value = getattr(param, attribute)
+            for module, name in param.owners:
+                setattr(module, name, value)
+
+
+def _shardable(module: nn.Module, skip: set[int]) -> list[tuple[nn.Parameter, list[tuple[nn.Module, str]]]]:
+    """``module``'s parameters that shard, with every (module, name) that holds each.
+
+    Parameters in ``skip``, scalars and parameters of a minority dtype stay whole (a library keeps
+    norms or modulation tables in float32 inside a bfloat16 model; FSDP2 leaves them out too).
+    """
+    found: dict[int, tuple[nn.Parameter, list]] = {}
+    for _, owner in module.named_modules():
+        for name, p in owner.named_parameters(recurse=False):
+            if id(p) in skip or p.dim() == 0:
+                continue
+            found.setdefault(id(p), (p, []))[1].append((owner, name))
+    counts = Counter()
+    for p, _ in found.values():
+        counts[p.dtype] += p.numel()
+    if not counts:
+        return []
+    dominant = counts.most_common(1)[0][0]
+    return [(p, owners) for p, owners in found.values() if p.dtype == dominant]
+
+
+class InPlaceUnits:
+    """A root module's units, sharded on dim 0 and gathered in place for each forward.
+
+    Build it on the meta model (its parameters become DTensors: what the loader fills and the
+    memory report counts), materialise and load the model, then call ``activate`` once. A model
+    built for real keeps each rank's rows of its weights.
+
+    Args:
+        root: The model, on the meta device or built.
+        plan: Its units and the submodules that stay replicated; units must not nest.
+        mesh: The group's 1-D ``shard`` mesh.
+        prefetch: Units whose gathers a unit's forward issues ahead of its own compute.
+
+    Raises:
+        ValueError: A unit of the plan holds another.
+    """
+
+    def __init__(self, root: nn.Module, plan: ShardPlan, mesh: DeviceMesh, prefetch: int):
+        self.mesh = mesh
+        self.group = mesh.get_group()
+        self.world = mesh.size()
+        self.prefetch = prefetch
+        in_plan = {id(m): name for name, m in plan.units}
+        for name, unit in plan.units:
+            for inner_name, inner in unit.named_modules():
+                if inner_name and id(inner) in in_plan:
+                    raise ValueError(f"in-place gathers need units that do not nest: {name} holds {in_plan[id(inner)]}")
+        replicated = {id(p) for _, m in plan.replicated for p in m.parameters()}
+        # Registration order is forward order in the block stacks of DiTs and text encoders.
+        ordered = [(name, m) for name, m in root.named_modules() if id(m) in in_plan]
+        self.units = [
+            _Unit(name, m, self._shard(_shardable(m, replicated)), i % (prefetch + 1))
+            for i, (name, m) in enumerate(ordered)
+        ]
+        in_units = {id(p) for _, m in ordered for p in m.parameters()}  # the units' parameters as sharded
+        self.root = _Unit("", root, self._shard(_shardable(root, replicated | in_units)))
+        self._slots: list[torch.Tensor] = []
+        self._coalesce = False  # set by activate: NCCL coalesces, gloo has no coalesced all-gather
+        self._pending: dict[int, list] = {}
+        self._index = {id(u.module): i for i, u in enumerate(self.units)}
+
+    def _shard(self, params) -> list[_Param]:
+        out = []
+        for p, owners in params:
+            rows = math.ceil(p.shape[0] / self.world)
+            first = self.mesh.get_local_rank() * rows
+            mine = max(0, min(rows, p.shape[0] - first))
+            if p.is_meta:
+                local = torch.empty((mine, *p.shape[1:]), dtype=p.dtype, device="meta")
+            else:  # a model built for real: keep this rank's rows
+                local = p.detach()[first : first + mine].clone()
+            sharded = nn.Parameter(
+                DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride()),
+                requires_grad=False,
+            )
+            for module, name in owners:
+                setattr(module, name, sharded)
+            out.append(_Param(owners, sharded))
+        return out
+
+    @property
+    def unit_modules(self) -> list[tuple[str, nn.Module]]:
+        """``(qualified name, module)`` of each unit in forward order, then the root (``""``)."""
+        return [(u.name, u.module) for u in self.units] + [("", self.root.module)]
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Device bytes of the persistent gather buffers (slots and the root's)."""
+        return sum(b.numel() for b in self._slots)
+
+    def activate(self) -> None:
+        """Allocates the gather buffers and hooks the forwards; call once, after the load."""
+        for unit in [*self.units, self.root]:
+            for param in unit.params:  # materialising the model replaced the meta parameters
+                module, name = param.owners[0]
+                param.sharded = getattr(module, name)
+        sizes: dict[int, int] = {}
+        for unit in [*self.units, self.root]:
+            need = sum(_aligned(p.receive_bytes(self.world)) for p in unit.params)
+            sizes[unit.slot] = max(sizes.get(unit.slot, 0), need)
+        any_param = next((p for u in [*self.units, self.root] for p in u.params), None)
+        if any_param is None:
+            return
+        device = any_param.sharded.to_local().device
+        self._coalesce = device.type == "cuda"
+        buffers = {slot: torch.empty(size, dtype=torch.uint8, device=device) for slot, size in sizes.items()}
+        self._slots = list(buffers.values())
+        for unit in [*self.units, self.root]:
+            offset = 0
+            for param in unit.params:
+                self._place(param, buffers[unit.slot], offset)
+                offset += _aligned(param.receive_bytes(self.world))
+        for unit in self.units:
+            unit.module.register_forward_pre_hook(self._before_unit)
+            unit.module.register_forward_hook(self._after_unit)
+        self.root.module.register_forward_pre_hook(self._before_root)
+        self.root.module.register_forward_hook(self._after_root)
+
+    def _place(self, param: _Param, buffer: torch.Tensor, offset: int) -> None:
+        shape = param.sharded.shape
+        padded_rows = math.ceil(shape[0] / self.world)
+        nbytes = param.receive_bytes(self.world)
+        param.receive = (
+            buffer[offset : offset + nbytes].view(param.sharded.dtype).view(padded_rows * self.world, *shape[1:])
+        )
+        param.gathered = nn.Parameter(param.receive[: shape[0]], requires_grad=False)
+        local = param.sharded.to_local()
+        if local.shape[0] == padded_rows and local.is_contiguous():
+            param.send = local
+            return
+        # Uneven rows: this rank's rows live in a padded tensor from now on, the DTensor views them.
+        param.send = torch.zeros((padded_rows, *shape[1:]), dtype=local.dtype, device=local.device)
+        param.send[: local.shape[0]].copy_(local)
+        sharded = nn.Parameter(
+            DTensor.from_local(
+                param.send[: local.shape[0]],
+                self.mesh,
+                [Shard(0)],
+                run_check=False,
+                shape=shape,
+                stride=param.sharded.stride(),
+            ),
+            requires_grad=False,
+        )
+        param.sharded = sharded
+        for module, name in param.owners:
+            setattr(module, name, sharded)
+
+    # ---- the gathers ---------------------------------------------------------------------
+
+    def _issue(self, key: int) -> None:
+        """Starts the gathers of unit ``key`` (-1: the root) unless they are under way."""
+        if key in self._pending or key >= len(self.units):
+            return
+        unit = self.root if key < 0 else self.units[key]
+        if not self._coalesce:
+            self._pending[key] = [
+                dist.all_gather_into_tensor(p.receive, p.send, group=self.group, async_op=True) for p in unit.params
+            ]
+            return
+        # One NCCL group launch for the unit instead of one kernel per parameter.
+        with dist._coalescing_manager(group=self.group, async_ops=True) as gathers:
+            for p in unit.params:
+                dist.all_gather_into_tensor(p.receive, p.send, group=self.group)
+        self._pending[key] = [gathers]
+
+    def _wait(self, key: int) -> None:
+        """Makes the current stream wait for unit ``key``'s gathers, issuing them first if needed."""
+        self._issue(key)
+        for work in self._pending.pop(key):
+            work.wait()
+
+    def _drain(self) -> None:
+        """Waits for gathers left over by a forward that ended early (it raised, or skipped units)."""
+        for key in sorted(self._pending):
+            self._wait(key)
+
+    @torch.compiler.disable
+    def _before_root(self, module, args) -> None:
+        self._drain()
+        self._issue(-1)
+        for key in range(self.prefetch):
+            self._issue(key)
+        self._wait(-1)
+        self.root.swap("gathered")
+
+    @torch.compiler.disable
+    def _after_root(self, module, args, output) -> None:
+        self.root.swap("sharded")
+
+    @torch.compiler.disable
+    def _before_unit(self, module, args) -> None:
+        key = self._index[id(module)]
+        self._wait(key)
+        for ahead in range(key + 1, key + 1 + self.prefetch):
+            self._issue(ahead)
+        self.units[key].swap("gathered")
+
+    @torch.compiler.disable
+    def _after_unit(self, module, args, output) -> None:
+        self.units[self._index[id(module)]].swap("sharded")
+
+    @torch.no_grad()
+    def ghost(self) -> None:
+        """The collectives of one forward, in its order, without computing it."""
+        self._drain()
+        self._wait(-1)
+        for key in range(len(self.units)):
+            self._wait(key)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
