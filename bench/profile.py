@@ -23,6 +23,7 @@ SETUPS = {
     "batch": {"mode": "batch"},
     "batch-streams": {"mode": "batch", "request_streams": True},
     "batch-inplace": {"mode": "batch", "gather": "in_place"},
+    "batch-fsdp2": {"mode": "batch", "gather": "fsdp2"},
     "batch-compile": {"mode": "batch", "compile": True},
     "batch-inplace-compile": {"mode": "batch", "gather": "in_place", "compile": True},
     "replicated": {"mode": "replicated"},

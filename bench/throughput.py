@@ -10,9 +10,10 @@ replicas of ours (the ceiling); ``batch`` (ours) on R x S layouts
 R=1 x S=N ``replicated`` (vllm-omni's standalone HSDP semantics); one GPU with diffusers' group
 offload (a user without HSDP); ``batch`` on a mixed workload (steps interleaved); and
 ``batch-compile`` against ``plain-compile`` (``compile: true`` against diffusers'
-``compile_repeated_blocks``); ``batch-inplace`` (and ``-compile``): ``gather: in_place``. Every setup
-runs the same requests (480x832, guidance on) at each frame count; results are written after
-every setup so that a run cut short keeps what it measured.
+``compile_repeated_blocks``); ``batch-inplace`` (and ``-compile``) and ``batch-fsdp2``: ``gather``
+set (``batch`` takes its default). Every setup runs the same requests (480x832, guidance on) at
+each frame count; results are written after every setup so that a run cut short keeps what it
+measured.
 """
 
 from __future__ import annotations
@@ -225,6 +226,7 @@ def main() -> None:
             "batch-fwd2": {"max_forward_batch": 2},
             "batch-compile": {"compile": True},
             "batch-inplace": {"gather": "in_place"},
+            "batch-fsdp2": {"gather": "fsdp2"},
             "batch-inplace-compile": {"gather": "in_place", "compile": True},
         }.get(setup, {})
         mode = "replicated" if setup == "replicated" else "batch"
