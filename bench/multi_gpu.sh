@@ -20,7 +20,9 @@ MODELS=${MODELS:-/tmp}
 PYTHON=${PYTHON:-python}
 if [ "$DEVICE" = cpu ]; then
   # Tiny checkpoints, small frames, and a logical CPU per rank beside the real ones.
-  COMMON=(--device cpu --ray-cpus $((GPUS * 2)) --width 64 --height 64)
+  COMMON=(--device cpu --width 64 --height 64)
+  # A Ray of its own with a logical CPU per rank, unless RAY_ADDRESS names a cluster to join.
+  if [ -z "${RAY_ADDRESS:-}" ]; then COMMON+=(--ray-cpus $((GPUS * 2))); fi
   FRAMES=(5)  # one frame count: the dry run checks that every setup runs, not how cost grows
   SETUPS=(plain batch)  # the ceiling is batch's own code with groups of one rank
   SUFFIX=-tiny

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from support import NODE_CPUS, free_port
+from support import METRICS_EXPORT_S, NODE_CPUS, free_port
 
 
 @pytest.fixture(scope="session")
@@ -19,6 +19,9 @@ def ray_cluster(tmp_path_factory):
     from ray.cluster_utils import Cluster
 
     os.environ["RAY_HSDP_HOME"] = str(tmp_path_factory.mktemp("ray_hsdp_home"))
+    # Metrics reach the nodes' Prometheus endpoints every second (Ray's default: 10 s), so the
+    # tests that count them wait seconds, not tens of seconds.
+    os.environ["RAY_metrics_report_interval_ms"] = str(int(METRICS_EXPORT_S * 1000))
     # Each node's Prometheus endpoint on a port of its own (the metrics tests read them).
     ports = [free_port(), free_port()]
     os.environ["RAY_HSDP_TEST_METRICS_PORTS"] = ",".join(map(str, ports))

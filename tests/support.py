@@ -15,6 +15,8 @@ import torch
 from ray_hsdp.request import GenerationRequest
 
 NODE_CPUS = 4
+#: How often the session's cluster exports metrics (``RAY_metrics_report_interval_ms``).
+METRICS_EXPORT_S = 1.0
 
 
 def reference_frames(pipe, request: GenerationRequest) -> np.ndarray:

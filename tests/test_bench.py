@@ -1,6 +1,6 @@
 """The multi-GPU benchmark script (issue 6) stays runnable: its parts run on CPU as on a 2-GPU host
-(2 gloo ranks, tiny architectures), in a Ray instance of their own, and write the rows a GPU run
-would. Two ranks prove the point (every setup runs and is written); 4 only cost time here."""
+(2 gloo ranks, tiny architectures), on the session's cluster, and write the rows a GPU run would.
+Two ranks prove the point (every setup runs and is written); 4 only cost time here."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def dry_run(part: str, tmp_path: Path) -> Path:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # not the tests' cluster
-    env.update(DEVICE="cpu", OUT=str(tmp_path / "out"), MODELS=str(tmp_path), PYTHON=sys.executable)
+    # On the tests' cluster (RAY_ADDRESS): a Ray of its own would only add its start.
+    env = dict(os.environ, DEVICE="cpu", OUT=str(tmp_path / "out"), MODELS=str(tmp_path), PYTHON=sys.executable)
     subprocess.run(["bash", "bench/multi_gpu.sh", "2", part], cwd=ROOT, env=env, check=True, timeout=600)
     return tmp_path / "out"
 
 
-def test_wan21_setups_on_two_ranks(tmp_path):
+def test_wan21_setups_on_two_ranks(ray_cluster, tmp_path):
     out = dry_run("wan21", tmp_path)
     rows = json.loads((out / "throughput-wan2.1-t2v-14b.json").read_text())["rows"]
     assert {(r["setup"], r["frames"]) for r in rows} == {(setup, 5) for setup in ("plain", "batch")}
@@ -29,7 +29,7 @@ def test_wan21_setups_on_two_ranks(tmp_path):
     assert all(r["latency_p50_s"] <= r["latency_p95_s"] <= r["latency_max_s"] for r in rows)
 
 
-def test_a14b_shard_two_holds_half_of_the_sharded_weights(tmp_path):
+def test_a14b_shard_two_holds_half_of_the_sharded_weights(ray_cluster, tmp_path):
     out = dry_run("a14b-memory", tmp_path)
     runs = {run["shard_size"]: run for run in json.loads((out / "memory-wan2.2-t2v-a14b.json").read_text())["runs"]}
     (whole,) = runs[1]["ranks"]

@@ -110,12 +110,12 @@ def count_collectives(mesh, rank, model_dir, forward_prefetch, gather):
         gather=gather,
     )
     record = []
-    for name in ("all_gather_single", "all_gather_into_tensor"):
-        original = getattr(dist, name, None)
-        if original is None:
-            continue
+    originals = {
+        name: getattr(dist, name) for name in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, name)
+    }
+    for name, original in originals.items():
 
-        def counted(output, input, *args, _name=name, _original=original, **kwargs):
+        def counted(output, input, *args, _original=original, **kwargs):
             record.append((tuple(output.shape), output.dtype))
             return _original(output, input, *args, **kwargs)
 
@@ -136,21 +136,30 @@ def count_collectives(mesh, rank, model_dir, forward_prefetch, gather):
     modules = ShardedModules(pipe.sharded_modules, "cpu", ghosts)
     runtime = RankRuntime(run_request, rank=rank, modules=modules, exchange=ProcessGroupExchange("cpu"))
     pipe.route_calls(modules.proxies(runtime.call))
-    if rank == 0:
-        job = runtime.submit(GenerationRequest(prompt="two forwards", request_id="r"))
-    runtime.session()
-    if rank == 0:
-        job.get()
+    try:
+        if rank == 0:
+            job = runtime.submit(GenerationRequest(prompt="two forwards", request_id="r"))
+        runtime.session()
+        if rank == 0:
+            job.get()
+    finally:
+        for name, original in originals.items():  # the pair of processes serves the next case too
+            setattr(dist, name, original)
     return record
+
+
+@pytest.fixture(scope="module")
+def gloo_pair(ray_cluster):
+    with GlooGroup(2) as group:
+        yield group
 
 
 # FSDP2's implicit order and the default explicit one; in-place gathers with and without prefetch.
 @pytest.mark.parametrize("gather, forward_prefetch", [("fsdp2", 0), ("fsdp2", 1), ("in_place", 0), ("in_place", 1)])
 def test_a_ghost_pass_issues_exactly_the_collectives_of_the_real_forward(
-    ray_cluster, tiny_model, gather, forward_prefetch
+    gloo_pair, tiny_model, gather, forward_prefetch
 ):
-    with GlooGroup(2) as group:
-        real, ghost = group.run(count_collectives, tiny_model, forward_prefetch, gather)
+    real, ghost = gloo_pair.run(count_collectives, tiny_model, forward_prefetch, gather)
     units = 4 + 1  # the tiny transformer's blocks and its root
     gathers = [c for c in real if c[0] != (2,)]  # leave out the ticks' own all-gathers of two integers
     # Two forwards, each gathering every unit once: FSDP2 in one collective per unit, in-place

@@ -14,7 +14,7 @@ import pytest
 import requests
 from prometheus import scrape, total
 from served import deploy, png_pixels
-from support import reference_frames
+from support import METRICS_EXPORT_S, reference_frames
 
 from ray_hsdp.request import GenerationRequest
 
@@ -188,7 +188,7 @@ def test_chaos_every_request_is_answered_exactly_once(pool, reference_pipe):
     deadline = time.monotonic() + 60
     while requests_counted("ok") < ok + 1 and time.monotonic() < deadline:  # Ray exports at intervals
         time.sleep(1)
-    time.sleep(6)  # one more export interval: a second run of a request would show up now
+    time.sleep(3 * METRICS_EXPORT_S)  # more export intervals: a second run of a request would show up now
     assert requests_counted("ok") == ok + 1
     # A touched request failed once per group at most: a retry is never retried again.
     assert requests_counted("failed") <= 2 * len(touched)
