@@ -151,7 +151,7 @@ class Rank:
                 modules = ShardedModules(
                     self.pipeline.sharded_modules,
                     self.config.device,
-                    {name: sharding.ghost for name, sharding in self.pipeline.shardings.items()},
+                    self.pipeline.shardings,
                     cfg_group=self.lane_mesh.get_group("cfg") if self.dims.cfg == 2 else None,
                 )
                 exchange = ProcessGroupExchange(self.config.device)

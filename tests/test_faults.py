@@ -175,7 +175,9 @@ def test_a_forward_that_raises_fails_the_group_at_once(ray_cluster, tiny_model, 
         ray.get(group.ranks[victim].inject_fault.remote("forward"))
         injected_at = time.monotonic()
         for future in futures:
-            with pytest.raises(GroupFailedError, match=f"rank {victim}: the forward of transformer failed"):
+            with pytest.raises(
+                GroupFailedError, match=f"rank {victim}: the forward of transformer failed: InjectedFault: injected"
+            ):
                 future.result(timeout=5)
         answered_s = time.monotonic() - injected_at
         assert answered_s < 5

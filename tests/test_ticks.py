@@ -132,8 +132,7 @@ def count_collectives(mesh, rank, model_dir, forward_prefetch, gather):
             pipe.pipe.transformer(**inputs)
             on_step(step + 1, 2)
 
-    ghosts = {name: sharding.ghost for name, sharding in pipe.shardings.items()}
-    modules = ShardedModules(pipe.sharded_modules, "cpu", ghosts)
+    modules = ShardedModules(pipe.sharded_modules, "cpu", pipe.shardings)
     runtime = RankRuntime(run_request, rank=rank, modules=modules, exchange=ProcessGroupExchange("cpu"))
     pipe.route_calls(modules.proxies(runtime.call))
     try:

@@ -35,11 +35,11 @@ class StallNextTick:
 
 
 class FailNextForward:
-    """The next real forward raises :class:`InjectedFault` half way through, after its first FSDP
+    """The next real forward raises :class:`InjectedFault` half way through, after its first
     units have issued their all-gathers, as an out-of-memory error would.
 
     Args:
-        modules: The rank's modules (``ShardedModules``: the fault needs their FSDP units).
+        modules: The rank's modules (``ShardedModules``: the fault needs their units).
     """
 
     def __init__(self, modules: Modules):

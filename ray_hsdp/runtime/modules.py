@@ -47,21 +47,21 @@ class ShardedModules:
     Args:
         modules: Name -> sharded root module; every rank passes the same names.
         device: ``"cuda"`` or ``"cpu"``.
-        ghosts: Name -> the module's ghost pass: the collectives of one forward, in its order,
-            leaving the module as a real forward leaves it (``FsdpUnits.ghost``, ``InPlaceUnits.ghost``).
+        shardings: Name -> how the module is sharded (``FsdpUnits`` or ``InPlaceUnits``): its
+            units in forward order and its ghost pass (the collectives of one forward, in its
+            order, leaving the module as a real forward leaves it).
         cfg_group: The process group of this rank's two CFG halves (the lane mesh's ``cfg`` dim),
             over which a call marked ``cfg`` exchanges its output; ``None`` without CFG parallel.
     """
 
-    def __init__(
-        self, modules: dict[str, nn.Module], device: str, ghosts: dict[str, Callable[[], None]], cfg_group=None
-    ):
+    def __init__(self, modules: dict[str, nn.Module], device: str, shardings: dict, cfg_group=None):
         self.cfg_group = cfg_group
         # Parameter counts are global (DTensor), so every rank gets the same order.
         self.names = sorted(modules, key=lambda n: (sum(p.numel() for p in modules[n].parameters()), n))
         self.modules = [modules[name] for name in self.names]
         self.cuda = device == "cuda"
-        self.ghosts = [ghosts[name] for name in self.names]
+        self.units = [[m for name, m in shardings[n].unit_modules if name] for n in self.names]
+        self.ghosts = [shardings[n].ghost for n in self.names]
 
     def proxies(
         self, call: Callable[[int, tuple, dict], object], overrides: dict[str, Callable] | None = None

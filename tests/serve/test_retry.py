@@ -279,7 +279,9 @@ def test_a_hung_rank_fails_its_request_at_the_collective_timeout_and_the_group_h
 
     url = f"{pool}/v1/images/generations"
     groups = live_groups(pool)
-    body = {"prompt": "a hung one", "num_inference_steps": 200, "size": "128x128"}
+    # Long enough that the stall always lands before the last step, however late it is injected
+    # on a loaded machine (a stall after the last step leaves only the leader's decode: a 200).
+    body = {"prompt": "a hung one", "num_inference_steps": 200, "size": "256x256"}
     with ThreadPoolExecutor(max_workers=1) as executor:
         pending = executor.submit(requests.post, url, json=body, timeout=600)
         victim = running_on(groups)
