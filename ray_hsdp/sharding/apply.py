@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections import Counter
 
 import torch
 import torch.nn as nn
@@ -11,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from ray_hsdp.sharding.in_place import InPlaceUnits
-from ray_hsdp.sharding.policy import ShardPlan
+from ray_hsdp.sharding.policy import ShardPlan, minority_dtype
 
 logger = logging.getLogger("ray_hsdp")
 
@@ -23,19 +22,9 @@ def _managed_params(unit: nn.Module) -> list[torch.Tensor]:
 
 
 def minority_dtype_params(unit: nn.Module) -> set[torch.Tensor]:
-    """Parameters whose dtype differs from most of the unit's.
-
-    FSDP2 gathers a unit as one flat buffer of one dtype, so modules a library keeps in float32
-    inside a bfloat16 model (norms, modulation tables) cannot join it: they stay replicated.
-    """
-    params = _managed_params(unit)
-    if not params:
-        return set()
-    counts = Counter()
-    for p in params:
-        counts[p.dtype] += p.numel()
-    dominant = counts.most_common(1)[0][0]
-    return {p for p in params if p.dtype != dominant}
+    """The unit's own parameters (``fully_shard`` would own them) that stay out of its flat buffer
+    (``minority_dtype``)."""
+    return minority_dtype(_managed_params(unit))
 
 
 class FsdpUnits:
@@ -73,18 +62,14 @@ class FsdpUnits:
         root.set_reshard_after_forward(reshard, recurse=False)
         # Module order is forward order within the block stacks of DiTs and text encoders; where it
         # is not (a unit outside the stack), a prefetch only gathers early: FSDP2 still waits for it.
+        named = [(name, m) for name, m in root.named_modules() if name and isinstance(m, FSDPModule)]
+        #: ``(qualified name, module)`` of each unit in module order, then the root (``""``).
+        self.unit_modules = named + [("", root)]
         self.root = root
-        self.units = [m for name, m in root.named_modules() if name and isinstance(m, FSDPModule)]
+        self.units = [m for _, m in named]
         if forward_prefetch > 0:
             for i, unit in enumerate(self.units[:-1]):
                 unit.set_modules_to_forward_prefetch(self.units[i + 1 : i + 1 + forward_prefetch])
-
-    @property
-    def unit_modules(self) -> list[tuple[str, nn.Module]]:
-        """``(qualified name, module)`` of each unit in module order, then the root (``""``)."""
-        return [(name, m) for name, m in self.root.named_modules() if isinstance(m, FSDPModule) and name] + [
-            ("", self.root)
-        ]
 
     def activate(self) -> None:
         """Nothing to do after the load: FSDP2 hooked the forwards when it sharded."""

@@ -20,7 +20,6 @@ kernels already queued there, among them those of the unit that used the slot be
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +28,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ray_hsdp.sharding.policy import ShardPlan
+from ray_hsdp.sharding.policy import ShardPlan, minority_dtype
 
 #: Bytes every gathered parameter's view is aligned to inside its slot.
 _ALIGN = 256
@@ -80,13 +79,8 @@ def _shardable(module: nn.Module, skip: set[int]) -> list[tuple[nn.Parameter, li
             if id(p) in skip or p.dim() == 0:
                 continue
             found.setdefault(id(p), (p, []))[1].append((owner, name))
-    counts = Counter()
-    for p, _ in found.values():
-        counts[p.dtype] += p.numel()
-    if not counts:
-        return []
-    dominant = counts.most_common(1)[0][0]
-    return [(p, owners) for p, owners in found.values() if p.dtype == dominant]
+    whole = {id(p) for p in minority_dtype([p for p, _ in found.values()])}
+    return [(p, owners) for p, owners in found.values() if id(p) not in whole]
 
 
 class InPlaceUnits:

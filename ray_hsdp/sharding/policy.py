@@ -9,10 +9,12 @@ class: per-model facts live in ``ray_hsdp.sharding.policies``.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
+import torch
 import torch.nn as nn
 
 #: ``(qualified_name, module) -> bool``, the form of vllm-omni's ``_hsdp_shard_conditions``.
@@ -69,6 +71,21 @@ class ShardPlan:
     replicated: list[tuple[str, nn.Module]] = field(default_factory=list)
     source: str = ""
     reshard_after_forward: bool | None = None
+
+
+def minority_dtype(params: list[torch.Tensor]) -> set[torch.Tensor]:
+    """The parameters whose dtype differs from that of most of ``params``' elements.
+
+    A unit is gathered in one dtype, so modules a library keeps in float32 inside a bfloat16 model
+    (norms, modulation tables) cannot join it: they stay replicated, with FSDP2 or in-place gathers.
+    """
+    counts = Counter()
+    for p in params:
+        counts[p.dtype] += p.numel()
+    if not counts:
+        return set()
+    dominant = counts.most_common(1)[0][0]
+    return {p for p in params if p.dtype != dominant}
 
 
 _REGISTRY: dict[str, ShardingPolicy] = {}
