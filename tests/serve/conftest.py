@@ -4,7 +4,8 @@ and fault modules deploy their other apps beside it on the same Serve instance, 
 from __future__ import annotations
 
 import pytest
-from served import serve_run
+
+from .served import serve_run
 
 
 @pytest.fixture(scope="package")

@@ -11,12 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
-from prometheus import SAMPLE, samples, scrape, total
-from served import decode_png
 from support import reference_frames, wait_until
 
 from ray_hsdp.request import GenerationRequest
 from ray_hsdp.serve.metrics import METRICS
+
+from .prometheus import SAMPLE, samples, scrape, total
+from .served import decode_png
 
 APP = "ray_hsdp"
 DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "ray_hsdp.json"

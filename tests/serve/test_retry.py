@@ -1,5 +1,7 @@
 """Two replicas (two shard groups): a seeded request whose group dies under it is retried once on
-the other group, and the answer says so; a chaos run with rank kills answers every request once."""
+the other group, and the answer says so; a chaos run with rank kills answers every request once.
+(A hung rank is ``test_faults``' case: the group fails at the collective timeout, and over HTTP
+that failure is the same 503 as a killed rank's.)"""
 
 from __future__ import annotations
 
@@ -12,12 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import requests
-from prometheus import scrape, total
-from served import deploy, png_pixels
 from support import METRICS_EXPORT_S, reference_frames
 
 from ray_hsdp.request import GenerationRequest
 
+from .prometheus import scrape, total
+from .served import deploy, png_pixels
+
+#: A killed rank's peers fail at once (gloo sees its connection close); this bounds anything slower.
 COLLECTIVE_TIMEOUT_S = 10
 APP = "pool"
 
@@ -101,8 +105,8 @@ def expected_image(reference_pipe, body: dict) -> np.ndarray:
     return (np.clip(reference_frames(reference_pipe, request)[0, 0], 0, 1) * 255).round()
 
 
-CHAOS_REQUESTS = 16
-CHAOS_WINDOW_S = 10.0
+CHAOS_REQUESTS = 12
+CHAOS_WINDOW_S = 8.0
 #: How soon Ray reports a killed rank process to its group (measured: well under a second here).
 DEATH_REPORTED_WITHIN_S = 2.0
 
@@ -114,7 +118,7 @@ def requests_counted(status: str) -> float:
 
 
 def test_chaos_every_request_is_answered_exactly_once(pool, reference_pipe):
-    """16 seeded requests over 10 s on 2 groups of 2 CPU ranks, 2 rank kills at random moments.
+    """12 seeded requests over 8 s on 2 groups of 2 CPU ranks, 2 rank kills at random moments.
 
     First in this module: the app's request counters start at 0 here. Every request gets one
     answer: a 200 whose image equals the unsharded run, or a 503. Only requests in flight at a kill
@@ -128,7 +132,7 @@ def test_chaos_every_request_is_answered_exactly_once(pool, reference_pipe):
             "prompt": f"chaos {i}",
             "seed": 1000 + i,
             # Enough work that both groups are busy, with queues, for most of the window.
-            "num_inference_steps": rng.choice([15, 30, 45]),
+            "num_inference_steps": rng.choice([10, 20, 30]),
             "size": rng.choice(["64x64", "96x64"]),
         }
         for i in range(CHAOS_REQUESTS)
@@ -270,33 +274,3 @@ def test_a_video_job_is_polled_downloaded_and_deleted_through_the_other_replica(
     else:
         raise AssertionError("every DELETE landed on the replica that created the job")
     assert through_other("GET", f"{url}/{video_id}", "nobody").status_code == 404
-
-
-def test_a_hung_rank_fails_its_request_at_the_collective_timeout_and_the_group_heals(pool):
-    """A rank stuck before its collective (fault injection): the other rank's collective times
-    out, an unseeded request gets 503, and both groups serve again afterwards."""
-    import ray
-
-    url = f"{pool}/v1/images/generations"
-    groups = live_groups(pool)
-    # Long enough that the stall always lands before the last step, however late it is injected
-    # on a loaded machine (a stall after the last step leaves only the leader's decode: a 200).
-    body = {"prompt": "a hung one", "num_inference_steps": 200, "size": "256x256"}
-    with ThreadPoolExecutor(max_workers=1) as executor:
-        pending = executor.submit(requests.post, url, json=body, timeout=600)
-        victim = running_on(groups)
-        assert victim is not None, "the request did not start within 60 s"
-        hung = groups[victim][1]
-        ray.get(rank_actor(hung).inject_fault.remote("stall", 120), timeout=60)
-        stalled_at = time.monotonic()
-        response = pending.result(timeout=600)
-    answered_s = time.monotonic() - stalled_at
-    assert response.status_code == 503, response.text
-    assert "failed" in response.json()["error"]["message"]
-    assert answered_s < COLLECTIVE_TIMEOUT_S + 30
-    after = live_groups(pool)
-    assert hung["pid"] not in [r["pid"] for ranks in after.values() for r in ranks]
-    ok = requests.post(url, json={"prompt": "after", "seed": 2, "num_inference_steps": 2}, timeout=120)
-    assert ok.status_code == 200, ok.text
-    message = response.json()["error"]["message"]
-    print(f"\nrank hung -> client 503 after {answered_s:.1f}s ({message[:90]})")

@@ -10,12 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import requests
-from served import png_pixels, serve_run
 from support import reference_frames, wait_until
-from test_videos import SAME_MP4_MAE, as_mp4, mae, reference_video
 
 from ray_hsdp.request import GenerationRequest
 from ray_hsdp.serve.media import decode_mp4
+
+from .served import png_pixels, serve_run
+from .test_videos import SAME_MP4_MAE, as_mp4, mae, reference_video
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import requests
-from served import deploy, png_pixels
 from support import reference_frames, wait_until
 
 from ray_hsdp.request import GenerationRequest
 from ray_hsdp.serve.media import decode_mp4, encode_mp4
+
+from .served import deploy, png_pixels
 
 #: How far (mean absolute difference, 0-255) an MP4's decoded frames may be from the unsharded
 #: run's frames encoded by the same encoder. Sharded frames equal the unsharded ones to 1e-5 in
