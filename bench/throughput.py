@@ -11,7 +11,8 @@ R=1 x S=N ``replicated`` (vllm-omni's standalone HSDP semantics); one GPU with d
 offload (a user without HSDP); ``batch`` on a mixed workload (steps interleaved); and
 ``batch-compile`` against ``plain-compile`` (``compile: true`` against diffusers'
 ``compile_repeated_blocks``); ``batch-inplace`` (and ``-compile``) and ``batch-fsdp2``: ``gather``
-set (``batch`` takes its default). Every setup runs the same requests (480x832, guidance on) at
+set (``batch`` takes its default); ``batch-ctas2``, ``batch-ctas8`` (and ``batch-ctas2-compile``):
+``nccl_max_ctas`` set. Every setup runs the same requests (480x832, guidance on) at
 each frame count; results are written after every setup so that a run cut short keeps what it
 measured.
 """
@@ -228,6 +229,9 @@ def main() -> None:
             "batch-inplace": {"gather": "in_place"},
             "batch-fsdp2": {"gather": "fsdp2"},
             "batch-inplace-compile": {"gather": "in_place", "compile": True},
+            "batch-ctas2": {"nccl_max_ctas": 2},
+            "batch-ctas8": {"nccl_max_ctas": 8},
+            "batch-ctas2-compile": {"nccl_max_ctas": 2, "compile": True},
         }.get(setup, {})
         mode = "replicated" if setup == "replicated" else "batch"
         groups = [group(shard_size=shard_size, replicate_size=replicas, mode=mode, **options) for _ in range(replicas)]

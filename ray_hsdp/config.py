@@ -137,6 +137,13 @@ class GroupConfig(BaseModel):
         "bench/results), fsdp2 on CPU (gloo sends each weight's gather on its own), fsdp2 with "
         "reshard_after_forward=False.",
     )
+    nccl_max_ctas: int | None = Field(
+        None,
+        ge=1,
+        description="CUDA: the most SMs (CTAs) NCCL's kernels take per collective (NCCL_MAX_CTAS of the ranks' "
+        "communicators). Fewer leave more SMs to the forward's kernels that run beside the prefetched gathers, "
+        "and make each collective slower (a lane's Ulysses all-to-alls wait on theirs). None: NCCL's choice.",
+    )
     requests_per_rank: int = Field(
         2,
         ge=1,

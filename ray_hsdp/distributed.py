@@ -17,10 +17,17 @@ from ray_hsdp.topology import LANE_MESH_DIM_NAMES, ParallelDims
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def apply_nccl_env() -> None:
-    """Sets :data:`NCCL_ENV` in this process unless the user set the variables already."""
+def apply_nccl_env(max_ctas: int | None = None) -> None:
+    """Sets :data:`NCCL_ENV` in this process unless the user set the variables already.
+
+    Args:
+        max_ctas: ``NCCL_MAX_CTAS`` of the communicators this process creates (the group's
+            ``nccl_max_ctas``, which wins over the environment); None leaves NCCL's choice.
+    """
     for key, value in NCCL_ENV.items():
         os.environ.setdefault(key, value)
+    if max_ctas is not None:
+        os.environ["NCCL_MAX_CTAS"] = str(max_ctas)
 
 
 def node_ip() -> str:

@@ -43,7 +43,7 @@ class Rank:
     """
 
     def __init__(self, rank: int, config: GroupConfig, dims: ParallelDims, group_id: str = ""):
-        distributed.apply_nccl_env()
+        distributed.apply_nccl_env(config.nccl_max_ctas)
         where = f"group={group_id} rank={rank} lane={dims.lane_of(rank)}"
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(name)s {where} %(message)s")
         self.group_id = group_id
