@@ -224,6 +224,7 @@ def main() -> None:
             continue
         options = {
             "batch-prefetch0": {"forward_prefetch": 0},
+            "batch-prefetch2": {"forward_prefetch": 2},
             "batch-fwd2": {"max_forward_batch": 2},
             "batch-compile": {"compile": True},
             "batch-inplace": {"gather": "in_place"},
