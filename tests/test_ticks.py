@@ -81,18 +81,12 @@ def test_progress_is_visible_while_a_request_runs(ray_cluster, tiny_model):
     assert any(0 < step < 30 for step in seen), seen
 
 
-def in_place_params(model_dir) -> dict[str, int]:
-    """Parameters the tiny transformer shards in place (all but its minority-dtype ones): in all,
-    in its root (outside the blocks) and in its first block."""
+def in_place_params(model_dir) -> int:
+    """Parameters the tiny transformer shards in place: all but its minority-dtype ones."""
     from diffusers import WanTransformer3DModel
 
     model = WanTransformer3DModel.from_pretrained(Path(model_dir) / "transformer")
-    names = [name for name, p in model.named_parameters() if p.dim() > 0]
-    return {
-        "all": len(names),
-        "root": sum(not n.startswith("blocks.") for n in names),
-        "first": sum(n.startswith("blocks.0.") for n in names),
-    }
+    return sum(1 for p in model.parameters() if p.dim() > 0)
 
 
 def count_collectives(mesh, rank, model_dir, forward_prefetch, gather):
@@ -167,13 +161,8 @@ def test_a_ghost_pass_issues_exactly_the_collectives_of_the_real_forward(
     real, ghost = gloo_pair.run(count_collectives, tiny_model, forward_prefetch, gather)
     units = 4 + 1  # the tiny transformer's blocks and its root
     gathers = [c for c in real if c[0] != (2,)]  # leave out the ticks' own all-gathers of two integers
-    if gather == "fsdp2":  # two forwards, each gathering every unit once in one collective
-        expected = 2 * units
-    else:
-        # One collective per sharded parameter. The root was gathered once, before (it keeps its
-        # buffer); each forward gathers the blocks, and as the last one ends, with prefetch, the
-        # next forward's first block.
-        params = in_place_params(tiny_model)
-        expected = 2 * (params["all"] - params["root"]) + (params["first"] if forward_prefetch else 0)
-    assert len(gathers) == expected
+    # Two forwards, each gathering every unit once: FSDP2 in one collective per unit, in-place
+    # gathers in one per sharded parameter.
+    per_forward = units if gather == "fsdp2" else in_place_params(tiny_model)
+    assert len(gathers) == 2 * per_forward
     assert real == ghost  # the same collectives, ticks included, in the same order

@@ -15,13 +15,6 @@ so the gathered weights held at any time are those of ``prefetch + 1`` units and
 FSDP2's reshard after forward and explicit prefetch; the buffers are allocated once, after the
 load. A unit's gathers are issued from the compute stream, so NCCL starts them only after the
 kernels already queued there, among them those of the unit that used the slot before.
-
-Two gathers never stand in front of a forward's first kernels: the root's weights (embeddings,
-modulation, output head) are gathered once, into a buffer of their own that nothing else uses,
-and the first ``prefetch`` units of the next forward are gathered as each forward ends, under the
-scheduler step and the tick between forwards. On 4 x H100 (Wan-14B, 21 frames, S=4) those two
-gathers, issued at the forward's start, were 0.40 s of collective-only GPU time per 6.6 s
-(bench/results/profile-wan2.1-t2v-14b-4xH100-s4.md).
 """
 
 from __future__ import annotations
@@ -187,7 +180,6 @@ class InPlaceUnits:
             unit.module.register_forward_hook(self._after_unit)
         self.root.module.register_forward_pre_hook(self._before_root)
         self.root.module.register_forward_hook(self._after_root)
-        self._wait(-1)  # every rank activates its units in the same order: a collective like a forward's
 
     def _place(self, param: _Param, buffer: torch.Tensor, offset: int) -> None:
         shape = param.sharded.shape
@@ -243,38 +235,30 @@ class InPlaceUnits:
         for work in self._pending.pop(key):
             work.wait()
 
-    def _start_forward(self) -> None:
-        """Gathers left by a forward that ended early (it raised) are waited for, their slots being
-        reused; the first units' gathers, issued as the last forward ended, stay under way."""
-        for key in sorted(k for k in self._pending if k >= self.prefetch):
+    def _drain(self) -> None:
+        """Waits for gathers left over by a forward that ended early (it raised, or skipped units)."""
+        for key in sorted(self._pending):
             self._wait(key)
-        for key in range(self.prefetch):
-            self._issue(key)
-
-    def _begin_unit(self, key: int) -> None:
-        self._wait(key)
-        for ahead in range(key + 1, key + 1 + self.prefetch):
-            self._issue(ahead)
-
-    def _end_forward(self) -> None:
-        """Issues the next forward's first gathers: their slots' last readers are already queued."""
-        for key in range(self.prefetch):
-            self._issue(key)
 
     @torch.compiler.disable
     def _before_root(self, module, args) -> None:
-        self._start_forward()
+        self._drain()
+        self._issue(-1)
+        for key in range(self.prefetch):
+            self._issue(key)
+        self._wait(-1)
         self.root.swap("gathered")
 
     @torch.compiler.disable
     def _after_root(self, module, args, output) -> None:
         self.root.swap("sharded")
-        self._end_forward()
 
     @torch.compiler.disable
     def _before_unit(self, module, args) -> None:
         key = self._index[id(module)]
-        self._begin_unit(key)
+        self._wait(key)
+        for ahead in range(key + 1, key + 1 + self.prefetch):
+            self._issue(ahead)
         self.units[key].swap("gathered")
 
     @torch.compiler.disable
@@ -284,10 +268,10 @@ class InPlaceUnits:
     @torch.no_grad()
     def ghost(self) -> None:
         """The collectives of one forward, in its order, without computing it."""
-        self._start_forward()
+        self._drain()
+        self._wait(-1)
         for key in range(len(self.units)):
-            self._begin_unit(key)
-        self._end_forward()
+            self._wait(key)
 
 
 def _aligned(nbytes: int) -> int:
