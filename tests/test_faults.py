@@ -56,28 +56,6 @@ def test_a_request_past_its_deadline_is_answered_and_interrupted(ray_cluster, ti
         assert after.frames.shape == (1, 1, 64, 64, 3)
 
 
-def test_other_groups_keep_serving_while_one_fails(ray_cluster, tiny_model, reference_pipe):
-    from support import max_abs_diff, reference_frames
-
-    config = GroupConfig(model=tiny_model, device="cpu", shard_size=2, replicate_size=2)
-    broken, healthy = ShardGroup(config), ShardGroup(config)
-    try:
-        broken.start()
-        healthy.start()
-        doomed = broken.submit(GenerationRequest(prompt="doomed", num_inference_steps=3000, request_id="doomed"))
-        wait_until(lambda: broken.progress().get("doomed", {}).get("step", 0) >= 1, what="the first step")
-        os.kill(broken.placement[1]["pid"], signal.SIGKILL)
-        during = [GenerationRequest(prompt=f"meanwhile {i}", seed=i) for i in range(4)]
-        futures = [healthy.submit(r) for r in during]
-        with pytest.raises(GroupFailedError):
-            doomed.result(timeout=60)
-        for request, future in zip(during, futures):
-            assert max_abs_diff(future.result(timeout=120).frames, reference_frames(reference_pipe, request)) <= 1e-5
-    finally:
-        broken.shutdown()
-        healthy.shutdown()
-
-
 # ---- every accepted request is answered, whichever rank fails ----------------------------------
 
 #: Long enough on 2 CPU cores (many seconds) that a fault always lands while the request runs.
