@@ -76,7 +76,7 @@ def _save_images(response: dict, stem: Path) -> list[Path]:
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     from ray_hsdp.checkpoints.tiny import make_tiny
 
-    path = make_tiny(args.directory, two_experts=args.two_experts, overwrite=args.overwrite)
+    path = make_tiny(args.directory, two_experts=args.two_experts, overwrite=args.overwrite, image_to_video=args.i2v)
     print(f"Wrote the tiny Wan pipeline to {path}")
     return 0
 
@@ -217,13 +217,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from ray_hsdp.config import GroupConfig, parse_size
     from ray_hsdp.group import ShardGroup
-    from ray_hsdp.request import GenerationRequest
+    from ray_hsdp.request import GenerationRequest, fit_image
     from ray_hsdp.serve.media import encode_mp4
     from ray_hsdp.serve.schema import image_response
 
     width, height = parse_size(args.size)
     out = Path(args.out)
     video = args.frames > 1 or out.suffix == ".mp4"
+    image = None
+    if args.image:
+        try:
+            image = fit_image(Path(args.image).read_bytes(), width, height)
+        except (OSError, ValueError) as err:
+            print(f"error: --image {args.image}: {err}", file=sys.stderr)
+            return 2
     ray.init(address=args.address, ignore_reinit_error=True, log_to_driver=args.verbose)
     config = GroupConfig(model=args.model, device=args.device, shard_size=args.shard_size, mode=args.mode)
     request = GenerationRequest(
@@ -238,6 +245,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         n=args.n,
         request_id="cli",
         uint8_frames=video,
+        image=image,
     )
     with ShardGroup(config) as group:
         t = group.pipeline_facts.get("temporal_compression", 1)
@@ -246,7 +254,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 f"error: --frames must be {t}k+1 for this video model (or the model makes no videos)", file=sys.stderr
             )
             return 2
-        future = group.submit(request)
+        try:
+            future = group.submit(request)
+        except ValueError as err:  # an image missing, or given to a model that takes none
+            print(f"error: {err}", file=sys.stderr)
+            return 2
         _follow(group, future, request.request_id, args.steps)
         result = future.result()
         ranks = group.memory()
@@ -269,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("make-tiny", help="write the tiny Wan pipeline (seeded random weights) to a folder")
     p.add_argument("directory")
     p.add_argument("--two-experts", action="store_true", help="a Wan2.2-style pipeline with transformer_2")
+    p.add_argument("--i2v", action="store_true", help="the image-to-video pipeline (WanImageToVideoPipeline)")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_make_tiny)
 
@@ -340,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frames", type=int, default=1, help="frames; more than 1 (or --out *.mp4) writes an MP4")
     p.add_argument("--fps", type=int, default=16, help="frame rate of the MP4 (Wan: 16)")
     p.add_argument("--out", default="out/generate.png", help="an image path, or an .mp4 for a video")
+    p.add_argument("--image", default=None, help="the first frame of an image-to-video model (fitted to --size)")
     p.add_argument("--verbose", action="store_true")
     p.set_defaults(func=cmd_generate)
     return parser

@@ -17,6 +17,9 @@ from ray_hsdp.topology import ParallelDims
 
 #: The model name that stands for the embedded tiny Wan pipeline (written on first use).
 TINY_MODEL = "tiny"
+#: The embedded tiny pipelines, written on first use: model name -> the name clients use (and the
+#: folder under ``cache_dir()``). ``tiny-i2v`` is the image-to-video Wan2.1 one.
+EMBEDDED_MODELS = {TINY_MODEL: "tiny-wan", "tiny-i2v": "tiny-wan-i2v"}
 
 #: Requests a rank can be handed at once: the threads its ``offer`` calls wait on.
 MAX_REQUESTS_PER_RANK = 8
@@ -59,7 +62,8 @@ class GroupConfig(BaseModel):
 
     model: str = Field(
         TINY_MODEL,
-        description=f"Path of a diffusers pipeline folder, or {TINY_MODEL!r} for the embedded tiny Wan pipeline.",
+        description=f"Path of a diffusers pipeline folder, or {TINY_MODEL!r} for the embedded tiny Wan pipeline "
+        "('tiny-i2v': its image-to-video variant).",
     )
     model_name: str | None = Field(None, description="Name the model is served under; defaults to the folder's name.")
     device: Literal["auto", "cuda", "cpu"] = Field(
@@ -229,7 +233,7 @@ class GroupConfig(BaseModel):
                     f"{self.replicate_size} x {self.shard_size} != {self.world_size}"
                 )
         if not self.model:
-            raise ValueError("model must name a diffusers pipeline folder or 'tiny'")
+            raise ValueError(f"model must name a diffusers pipeline folder or one of {', '.join(EMBEDDED_MODELS)}")
         if not self.shard_components:
             raise ValueError("shard_components must name at least one pipeline component")
         if self.attention_backend != "auto":
@@ -284,7 +288,7 @@ class GroupConfig(BaseModel):
         """The name clients use in the ``model`` field."""
         if self.model_name:
             return self.model_name
-        return "tiny-wan" if self.model == TINY_MODEL else Path(self.model).name
+        return EMBEDDED_MODELS.get(self.model) or Path(self.model).name
 
     def resolve_device(self, cluster_has_gpus: bool) -> GroupConfig:
         """Returns a copy with ``device``, ``dtype``, ``cpus_per_rank`` and ``gather`` made concrete.
@@ -328,7 +332,18 @@ class AppConfig(GroupConfig):
     max_steps: int = Field(200, ge=1, description="Largest num_inference_steps a request may ask for.")
     max_pixels: int = Field(1280 * 1280, ge=256, description="Largest width x height a request may ask for.")
     max_prompt_chars: int = Field(4000, ge=1, description="Longest prompt or negative prompt, in characters.")
-    max_body_bytes: int = Field(64 * 1024, ge=1024, description="Largest HTTP request body (HTTP 413 above it).")
+    max_body_bytes: int = Field(
+        64 * 1024,
+        ge=1024,
+        description="Largest HTTP request body (HTTP 413 above it); a video request may add one input_reference "
+        "of max_image_bytes (as base64, 4/3 of it).",
+    )
+    max_image_bytes: int = Field(
+        10 * 1024**2, ge=1024, description="Largest input_reference image, in bytes once decoded (HTTP 413 above it)."
+    )
+    max_image_pixels: int = Field(
+        4096 * 4096, ge=256, description="Largest width x height of an input_reference image (HTTP 400 above it)."
+    )
     retry_after_s: int = Field(2, ge=1, description="Retry-After of an overload answer (HTTP 429).")
     fps: int = Field(16, ge=1, le=120, description="Frame rate of the served video model (Wan: 16); MP4s use it.")
     default_video_seconds: float = Field(

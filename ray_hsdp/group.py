@@ -424,12 +424,25 @@ class ShardGroup:
 
     def check(self, request: GenerationRequest) -> None:
         """Refuses a request this pipeline cannot run: one whose tokens do not split evenly over a
-        lane's ``ring x ulysses`` ranks, or that asks a single-expert pipeline for ``guidance_scale_2``.
+        lane's ``ring x ulysses`` ranks, that asks a single-expert pipeline for ``guidance_scale_2``,
+        or that lacks the image an image-to-video pipeline needs (or brings one to another).
 
         Raises:
             UnsplittableRequestError: With the token count, the degree and what to change.
-            ValueError: ``guidance_scale_2`` for a pipeline without a second expert.
+            ValueError: ``guidance_scale_2`` for a pipeline without a second expert; an image
+                missing or not taken.
         """
+        wants_image = bool(self.pipeline_facts.get("image_input"))
+        if wants_image and request.image is None:
+            raise ValueError(
+                f"{self.config.served_model_name} makes a video from an image: send the first frame "
+                "(input_reference)"
+            )
+        if request.image is not None and not wants_image:
+            raise ValueError(
+                f"{self.config.served_model_name} makes its output from text alone: it takes no image "
+                "(input_reference is for image-to-video models)"
+            )
         if request.guidance_scale_2 is not None and not self.pipeline_facts.get("guidance_scale_2"):
             raise ValueError(
                 "guidance_scale_2 is the low-noise expert's guidance of a two-expert pipeline (Wan2.2 A14B); "

@@ -24,7 +24,7 @@ from filelock import FileLock
 from torch.distributed.tensor import DTensor
 
 from ray_hsdp.checkpoints.tiny import is_pipeline_folder, make_tiny
-from ray_hsdp.config import TINY_MODEL, cache_dir
+from ray_hsdp.config import EMBEDDED_MODELS, TINY_MODEL, cache_dir
 
 logger = logging.getLogger("ray_hsdp")
 
@@ -35,30 +35,30 @@ class CheckpointError(ValueError):
     """A checkpoint does not match the model it should fill (missing, unexpected or misshapen keys)."""
 
 
-def tiny_model_dir() -> Path:
-    """Where the embedded tiny pipeline lives on this node."""
-    return cache_dir() / "tiny-wan"
+#: How each embedded model is written (``make_tiny``'s arguments).
+EMBEDDED_WRITERS = {TINY_MODEL: {}, "tiny-i2v": {"image_to_video": True}}
 
 
 def resolve_model_path(model: str) -> Path:
     """Turns a config's ``model`` into a pipeline folder on this node.
 
-    ``"tiny"`` is written on first use. The writer is seeded, so every node that writes it gets the
-    same weights; a file lock keeps ranks of one node from writing it at once, and the folder
-    appears only when complete (written aside, then renamed), so a killed writer leaves no half.
+    An embedded model (``"tiny"``, ``"tiny-i2v"``) is written on first use. The writer is seeded, so
+    every node that writes it gets the same weights; a file lock keeps ranks of one node from
+    writing it at once, and the folder appears only when complete (written aside, then renamed),
+    so a killed writer leaves no half.
     Call it before the process group exists: transformers writes weights only on distributed rank 0.
 
     Raises:
         FileNotFoundError: ``model`` is not a diffusers pipeline folder.
     """
-    if model == TINY_MODEL:
-        path = tiny_model_dir()
+    if model in EMBEDDED_MODELS:
+        path = cache_dir() / EMBEDDED_MODELS[model]
         path.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(path) + ".lock"):
             if not is_pipeline_folder(path):
-                logger.info("Writing the embedded tiny Wan pipeline to %s", path)
-                staging = Path(tempfile.mkdtemp(prefix=".tiny-wan-", dir=path.parent))
-                make_tiny(staging, overwrite=True)
+                logger.info("Writing the embedded %s pipeline to %s", model, path)
+                staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+                make_tiny(staging, overwrite=True, **EMBEDDED_WRITERS[model])
                 shutil.rmtree(path, ignore_errors=True)
                 staging.rename(path)
         return path
@@ -66,7 +66,7 @@ def resolve_model_path(model: str) -> Path:
     if not is_pipeline_folder(path):
         raise FileNotFoundError(
             f"{model!r} is not a diffusers pipeline folder (no readable model_index.json); "
-            f"give a local folder or {TINY_MODEL!r}"
+            f"give a local folder or one of {', '.join(EMBEDDED_MODELS)}"
         )
     return path
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -36,6 +36,8 @@ class GenerationRequest:
             ``request_timeout_s``. A request past it is answered with an error and interrupted.
         uint8_frames: Return frames as uint8 (0-255) rather than float32 (0-1), converted on the
             rank: a quarter of the bytes to move (an 81-frame 720p video is 0.9 GB as float32).
+        image: The first frame of an image-to-video request: a PNG of exactly ``width`` x
+            ``height`` (``fit_image`` makes one from any image); ``None`` for text-to-video.
     """
 
     prompt: str
@@ -51,11 +53,42 @@ class GenerationRequest:
     request_id: str = ""
     timeout_s: float | None = None
     uint8_frames: bool = False
+    image: bytes | None = field(default=None, repr=False)  # megabytes: never in a log line
 
     @property
     def forward_cost(self) -> int:
         """Work of one transformer forward, in output pixels: ranks in lock step wait for the largest."""
         return self.width * self.height * self.num_frames * self.n
+
+
+def fit_image(data: bytes, width: int, height: int) -> bytes:
+    """The image in ``data`` fitted to ``width`` x ``height``, as a PNG: scaled (Lanczos) so that it
+    covers the size, then cropped to it around its centre; alpha and palettes become RGB.
+
+    Every layout and the tests' reference run take the image through this one rule, so that a
+    sharded result and the unsharded pipeline's see the same pixels.
+
+    Raises:
+        ValueError: ``data`` is not an image PIL can decode.
+    """
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as opened:
+            image = opened.convert("RGB")
+    except (UnidentifiedImageError, OSError, SyntaxError) as err:
+        raise ValueError(f"the image could not be decoded ({err})") from None
+    scale = max(width / image.width, height / image.height)
+    covered = (max(width, round(image.width * scale)), max(height, round(image.height * scale)))
+    if covered != image.size:
+        image = image.resize(covered, Image.LANCZOS)
+    left, top = (covered[0] - width) // 2, (covered[1] - height) // 2
+    image = image.crop((left, top, left + width, top + height))
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
 
 
 @dataclass

@@ -219,6 +219,8 @@ class ShardedPipeline:
             # Two experts with a boundary: the low-noise one takes its own guidance.
             "guidance_scale_2": "guidance_scale_2" in self._call_params
             and getattr(self.pipe.config, "boundary_ratio", None) is not None,
+            # Image-to-video: every request brings its first frame.
+            "image_input": "image" in self._call_params,
         }
 
     def guided(self) -> bool:
@@ -252,6 +254,12 @@ class ShardedPipeline:
         }
         if request.guidance_scale_2 is not None:
             kwargs["guidance_scale_2"] = request.guidance_scale_2
+        if request.image is not None:  # the group's check refused it for a pipeline without image input
+            import io
+
+            from PIL import Image
+
+            kwargs["image"] = Image.open(io.BytesIO(request.image)).convert("RGB")
         # Video pipelines take frames and "videos per prompt"; image pipelines take neither.
         if "num_frames" in self._call_params:
             kwargs["num_frames"] = request.num_frames

@@ -110,11 +110,11 @@ def test_make_random_tiny_then_serve_it_over_http_with_usp_2(ray_cluster, tmp_pa
         assert pool["shard_size"] == 2 and pool["model"] == "wan14b-tiny"
         assert (pool["lanes"], pool["lane_size"], pool["ulysses_degree"]) == (1, 2, 2)
     finally:
+        # Serve shut down from here first (its Ctrl-C path then has nothing left to wait for), so
+        # later tests find the cluster's CPUs free.
+        serve.shutdown()
         proc.send_signal(signal.SIGINT)
         try:
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             proc.kill()
-        from ray import serve
-
-        serve.shutdown()  # whatever the server left, so later tests find the cluster's CPUs free

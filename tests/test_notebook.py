@@ -36,6 +36,7 @@ def test_quickstart_notebook_runs(ray_cluster, tmp_path):
     images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert images, "the notebook shows the generated image"
     assert "completed: 9 frames at 16 fps, 64x64" in outputs
+    assert "animated: 9 frames from the first image, 64x64" in outputs  # the tiny image-to-video model
     videos = [
         o["data"]["text/html"] for c in nb.cells for o in c.get("outputs", []) if "text/html" in o.get("data", {})
     ]

@@ -56,6 +56,12 @@ _WAN_14B = dict(
 _WAN_1_3B = {**_WAN_14B, "num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30}
 
 _WAN_TINY = dict(num_attention_heads=2, attention_head_dim=16, text_dim=32, freq_dim=64, ffn_dim=64, num_layers=4)
+#: Image-to-video: the latents of the conditioning video and its mask beside the noise (16 + 16 + 4
+#: channels in). Wan2.1-I2V adds CLIP ViT-H/14 image tokens (1280 wide) through added K/V
+#: projections of the cross-attention; Wan2.2-I2V-A14B has no image encoder.
+_WAN_I2V_14B = {**_WAN_14B, "in_channels": 36, "image_dim": 1280, "added_kv_proj_dim": 5120}
+_WAN22_I2V_14B = {**_WAN_14B, "in_channels": 36}
+_WAN_I2V_TINY = {**_WAN_TINY, "image_dim": 32, "added_kv_proj_dim": 32}
 
 ARCHITECTURES: dict[str, Architecture] = {
     a.name: a
@@ -87,6 +93,26 @@ ARCHITECTURES: dict[str, Architecture] = {
             tiny=_WAN_TINY,
             experts=("transformer", "transformer_2"),
             pipeline_config={"boundary_ratio": 0.875},
+            params_billion=14.3,
+        ),
+        Architecture(
+            name="wan2.1-i2v-14b",
+            family="wan",
+            pipeline_class="WanImageToVideoPipeline",
+            transformer_class="WanTransformer3DModel",
+            transformer=_WAN_I2V_14B,
+            tiny=_WAN_I2V_TINY,
+            params_billion=16.4,
+        ),
+        Architecture(
+            name="wan2.2-i2v-a14b",
+            family="wan",
+            pipeline_class="WanImageToVideoPipeline",
+            transformer_class="WanTransformer3DModel",
+            transformer=_WAN22_I2V_14B,
+            tiny=_WAN_TINY | {"in_channels": 36},
+            experts=("transformer", "transformer_2"),
+            pipeline_config={"boundary_ratio": 0.9},
             params_billion=14.3,
         ),
         Architecture(

@@ -68,7 +68,9 @@ def t5_encoder(cls_name: str, tokenizer, d_model: int):
 
 
 def wan_standins(transformer_kwargs: dict) -> dict:
-    """Tokenizer, UMT5 text encoder, Wan VAE (8x spatial, 4x temporal, 16 latent channels), scheduler."""
+    """Tokenizer, UMT5 text encoder, Wan VAE (8x spatial, 4x temporal, 16 latent channels), scheduler;
+    for a transformer that takes image tokens (``image_dim``), a CLIP vision encoder of that width and
+    its image processor."""
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
 
     tokenizer = train_tokenizer(model_max_length=512)
@@ -76,12 +78,35 @@ def wan_standins(transformer_kwargs: dict) -> dict:
     vae = AutoencoderKLWan(
         base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
     )
-    return {
+    parts = {
         "tokenizer": tokenizer,
         "text_encoder": text_encoder,
         "vae": vae,
         "scheduler": FlowMatchEulerDiscreteScheduler(shift=5.0),
     }
+    if transformer_kwargs.get("image_dim"):
+        parts.update(clip_vision_standin(transformer_kwargs["image_dim"]))
+    return parts
+
+
+def clip_vision_standin(width: int) -> dict:
+    """A two-layer CLIP vision encoder of hidden size ``width`` on 32x32 crops (diffusers' Wan I2V
+    takes its second-to-last hidden states), and the CLIP image processor sized to it."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    size = 32
+    encoder = CLIPVisionModel(
+        CLIPVisionConfig(
+            hidden_size=width,
+            intermediate_size=2 * width,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=size,
+            patch_size=8,
+        )
+    ).eval()
+    processor = CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+    return {"image_encoder": encoder, "image_processor": processor}
 
 
 def flux_standins(transformer_kwargs: dict) -> dict:

@@ -13,7 +13,9 @@ from pathlib import Path
 TINY_SEED = 0
 
 
-def make_tiny(directory: str | Path, two_experts: bool = False, overwrite: bool = False) -> Path:
+def make_tiny(
+    directory: str | Path, two_experts: bool = False, overwrite: bool = False, image_to_video: bool = False
+) -> Path:
     """Writes the tiny Wan pipeline as a diffusers folder.
 
     Args:
@@ -21,6 +23,8 @@ def make_tiny(directory: str | Path, two_experts: bool = False, overwrite: bool 
         two_experts: Write a two-expert (Wan2.2-style) pipeline; its boundary sits at half of the
             noise schedule, so that short and long requests soon sit at different experts.
         overwrite: Replace an existing pipeline in ``directory``.
+        image_to_video: Write the image-to-video pipeline (``WanImageToVideoPipeline``): Wan2.1-I2V
+            with its CLIP vision encoder, or with ``two_experts`` Wan2.2-I2V-A14B (no image encoder).
 
     Returns:
         The folder, which ``DiffusionPipeline.from_pretrained`` loads.
@@ -33,7 +37,8 @@ def make_tiny(directory: str | Path, two_experts: bool = False, overwrite: bool 
     path = Path(directory)
     if (path / "model_index.json").exists() and not overwrite:
         raise FileExistsError(f"{path} already holds a diffusers pipeline (pass overwrite=True to replace it)")
-    arch = "wan2.2-t2v-a14b" if two_experts else "wan2.1-t2v-14b"
+    task = "i2v" if image_to_video else "t2v"
+    arch = f"wan2.2-{task}-a14b" if two_experts else f"wan2.1-{task}-14b"
     settings = {"boundary_ratio": 0.5} if two_experts else None
     make_random(arch, path, tiny=True, dtype="float32", seed=TINY_SEED, pipeline_config=settings)
     return path

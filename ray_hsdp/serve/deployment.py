@@ -35,6 +35,7 @@ from ray_hsdp.serve.metrics import ReplicaMetrics
 from ray_hsdp.serve.routing import GROUP_OK
 from ray_hsdp.serve.schema import (
     ImageGenerationRequest,
+    ImageTooLargeError,
     RequestLimitError,
     VideoCreateRequest,
     image_response,
@@ -87,6 +88,7 @@ class JobTableFullError(RuntimeError):
 #: whether the client should retry after ``retry_after_s``). The first class an error is an
 #: instance of decides (more specific classes first); anything else is a 500 with its cause.
 ERRORS: list[tuple[type[BaseException], int, str, str | None, bool]] = [
+    (ImageTooLargeError, 413, "invalid_request_error", "input_reference", False),
     (RequestLimitError, 400, "invalid_request_error", None, False),
     (UnsplittableRequestError, 400, "invalid_request_error", "size", False),
     (UnknownModelError, 404, "invalid_request_error", "model", False),
@@ -132,6 +134,10 @@ async def _invalid_model(request: Request, exc: ValidationError) -> JSONResponse
     return await _invalid_request(request, RequestValidationError(exc.errors()))
 
 
+#: The routes that take an input_reference image.
+VIDEO_CREATE_ROUTES = ("/v1/videos", "/v1/videos/sync")
+
+
 @api.middleware("http")
 async def _guard(request: Request, call_next):
     """API key and body size, before any route runs; an error no handler took still answers JSON."""
@@ -151,8 +157,12 @@ async def _guard(request: Request, call_next):
         length = request.headers.get("content-length")
         if length is None:
             return _error(411, "a request body needs a Content-Length header", "invalid_request_error")
-        if not length.isdigit() or int(length) > config.max_body_bytes:
-            return _error(413, f"request body larger than {config.max_body_bytes} bytes", "invalid_request_error")
+        limit = config.max_body_bytes
+        if path in VIDEO_CREATE_ROUTES:  # room for one input_reference, base64 taking 4/3 of its bytes
+            limit += -(-config.max_image_bytes // 3) * 4
+        if not length.isdigit() or int(length) > limit:
+            what = " (max_body_bytes, plus max_image_bytes as base64 on the video routes)"
+            return _error(413, f"request body larger than {limit} bytes{what}", "invalid_request_error")
     try:
         response = await call_next(request)
     except Exception as exc:  # noqa: BLE001 - every route error is answered here, by ERRORS
@@ -176,7 +186,8 @@ def read_api_key(config: AppConfig) -> str | None:
 
 async def _video_body(request: Request) -> VideoCreateRequest:
     """The body of ``POST /v1/videos``: a multipart or urlencoded form (what the OpenAI client
-    sends) or JSON. Form values are strings; the schema reads numbers out of them."""
+    sends, ``input_reference`` as a file part) or JSON. Form values are strings; the schema reads
+    numbers out of them."""
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind in ("multipart/form-data", "application/x-www-form-urlencoded"):
         try:
@@ -185,10 +196,12 @@ async def _video_body(request: Request) -> VideoCreateRequest:
             raise RequestLimitError(f"could not read the form: {err}") from None
         fields: dict = {}
         for key, value in form.multi_items():
-            if not isinstance(value, str):
-                raise RequestLimitError(f"{key}: file uploads (input_reference) are not supported")
             if key in fields:
                 raise RequestLimitError(f"{key} is given more than once")
+            if not isinstance(value, str):  # a file part: the OpenAI client sends input_reference so
+                if key != "input_reference":
+                    raise RequestLimitError(f"{key} is a file; only input_reference takes one")
+                value = await value.read()
             fields[key] = value
     elif kind == "application/json":
         try:
@@ -348,6 +361,10 @@ class HSDPServer:
         """
         body = ImageGenerationRequest.model_validate(request)
         self._check_model(body.model)
+        if self.group.pipeline_facts.get("image_input"):
+            raise RequestLimitError(
+                f"{self.model_name} is an image-to-video model: POST /v1/videos with the first frame as input_reference"
+            )
         job = to_generation_request(body, self.config, request_id=uuid.uuid4().hex)
         self.group.check(job)
         result, first_error = await self._result(job, seeded=body.seed is not None)

@@ -12,7 +12,7 @@ import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
 
 from ray_hsdp.config import AppConfig, parse_size
-from ray_hsdp.request import GenerationRequest, GenerationResult
+from ray_hsdp.request import GenerationRequest, GenerationResult, fit_image
 from ray_hsdp.serve.media import encode_png as png_bytes
 from ray_hsdp.serve.media import frames_for_seconds
 
@@ -56,6 +56,102 @@ class ImageGenerationRequest(BaseModel):
 
 class RequestLimitError(ValueError):
     """A request exceeds one of the server's configured limits."""
+
+
+class ImageTooLargeError(RequestLimitError):
+    """An input_reference image has more bytes than ``max_image_bytes`` (HTTP 413)."""
+
+
+INLINE_ONLY = "only inline images are taken: a file part of the form, base64, or a data: URL of the image"
+
+
+def image_type(data: bytes) -> str | None:
+    """``"png"``, ``"jpeg"`` or ``"webp"`` from the image's first bytes (clients often send files as
+    ``application/octet-stream``, so the bytes decide); ``None`` for anything else."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "png"
+    if data.startswith(b"\xff\xd8\xff"):
+        return "jpeg"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    return None
+
+
+def reference_image(value: bytes | str | dict, config: AppConfig) -> bytes:
+    """The image bytes of an ``input_reference`` in any form a client sends it: bytes (a file part
+    of the form, or the handle), a base64 string, a ``data:`` URL, or OpenAI's object form
+    ``{"image_url": "data:..."}``.
+
+    Raises:
+        RequestLimitError: A URL or ``file_id`` (only inline images are taken), bad base64, a data
+            URL of another type, bytes that are no PNG, JPEG or WebP, or more pixels than
+            ``max_image_pixels``.
+        ImageTooLargeError: More bytes than ``max_image_bytes``.
+    """
+    import binascii
+    import io
+
+    from PIL import Image
+
+    if isinstance(value, dict):
+        if "file_id" in value:
+            raise RequestLimitError(f"input_reference.file_id: uploaded files are not kept here; {INLINE_ONLY}")
+        url = value.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str) or set(value) - {"image_url"}:
+            raise RequestLimitError(
+                f"input_reference as an object takes one field, image_url (a data: URL); {INLINE_ONLY}"
+            )
+        value = url
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith(("http://", "https://")):
+            raise RequestLimitError(f"input_reference is a URL; {INLINE_ONLY}")
+        if text.startswith("data:"):
+            head, _, text = text.partition(",")
+            media = head.removeprefix("data:").split(";")[0].strip().lower()
+            if media not in ("image/png", "image/jpeg", "image/webp") or ";base64" not in head:
+                raise RequestLimitError(
+                    f"input_reference is a data URL of {media or 'no type'!r}"
+                    f"{'' if ';base64' in head else ' without base64'}: "
+                    "send image/png, image/jpeg or image/webp as base64"
+                )
+        if len(text) > (config.max_image_bytes + 2) // 3 * 4 + 4:
+            raise ImageTooLargeError(f"input_reference is larger than max_image_bytes={config.max_image_bytes}")
+        try:
+            value = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError):
+            raise RequestLimitError("input_reference is not valid base64 (nor a data: URL)") from None
+    if not isinstance(value, bytes | bytearray):
+        raise RequestLimitError(
+            f"input_reference must be an image (bytes, base64 or a data: URL), not {type(value).__name__}"
+        )
+    data = bytes(value)
+    if not data:
+        raise RequestLimitError("input_reference is empty")
+    if len(data) > config.max_image_bytes:
+        raise ImageTooLargeError(
+            f"input_reference is {len(data)} bytes; the limit is max_image_bytes={config.max_image_bytes}"
+        )
+    if image_type(data) is None:
+        raise RequestLimitError("input_reference is not a PNG, JPEG or WebP image")
+    try:
+        with Image.open(io.BytesIO(data)) as image:  # reads the header only
+            width, height = image.size
+    except Image.DecompressionBombError:
+        raise RequestLimitError(
+            f"input_reference has more pixels than can be opened safely; the limit is "
+            f"max_image_pixels={config.max_image_pixels}"
+        ) from None
+    except Exception as err:  # noqa: BLE001 - whatever PIL makes of a broken header is the client's error
+        raise RequestLimitError(f"input_reference could not be read as an image ({err})") from None
+    if width * height > config.max_image_pixels:
+        raise RequestLimitError(
+            f"input_reference is {width}x{height} pixels; the limit is max_image_pixels={config.max_image_pixels}"
+        )
+    if width < 1 or height < 1:
+        raise RequestLimitError(f"input_reference is {width}x{height} pixels")
+    return data
 
 
 def to_generation_request(body: ImageGenerationRequest, config: AppConfig, request_id: str) -> GenerationRequest:
@@ -138,6 +234,11 @@ class VideoCreateRequest(BaseModel):
     negative_prompt: str | None = Field(None, description="Negative prompt.")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Noise seed; random when omitted.")
     user: str | None = Field(None, description="OpenAI's end-user id; accepted and ignored.")
+    input_reference: bytes | str | dict | None = Field(
+        None,
+        description="First frame of an image-to-video model: PNG, JPEG or WebP as a file part of the form, base64, a "
+        "data: URL or {'image_url': 'data:...'}; fitted to the size (cover, then centre crop).",
+    )
 
 
 def to_video_request(
@@ -149,7 +250,8 @@ def to_video_request(
         The generation request (uint8 frames) and the frame rate of its MP4.
 
     Raises:
-        RequestLimitError: A limit is exceeded, or the frame count is not one the VAE takes.
+        RequestLimitError: A limit is exceeded, the frame count is not one the VAE takes, or the
+            input_reference is no image it takes (``reference_image``).
     """
     image = ImageGenerationRequest.model_validate(
         {
@@ -180,4 +282,7 @@ def to_video_request(
             f"num_frames={frames} is not a count this model's VAE takes: {t}k+1 (e.g. {t * ((frames - 1) // t) + 1} "
             f"or {t * ((frames - 1) // t + 1) + 1})"
         )
-    return dataclasses.replace(request, num_frames=frames, uint8_frames=True), fps
+    image = None
+    if body.input_reference is not None:
+        image = fit_image(reference_image(body.input_reference, config), request.width, request.height)
+    return dataclasses.replace(request, num_frames=frames, uint8_frames=True, image=image), fps

@@ -25,9 +25,12 @@ def test_every_cpu_yaml_is_started_by_a_fixture_of_the_suite():
 
 
 def test_the_shared_server_is_the_tiny_yaml(server):
-    """The server every serve module uses is this YAML's ``serve run``; its answers equal the
-    unsharded run (``test_http``'s parity test; no request here, whose count would skew the
-    metrics test)."""
-    (app,) = yaml.safe_load((CONFIGS / "tiny_cpu.yaml").read_text())["applications"]
-    pool = requests.get(f"{server}/v1/pool", timeout=60).json()
-    assert (pool["shard_size"], pool["mode"]) == (app["args"]["shard_size"], app["args"]["mode"]), pool
+    """The server every serve module uses is this YAML's ``serve run``: text-to-video at ``/`` and
+    image-to-video at ``/i2v``. Their answers equal the unsharded runs (``test_http``'s and
+    ``test_videos_from_images``' parity tests; no request here, whose count would skew the metrics
+    test)."""
+    apps = yaml.safe_load((CONFIGS / "tiny_cpu.yaml").read_text())["applications"]
+    for app in apps:
+        pool = requests.get(f"{server}{app['route_prefix'].rstrip('/')}/v1/pool", timeout=60).json()
+        assert (pool["shard_size"], pool["mode"]) == (app["args"]["shard_size"], app["args"]["mode"]), pool
+        assert pool["model"] == {"tiny": "tiny-wan", "tiny-i2v": "tiny-wan-i2v"}[app["args"]["model"]]
