@@ -37,4 +37,5 @@ def test_a_stopped_request_raises_at_its_step_and_skips_the_decode(tiny_model):
         "sequence": None,
         "cfg_split": [],
         "guidance_scale_2": False,  # one expert
+        "image_input": False,  # text to video
     }

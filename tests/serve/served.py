@@ -62,11 +62,13 @@ def serve_run(tmp_path_factory, name: str = "tiny_cpu.yaml", own_ray: bool = Fal
         # sometimes never logged the interrupt). Its process then holds nothing.
         serve.shutdown()
         proc.kill()
-    else:  # serve run shuts down the local Ray it started on Ctrl-C (killed, it would leave it running)
+    else:  # Ctrl-C: serve run shuts Serve and the local Ray it started down
         proc.send_signal(signal.SIGINT)
     try:
-        proc.wait(timeout=30)
+        proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
+        # Seen in full runs: serve run sometimes never acts on the interrupt. Its local Ray's
+        # processes share the fate of the driver, so they go with it.
         proc.kill()
         proc.wait(timeout=30)
     log.close()
