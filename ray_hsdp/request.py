@@ -55,6 +55,14 @@ class GenerationRequest:
     uint8_frames: bool = False
     image: bytes | None = field(default=None, repr=False)  # megabytes: never in a log line
 
+    def first_frame(self):
+        """The image of an image-to-video request as the pipeline takes it (an RGB PIL image)."""
+        import io
+
+        from PIL import Image
+
+        return Image.open(io.BytesIO(self.image)).convert("RGB")
+
     @property
     def forward_cost(self) -> int:
         """Work of one transformer forward, in output pixels: ranks in lock step wait for the largest."""

@@ -255,11 +255,7 @@ class ShardedPipeline:
         if request.guidance_scale_2 is not None:
             kwargs["guidance_scale_2"] = request.guidance_scale_2
         if request.image is not None:  # the group's check refused it for a pipeline without image input
-            import io
-
-            from PIL import Image
-
-            kwargs["image"] = Image.open(io.BytesIO(request.image)).convert("RGB")
+            kwargs["image"] = request.first_frame()
         # Video pipelines take frames and "videos per prompt"; image pipelines take neither.
         if "num_frames" in self._call_params:
             kwargs["num_frames"] = request.num_frames

@@ -32,11 +32,7 @@ def reference_frames(pipe, request: GenerationRequest) -> np.ndarray:
     if request.guidance_scale_2 is not None:
         video["guidance_scale_2"] = request.guidance_scale_2
     if request.image is not None:  # already fitted to the request's size (request.fit_image)
-        import io
-
-        from PIL import Image
-
-        video["image"] = Image.open(io.BytesIO(request.image)).convert("RGB")
+        video["image"] = request.first_frame()
     out = pipe(
         prompt=request.prompt,
         negative_prompt=request.negative_prompt,
