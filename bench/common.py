@@ -119,4 +119,23 @@ def plain_kwargs(request) -> dict:
         "guidance_scale": request.guidance_scale,
         "generator": torch.Generator("cpu").manual_seed(request.seed),
         "output_type": "np",
+        # An image-to-video request's first frame, already fitted to its size (request.fit_image).
+        **({"image": request.first_frame()} if request.image is not None else {}),
     }
+
+
+def first_frame_png(width: int, height: int) -> bytes:
+    """A synthetic first frame for image-to-video benchmarks (no image files ship with the bench):
+    a colour gradient with a disc, as a PNG of ``width`` x ``height``."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    rgb = np.stack([x / width, y / height, 1 - x / width], axis=-1)
+    disc = (x - width / 2) ** 2 + (y - height / 2) ** 2 < (min(width, height) / 4) ** 2
+    rgb[disc] = (0.9, 0.4, 0.1)
+    out = io.BytesIO()
+    Image.fromarray((rgb * 255).astype(np.uint8)).save(out, format="PNG")
+    return out.getvalue()

@@ -41,12 +41,16 @@ def layout_fields(name: str) -> dict:
     return fields
 
 
-def request_for(size: str, frames: int, steps: int, request_id: str, seed: int = 0):
+def request_for(size: str, frames: int, steps: int, request_id: str, seed: int = 0, image: bool = False):
+    """One guided request; with ``image``, an image-to-video request whose first frame is the
+    bench's synthetic image."""
+    from bench.common import first_frame_png
     from ray_hsdp.config import parse_size
     from ray_hsdp.request import GenerationRequest
 
     width, height = parse_size(size)
     return GenerationRequest(
+        image=first_frame_png(width, height) if image else None,
         prompt=PROMPT,
         width=width,
         height=height,
@@ -74,7 +78,8 @@ def run_plain(model_dir: Path, requests: list, device: str) -> tuple[list[dict],
     first = requests[0]
     # The same 1-step warm-up as the groups get: no row pays the first kernels' one-time costs.
     size = {"width": first.width, "height": first.height, "num_frames": first.num_frames}
-    pipe(prompt="warm up", num_inference_steps=1, output_type="latent", **size)
+    warm = {"image": first.first_frame()} if first.image is not None else {}
+    pipe(prompt="warm up", num_inference_steps=1, output_type="latent", **size, **warm)
     rows, frames = [], []
     for request in requests:
         marks: list[float] = []
@@ -113,7 +118,7 @@ def run_plain(model_dir: Path, requests: list, device: str) -> tuple[list[dict],
     return rows, frames, weights
 
 
-def run_group(model_dir: Path, fields: dict, requests: list, args):
+def run_group(model_dir: Path, layout: str, requests: list, args):
     """One layout's group: rows of the single requests, their frames, parameter bytes per rank,
     and the throughput run."""
     import numpy as np
@@ -121,11 +126,12 @@ def run_group(model_dir: Path, fields: dict, requests: list, args):
     from ray_hsdp.config import GroupConfig
     from ray_hsdp.group import ShardGroup
 
-    config = GroupConfig(model=str(model_dir), device=args.device, requests_per_rank=1, **fields)
+    config = GroupConfig(model=str(model_dir), device=args.device, requests_per_rank=1, **layout_fields(layout))
     rows, frames, batch = [], [], None
     with ShardGroup(config) as group:
         memory = group.memory()
-        warm = dataclasses.replace(requests[0], num_inference_steps=1, request_id="warm-up")
+        first = requests[0] if requests else request_for(args.throughput_size, args.frames, 1, "w", image=args.image)
+        warm = dataclasses.replace(first, num_inference_steps=1, request_id="warm-up")
         group.generate([warm])
         for request in requests:
             group.start_profile()
@@ -148,9 +154,9 @@ def run_group(model_dir: Path, fields: dict, requests: list, args):
                 }
             )
             frames.append(np.asarray(result.frames, dtype=np.float32))
-        if args.throughput:
+        if args.throughput and (args.throughput_layouts is None or layout in args.throughput_layouts):
             many = [
-                request_for(args.throughput_size, args.frames, args.steps, f"t{i}", seed=i)
+                request_for(args.throughput_size, args.frames, args.steps, f"t{i}", seed=i, image=args.image)
                 for i in range(args.throughput)
             ]
             start = time.perf_counter()
@@ -169,7 +175,8 @@ def run_group(model_dir: Path, fields: dict, requests: list, args):
                 "latency_s_max": round(max(latencies), 3),
             }
     weights = [r["total"]["sharded_local"] + r["total"]["replicated"] for r in memory]
-    return rows, frames, weights, batch
+    model = memory[0]["total"]["sharded_full"] + memory[0]["total"]["replicated"]
+    return rows, frames, weights, batch, model
 
 
 def main() -> None:
@@ -183,6 +190,16 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", default=["plain", "s2-u2", "s2-cfg2", "s4-u4", "s4-cfg2-u2"])
     parser.add_argument("--throughput", type=int, default=0, help="requests sent at once to each group layout")
     parser.add_argument("--throughput-size", default="832x480")
+    parser.add_argument(
+        "--throughput-layouts", nargs="*", default=None, help="layouts that run the throughput batch (default: all)"
+    )
+    parser.add_argument(
+        "--throughput-only",
+        nargs="*",
+        default=[],
+        help="layouts that run only the throughput batch (e.g. s4: a batch group's single request says little)",
+    )
+    parser.add_argument("--image", action="store_true", help="image-to-video: each request carries a first frame")
     parser.add_argument("--device", default="cuda", help="cpu: a dry run on gloo ranks with the tiny architecture")
     parser.add_argument("--ray-cpus", type=int, default=None, help="a Ray of its own with this many CPUs (CPU runs)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
@@ -192,7 +209,7 @@ def main() -> None:
     import numpy as np
 
     written_s = ensure_model(args.arch, args.model_dir, args.device, small_encoders=args.small_encoders)
-    requests = [request_for(size, args.frames, args.steps, size) for size in args.sizes]
+    requests = [request_for(size, args.frames, args.steps, size, image=args.image) for size in args.sizes]
     results: dict = {"environment": environment(), "arch": args.arch, "checkpoint_written_s": written_s, "layouts": {}}
     reference = None
     started_ray = False
@@ -207,9 +224,13 @@ def main() -> None:
                 start_ray(args.ray_cpus)
                 started_ray = True
             try:
-                rows, frames, weights, batch = run_group(args.model_dir, layout_fields(layout), requests, args)
+                singles = [] if layout in args.throughput_only else requests
+                rows, frames, weights, batch, model = run_group(args.model_dir, layout, singles, args)
+                results["model_parameter_bytes"] = model
             except Exception as err:  # noqa: BLE001 - a layout that fails is a result of its own
-                results["layouts"][layout] = {"error": f"{type(err).__name__}: {str(err)[:400]}"}
+                # The message is the last line of a rank's traceback.
+                message = str(err).strip().splitlines()[-1] if str(err).strip() else ""
+                results["layouts"][layout] = {"error": f"{type(err).__name__}: {message[:300]}"}
                 print(layout, results["layouts"][layout], flush=True)
                 continue
             entry = {"rows": rows, "parameter_bytes_per_gpu": weights, "throughput": batch}
@@ -259,6 +280,13 @@ def markdown(results: dict, args) -> str:
                 f"| {layout} | {b['requests']} x {b['size']} | {b['wall_s']:.1f} | {b['requests_per_min']:.2f} | "
                 f"{b['latency_s_mean']:.1f} | {b['latency_s_max']:.1f} |"
             )
+    model = results.get("model_parameter_bytes")
+    if model:
+        lines += ["", f"Parameters of the unsharded model (every component): {gib(model)} GiB. Per GPU:"]
+        for layout, entry in results["layouts"].items():
+            if "parameter_bytes_per_gpu" in entry and layout != "plain":
+                most = max(entry["parameter_bytes_per_gpu"])
+                lines.append(f"- {layout}: {gib(most)} GiB ({100 * most / model:.1f}% of the model)")
     return "\n".join(lines) + "\n"
 
 

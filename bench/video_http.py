@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import environment, write_results
+from bench.common import environment, first_frame_png, write_results
 
 
 def main() -> None:
@@ -30,11 +30,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--name", default="video-http-wan2.1-t2v-14b")
+    parser.add_argument(
+        "--image", action="store_true", help="image-to-video: send the bench's synthetic first frame as input_reference"
+    )
     args = parser.parse_args()
 
     import openai
     import requests
 
+    from ray_hsdp.config import parse_size
     from ray_hsdp.serve.media import decode_mp4
 
     config = yaml.safe_load(args.config.read_text())
@@ -65,11 +69,14 @@ def main() -> None:
         ready_s = time.perf_counter() - started
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=1800, max_retries=0)
         created_at = time.perf_counter()
+        # As a user sends a file: the openai client makes it a part of a multipart form.
+        image = {"input_reference": ("first.png", first_frame_png(*parse_size(args.size)), "image/png")}
         video = client.videos.create(
             prompt="A red fox runs through fresh snow at dawn, cinematic",
             size=args.size,
             seconds=args.seconds,
             extra_body={"num_inference_steps": args.steps, "seed": 0},
+            **(image if args.image else {}),
         )
         progress = []
         while video.status in ("queued", "in_progress"):
@@ -110,7 +117,8 @@ def report(args, ready_s, video, job_s, progress, mp4, frames, fps) -> None:
             f"Command: `{payload['environment']['command']}`",
             "",
             f"- server up (group loaded) after {ready_s:.1f} s",
-            f"- job {video.id}: {video.status}, {args.size}, {args.seconds} s, {args.steps} steps: "
+            f"- job {video.id}{' (image to video)' if args.image else ''}: {video.status}, {args.size}, "
+            f"{args.seconds} s, {args.steps} steps: "
             f"{job_s:.1f} s from create to completed",
             f"- MP4: {len(mp4) / 2**20:.2f} MiB, decodes to {frames.shape[0]} frames of "
             f"{frames.shape[2]}x{frames.shape[1]} at {fps:g} fps",

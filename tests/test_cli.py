@@ -1,4 +1,6 @@
-"""The ray-hsdp console script, run as a user runs it."""
+"""The ray-hsdp console script, run as a user runs it: commands that start Ray in a process of their
+own; quick ones (making checkpoints, refusing bad flags) through ``main`` in this process, which
+spares a Python start each."""
 
 import base64
 import io
@@ -19,21 +21,35 @@ def run(*args, env=None, timeout=300):
     return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=timeout, env=env or os.environ.copy())
 
 
-def test_make_tiny_writes_a_loadable_pipeline_and_refuses_to_overwrite(tmp_path):
+def run_here(capsys, *args) -> subprocess.CompletedProcess:
+    """``ray-hsdp ARGS`` through ``main`` in this process: its exit code (argparse's refusals
+    included), stdout and stderr."""
+    from ray_hsdp.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as exit_:
+        code = exit_.code
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["ray-hsdp", *args], code, out, err)
+
+
+def test_make_tiny_writes_a_loadable_pipeline_and_refuses_to_overwrite(tmp_path, capsys):
     from diffusers import DiffusionPipeline
 
     target = tmp_path / "tiny"
-    done = run("make-tiny", str(target), "--two-experts")
+    done = run_here(capsys, "make-tiny", str(target), "--two-experts")
     assert done.returncode == 0, done.stderr
     pipe = DiffusionPipeline.from_pretrained(target)
     assert type(pipe).__name__ == "WanPipeline"
     assert pipe.transformer_2 is not None and pipe.config.boundary_ratio == 0.5
     assert all(p.suffix != ".bin" for p in target.rglob("*") if p.is_file())
-    again = run("make-tiny", str(target))
+    again = run_here(capsys, "make-tiny", str(target))
     assert again.returncode == 2 and "already holds a diffusers pipeline" in again.stderr
 
 
-def test_generate_runs_a_group_without_serve_and_writes_a_video(ray_cluster, tiny_model, tmp_path):
+def test_generate_runs_a_group_without_serve_and_writes_a_video(ray_cluster, tiny_model, tmp_path, capsys):
     """(Images from the CLI: the demo's test.)"""
     from ray_hsdp.serve.media import decode_mp4
 
@@ -45,7 +61,7 @@ def test_generate_runs_a_group_without_serve_and_writes_a_video(ray_cluster, tin
     assert frames.shape == (9, 64, 96, 3) and fps == 16
     assert "9 frames at 16 fps" in done.stdout
     assert re.search(r"^1\s+1\s+\S+\s+cpu\s", done.stdout, re.M), done.stdout  # rank 1, its own lane
-    bad = run(*args[:5], "8", *args[6:], "--out", str(tmp_path / "bad.mp4"))
+    bad = run_here(capsys, *args[:5], "8", *args[6:], "--out", str(tmp_path / "bad.mp4"))
     assert bad.returncode == 2 and "4k+1" in bad.stderr
 
 
@@ -61,17 +77,17 @@ def test_demo_prints_the_image_path_and_the_memory_table(tmp_path):
     assert len(shares) == 2 and all(45 <= s <= 55 for s in shares), done.stdout
 
 
-def test_usp_without_use_hsdp_is_refused_with_the_fix():
-    done = run("serve", "tiny", "--usp", "2", "--device", "cpu")
+def test_usp_without_use_hsdp_is_refused_with_the_fix(capsys):
+    done = run_here(capsys, "serve", "tiny", "--usp", "2", "--device", "cpu")
     assert done.returncode == 2 and "add --use-hsdp" in done.stderr
 
 
-def test_make_random_tiny_then_serve_it_over_http_with_usp_2(ray_cluster, tmp_path):
+def test_make_random_tiny_then_serve_it_over_http_with_usp_2(ray_cluster, tmp_path, capsys):
     """As vllm-omni users type it: --use-hsdp --usp 2, no shard size (it defaults to the lane's 2)."""
     import requests
 
     folder = tmp_path / "wan14b-tiny"
-    done = run("make-random", "wan2.1-t2v-14b", str(folder), "--tiny")
+    done = run_here(capsys, "make-random", "wan2.1-t2v-14b", str(folder), "--tiny")
     assert done.returncode == 0, done.stderr
     assert "stand-ins" in done.stdout and "tiny variant" in done.stdout
     from ray import serve

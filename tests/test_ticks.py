@@ -34,8 +34,9 @@ def submit_staggered(group, requests):
     return [f.result(timeout=DEADLINE_S) for f in futures]
 
 
-@pytest.mark.parametrize("shard_size", [2, 3])
-def test_a_mixed_workload_never_hangs_and_matches_unsharded(ray_cluster, tiny_model, reference_pipe, shard_size):
+def test_a_mixed_workload_never_hangs_and_matches_unsharded(ray_cluster, tiny_model, reference_pipe):
+    # 3 ranks: uneven shards, and more ranks to fall out of step than 2 (which every other test runs).
+    shard_size = 3
     requests = [GenerationRequest(seed=i, height=64, **fields) for i, fields in enumerate(MIX)]
     with ShardGroup(GroupConfig(model=tiny_model, device="cpu", shard_size=shard_size)) as group:
         results = submit_staggered(group, requests)

@@ -24,6 +24,19 @@ def test_every_cpu_yaml_is_started_by_a_fixture_of_the_suite():
     assert set(CPU_YAMLS) == set(STARTED_BY), f"a CPU YAML nobody starts: {set(CPU_YAMLS) ^ set(STARTED_BY)}"
 
 
+def test_every_gpu_yaml_is_a_valid_app_config():
+    """The GPU YAMLs cannot start here: their app args at least validate, with the mesh they ask for."""
+    from ray_hsdp.config import AppConfig
+
+    gpu_yamls = sorted(set(p.name for p in CONFIGS.glob("*.yaml")) - set(CPU_YAMLS))
+    assert gpu_yamls
+    for name in gpu_yamls:
+        for app in yaml.safe_load((CONFIGS / name).read_text())["applications"]:
+            config = AppConfig(**app["args"])
+            assert config.device == "cuda", name
+            config.parallel_dims()  # the layout fits the shard size
+
+
 def test_the_shared_server_is_the_tiny_yaml(server):
     """The server every serve module uses is this YAML's ``serve run``: text-to-video at ``/`` and
     image-to-video at ``/i2v``. Their answers equal the unsharded runs (``test_http``'s and
