@@ -12,7 +12,9 @@ offload (a user without HSDP); ``batch`` on a mixed workload (steps interleaved)
 ``batch-compile`` against ``plain-compile`` (``compile: true`` against diffusers'
 ``compile_repeated_blocks``); ``batch-inplace`` (and ``-compile``) and ``batch-fsdp2``: ``gather``
 set (``batch`` takes its default); ``batch-ctas2``, ``batch-ctas8`` (and ``batch-ctas2-compile``):
-``nccl_max_ctas`` set. Every setup runs the same requests (480x832, guidance on) at
+``nccl_max_ctas`` set; ``batch-lora``: every request with one unfused random rank-``--lora-rank``
+LoRA, ``batch-lora4``: four LoRAs registered, the requests taking them in turn (four at once on a
+group of 4), both against ``batch`` without adapters. Every setup runs the same requests (480x832, guidance on) at
 each frame count; results are written after every setup so that a run cut short keeps what it
 measured.
 """
@@ -20,6 +22,7 @@ measured.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -161,6 +164,8 @@ def main() -> None:
         default=["plain", "ceiling", "batch", "replicated", "mixed", "batch-prefetch0", "offload"],
     )
     parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--lora-dir", default="/tmp/bench-loras", help="where the lora setups' random LoRAs go")
+    parser.add_argument("--lora-rank", type=int, default=64)
     args = parser.parse_args()
 
     import ray
@@ -173,8 +178,24 @@ def main() -> None:
     start_ray(args.ray_cpus)
     n = args.requests_per_gpu * args.gpus
 
-    def requests(frames, steps=None, count=n):
-        return fox_requests(count, width=args.width, height=args.height, frames=frames, steps=steps or args.steps)
+    def requests(frames, steps=None, count=n, loras=()):
+        made = fox_requests(count, width=args.width, height=args.height, frames=frames, steps=steps or args.steps)
+        # Request i runs with adapter i mod len(loras), at scale 1.
+        if not loras:
+            return made
+        return [dataclasses.replace(r, lora=((loras[i % len(loras)], 1.0),)) for i, r in enumerate(made)]
+
+    def random_loras(count: int) -> dict[str, str]:
+        from ray_hsdp.checkpoints.lora import LORA_FILE, make_random_lora
+
+        paths = {}
+        for i in range(count):
+            path = Path(args.lora_dir) / f"lora{i}"
+            if not (path / LORA_FILE).exists():
+                dtype = "bfloat16" if args.device == "cuda" else "float32"
+                make_random_lora(args.arch, path, rank=args.lora_rank, seed=i, tiny=args.device != "cuda", dtype=dtype)
+            paths[f"lora{i}"] = str(path)
+        return paths
 
     def group(**fields):
         return ShardGroup(GroupConfig(model=str(model_dir), device=args.device, **fields)).start()
@@ -234,6 +255,9 @@ def main() -> None:
             "batch-ctas8": {"nccl_max_ctas": 8},
             "batch-ctas2-compile": {"nccl_max_ctas": 2, "compile": True},
         }.get(setup, {})
+        if setup in ("batch-lora", "batch-lora4"):
+            options = {"loras": random_loras(4 if setup == "batch-lora4" else 1)}
+        adapters = tuple(options.get("loras", {}))
         mode = "replicated" if setup == "replicated" else "batch"
         groups = [group(shard_size=shard_size, replicate_size=replicas, mode=mode, **options) for _ in range(replicas)]
         try:
@@ -241,8 +265,9 @@ def main() -> None:
                 if setup == "mixed":
                     work = requests(frames, steps=[2 * args.steps, 4 * args.steps], count=2 * n)
                 else:
-                    work = requests(frames)
-                run_groups(groups, requests(frames, count=args.gpus))  # warm-up: one request per GPU
+                    work = requests(frames, loras=adapters)
+                # Warm-up: one request per GPU (with the adapters, each of them).
+                run_groups(groups, requests(frames, count=args.gpus, loras=adapters))
                 result = run_groups(groups, work)
                 result["forwards"] = sum(2 * r.num_inference_steps for r in work)
                 record(row, frames, result, groups)

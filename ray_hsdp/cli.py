@@ -100,6 +100,31 @@ def cmd_make_random(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_make_random_lora(args: argparse.Namespace) -> int:
+    from ray_hsdp.checkpoints.lora import make_random_lora
+
+    written = make_random_lora(
+        args.target, args.directory, rank=args.rank, seed=args.seed, tiny=args.tiny, dtype=args.dtype
+    )
+    print(
+        f"Wrote a random rank-{args.rank} LoRA for {args.target} (seed {args.seed}) to {written['path']}: "
+        f"{written['layers']} linear layers, {written['params'] / 1e6:.1f}M parameters, "
+        f"{written['bytes'] / 2**20:.1f} MiB of {args.dtype}"
+    )
+    return 0
+
+
+def _lora_files(values: list[str]) -> dict[str, str]:
+    """``--lora-file NAME=PATH`` (repeatable) as a ``loras`` config."""
+    loras = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-file {value!r}: expected NAME=PATH")
+        loras[name] = path
+    return loras
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
@@ -182,6 +207,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "ulysses_degree": args.usp,
         "ring_degree": args.ring,
         "cfg_parallel": args.cfg_parallel,
+        "loras": _lora_files(args.lora_file),
     }
     if args.default_size:
         config["default_size"] = args.default_size
@@ -217,7 +243,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from ray_hsdp.config import GroupConfig, parse_size
     from ray_hsdp.group import ShardGroup
-    from ray_hsdp.request import GenerationRequest, fit_image
+    from ray_hsdp.request import GenerationRequest, fit_image, parse_lora
     from ray_hsdp.serve.media import encode_mp4
     from ray_hsdp.serve.schema import image_response
 
@@ -231,8 +257,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as err:
             print(f"error: --image {args.image}: {err}", file=sys.stderr)
             return 2
+    lora = parse_lora(args.lora)
+    loras = _lora_files(args.lora_file)
     ray.init(address=args.address, ignore_reinit_error=True, log_to_driver=args.verbose)
-    config = GroupConfig(model=args.model, device=args.device, shard_size=args.shard_size, mode=args.mode)
+    config = GroupConfig(model=args.model, device=args.device, shard_size=args.shard_size, mode=args.mode, loras=loras)
     request = GenerationRequest(
         prompt=args.prompt,
         width=width,
@@ -246,6 +274,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         request_id="cli",
         uint8_frames=video,
         image=image,
+        lora=lora,
     )
     with ShardGroup(config) as group:
         t = group.pipeline_facts.get("temporal_compression", 1)
@@ -256,7 +285,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             return 2
         try:
             future = group.submit(request)
-        except ValueError as err:  # an image missing, or given to a model that takes none
+        except ValueError as err:  # an image missing or not taken, an unknown lora
             print(f"error: {err}", file=sys.stderr)
             return 2
         _follow(group, future, request.request_id, args.steps)
@@ -303,6 +332,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_random)
 
+    p = sub.add_parser("make-random-lora", help="write a LoRA with seeded random weights (diffusers format)")
+    p.add_argument("target", help="an architecture of make-random (wan2.1-t2v-14b, ...) or a pipeline folder")
+    p.add_argument("directory")
+    p.add_argument("--rank", type=int, default=64)
+    p.add_argument("--tiny", action="store_true", help="for the tiny variant of the architecture")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_random_lora)
+
     p = sub.add_parser("demo", help="serve the tiny model on one group of 2 CPU ranks, generate, print memory")
     p.add_argument("--model", default=TINY_MODEL)
     p.add_argument("--prompt", default="A cat and a dog baking a cake together in a kitchen.")
@@ -335,6 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1 unless told otherwise)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local cluster)")
+    p.add_argument(
+        "--lora-file", action="append", default=[], metavar="NAME=PATH", help="register a LoRA adapter (repeatable)"
+    )
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="run one request on a shard group without Serve")
@@ -354,6 +395,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fps", type=int, default=16, help="frame rate of the MP4 (Wan: 16)")
     p.add_argument("--out", default="out/generate.png", help="an image path, or an .mp4 for a video")
     p.add_argument("--image", default=None, help="the first frame of an image-to-video model (fitted to --size)")
+    p.add_argument(
+        "--lora-file", action="append", default=[], metavar="NAME=PATH", help="register a LoRA adapter (repeatable)"
+    )
+    p.add_argument("--lora", default=None, help="adapters to run with: 'name', 'name:scale,other' (registered ones)")
     p.add_argument("--verbose", action="store_true")
     p.set_defaults(func=cmd_generate)
     return parser

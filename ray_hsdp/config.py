@@ -20,6 +20,10 @@ TINY_MODEL = "tiny"
 #: The embedded tiny pipelines, written on first use: model name -> the name clients use (and the
 #: folder under ``cache_dir()``). ``tiny-i2v`` is the image-to-video Wan2.1 one.
 EMBEDDED_MODELS = {TINY_MODEL: "tiny-wan", "tiny-i2v": "tiny-wan-i2v"}
+#: The embedded tiny model's LoRA adapters, written on first use (random, seeded): name -> seed.
+EMBEDDED_LORAS = {"tiny-style": 1, "tiny-detail": 2}
+#: The components a LoRA pair names (a two-expert model's high- and low-noise halves).
+LORA_COMPONENTS = ("transformer", "transformer_2")
 
 #: Requests a rank can be handed at once: the threads its ``offer`` calls wait on.
 MAX_REQUESTS_PER_RANK = 8
@@ -129,8 +133,7 @@ class GroupConfig(BaseModel):
     )
     reshard_after_forward: bool = Field(
         True,
-        description="Free the gathered weights of a unit after its forward (memory) "
-        "instead of keeping them (speed).",
+        description="Free the gathered weights of a unit after its forward (memory) instead of keeping them (speed).",
     )
     gather: Literal["auto", "fsdp2", "in_place"] = Field(
         "auto",
@@ -217,6 +220,20 @@ class GroupConfig(BaseModel):
         "rebuild (HTTP 504 past it). Long enough for a full queue of long videos ahead of it.",
     )
     allow_pickle: bool = Field(False, description="Also load pickle (.bin) checkpoints; only safetensors otherwise.")
+    loras: dict[str, str | dict[str, str]] = Field(
+        default_factory=dict,
+        description="LoRA adapters every rank loads at start, under the names requests choose them by: a LoRA file "
+        "or folder in a format diffusers' loader of the pipeline reads (PEFT / diffusers keys, or original-repo keys "
+        "it converts), or for a two-expert model a pair {transformer: ..., transformer_2: ...} (Wan2.2's high- and "
+        f"low-noise halves). {', '.join(EMBEDDED_LORAS)}: the embedded tiny model's random adapters.",
+    )
+    max_loras: int = Field(
+        8,
+        ge=0,
+        description="Most adapters in loras: each stays on every rank (a rank-64 LoRA on every block linear of a "
+        "Wan-14B transformer is about 0.6 GB per rank in bf16).",
+    )
+    max_loras_per_request: int = Field(4, ge=1, description="Most adapters one request may combine.")
 
     @model_validator(mode="after")
     def _check_sizes(self) -> GroupConfig:
@@ -250,6 +267,25 @@ class GroupConfig(BaseModel):
                 "gather='in_place' frees each unit's gathered weights after its forward (its buffers take turns); "
                 "with reshard_after_forward=False use gather='fsdp2', or mode='replicated' to keep whole weights"
             )
+        if len(self.loras) > self.max_loras:
+            raise ValueError(f"loras registers {len(self.loras)} adapters; max_loras={self.max_loras}")
+        for name, source in self.loras.items():
+            if not name or any(c in name for c in ",: ") or name.strip() != name:
+                raise ValueError(f"lora name {name!r}: use letters, digits, '-', '_' or '.' (no ',', ':' or spaces)")
+            if isinstance(source, dict) and (not source or set(source) - set(LORA_COMPONENTS)):
+                raise ValueError(
+                    f"lora {name!r}: a pair names {' and/or '.join(LORA_COMPONENTS)}, got {sorted(source)}"
+                )
+        if self.loras and self.compile:
+            raise ValueError(
+                "loras with compile: an adapter switch between two forwards would recompile the blocks; "
+                "serve adapters uncompiled for now"
+            )
+        if self.loras and self.resolved_shard_size == 1 and self.requests_per_rank > 1:
+            raise ValueError(
+                "loras with shard_size 1 and requests_per_rank > 1: an unsharded rank runs its requests' forwards "
+                "on their own threads, so two requests could not hold different adapters; use requests_per_rank 1"
+            )
         if lane_size > 1 and self.max_forward_batch > 1:
             raise ValueError(
                 f"max_forward_batch={self.max_forward_batch} with lanes of {lane_size} ranks (mode {self.mode!r}, "
@@ -282,6 +318,13 @@ class GroupConfig(BaseModel):
             return self.world_size // self.replicate_size
         split = self.ulysses_degree * self.ring_degree * (2 if self.cfg_parallel else 1)
         return split if split > 1 else 2
+
+    def lora_sources(self) -> dict[str, dict[str, str]]:
+        """Adapter name -> component -> source (a path, or an embedded adapter's name)."""
+        return {
+            name: dict(source) if isinstance(source, dict) else {"transformer": source}
+            for name, source in self.loras.items()
+        }
 
     @property
     def served_model_name(self) -> str:

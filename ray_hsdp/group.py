@@ -425,18 +425,27 @@ class ShardGroup:
     def check(self, request: GenerationRequest) -> None:
         """Refuses a request this pipeline cannot run: one whose tokens do not split evenly over a
         lane's ``ring x ulysses`` ranks, that asks a single-expert pipeline for ``guidance_scale_2``,
-        or that lacks the image an image-to-video pipeline needs (or brings one to another).
+        or that lacks the image an image-to-video pipeline needs (or brings one to another), or names
+        LoRA adapters the group did not load (or more than ``max_loras_per_request``).
 
         Raises:
             UnsplittableRequestError: With the token count, the degree and what to change.
             ValueError: ``guidance_scale_2`` for a pipeline without a second expert; an image
-                missing or not taken.
+                missing or not taken; an unknown adapter (the message lists the known ones).
         """
+        if len(request.lora) > self.config.max_loras_per_request:
+            raise ValueError(
+                f"{len(request.lora)} adapters in one request; max_loras_per_request="
+                f"{self.config.max_loras_per_request}"
+            )
+        unknown = [name for name, _ in request.lora if name not in self.config.loras]
+        if unknown:
+            known = ", ".join(sorted(self.config.loras)) or "none (the deployment registers no loras)"
+            raise ValueError(f"unknown lora {', '.join(map(repr, unknown))}; this deployment's adapters: {known}")
         wants_image = bool(self.pipeline_facts.get("image_input"))
         if wants_image and request.image is None:
             raise ValueError(
-                f"{self.config.served_model_name} makes a video from an image: send the first frame "
-                "(input_reference)"
+                f"{self.config.served_model_name} makes a video from an image: send the first frame (input_reference)"
             )
         if request.image is not None and not wants_image:
             raise ValueError(

@@ -24,7 +24,7 @@ from filelock import FileLock
 from torch.distributed.tensor import DTensor
 
 from ray_hsdp.checkpoints.tiny import is_pipeline_folder, make_tiny
-from ray_hsdp.config import EMBEDDED_MODELS, TINY_MODEL, cache_dir
+from ray_hsdp.config import EMBEDDED_LORAS, EMBEDDED_MODELS, TINY_MODEL, cache_dir
 
 logger = logging.getLogger("ray_hsdp")
 
@@ -67,6 +67,35 @@ def resolve_model_path(model: str) -> Path:
         raise FileNotFoundError(
             f"{model!r} is not a diffusers pipeline folder (no readable model_index.json); "
             f"give a local folder or one of {', '.join(EMBEDDED_MODELS)}"
+        )
+    return path
+
+
+def resolve_lora_path(source: str) -> Path:
+    """Turns a ``loras`` source into a LoRA file or folder on this node; an embedded adapter
+    (``tiny-style``, ``tiny-detail``: random, seeded, for the embedded tiny model) is written on
+    first use, as the embedded models are.
+
+    Raises:
+        FileNotFoundError: The path does not exist.
+    """
+    from ray_hsdp.checkpoints.lora import LORA_FILE, make_random_lora
+
+    if source in EMBEDDED_LORAS:
+        path = cache_dir() / "loras" / source
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(path) + ".lock"):
+            if not (path / LORA_FILE).exists():
+                staging = Path(tempfile.mkdtemp(prefix=f".{source}-", dir=path.parent))
+                model = resolve_model_path(TINY_MODEL)
+                make_random_lora(model, staging, rank=4, seed=EMBEDDED_LORAS[source], dtype="float32", strength=1.0)
+                shutil.rmtree(path, ignore_errors=True)
+                staging.rename(path)
+        return path
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"LoRA {source!r} is neither a file or folder on this node nor one of {list(EMBEDDED_LORAS)}"
         )
     return path
 

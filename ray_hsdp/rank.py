@@ -1,5 +1,10 @@
 """The rank actor: one process, one device, one shard of the group's pipeline; its execution is
-a ``RankRuntime`` (``ray_hsdp.runtime``)."""
+a ``RankRuntime`` (``ray_hsdp.runtime``).
+
+Modules that import torch are imported inside the methods: they run only in the rank's own
+process, while the processes that merely hold the class to create ranks (a Serve replica, the app
+builder, the job table's replica, a notebook) then start without importing torch (2-3 s each).
+"""
 
 from __future__ import annotations
 
@@ -10,9 +15,7 @@ import time
 
 import ray
 
-from ray_hsdp import distributed
 from ray_hsdp.config import MAX_REQUESTS_PER_RANK, GroupConfig
-from ray_hsdp.memory import RssSampler, device_allocated_bytes
 from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
 from ray_hsdp.runtime import RankRuntime, SessionFailedError
 from ray_hsdp.runtime.core import RequestStoppedError
@@ -43,6 +46,8 @@ class Rank:
     """
 
     def __init__(self, rank: int, config: GroupConfig, dims: ParallelDims, group_id: str = ""):
+        from ray_hsdp import distributed
+
         distributed.apply_nccl_env(config.nccl_max_ctas)
         where = f"group={group_id} rank={rank} lane={dims.lane_of(rank)}"
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(name)s {where} %(message)s")
@@ -53,6 +58,7 @@ class Rank:
         self.pipeline = None
         self.runtime: RankRuntime | None = None
         self.model_path = None
+        self.lora_paths: dict = {}
         self.load_s = 0.0
         self.load_peak_rss_bytes = 0
         self.last_request_peak_device_bytes = 0
@@ -69,15 +75,21 @@ class Rank:
 
         Runs before the process group exists: model writers save only on distributed rank 0.
         """
-        from ray_hsdp.loading import import_component_classes, resolve_model_path
+        from ray_hsdp.loading import import_component_classes, resolve_lora_path, resolve_model_path
 
         self.model_path = resolve_model_path(self.config.model)
+        self.lora_paths = {
+            name: {component: resolve_lora_path(source) for component, source in parts.items()}
+            for name, parts in self.config.lora_sources().items()
+        }
         # Code first, weights later: the load's memory report then counts weights only.
         import_component_classes(self.model_path)
         return str(self.model_path)
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a port free on it: rank 0's answer is the group's rendezvous address."""
+        from ray_hsdp import distributed
+
         ip = distributed.node_ip()
         return ip, distributed.free_port(ip)
 
@@ -87,6 +99,8 @@ class Rank:
         Returns:
             Where this rank runs: rank, node id and IP, pid, device.
         """
+        from ray_hsdp import distributed
+
         if self.dims.shard_size > 1:
             distributed.init_process_group(
                 self.config.device, master, port, self.rank, self.dims.shard_size, self.config.collective_timeout_s
@@ -111,6 +125,7 @@ class Rank:
         The report adds ``load_s`` and ``load_peak_rss_bytes``: the most host memory this process
         held above its level before loading, sampled while loading.
         """
+        from ray_hsdp.memory import RssSampler
         from ray_hsdp.runtime.cfg import CfgSplit
         from ray_hsdp.runtime.modules import ProcessGroupExchange, ShardedModules
         from ray_hsdp.sharded_pipeline import ShardedPipeline
@@ -146,6 +161,12 @@ class Rank:
                 attention_backend=self.config.attention_backend,
                 compile=self.config.compile,
             )
+            adapters = None
+            if self.lora_paths:
+                from ray_hsdp.adapters import Adapters
+
+                # After fully_shard: the adapters stay plain replicated parameters beside the units.
+                adapters = Adapters.load(self.pipeline.pipe, self.lora_paths)
             modules = exchange = None
             if self.pipeline.sharded:
                 modules = ShardedModules(
@@ -153,6 +174,7 @@ class Rank:
                     self.config.device,
                     self.pipeline.shardings,
                     cfg_group=self.lane_mesh.get_group("cfg") if self.dims.cfg == 2 else None,
+                    adapters=adapters,
                 )
                 exchange = ProcessGroupExchange(self.config.device)
             self.runtime = RankRuntime(
@@ -164,6 +186,7 @@ class Rank:
                 max_batch=self.config.max_forward_batch,
                 lane_size=self.dims.lane_size,
                 leads=self.dims.leads(self.rank),
+                variant_of=(lambda request: request.lora) if adapters is not None else None,
             )
             if modules is not None:
                 split = CfgSplit(self.runtime.call, self.dims.cfg_index(self.rank), self.pipeline.guided)
@@ -172,6 +195,9 @@ class Rank:
                 self.pipeline.route_calls(
                     modules.proxies(self.runtime.call, {name: split for name in self.pipeline.cfg_split})
                 )
+            if adapters is not None and modules is None:
+                # Unsharded: no tick thread; its one request slot selects its request's adapters.
+                self.pipeline.adapters = adapters
             self.pipeline.set_request_slots(self.config.requests_per_rank, self.config.shard_components)
             self.pipeline.request_streams = self.config.request_streams
             self.pipeline.vae_tiling = (self.config.vae_tiling, self.config.vae_tiling_above_pixels)
@@ -241,6 +267,8 @@ class Rank:
     def tick_stats(self) -> dict[str, int]:
         """What this rank did since it loaded (ticks, idle ticks, real forwards, ghost passes,
         batched calls) and its device memory: allocated now, and the peak of its latest request."""
+        from ray_hsdp.memory import device_allocated_bytes
+
         runtime = self.runtime
         counts = ("ticks", "idle_ticks", "forwards", "ghosts", "batched")
         return {
@@ -274,6 +302,8 @@ class Rank:
     @ray.method(concurrency_group="control")
     def memory(self, units: bool = False) -> dict:
         """The memory report of this rank (see ``ShardedPipeline.memory``)."""
+        from ray_hsdp.memory import device_allocated_bytes
+
         report = self.pipeline.memory(units=units) if self.pipeline is not None else {}
         return {
             "rank": self.rank,
@@ -336,6 +366,8 @@ class Rank:
         The process group is destroyed only when no session runs: a session's thread may sit in a
         collective, and the kill that follows ends it, with the process.
         """
+        from ray_hsdp import distributed
+
         self._leaving.set()
         if self.runtime is None or not self.runtime.in_session:
             distributed.destroy_process_group()

@@ -38,6 +38,8 @@ class GenerationRequest:
             rank: a quarter of the bytes to move (an 81-frame 720p video is 0.9 GB as float32).
         image: The first frame of an image-to-video request: a PNG of exactly ``width`` x
             ``height`` (``fit_image`` makes one from any image); ``None`` for text-to-video.
+        lora: The LoRA adapters this request runs with, as ``(name, scale)`` pairs of the
+            group's registered adapters (``parse_lora`` reads the forms clients send); empty: none.
     """
 
     prompt: str
@@ -54,6 +56,7 @@ class GenerationRequest:
     timeout_s: float | None = None
     uint8_frames: bool = False
     image: bytes | None = field(default=None, repr=False)  # megabytes: never in a log line
+    lora: tuple[tuple[str, float], ...] = ()
 
     def first_frame(self):
         """The image of an image-to-video request as the pipeline takes it (an RGB PIL image)."""
@@ -67,6 +70,53 @@ class GenerationRequest:
     def forward_cost(self) -> int:
         """Work of one transformer forward, in output pixels: ranks in lock step wait for the largest."""
         return self.width * self.height * self.num_frames * self.n
+
+
+def parse_lora(value) -> tuple[tuple[str, float], ...]:
+    """The adapters a client asked for, as ``(name, scale)`` pairs in the order given.
+
+    Forms: ``None`` or ``""`` (none); a name (scale 1.0); the string form ``"x:0.5,y"`` (what a
+    form field or a command line carries); a list of names, of ``{"name": ..., "scale": ...}``
+    objects, or of both.
+
+    Raises:
+        ValueError: A form not listed, an empty name, a scale that is not a finite number, or a
+            name given twice.
+    """
+    import math
+
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        items = [part.strip() for part in value.split(",") if part.strip()]
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        raise ValueError(f"lora must be a name, 'name:scale,...' or a list of {{'name', 'scale'}}; got {value!r}")
+    pairs: list[tuple[str, float]] = []
+    for item in items:
+        if isinstance(item, str):
+            name, _, scale = item.partition(":")
+            scale = scale.strip() or 1.0
+        elif isinstance(item, dict) and set(item) <= {"name", "scale"} and "name" in item:
+            name, scale = item["name"], item.get("scale", 1.0)
+        else:
+            raise ValueError(f"lora entry {item!r}: expected a name, 'name:scale' or {{'name': ..., 'scale': ...}}")
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"lora entry {item!r} has no name")
+        if isinstance(scale, bool):
+            raise ValueError(f"lora {name!r}: the scale must be a number, got {scale!r}")
+        try:
+            number = float(scale)
+        except (TypeError, ValueError):
+            raise ValueError(f"lora {name!r}: the scale must be a number, got {scale!r}") from None
+        if not math.isfinite(number):
+            raise ValueError(f"lora {name!r}: the scale must be finite, got {scale!r}")
+        pairs.append((name.strip(), number))
+    names = [name for name, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"lora names an adapter twice: {names}")
+    return tuple(pairs)
 
 
 def fit_image(data: bytes, width: int, height: int) -> bytes:

@@ -112,6 +112,9 @@ class ShardedPipeline:
         #: ``("auto" | "on" | "off", pixels)``: when a request's decode uses the VAE's tiling.
         self.vae_tiling: tuple[str, int] = ("off", 0)
         self._streams: dict[int, torch.cuda.Stream] = {}
+        #: LoRA adapters a request selects at its start: an unsharded rank's (one request at a
+        #: time); a sharded rank's tick thread selects them per forward instead.
+        self.adapters = None
         self._call_params = set(inspect.signature(pipe.__call__).parameters)
         pipe.set_progress_bar_config(disable=True)
         self.modules = components(pipe)  # the real modules, also once proxies stand in for sharded ones
@@ -329,6 +332,8 @@ class ShardedPipeline:
         pipe = self._slots.get()
         self._running_slot.pipe = pipe
         try:
+            if self.adapters is not None:
+                self.adapters.select(request.lora)
             self._set_tiling(pipe, request)
             with torch.cuda.stream(self._slot_stream(pipe)):
                 output = pipe(**kwargs)

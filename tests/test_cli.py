@@ -134,3 +134,16 @@ def test_make_random_tiny_then_serve_it_over_http_with_usp_2(ray_cluster, tmp_pa
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_make_random_lora_writes_a_lora_diffusers_loads(tmp_path, capsys):
+    from safetensors import safe_open
+
+    done = run_here(capsys, "make-random-lora", "wan2.1-t2v-14b", str(tmp_path / "lora"), "--tiny", "--rank", "4")
+    assert done.returncode == 0, done.stderr
+    assert "Wrote a random rank-4 LoRA for wan2.1-t2v-14b" in done.stdout
+    with safe_open(str(tmp_path / "lora" / "pytorch_lora_weights.safetensors"), "pt") as f:
+        keys = list(f.keys())
+        assert f.get_tensor("transformer.blocks.0.attn1.to_q.lora_A.weight").shape == (4, 32)
+    layers = int(re.search(r"(\d+) linear layers", done.stdout).group(1))
+    assert len(keys) == 2 * layers and all(k.startswith("transformer.blocks.") for k in keys)

@@ -44,7 +44,8 @@ def local_shards(mesh, rank, path, dtype):
     return out
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# bfloat16 (the GPU dtype, with its fp32-kept parameters): float32 loads are every parity test's.
+@pytest.mark.parametrize("dtype", ["bfloat16"])
 def test_sharded_load_equals_plain_diffusers_load(ray_cluster, tiny_model, dtype):
     plain = load_pipeline(Path(tiny_model), dtype)
     expected = {

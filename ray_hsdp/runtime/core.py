@@ -6,10 +6,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol
-
-from ray_hsdp.batching import compatible
 
 #: States a rank brings to a tick besides a module id: nothing to do, or requests running with
 #: no forward waiting (decoding, or between two forwards).
@@ -141,9 +139,20 @@ class Job(Completion):
 class ForwardCall(Completion):
     """A request thread's call of a sharded root module, run by the tick thread."""
 
-    def __init__(self, module_id: int, args: tuple, kwargs: dict, ticket: int = 0, context: dict | None = None):
+    def __init__(
+        self,
+        module_id: int,
+        args: tuple,
+        kwargs: dict,
+        ticket: int = 0,
+        context: dict | None = None,
+        variant: Hashable = None,
+    ):
         super().__init__()
         self.module_id = module_id
+        #: What the forward runs with besides its inputs (its request's adapters): calls batch
+        #: only with calls of the same variant.
+        self.variant = variant
         self.args = args
         self.kwargs = kwargs
         self.ticket = ticket
@@ -215,6 +224,8 @@ class RankRuntime:
             rank of the lane offers it, and stops act at one tick on all of them.
         leads: Whether this rank leads its lane: only a leader decodes and answers; the others
             end each request after its last denoising step.
+        variant_of: ``variant_of(request)``: what a request's forwards run with besides their
+            inputs (its adapters); a forward batches only calls of one variant.
     """
 
     def __init__(
@@ -229,6 +240,7 @@ class RankRuntime:
         max_batch: int = 1,
         lane_size: int = 1,
         leads: bool = True,
+        variant_of: Callable[[Any], Hashable] | None = None,
     ) -> None:
         if (modules is None) != (exchange is None):
             raise ValueError("modules and exchange go together: both for a sharded rank, neither otherwise")
@@ -244,6 +256,7 @@ class RankRuntime:
         self.max_batch = max_batch
         self.lane_size = lane_size
         self.leads = leads
+        self.variant_of = variant_of
         self.ticks = 0
         self.idle_ticks = 0  # ticks at which this rank had nothing to do
         self.forwards = 0
@@ -303,7 +316,8 @@ class RankRuntime:
             context: Handed to the modules with the call (for example the CFG exchange's part).
         """
         job: Job | None = getattr(self._local, "job", None)
-        call = ForwardCall(module_id, args, kwargs, job.ticket if job is not None else 0, context)
+        variant = self.variant_of(job.request) if job is not None and self.variant_of is not None else None
+        call = ForwardCall(module_id, args, kwargs, job.ticket if job is not None else 0, context, variant)
         modules = self.modules
         modules.before_call(call)
         with self._cond:
@@ -571,6 +585,10 @@ class RankRuntime:
     def _batch(self, key: int) -> list[ForwardCall]:
         """Takes the waiting call of ``key`` and, in a lane of one rank, up to ``max_batch - 1`` more
         calls of its module that can run in the same forward (oldest first)."""
+        # Here, not at the top: the runtime's importers (a Serve replica, through the group) never
+        # batch, and need not import torch.
+        from ray_hsdp.batching import compatible
+
         module_id = module_of(key)
         batch: list[ForwardCall] = []
         with self._cond:
@@ -582,7 +600,7 @@ class RankRuntime:
             batch.append(first)
             self._waiting.remove(first)
             for call in list(self._waiting):
-                if call.module_id != module_id or len(batch) == self.max_batch:
+                if call.module_id != module_id or len(batch) == self.max_batch or call.variant != first.variant:
                     continue
                 if batch and not compatible((batch[0].args, batch[0].kwargs), (call.args, call.kwargs)):
                     continue

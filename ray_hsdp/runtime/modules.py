@@ -52,10 +52,13 @@ class ShardedModules:
             order, leaving the module as a real forward leaves it).
         cfg_group: The process group of this rank's two CFG halves (the lane mesh's ``cfg`` dim),
             over which a call marked ``cfg`` exchanges its output; ``None`` without CFG parallel.
+        adapters: The LoRA adapters loaded into the modules (``ray_hsdp.adapters.Adapters``):
+            each forward first selects its calls' variant (their request's adapters).
     """
 
-    def __init__(self, modules: dict[str, nn.Module], device: str, shardings: dict, cfg_group=None):
+    def __init__(self, modules: dict[str, nn.Module], device: str, shardings: dict, cfg_group=None, adapters=None):
         self.cfg_group = cfg_group
+        self.adapters = adapters
         # Parameter counts are global (DTensor), so every rank gets the same order.
         self.names = sorted(modules, key=lambda n: (sum(p.numel() for p in modules[n].parameters()), n))
         self.modules = [modules[name] for name in self.names]
@@ -92,6 +95,8 @@ class ShardedModules:
             if "ready" in call.context:
                 torch.cuda.current_stream().wait_event(call.context["ready"])
         module = self.modules[calls[0].module_id]
+        if self.adapters is not None and self.adapters.adapts(module):
+            self.adapters.select(calls[0].variant or ())  # a batch's calls share their variant
         if len(calls) == 1:
             results = [module(*calls[0].args, **calls[0].kwargs)]
         else:

@@ -195,7 +195,14 @@ async def _video_body(request: Request) -> VideoCreateRequest:
         except Exception as err:  # noqa: BLE001 - a malformed form is the client's error
             raise RequestLimitError(f"could not read the form: {err}") from None
         fields: dict = {}
+        # A list in a form: the OpenAI client sends extra_body={"lora": [{"name", "scale"}, ...]} as
+        # lora[][name] and lora[][scale] fields (all names, then all scales: it groups a form's
+        # fields by key), and a list of names as repeated lora[]. The i-th scale is the i-th name's.
+        listed: dict[str, list[str]] = {"lora[]": [], "lora[][name]": [], "lora[][scale]": []}
         for key, value in form.multi_items():
+            if key in listed and isinstance(value, str):
+                listed[key].append(value)
+                continue
             if key in fields:
                 raise RequestLimitError(f"{key} is given more than once")
             if not isinstance(value, str):  # a file part: the OpenAI client sends input_reference so
@@ -203,6 +210,19 @@ async def _video_body(request: Request) -> VideoCreateRequest:
                     raise RequestLimitError(f"{key} is a file; only input_reference takes one")
                 value = await value.read()
             fields[key] = value
+        names, scales = listed["lora[][name]"], listed["lora[][scale]"]
+        if scales and len(scales) != len(names):
+            raise RequestLimitError(
+                f"lora[][scale] is given {len(scales)} times for {len(names)} lora[][name]: give every adapter a "
+                "scale, or none"
+            )
+        adapters = listed["lora[]"] + [
+            {"name": name, **({"scale": scales[i]} if scales else {})} for i, name in enumerate(names)
+        ]
+        if adapters:
+            if "lora" in fields:
+                raise RequestLimitError("lora is given both as a field and as a list (lora[])")
+            fields["lora"] = adapters
     elif kind == "application/json":
         try:
             fields = await request.json()
@@ -568,6 +588,18 @@ class HSDPServer:
     @api.get("/v1/models")
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "ray_hsdp"}]}
+
+    @api.get("/v1/loras")
+    def loras(self) -> dict:
+        """The LoRA adapters requests may name (``lora``), with the components each one adapts."""
+        return {
+            "object": "list",
+            "data": [
+                {"id": name, "object": "lora", "components": sorted(parts)}
+                for name, parts in sorted(self.config.lora_sources().items())
+            ],
+            "max_loras_per_request": self.config.max_loras_per_request,
+        }
 
     @api.get("/health")
     def health(self) -> dict:

@@ -12,7 +12,7 @@ import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
 
 from ray_hsdp.config import AppConfig, parse_size
-from ray_hsdp.request import GenerationRequest, GenerationResult, fit_image
+from ray_hsdp.request import GenerationRequest, GenerationResult, fit_image, parse_lora
 from ray_hsdp.serve.media import encode_png as png_bytes
 from ray_hsdp.serve.media import frames_for_seconds
 
@@ -27,6 +27,19 @@ def _size_is_wxh(value: str | None) -> str | None:
 
 #: ``"WxH"``, each side a multiple of 16 (checked by ``parse_size``).
 Size = Annotated[str | None, AfterValidator(_size_is_wxh)]
+
+
+def _lora_is_valid(value):
+    parse_lora(value)  # its ValueError names what is wrong
+    return value
+
+
+#: LoRA adapters: a name, ``"x:0.5,y"``, or a list of names and ``{"name", "scale"}`` objects.
+Lora = Annotated[str | list[str | dict] | None, AfterValidator(_lora_is_valid)]
+LORA_DESCRIPTION = (
+    "LoRA adapters of the deployment to run with (GET /v1/loras lists them): a name, 'name:scale,...', or a list "
+    "of names and {'name', 'scale'} objects; none when omitted."
+)
 
 
 class ImageGenerationRequest(BaseModel):
@@ -52,6 +65,7 @@ class ImageGenerationRequest(BaseModel):
     timeout_s: StrictFloat | StrictInt | None = Field(
         None, gt=0, description="Deadline once a rank takes the request; the server's request_timeout_s when omitted."
     )
+    lora: Lora = Field(None, description=LORA_DESCRIPTION)
 
 
 class RequestLimitError(ValueError):
@@ -190,6 +204,7 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
         n=body.n,
         request_id=request_id,
         timeout_s=float(body.timeout_s) if body.timeout_s is not None else None,
+        lora=parse_lora(body.lora),
     )
 
 
@@ -239,6 +254,7 @@ class VideoCreateRequest(BaseModel):
         description="First frame of an image-to-video model: PNG, JPEG or WebP as a file part of the form, base64, a "
         "data: URL or {'image_url': 'data:...'}; fitted to the size (cover, then centre crop).",
     )
+    lora: Lora = Field(None, description=LORA_DESCRIPTION)
 
 
 def to_video_request(
@@ -264,6 +280,7 @@ def to_video_request(
                 "guidance_scale": body.guidance_scale,
                 "guidance_scale_2": body.guidance_scale_2,
                 "seed": body.seed,
+                "lora": body.lora,
             }.items()
             if v is not None
         }

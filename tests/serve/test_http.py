@@ -35,10 +35,13 @@ def test_metrics_count_the_requests_sent_with_their_labels(server):
     assert requests.post(f"{server}/v1/images/generations", json={"prompt": ""}, timeout=60).status_code == 400
     mine = {"replica": replica, "model": "tiny-wan"}
     deadline = time.monotonic() + 120
-    while True:  # Ray exports at intervals
+    while True:  # Ray exports at intervals, each metric in its own time: wait for all of them
         text = scrape()
         done = total(text, "ray_hsdp_requests_total", status="ok", **mine) == 3
-        polled = {labels["rank"] for labels, _ in samples(text, "ray_hsdp_ticks_total", **mine)} == {"0", "1"}
+        polled = all(
+            {labels["rank"] for labels, _ in samples(text, name, **mine)} == {"0", "1"}
+            for name in ("ray_hsdp_ticks_total", "ray_hsdp_idle_ticks_total", "ray_hsdp_device_allocated_bytes")
+        )
         if (done and polled) or time.monotonic() > deadline:
             break
         time.sleep(2)

@@ -1,0 +1,167 @@
+"""LoRA adapters of a rank's pipeline: loaded once into its transformers, chosen per forward.
+
+Adapters are injected after ``fully_shard``, so their weights are plain replicated parameters
+beside the sharded base weights, never units of their own: a forward gathers the same base
+weights whatever adapters it runs with, and ranks running different adapters (or none) stay in
+lock step. Which adapters a forward runs with is switched right before it, on the thread that
+runs it (the tick thread of a sharded rank), layer by layer as diffusers' ``set_adapters`` and
+``disable_lora`` switch them.
+
+Files are read and converted by the pipeline's own diffusers LoRA loader (``lora_state_dict``:
+the original-repo formats it knows become PEFT keys); the layers are injected with PEFT's
+``inject_adapter_in_model`` and filled by name. diffusers' ``load_lora_weights`` cannot be used
+on sharded modules: it loads through the transformer's ``load_state_dict``, whose FSDP hooks
+take the module's weights for its own sharded parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from peft import LoraConfig, inject_adapter_in_model
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch.distributed.tensor import DTensor
+
+#: A request's adapters: ``(name, scale)`` pairs (``GenerationRequest.lora``).
+Selection = tuple[tuple[str, float], ...]
+
+
+@contextmanager
+def _global_shapes(modules: list[nn.Module]) -> Iterator[None]:
+    """Shows PEFT each sharded linear weight at its global shape while adapters are injected.
+
+    PEFT sizes a LoRA layer from its base layer's weight and reads a DTensor weight as a
+    tensor-parallel shard (its local rows), while FSDP keeps whole rows of a dim-0 shard on each
+    rank. Each DTensor weight stands in as a plain tensor of its global shape, dtype and device
+    that holds one element (an expanded view), and is put back afterwards; nothing is gathered.
+    """
+    swapped = []
+    for module in modules:
+        for linear in module.modules():
+            weight = getattr(linear, "weight", None)
+            if isinstance(linear, nn.Linear) and isinstance(weight, DTensor):
+                one = torch.empty(1, dtype=weight.dtype, device=weight.device)
+                linear.weight = nn.Parameter(one.expand(weight.shape), requires_grad=False)
+                swapped.append((linear, weight))
+    try:
+        yield
+    finally:
+        for linear, weight in swapped:
+            linear.weight = weight
+
+
+class Adapters:
+    """The adapters loaded into a pipeline's transformers, and the selection now applied.
+
+    Args:
+        modules: Component name -> the transformer holding adapters.
+        names: The registered adapter names, in config order.
+    """
+
+    def __init__(self, modules: Mapping[str, nn.Module], names: list[str]):
+        self.modules = dict(modules)
+        self.names = list(names)
+        #: Component -> its LoRA layers (found once: a switch touches only them).
+        self._layers = {
+            c: [m for m in module.modules() if isinstance(m, BaseTunerLayer)] for c, module in self.modules.items()
+        }
+        #: Adapter names each component holds (a pair's halves live in one expert each).
+        self._held = {c: {n for layer in layers for n in layer.lora_A} for c, layers in self._layers.items()}
+        self._current: Selection | None = None
+        self.select(())
+
+    @classmethod
+    def load(cls, pipe, loras: Mapping[str, Mapping[str, Path]]) -> Adapters:
+        """Loads every adapter into the component it names.
+
+        Args:
+            pipe: The diffusers pipeline, its transformers sharded or not.
+            loras: Adapter name -> component (``transformer``, ``transformer_2``) -> LoRA file or folder.
+
+        Raises:
+            ValueError: The pipeline loads no LoRA, or a LoRA does not fit its transformer (the
+                message names the keys).
+        """
+        if not hasattr(pipe, "lora_state_dict"):
+            raise ValueError(f"{type(pipe).__name__} loads no LoRA adapters (diffusers has no LoRA loader for it)")
+        components = sorted({c for parts in loras.values() for c in parts})
+        for component in components:
+            if getattr(pipe, component, None) is None:
+                raise ValueError(f"lora: {type(pipe).__name__} has no component {component!r}")
+        modules = {c: getattr(pipe, c) for c in components}
+        prefix = f"{getattr(pipe, 'transformer_name', 'transformer')}."
+        for name, parts in loras.items():
+            for component, path in parts.items():
+                where = f"lora {name!r} ({path}) for {component} of {type(pipe).__name__}"
+                try:
+                    read = pipe.lora_state_dict(str(path))
+                except (ValueError, KeyError, OSError) as err:
+                    raise ValueError(f"{where}: diffusers cannot read it: {_one_line(err)}") from err
+                state = read[0] if isinstance(read, tuple) else read
+                state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+                _inject(modules[component], name, state, where)
+        return cls(modules, list(loras))
+
+    def adapts(self, module: nn.Module) -> bool:
+        """Whether ``module`` holds adapters (a text encoder's forward needs no switch)."""
+        return any(module is held for held in self.modules.values())
+
+    def select(self, selection: Selection) -> None:
+        """Makes the next forwards run with ``selection`` (names loaded here), or with none."""
+        if selection == self._current:
+            return
+        for component, layers in self._layers.items():
+            mine = [(name, scale) for name, scale in selection if name in self._held[component]]
+            for layer in layers:
+                if not mine:
+                    layer.enable_adapters(False)
+                    continue
+                layer.enable_adapters(True)
+                layer.set_adapter([name for name, _ in mine])
+                for name, scale in mine:
+                    layer.set_scale(name, scale)
+        self._current = selection
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(line.strip() for line in str(err).splitlines() if line.strip())[:600]
+
+
+def _inject(module: nn.Module, name: str, state: dict[str, torch.Tensor], where: str) -> None:
+    """Adds adapter ``name`` to ``module``'s linears and fills it from ``state`` (PEFT keys
+    without the component prefix: ``blocks.0.attn1.to_q.lora_A.weight``)."""
+    targets = sorted({key.rsplit(".lora_", 1)[0] for key in state if ".lora_" in key})
+    if not targets:
+        raise ValueError(f"{where}: no LoRA weights for it in the file")
+    ranks = {t: state[f"{t}.lora_A.weight"].shape[0] for t in targets if f"{t}.lora_A.weight" in state}
+    if len(ranks) != len(targets):
+        raise ValueError(f"{where}: lora_A weights missing for {sorted(set(targets) - set(ranks))[:5]}")
+    rank = max(set(ranks.values()), key=list(ranks.values()).count)
+    # No alphas in a diffusers-format file: alpha = rank, a scale of 1 (what diffusers' loader does).
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=rank,
+        target_modules=targets,
+        rank_pattern={t: r for t, r in ranks.items() if r != rank},
+        alpha_pattern={t: r for t, r in ranks.items() if r != rank},
+    )
+    names = {n for n, _ in module.named_modules()}
+    missing = [t for t in targets if t not in names]
+    if missing:
+        raise ValueError(f"{where}: the model has no modules {missing[:5]} (of {len(targets)} the LoRA adapts)")
+    with _global_shapes([module]):
+        inject_adapter_in_model(config, module, adapter_name=name)
+    with torch.no_grad():
+        for target in targets:
+            layer = module.get_submodule(target)
+            for part in ("lora_A", "lora_B"):
+                key = f"{target}.{part}.weight"
+                weight = getattr(layer, part)[name].weight
+                if key not in state or state[key].shape != weight.shape:
+                    got = tuple(state[key].shape) if key in state else "nothing"
+                    raise ValueError(f"{where}: {key} has shape {got}, the model needs {tuple(weight.shape)}")
+                weight.copy_(state[key])

@@ -1,0 +1,157 @@
+"""LoRA adapters chosen per request (issue 22): loaded into the sharded transformers at start, switched
+by the tick thread before each forward, so requests with different adapters (or none) run on one
+group at the same ticks, each equal to diffusers' own ``load_lora_weights`` + ``set_adapters`` on
+the unsharded pipeline."""
+
+from __future__ import annotations
+
+import pytest
+from support import max_abs_diff, reference_frames
+
+from ray_hsdp.checkpoints.tiny import make_tiny
+from ray_hsdp.config import GroupConfig
+from ray_hsdp.group import ShardGroup
+from ray_hsdp.request import GenerationRequest, parse_lora
+
+#: The embedded tiny model's two random adapters, under the names requests use.
+LORAS = {"style": "tiny-style", "detail": "tiny-detail"}
+
+
+@pytest.fixture(scope="module")
+def lora_pipe(ray_cluster, tiny_model):
+    """The unsharded tiny pipeline with both adapters, loaded by diffusers itself."""
+    from diffusers import DiffusionPipeline
+
+    from ray_hsdp.loading import resolve_lora_path
+
+    pipe = DiffusionPipeline.from_pretrained(tiny_model)
+    pipe.set_progress_bar_config(disable=True)
+    for name, source in LORAS.items():
+        pipe.load_lora_weights(str(resolve_lora_path(source)), adapter_name=name)
+    return pipe
+
+
+def reference(pipe, request: GenerationRequest):
+    """The unsharded run of ``request`` with its adapters set the diffusers way."""
+    if request.lora:
+        pipe.enable_lora()
+        pipe.set_adapters([name for name, _ in request.lora], [scale for _, scale in request.lora])
+    else:
+        pipe.disable_lora()
+    return reference_frames(pipe, request)
+
+
+def request(rid: str, lora=(), **fields) -> GenerationRequest:
+    base = dict(prompt="a cat bakes a cake", seed=1, num_inference_steps=4, num_frames=5, request_id=rid)
+    return GenerationRequest(**{**base, **fields, "lora": parse_lora(lora)})
+
+
+def test_the_forms_a_client_sends_read_as_name_scale_pairs():
+    assert parse_lora(None) == parse_lora("") == parse_lora([]) == ()
+    assert parse_lora("style") == (("style", 1.0),)
+    assert parse_lora("style:0.5, detail") == (("style", 0.5), ("detail", 1.0))
+    assert parse_lora(["style", {"name": "detail", "scale": "0.25"}]) == (("style", 1.0), ("detail", 0.25))
+    for bad, message in [
+        ("style:abc", "the scale must be a number"),
+        ([{"name": "style", "scale": True}], "the scale must be a number"),
+        ("style:nan", "must be finite"),
+        ([{"scale": 1}], "expected a name"),
+        ("style,style:0.5", "twice"),
+        (5, "lora must be a name"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse_lora(bad)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"loras": {"a:b": "x"}}, "no ',', ':' or spaces"),
+        ({"loras": {"pair": {"transformer_3": "x"}}}, "a pair names transformer and/or transformer_2"),
+        ({"loras": {"a": "x", "b": "y"}, "max_loras": 1}, "max_loras=1"),
+        ({"loras": {"a": "x"}, "compile": True}, "would recompile"),
+        ({"loras": {"a": "x"}, "shard_size": 1, "requests_per_rank": 2}, "use requests_per_rank 1"),
+    ],
+)
+def test_bad_lora_configs_are_refused_with_the_rule(fields, message):
+    with pytest.raises(ValueError, match=message):
+        GroupConfig(model="tiny", device="cpu", **fields)
+
+
+def test_requests_with_different_adapters_share_the_ticks_of_one_batch_group(lora_pipe, tiny_model):
+    """2 ranks, 2 requests each: one adapter, two combined, none, and the first at half scale, all at
+    once; each equals its unsharded run, and the ranks ran forwards at the same ticks."""
+    requests = [
+        request("style", "style"),
+        request("mixed", "detail:0.5,style:0.5", prompt="a red fox in the snow", seed=2),
+        request("none", prompt="waves on rocks", seed=3),
+        request("half", "style:0.5"),
+    ]
+    config = GroupConfig(model=tiny_model, device="cpu", shard_size=2, requests_per_rank=2, loras=LORAS)
+    with ShardGroup(config) as group:
+        with pytest.raises(ValueError, match="unknown lora 'nope'; this deployment's adapters: detail, style"):
+            group.submit(request("bad", "nope"))
+        with pytest.raises(ValueError, match="max_loras_per_request=4"):
+            group.submit(request("many", [f"x{i}" for i in range(5)]))
+        group.start_profile()
+        results = group.generate(requests)
+        profiles = group.stop_profile()
+    frames = {}
+    for req, result in zip(requests, results):
+        assert max_abs_diff(result.frames, reference(lora_pipe, req)) <= 1e-5, req.request_id
+        frames[req.request_id] = result.frames
+    # The adapters reach the frames: the same prompt and seed differ by adapter scale and from none.
+    plain = reference(lora_pipe, request("plain"))
+    assert max_abs_diff(frames["style"], plain) > 1e-3 and max_abs_diff(frames["style"], frames["half"]) > 1e-4
+    placed = {rid: p["rank"] for p in profiles for rid in p["requests"]}
+    assert sorted(placed.values()) == [0, 0, 1, 1]  # two requests on each rank, at once
+    together = set(profiles[0]["forward_ticks"]) & set(profiles[1]["forward_ticks"])
+    assert len(together) >= 4, profiles
+
+
+def test_a_lane_of_ulysses_2_runs_its_request_adapters_on_both_ranks(lora_pipe, tiny_model):
+    """Gathered in place (CUDA's default): the adapters wrap linears whose weights are views of the
+    unit's gather buffers."""
+    requests = [request("lane-style", "style:0.7"), request("lane-none", prompt="a small boat", seed=4)]
+    config = GroupConfig(model=tiny_model, device="cpu", shard_size=2, ulysses_degree=2, gather="in_place", loras=LORAS)
+    with ShardGroup(config) as group:
+        results = group.generate(requests)
+    for req, result in zip(requests, results):
+        assert max_abs_diff(result.frames, reference(lora_pipe, req)) <= 1e-5, req.request_id
+
+
+def test_a_pair_loads_one_half_into_each_expert(ray_cluster, tmp_path):
+    """Wan2.2's two experts: the high-noise half into transformer, the low-noise half into
+    transformer_2 (diffusers' load_into_transformer_2), one name for both."""
+    from diffusers import DiffusionPipeline
+
+    from ray_hsdp.loading import resolve_lora_path
+
+    folder = make_tiny(tmp_path / "wan22", two_experts=True)
+    high, low = (str(resolve_lora_path(source)) for source in ("tiny-style", "tiny-detail"))
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(high, adapter_name="turbo")
+    pipe.load_lora_weights(low, adapter_name="turbo", load_into_transformer_2=True)
+    requests = [request("pair", "turbo:0.8", num_inference_steps=6), request("bare", num_inference_steps=6, seed=5)]
+    loras = {"turbo": {"transformer": high, "transformer_2": low}}
+    with ShardGroup(GroupConfig(model=str(folder), device="cpu", shard_size=2, loras=loras)) as group:
+        results = group.generate(requests)
+    for req, result in zip(requests, results):
+        assert max_abs_diff(result.frames, reference(pipe, req)) <= 1e-5, req.request_id
+
+
+def test_a_lora_of_another_architecture_is_refused_naming_its_modules(lora_pipe, tiny_model, tmp_path):
+    """What a rank does at start (``Adapters.load``), on the unsharded pipeline: a Flux LoRA names
+    modules a Wan transformer does not have."""
+    from diffusers import DiffusionPipeline
+
+    from ray_hsdp.adapters import Adapters
+    from ray_hsdp.checkpoints.lora import make_random_lora
+
+    make_random_lora("flux.1-dev", tmp_path / "flux-lora", rank=4, tiny=True, dtype="float32")
+    pipe = DiffusionPipeline.from_pretrained(tiny_model)
+    refusal = r"lora 'flux' .* for transformer of WanPipeline: the model has no modules"
+    with pytest.raises(ValueError, match=refusal) as refused:
+        Adapters.load(pipe, {"flux": {"transformer": tmp_path / "flux-lora"}})
+    assert "transformer_blocks.0." in str(refused.value)
