@@ -10,8 +10,9 @@ runs it (the tick thread of a sharded rank), layer by layer as diffusers' ``set_
 Files are read and converted by the pipeline's own diffusers LoRA loader (``lora_state_dict``:
 the original-repo formats it knows become PEFT keys); the layers are injected with PEFT's
 ``inject_adapter_in_model`` and filled by name. diffusers' ``load_lora_weights`` cannot be used
-on sharded modules: it loads through the transformer's ``load_state_dict``, whose FSDP hooks
-take the module's weights for its own sharded parameters.
+on sharded modules: PEFT takes a DTensor weight for a tensor-parallel shard and sizes the layer
+by its local rows, and the weights then load through ``load_state_dict``, whose FSDP hooks expect
+their sharded parameters where a stand-in of the global shape would have to be.
 """
 
 from __future__ import annotations
@@ -98,12 +99,20 @@ class Adapters:
             for component, path in parts.items():
                 where = f"lora {name!r} ({path}) for {component} of {type(pipe).__name__}"
                 try:
-                    read = pipe.lora_state_dict(str(path))
+                    read = pipe.lora_state_dict(str(path), return_lora_metadata=True)
                 except (ValueError, KeyError, OSError) as err:
                     raise ValueError(f"{where}: diffusers cannot read it: {_one_line(err)}") from err
-                state = read[0] if isinstance(read, tuple) else read
+                # (state, metadata), or (state, network alphas, metadata) for the loaders that keep
+                # kohya alphas apart from the weights.
+                state, metadata = read[0], read[-1]
+                if len(read) > 2 and read[1]:
+                    raise ValueError(f"{where}: per-module network alphas (kohya format) are not supported yet")
+                # diffusers saves a component's LoraConfig under its prefix ("transformer.lora_alpha").
+                if metadata and any(k.startswith(prefix) for k in metadata):
+                    metadata = {k[len(prefix) :]: v for k, v in metadata.items() if k.startswith(prefix)}
+                alpha = _metadata_alpha(metadata, where)
                 state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-                _inject(modules[component], name, state, where)
+                _inject(modules[component], name, state, where, alpha)
         return cls(modules, list(loras))
 
     def adapts(self, module: nn.Module) -> bool:
@@ -131,9 +140,26 @@ def _one_line(err: BaseException) -> str:
     return " ".join(line.strip() for line in str(err).splitlines() if line.strip())[:600]
 
 
-def _inject(module: nn.Module, name: str, state: dict[str, torch.Tensor], where: str) -> None:
+def _metadata_alpha(metadata: dict | None, where: str) -> float | None:
+    """The ``lora_alpha`` a diffusers-saved file states in its metadata; ``None`` when it states none.
+
+    Raises:
+        ValueError: The metadata gives alphas or ranks per module (not read yet: refused rather
+            than run at the wrong scale).
+    """
+    if not metadata:
+        return None
+    if metadata.get("alpha_pattern") or metadata.get("rank_pattern"):
+        raise ValueError(f"{where}: alphas or ranks per module in its metadata are not supported yet")
+    return metadata.get("lora_alpha")
+
+
+def _inject(
+    module: nn.Module, name: str, state: dict[str, torch.Tensor], where: str, alpha: float | None = None
+) -> None:
     """Adds adapter ``name`` to ``module``'s linears and fills it from ``state`` (PEFT keys
-    without the component prefix: ``blocks.0.attn1.to_q.lora_A.weight``)."""
+    without the component prefix: ``blocks.0.attn1.to_q.lora_A.weight``); ``alpha``: the file's
+    ``lora_alpha``, else each layer's rank (a scale of 1, as diffusers' loader takes it)."""
     targets = sorted({key.rsplit(".lora_", 1)[0] for key in state if ".lora_" in key})
     if not targets:
         raise ValueError(f"{where}: no LoRA weights for it in the file")
@@ -141,13 +167,12 @@ def _inject(module: nn.Module, name: str, state: dict[str, torch.Tensor], where:
     if len(ranks) != len(targets):
         raise ValueError(f"{where}: lora_A weights missing for {sorted(set(targets) - set(ranks))[:5]}")
     rank = max(set(ranks.values()), key=list(ranks.values()).count)
-    # No alphas in a diffusers-format file: alpha = rank, a scale of 1 (what diffusers' loader does).
     config = LoraConfig(
         r=rank,
-        lora_alpha=rank,
+        lora_alpha=alpha if alpha is not None else rank,
         target_modules=targets,
         rank_pattern={t: r for t, r in ranks.items() if r != rank},
-        alpha_pattern={t: r for t, r in ranks.items() if r != rank},
+        alpha_pattern={} if alpha is not None else {t: r for t, r in ranks.items() if r != rank},
     )
     names = {n for n, _ in module.named_modules()}
     missing = [t for t in targets if t not in names]

@@ -155,3 +155,31 @@ def test_a_lora_of_another_architecture_is_refused_naming_its_modules(lora_pipe,
     with pytest.raises(ValueError, match=refusal) as refused:
         Adapters.load(pipe, {"flux": {"transformer": tmp_path / "flux-lora"}})
     assert "transformer_blocks.0." in str(refused.value)
+
+
+def test_a_file_stating_its_alpha_runs_at_diffusers_scale(lora_pipe, tiny_model, tmp_path):
+    """A LoRA that diffusers saved with its config (lora_alpha 2 x rank: every update doubled) loads
+    at the scale diffusers' own loader gives it, on the unsharded pipeline as a rank loads it."""
+    from diffusers import DiffusionPipeline
+    from safetensors.torch import load_file
+
+    from ray_hsdp.adapters import Adapters
+    from ray_hsdp.checkpoints.lora import LORA_FILE
+    from ray_hsdp.loading import resolve_lora_path
+
+    prefix = "transformer."
+    weights = {k[len(prefix) :]: v for k, v in load_file(str(resolve_lora_path("tiny-style") / LORA_FILE)).items()}
+    targets = sorted({k.rsplit(".lora_", 1)[0] for k in weights})
+    metadata = {"r": 4, "lora_alpha": 8, "target_modules": targets}
+    type(lora_pipe).save_lora_weights(
+        tmp_path / "alpha8", transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata
+    )
+    theirs = DiffusionPipeline.from_pretrained(tiny_model)
+    theirs.set_progress_bar_config(disable=True)
+    theirs.load_lora_weights(str(tmp_path / "alpha8"), adapter_name="a8")
+    ours = DiffusionPipeline.from_pretrained(tiny_model)
+    ours.set_progress_bar_config(disable=True)
+    adapters = Adapters.load(ours, {"a8": {"transformer": tmp_path / "alpha8"}})
+    adapters.select((("a8", 0.5),))
+    req = request("alpha", "a8:0.5")
+    assert max_abs_diff(reference_frames(ours, req), reference(theirs, req)) <= 1e-6
