@@ -20,7 +20,16 @@ import re
 import time
 from pathlib import Path
 
-from bench.common import ensure_model, environment, gib, load_plain, plain_kwargs, start_ray, write_results
+from bench.common import (
+    ensure_model,
+    environment,
+    first_frame_png,
+    gib,
+    load_plain,
+    plain_kwargs,
+    start_ray,
+    write_results,
+)
 
 PROMPT = "A red fox runs through fresh snow at dawn, cinematic"
 
@@ -44,7 +53,6 @@ def layout_fields(name: str) -> dict:
 def request_for(size: str, frames: int, steps: int, request_id: str, seed: int = 0, image: bool = False):
     """One guided request; with ``image``, an image-to-video request whose first frame is the
     bench's synthetic image."""
-    from bench.common import first_frame_png
     from ray_hsdp.config import parse_size
     from ray_hsdp.request import GenerationRequest
 

@@ -32,7 +32,7 @@ Selection = tuple[tuple[str, float], ...]
 
 
 @contextmanager
-def _global_shapes(modules: list[nn.Module]) -> Iterator[None]:
+def _global_shapes(module: nn.Module) -> Iterator[None]:
     """Shows PEFT each sharded linear weight at its global shape while adapters are injected.
 
     PEFT sizes a LoRA layer from its base layer's weight and reads a DTensor weight as a
@@ -41,13 +41,12 @@ def _global_shapes(modules: list[nn.Module]) -> Iterator[None]:
     that holds one element (an expanded view), and is put back afterwards; nothing is gathered.
     """
     swapped = []
-    for module in modules:
-        for linear in module.modules():
-            weight = getattr(linear, "weight", None)
-            if isinstance(linear, nn.Linear) and isinstance(weight, DTensor):
-                one = torch.empty(1, dtype=weight.dtype, device=weight.device)
-                linear.weight = nn.Parameter(one.expand(weight.shape), requires_grad=False)
-                swapped.append((linear, weight))
+    for linear in module.modules():
+        weight = getattr(linear, "weight", None)
+        if isinstance(linear, nn.Linear) and isinstance(weight, DTensor):
+            one = torch.empty(1, dtype=weight.dtype, device=weight.device)
+            linear.weight = nn.Parameter(one.expand(weight.shape), requires_grad=False)
+            swapped.append((linear, weight))
     try:
         yield
     finally:
@@ -60,12 +59,10 @@ class Adapters:
 
     Args:
         modules: Component name -> the transformer holding adapters.
-        names: The registered adapter names, in config order.
     """
 
-    def __init__(self, modules: Mapping[str, nn.Module], names: list[str]):
+    def __init__(self, modules: Mapping[str, nn.Module]):
         self.modules = dict(modules)
-        self.names = list(names)
         #: Component -> its LoRA layers (found once: a switch touches only them).
         self._layers = {
             c: [m for m in module.modules() if isinstance(m, BaseTunerLayer)] for c, module in self.modules.items()
@@ -113,7 +110,7 @@ class Adapters:
                 alpha = _metadata_alpha(metadata, where)
                 state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
                 _inject(modules[component], name, state, where, alpha)
-        return cls(modules, list(loras))
+        return cls(modules)
 
     def adapts(self, module: nn.Module) -> bool:
         """Whether ``module`` holds adapters (a text encoder's forward needs no switch)."""
@@ -178,7 +175,7 @@ def _inject(
     missing = [t for t in targets if t not in names]
     if missing:
         raise ValueError(f"{where}: the model has no modules {missing[:5]} (of {len(targets)} the LoRA adapts)")
-    with _global_shapes([module]):
+    with _global_shapes(module):
         inject_adapter_in_model(config, module, adapter_name=name)
     with torch.no_grad():
         for target in targets:
