@@ -42,7 +42,11 @@ def test_metrics_count_the_requests_sent_with_their_labels(server):
             {labels["rank"] for labels, _ in samples(text, name, **mine)} == {"0", "1"}
             for name in ("ray_hsdp_ticks_total", "ray_hsdp_idle_ticks_total", "ray_hsdp_device_allocated_bytes")
         )
-        if (done and polled) or time.monotonic() > deadline:
+        # The replica's own gauges come from its poll thread, on their own schedule.
+        replica_polled = all(
+            samples(text, name, replica=replica) for name in ("ray_hsdp_queue_depth", "ray_hsdp_video_jobs")
+        )
+        if (done and polled and replica_polled) or time.monotonic() > deadline:
             break
         time.sleep(2)
     assert total(text, "ray_hsdp_requests_total", status="ok", **mine) == 3
