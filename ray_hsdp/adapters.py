@@ -84,31 +84,15 @@ class Adapters:
             ValueError: The pipeline loads no LoRA, or a LoRA does not fit its transformer (the
                 message names the keys).
         """
-        if not hasattr(pipe, "lora_state_dict"):
-            raise ValueError(f"{type(pipe).__name__} loads no LoRA adapters (diffusers has no LoRA loader for it)")
         components = sorted({c for parts in loras.values() for c in parts})
         for component in components:
             if getattr(pipe, component, None) is None:
                 raise ValueError(f"lora: {type(pipe).__name__} has no component {component!r}")
         modules = {c: getattr(pipe, c) for c in components}
-        prefix = f"{getattr(pipe, 'transformer_name', 'transformer')}."
         for name, parts in loras.items():
             for component, path in parts.items():
                 where = f"lora {name!r} ({path}) for {component} of {type(pipe).__name__}"
-                try:
-                    read = pipe.lora_state_dict(str(path), return_lora_metadata=True)
-                except (ValueError, KeyError, OSError) as err:
-                    raise ValueError(f"{where}: diffusers cannot read it: {_one_line(err)}") from err
-                # (state, metadata), or (state, network alphas, metadata) for the loaders that keep
-                # kohya alphas apart from the weights.
-                state, metadata = read[0], read[-1]
-                if len(read) > 2 and read[1]:
-                    raise ValueError(f"{where}: per-module network alphas (kohya format) are not supported yet")
-                # diffusers saves a component's LoraConfig under its prefix ("transformer.lora_alpha").
-                if metadata and any(k.startswith(prefix) for k in metadata):
-                    metadata = {k[len(prefix) :]: v for k, v in metadata.items() if k.startswith(prefix)}
-                alpha = _metadata_alpha(metadata, where)
-                state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+                state, alpha = read_lora(type(pipe), path, where)
                 _inject(modules[component], name, state, where, alpha)
         return cls(modules)
 
@@ -131,6 +115,93 @@ class Adapters:
                 for name, scale in mine:
                     layer.set_scale(name, scale)
         self._current = selection
+
+
+def read_lora(pipeline_cls: type, path: Path, where: str) -> tuple[dict[str, torch.Tensor], float | None]:
+    """Reads a LoRA file or folder with the pipeline's own diffusers loader.
+
+    Args:
+        pipeline_cls: The diffusers pipeline class (its ``lora_state_dict`` converts the
+            original-repo formats it knows to PEFT keys).
+        path: The LoRA file or folder.
+        where: The adapter, file and component, for error messages.
+
+    Returns:
+        The PEFT state without the component prefix (``blocks.0.attn1.to_q.lora_A.weight``) and
+        the ``lora_alpha`` the file states (``None``: each layer's rank, a scale of 1).
+
+    Raises:
+        ValueError: The pipeline loads no LoRA, or diffusers cannot read the file, or it holds a
+            format not supported yet (kohya network alphas, alphas per module).
+    """
+    if not hasattr(pipeline_cls, "lora_state_dict"):
+        raise ValueError(f"{pipeline_cls.__name__} loads no LoRA adapters (diffusers has no LoRA loader for it)")
+    prefix = f"{getattr(pipeline_cls, 'transformer_name', 'transformer')}."
+    try:
+        read = pipeline_cls.lora_state_dict(str(path), return_lora_metadata=True)
+    except (ValueError, KeyError, OSError) as err:
+        raise ValueError(f"{where}: diffusers cannot read it: {_one_line(err)}") from err
+    # (state, metadata), or (state, network alphas, metadata) for the loaders that keep kohya
+    # alphas apart from the weights.
+    state, metadata = read[0], read[-1]
+    if len(read) > 2 and read[1]:
+        raise ValueError(f"{where}: per-module network alphas (kohya format) are not supported yet")
+    # diffusers saves a component's LoraConfig under its prefix ("transformer.lora_alpha").
+    if metadata and any(k.startswith(prefix) for k in metadata):
+        metadata = {k[len(prefix) :]: v for k, v in metadata.items() if k.startswith(prefix)}
+    alpha = _metadata_alpha(metadata, where)
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}, alpha
+
+
+def fuse_lora(module: nn.Module, state: dict[str, torch.Tensor], alpha: float | None, scale: float, where: str) -> int:
+    """Merges a LoRA into ``module``'s linear weights, this rank's rows only: ``W[rows] += scale *
+    alpha / r * B[rows] @ A``, as PEFT's merge computes it, summed in float32.
+
+    Runs while a rank loads, before the weights are first gathered: a dim-0 shard (a DTensor of
+    FSDP2 or of the in-place gathers) holds whole rows, so ``B``'s rows for them are all it needs.
+    diffusers' ``fuse_lora`` cannot: it merges through PEFT layers over whole weights.
+
+    Returns:
+        The number of linears merged.
+
+    Raises:
+        ValueError: The LoRA names modules ``module`` lacks, or its shapes do not fit.
+    """
+    from ray_hsdp.loading import local_rows
+
+    targets = _targets(module, state, where)
+    with torch.no_grad():
+        for target in targets:
+            linear = module.get_submodule(target)
+            down, up = state[f"{target}.lora_A.weight"], state[f"{target}.lora_B.weight"]
+            weight = linear.weight
+            if up.shape != (weight.shape[0], down.shape[0]) or down.shape[1] != weight.shape[1]:
+                raise ValueError(
+                    f"{where}: {target} is {tuple(weight.shape)}, its LoRA is {tuple(up.shape)} @ {tuple(down.shape)}"
+                )
+            rows = local_rows(weight)
+            local = weight.to_local() if isinstance(weight, DTensor) else weight.data
+            rank = down.shape[0]
+            factor = scale * (alpha if alpha is not None else rank) / rank
+            up = up[rows] if rows is not None else up
+            delta = up.to(local.device, torch.float32) @ down.to(local.device, torch.float32)
+            local.copy_((local.float() + factor * delta).to(local.dtype))
+    return len(targets)
+
+
+def _targets(module: nn.Module, state: dict[str, torch.Tensor], where: str) -> list[str]:
+    """The module names a LoRA state adapts, each with its ``lora_A`` weight, all present in ``module``."""
+    targets = sorted({key.rsplit(".lora_", 1)[0] for key in state if ".lora_" in key})
+    if not targets:
+        raise ValueError(f"{where}: no LoRA weights for it in the file")
+    lacking = [t for t in targets if f"{t}.lora_A.weight" not in state or f"{t}.lora_B.weight" not in state]
+    if lacking:
+        raise ValueError(f"{where}: lora_A or lora_B weights missing for {lacking[:5]}")
+    names = {n for n, _ in module.named_modules()}
+    missing = [t for t in targets if t not in names]
+    if missing:
+        raise ValueError(f"{where}: the model has no modules {missing[:5]} (of {len(targets)} the LoRA adapts)")
+    return targets
 
 
 def _one_line(err: BaseException) -> str:
@@ -157,12 +228,8 @@ def _inject(
     """Adds adapter ``name`` to ``module``'s linears and fills it from ``state`` (PEFT keys
     without the component prefix: ``blocks.0.attn1.to_q.lora_A.weight``); ``alpha``: the file's
     ``lora_alpha``, else each layer's rank (a scale of 1, as diffusers' loader takes it)."""
-    targets = sorted({key.rsplit(".lora_", 1)[0] for key in state if ".lora_" in key})
-    if not targets:
-        raise ValueError(f"{where}: no LoRA weights for it in the file")
-    ranks = {t: state[f"{t}.lora_A.weight"].shape[0] for t in targets if f"{t}.lora_A.weight" in state}
-    if len(ranks) != len(targets):
-        raise ValueError(f"{where}: lora_A weights missing for {sorted(set(targets) - set(ranks))[:5]}")
+    targets = _targets(module, state, where)
+    ranks = {t: state[f"{t}.lora_A.weight"].shape[0] for t in targets}
     rank = max(set(ranks.values()), key=list(ranks.values()).count)
     config = LoraConfig(
         r=rank,
@@ -171,10 +238,6 @@ def _inject(
         rank_pattern={t: r for t, r in ranks.items() if r != rank},
         alpha_pattern={} if alpha is not None else {t: r for t, r in ranks.items() if r != rank},
     )
-    names = {n for n, _ in module.named_modules()}
-    missing = [t for t in targets if t not in names]
-    if missing:
-        raise ValueError(f"{where}: the model has no modules {missing[:5]} (of {len(targets)} the LoRA adapts)")
     with _global_shapes(module):
         inject_adapter_in_model(config, module, adapter_name=name)
     with torch.no_grad():

@@ -184,6 +184,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
+    from ray_hsdp.request import parse_lora
     from ray_hsdp.serve import build_app
 
     shard_size = args.hsdp_shard_size if args.use_hsdp else 1
@@ -208,6 +209,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "ring_degree": args.ring,
         "cfg_parallel": args.cfg_parallel,
         "loras": _lora_files(args.lora_file),
+        "fuse_loras": dict(parse_lora(args.fuse_lora)),
     }
     if args.default_size:
         config["default_size"] = args.default_size
@@ -260,7 +262,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     lora = parse_lora(args.lora)
     loras = _lora_files(args.lora_file)
     ray.init(address=args.address, ignore_reinit_error=True, log_to_driver=args.verbose)
-    config = GroupConfig(model=args.model, device=args.device, shard_size=args.shard_size, mode=args.mode, loras=loras)
+    config = GroupConfig(
+        model=args.model,
+        device=args.device,
+        shard_size=args.shard_size,
+        mode=args.mode,
+        loras=loras,
+        fuse_loras=dict(parse_lora(args.fuse_lora)),
+    )
     request = GenerationRequest(
         prompt=args.prompt,
         width=width,
@@ -376,6 +385,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lora-file", action="append", default=[], metavar="NAME=PATH", help="register a LoRA adapter (repeatable)"
     )
+    p.add_argument(
+        "--fuse-lora",
+        default=None,
+        metavar="NAME[:SCALE],...",
+        help="registered adapters to merge into the weights at load: every request runs with them",
+    )
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="run one request on a shard group without Serve")
@@ -397,6 +412,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image", default=None, help="the first frame of an image-to-video model (fitted to --size)")
     p.add_argument(
         "--lora-file", action="append", default=[], metavar="NAME=PATH", help="register a LoRA adapter (repeatable)"
+    )
+    p.add_argument(
+        "--fuse-lora",
+        default=None,
+        metavar="NAME[:SCALE],...",
+        help="registered adapters to merge into the weights at load: every request runs with them",
     )
     p.add_argument("--lora", default=None, help="adapters to run with: 'name', 'name:scale,other' (registered ones)")
     p.add_argument("--verbose", action="store_true")

@@ -234,6 +234,12 @@ class GroupConfig(BaseModel):
         "Wan-14B transformer is about 0.6 GB per rank in bf16).",
     )
     max_loras_per_request: int = Field(4, ge=1, description="Most adapters one request may combine.")
+    fuse_loras: dict[str, float] = Field(
+        default_factory=dict,
+        description="Adapters of loras merged into the base weights while each rank loads its slices, name -> "
+        "scale (W += scale * B @ A): every request runs with them at no cost per step (a step-distillation LoRA), "
+        "and no request names them. Works with compile.",
+    )
 
     @model_validator(mode="after")
     def _check_sizes(self) -> GroupConfig:
@@ -276,12 +282,18 @@ class GroupConfig(BaseModel):
                 raise ValueError(
                     f"lora {name!r}: a pair names {' and/or '.join(LORA_COMPONENTS)}, got {sorted(source)}"
                 )
-        if self.loras and self.compile:
+        for name, scale in self.fuse_loras.items():
+            if name not in self.loras:
+                raise ValueError(f"fuse_loras names {name!r}, which loras does not register")
+            if scale != scale or abs(scale) == float("inf"):
+                raise ValueError(f"fuse_loras {name!r}: the scale must be finite, got {scale}")
+        switched = set(self.loras) - set(self.fuse_loras)
+        if switched and self.compile:
             raise ValueError(
-                "loras with compile: an adapter switch between two forwards would recompile the blocks; "
-                "serve adapters uncompiled for now"
+                f"loras {sorted(switched)} with compile: an adapter switch between two forwards would recompile the "
+                "blocks; serve them uncompiled, or merge them into the weights with fuse_loras"
             )
-        if self.loras and self.resolved_shard_size == 1 and self.requests_per_rank > 1:
+        if switched and self.resolved_shard_size == 1 and self.requests_per_rank > 1:
             raise ValueError(
                 "loras with shard_size 1 and requests_per_rank > 1: an unsharded rank runs its requests' forwards "
                 "on their own threads, so two requests could not hold different adapters; use requests_per_rank 1"
@@ -319,11 +331,16 @@ class GroupConfig(BaseModel):
         split = self.ulysses_degree * self.ring_degree * (2 if self.cfg_parallel else 1)
         return split if split > 1 else 2
 
-    def lora_sources(self) -> dict[str, dict[str, str]]:
-        """Adapter name -> component -> source (a path, or an embedded adapter's name)."""
+    def lora_sources(self, fused: bool | None = None) -> dict[str, dict[str, str]]:
+        """Adapter name -> component -> source (a path, or an embedded adapter's name).
+
+        Args:
+            fused: Only the adapters of ``fuse_loras`` (True), only the others (False), or all.
+        """
         return {
             name: dict(source) if isinstance(source, dict) else {"transformer": source}
             for name, source in self.loras.items()
+            if fused is None or (name in self.fuse_loras) == fused
         }
 
     @property
@@ -361,6 +378,19 @@ def parse_size(size: str) -> tuple[int, int]:
     if width < 16 or height < 16 or width % 16 or height % 16:
         raise ValueError(f"width and height must be positive multiples of 16; got {width}x{height}")
     return width, height
+
+
+class LoraDefaults(BaseModel):
+    """What a request that names an adapter gets for the fields it leaves out (a step-distillation
+    LoRA: 4 steps, no guidance). Unset fields fall back to the app's defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_inference_steps: int | None = Field(None, ge=1, description="Denoising steps.")
+    guidance_scale: float | None = Field(None, ge=0, description="Guidance scale (1 or below: no unconditional pass).")
+    guidance_scale_2: float | None = Field(
+        None, ge=0, description="The low-noise expert's guidance of a two-expert pipeline (Wan2.2 A14B)."
+    )
 
 
 class AppConfig(GroupConfig):
@@ -417,9 +447,57 @@ class AppConfig(GroupConfig):
         None, description="File holding the API key (first line); takes precedence over api_key_env."
     )
 
+    lora_defaults: dict[str, LoraDefaults] = Field(
+        default_factory=dict,
+        description="Per adapter of loras, the steps and guidance a request naming it gets when it gives none "
+        "(for an adapter of fuse_loras: every request). A request's own values win; two named adapters that "
+        "default a field differently need the request to give it.",
+    )
+
     @model_validator(mode="after")
     def _check_default_size(self) -> AppConfig:
         width, height = parse_size(self.default_size)
         if width * height > self.max_pixels:
             raise ValueError(f"default_size {self.default_size} exceeds max_pixels={self.max_pixels}")
+        unknown = sorted(set(self.lora_defaults) - set(self.loras))
+        if unknown:
+            raise ValueError(f"lora_defaults names {unknown}, which loras does not register")
+        for name, defaults in self.lora_defaults.items():
+            if (defaults.num_inference_steps or 0) > self.max_steps:
+                raise ValueError(
+                    f"lora_defaults {name!r}: num_inference_steps={defaults.num_inference_steps} exceeds "
+                    f"max_steps={self.max_steps}"
+                )
         return self
+
+    def request_defaults(
+        self, lora: tuple[tuple[str, float], ...], given: frozenset[str] = frozenset()
+    ) -> dict[str, float | int]:
+        """The steps and guidance a request gets for the fields it leaves out: the app's defaults,
+        then the fused adapters' ``lora_defaults``, then those of the adapters it names.
+
+        Args:
+            lora: The adapters the request names.
+            given: The fields the request gives itself (their defaults cannot conflict).
+
+        Raises:
+            ValueError: Two adapters default a field the request leaves out to different values
+                (fused ones among themselves, or named ones among themselves).
+        """
+        out: dict[str, float | int] = {
+            "num_inference_steps": self.default_steps,
+            "guidance_scale": self.default_guidance_scale,
+        }
+        for names in (sorted(self.fuse_loras), [name for name, _ in lora]):
+            layer: dict[str, tuple[str, float | int]] = {}
+            for name in names:
+                defaults = self.lora_defaults[name].model_dump(exclude_none=True) if name in self.lora_defaults else {}
+                for field, value in defaults.items():
+                    if field in layer and layer[field][1] != value and field not in given:
+                        raise ValueError(
+                            f"loras {layer[field][0]!r} and {name!r} default {field} to {layer[field][1]} and "
+                            f"{value}: give {field} in the request"
+                        )
+                    layer[field] = (name, value)
+            out.update({field: value for field, (_, value) in layer.items()})
+        return out

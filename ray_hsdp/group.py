@@ -438,9 +438,16 @@ class ShardGroup:
                 f"{len(request.lora)} adapters in one request; max_loras_per_request="
                 f"{self.config.max_loras_per_request}"
             )
+        fused = [name for name, _ in request.lora if name in self.config.fuse_loras]
+        if fused:
+            raise ValueError(
+                f"lora {', '.join(map(repr, fused))} is merged into this deployment's weights (fuse_loras): every "
+                "request runs with it; leave it out of lora"
+            )
         unknown = [name for name, _ in request.lora if name not in self.config.loras]
         if unknown:
-            known = ", ".join(sorted(self.config.loras)) or "none (the deployment registers no loras)"
+            switched = sorted(self.config.lora_sources(fused=False))
+            known = ", ".join(switched) or "none (the deployment registers no loras)"
             raise ValueError(f"unknown lora {', '.join(map(repr, unknown))}; this deployment's adapters: {known}")
         wants_image = bool(self.pipeline_facts.get("image_input"))
         if wants_image and request.image is None:

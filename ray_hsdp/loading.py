@@ -163,12 +163,17 @@ def model_index(path: Path) -> dict[str, tuple[str, str]]:
     }
 
 
-def import_component_classes(path: Path) -> dict[str, type]:
-    """Imports the class of every component of a pipeline folder (and the pipeline's own)."""
+def pipeline_class(path: Path) -> type:
+    """The diffusers pipeline class of a pipeline folder."""
     import diffusers
 
+    return getattr(diffusers, json.loads((path / "model_index.json").read_text())["_class_name"])
+
+
+def import_component_classes(path: Path) -> dict[str, type]:
+    """Imports the class of every component of a pipeline folder (and the pipeline's own)."""
     classes = {name: getattr(importlib.import_module(lib), cls) for name, (lib, cls) in model_index(path).items()}
-    classes["_pipeline"] = getattr(diffusers, json.loads((path / "model_index.json").read_text())["_class_name"])
+    classes["_pipeline"] = pipeline_class(path)
     return classes
 
 
@@ -326,7 +331,7 @@ class _PickleReader:
         return tensor[rows] if rows is not None and tensor.dim() else tensor
 
 
-def _local_rows(param: torch.Tensor) -> slice | None:
+def local_rows(param: torch.Tensor) -> slice | None:
     """Rows of the full tensor this rank holds; ``None`` for a whole (replicated) tensor.
 
     Raises:
@@ -381,7 +386,7 @@ def fill_from_checkpoint(model: nn.Module, folder: Path, allow_pickle: bool = Fa
                 )
             local = target.to_local() if isinstance(target, DTensor) else target
             with torch.no_grad():
-                value = reader.read(key, _local_rows(target), out=local)
+                value = reader.read(key, local_rows(target), out=local)
                 if value is not local:
                     local.copy_(value)
             bytes_read += value.numel() * value.element_size()

@@ -160,13 +160,15 @@ class Rank:
                 lane_mesh=self.lane_mesh,
                 attention_backend=self.config.attention_backend,
                 compile=self.config.compile,
+                fuse_loras={name: (scale, self.lora_paths[name]) for name, scale in self.config.fuse_loras.items()},
             )
             adapters = None
-            if self.lora_paths:
+            switched = {name: parts for name, parts in self.lora_paths.items() if name not in self.config.fuse_loras}
+            if switched:
                 from ray_hsdp.adapters import Adapters
 
                 # After fully_shard: the adapters stay plain replicated parameters beside the units.
-                adapters = Adapters.load(self.pipeline.pipe, self.lora_paths)
+                adapters = Adapters.load(self.pipeline.pipe, switched)
             modules = exchange = None
             if self.pipeline.sharded:
                 modules = ShardedModules(

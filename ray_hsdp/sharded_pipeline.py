@@ -8,14 +8,22 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ray_hsdp.loading import build_on_meta, fill_from_checkpoint, load_pipeline, materialize, model_index
+from ray_hsdp.loading import (
+    build_on_meta,
+    fill_from_checkpoint,
+    load_pipeline,
+    materialize,
+    model_index,
+    pipeline_class,
+)
 from ray_hsdp.memory import module_memory, peak_device_bytes, unit_memory
 from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
 from ray_hsdp.sharding import compile_units, resolve_plan, shard_module
@@ -29,6 +37,23 @@ logger = logging.getLogger("ray_hsdp")
 def components(pipe) -> dict[str, nn.Module]:
     """The ``nn.Module`` components of a diffusers pipeline, by name."""
     return {name: c for name, c in pipe.components.items() if isinstance(c, nn.Module)}
+
+
+#: Adapters merged at load: name -> (scale, component -> LoRA file or folder).
+FusedLoras = Mapping[str, tuple[float, Mapping[str, Path]]]
+
+
+def _fuse(pipeline_cls: type, module: nn.Module, component: str, fused: FusedLoras) -> None:
+    """Merges into ``module`` (component ``component``, sharded or whole) the halves of the
+    adapters in ``fused`` that name it."""
+    from ray_hsdp.adapters import fuse_lora, read_lora
+
+    for name, (scale, parts) in fused.items():
+        if component in parts:
+            where = f"fused lora {name!r} ({parts[component]}) for {component} of {pipeline_cls.__name__}"
+            state, alpha = read_lora(pipeline_cls, parts[component], where)
+            merged = fuse_lora(module, state, alpha, scale, where)
+            logger.info("Fused lora %r into %d linears of %s at scale %s", name, merged, component, scale)
 
 
 def _split_sequences(pipe, models: dict, policies: dict, dims: ParallelDims, lane_mesh, device: str, backend):
@@ -142,6 +167,7 @@ class ShardedPipeline:
         lane_mesh: DeviceMesh | None = None,
         attention_backend: str = "auto",
         compile: bool = False,
+        fuse_loras: FusedLoras | None = None,
     ) -> ShardedPipeline:
         """Loads a pipeline folder, sharding the named components over ``mesh``.
 
@@ -150,7 +176,8 @@ class ShardedPipeline:
         lanes that split the sequence, each sharded diffusers model that has a context-parallel
         plan splits its forwards over the lane's ``ring`` x ``ulysses`` sub-mesh of ``lane_mesh``.
         With ``compile`` the repeated blocks of the diffusers models are compiled in place (the
-        first forwards of each shape compile).
+        first forwards of each shape compile). The adapters of ``fuse_loras`` are merged into
+        their components' weights as they load (each rank its own rows), before any gather.
 
         Raises:
             ValueError: None of ``shard_components`` is a module of the pipeline, or the lanes ask
@@ -159,6 +186,8 @@ class ShardedPipeline:
         dims = dims or ParallelDims(1, 1)
         backend = attention_backend_for(attention_backend, device, dims.ring)
         prebuilt, shardings, stats, policies = {}, {}, {}, {}
+        fused = dict(fuse_loras or {})
+        pipeline_cls = pipeline_class(path) if fused else None
         if mesh is not None:
             index = model_index(path)
             for name in shard_components:
@@ -176,6 +205,8 @@ class ShardedPipeline:
                 )
                 materialize(module, device)
                 stats[name] = fill_from_checkpoint(module, path / name, allow_pickle)
+                if fused:  # before activate: the in-place gathers take over the shards there
+                    _fuse(pipeline_cls, module, name, fused)
                 shardings[name].activate()
                 prebuilt[name] = module
                 policies[name] = registered_policy(module)
@@ -185,6 +216,11 @@ class ShardedPipeline:
                     f"(its components: {sorted(index)}); nothing would be sharded"
                 )
         pipe = load_pipeline(path, dtype, allow_pickle, **prebuilt)
+        for component in sorted({c for _, parts in fused.values() for c in parts} - set(shardings)):
+            module = getattr(pipe, component, None)
+            if not isinstance(module, nn.Module):
+                raise ValueError(f"fuse_loras: {type(pipe).__name__} has no component {component!r}")
+            _fuse(pipeline_cls, module, component, fused)
         # Only diffusers models have attention backends, context parallel and repeated blocks.
         candidates = {name: getattr(pipe, name, None) for name in shard_components}
         models = {name: m for name, m in candidates.items() if hasattr(m, "enable_parallelism")}

@@ -9,7 +9,7 @@ import pytest
 from support import max_abs_diff, reference_frames
 
 from ray_hsdp.checkpoints.tiny import make_tiny
-from ray_hsdp.config import GroupConfig
+from ray_hsdp.config import AppConfig, GroupConfig
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.request import GenerationRequest, parse_lora
 
@@ -71,11 +71,51 @@ def test_the_forms_a_client_sends_read_as_name_scale_pairs():
         ({"loras": {"a": "x", "b": "y"}, "max_loras": 1}, "max_loras=1"),
         ({"loras": {"a": "x"}, "compile": True}, "would recompile"),
         ({"loras": {"a": "x"}, "shard_size": 1, "requests_per_rank": 2}, "use requests_per_rank 1"),
+        ({"loras": {"a": "x"}, "fuse_loras": {"b": 1.0}}, "fuse_loras names 'b', which loras does not register"),
+        ({"loras": {"a": "x"}, "fuse_loras": {"a": float("nan")}}, "must be finite"),
+        ({"loras": {"a": "x", "b": "y"}, "fuse_loras": {"a": 1.0}, "compile": True}, r"loras \['b'\] with compile"),
+        ({"loras": {"a": "x"}, "lora_defaults": {"b": {"num_inference_steps": 4}}}, "lora_defaults names"),
+        ({"loras": {"a": "x"}, "lora_defaults": {"a": {"num_inference_steps": 999}}}, "exceeds max_steps=200"),
     ],
 )
 def test_bad_lora_configs_are_refused_with_the_rule(fields, message):
     with pytest.raises(ValueError, match=message):
-        GroupConfig(model="tiny", device="cpu", **fields)
+        AppConfig(model="tiny", device="cpu", **fields)
+
+
+def test_merged_adapters_need_no_switch_so_they_compile():
+    config = GroupConfig(model="tiny", loras={"turbo": "x"}, fuse_loras={"turbo": 1.0}, compile=True)
+    assert config.lora_sources(fused=False) == {} and list(config.lora_sources(fused=True)) == ["turbo"]
+
+
+def test_a_request_takes_the_defaults_of_the_adapters_it_names():
+    """A fused distillation LoRA sets every request's steps and guidance; a named adapter's defaults
+    win over the fused ones; a request's own values win over both (the server's mapping)."""
+    from ray_hsdp.serve.schema import ImageGenerationRequest, RequestLimitError, to_generation_request
+
+    config = AppConfig(
+        model="tiny",
+        loras={"turbo": "t", "style": "s", "detail": "d", "slow": "x"},
+        fuse_loras={"turbo": 1.0},
+        lora_defaults={
+            "turbo": {"num_inference_steps": 4, "guidance_scale": 1.0},
+            "style": {"num_inference_steps": 8},
+            "slow": {"num_inference_steps": 40, "guidance_scale_2": 3.0},
+        },
+    )
+
+    def mapped(**body):
+        request = to_generation_request(ImageGenerationRequest(prompt="a", **body), config, "r")
+        return request.num_inference_steps, request.guidance_scale, request.guidance_scale_2
+
+    assert mapped() == (4, 1.0, None)
+    assert mapped(lora="style:0.5,detail") == (8, 1.0, None)
+    assert mapped(lora="slow") == (40, 1.0, 3.0)
+    assert mapped(lora="style", num_inference_steps=6, guidance_scale=3) == (6, 3.0, None)
+    with pytest.raises(RequestLimitError, match="'style' and 'slow' default num_inference_steps to 8 and 40"):
+        mapped(lora="style,slow")
+    assert mapped(lora="style,slow", num_inference_steps=12) == (12, 1.0, 3.0)
+    assert AppConfig(model="tiny").request_defaults(()) == {"num_inference_steps": 30, "guidance_scale": 5.0}
 
 
 def test_requests_with_different_adapters_share_the_ticks_of_one_batch_group(lora_pipe, tiny_model):
@@ -120,8 +160,10 @@ def test_a_lane_of_ulysses_2_runs_its_request_adapters_on_both_ranks(lora_pipe, 
         assert max_abs_diff(result.frames, reference(lora_pipe, req)) <= 1e-5, req.request_id
 
 
-def test_a_pair_loads_one_half_into_each_expert(ray_cluster, tmp_path):
-    """Wan2.2's two experts: the high-noise half into transformer, the low-noise half into
+def test_pairs_merged_at_load_and_switched_per_request_on_two_experts(ray_cluster, tmp_path):
+    """Wan2.2's two experts, gathered in place (CUDA's default): ``fast`` is merged into both experts'
+    weights as each rank loads its rows (diffusers' ``fuse_lora`` on the whole pipeline gives the same),
+    ``turbo`` is switched per request, its high-noise half in transformer and its low-noise half in
     transformer_2 (diffusers' load_into_transformer_2), one name for both."""
     from diffusers import DiffusionPipeline
 
@@ -131,11 +173,20 @@ def test_a_pair_loads_one_half_into_each_expert(ray_cluster, tmp_path):
     high, low = (str(resolve_lora_path(source)) for source in ("tiny-style", "tiny-detail"))
     pipe = DiffusionPipeline.from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(low, adapter_name="fast")
+    pipe.load_lora_weights(high, adapter_name="fast", load_into_transformer_2=True)
+    pipe.fuse_lora(components=["transformer", "transformer_2"], lora_scale=0.6, adapter_names=["fast"])
+    pipe.unload_lora_weights()  # the merged weights stay; the layers go
     pipe.load_lora_weights(high, adapter_name="turbo")
     pipe.load_lora_weights(low, adapter_name="turbo", load_into_transformer_2=True)
     requests = [request("pair", "turbo:0.8", num_inference_steps=6), request("bare", num_inference_steps=6, seed=5)]
-    loras = {"turbo": {"transformer": high, "transformer_2": low}}
-    with ShardGroup(GroupConfig(model=str(folder), device="cpu", shard_size=2, loras=loras)) as group:
+    loras = {"turbo": {"transformer": high, "transformer_2": low}, "fast": {"transformer": low, "transformer_2": high}}
+    config = GroupConfig(
+        model=str(folder), device="cpu", shard_size=2, gather="in_place", loras=loras, fuse_loras={"fast": 0.6}
+    )
+    with ShardGroup(config) as group:
+        with pytest.raises(ValueError, match="lora 'fast' is merged into this deployment's weights"):
+            group.submit(request("named", "fast"))
         results = group.generate(requests)
     for req, result in zip(requests, results):
         assert max_abs_diff(result.frames, reference(pipe, req)) <= 1e-5, req.request_id
@@ -183,3 +234,34 @@ def test_a_file_stating_its_alpha_runs_at_diffusers_scale(lora_pipe, tiny_model,
     adapters.select((("a8", 0.5),))
     req = request("alpha", "a8:0.5")
     assert max_abs_diff(reference_frames(ours, req), reference(theirs, req)) <= 1e-6
+
+
+def test_a_merged_lora_equals_diffusers_fuse_lora_on_whole_weights(lora_pipe, tiny_model, tmp_path):
+    """One rank (plain weights, the rows of a shard being all of them): a file stating lora_alpha 2 x
+    rank, merged at 0.7, against diffusers' ``fuse_lora`` of the same file."""
+    from diffusers import DiffusionPipeline
+    from safetensors.torch import load_file
+
+    from ray_hsdp.adapters import fuse_lora, read_lora
+    from ray_hsdp.checkpoints.lora import LORA_FILE
+    from ray_hsdp.loading import resolve_lora_path
+
+    prefix = "transformer."
+    weights = {k[len(prefix) :]: v for k, v in load_file(str(resolve_lora_path("tiny-detail") / LORA_FILE)).items()}
+    targets = sorted({k.rsplit(".lora_", 1)[0] for k in weights})
+    type(lora_pipe).save_lora_weights(
+        tmp_path / "alpha8",
+        transformer_lora_layers=weights,
+        transformer_lora_adapter_metadata={"r": 4, "lora_alpha": 8, "target_modules": targets},
+    )
+    theirs = DiffusionPipeline.from_pretrained(tiny_model)
+    theirs.set_progress_bar_config(disable=True)
+    theirs.load_lora_weights(str(tmp_path / "alpha8"), adapter_name="a8")
+    theirs.fuse_lora(lora_scale=0.7, adapter_names=["a8"])
+    theirs.unload_lora_weights()
+    ours = DiffusionPipeline.from_pretrained(tiny_model)
+    ours.set_progress_bar_config(disable=True)
+    state, alpha = read_lora(type(ours), tmp_path / "alpha8", "a8")
+    assert alpha == 8 and fuse_lora(ours.transformer, state, alpha, 0.7, "a8") == len(targets)
+    req = request("fused")
+    assert max_abs_diff(reference_frames(ours, req), reference_frames(theirs, req)) <= 1e-6

@@ -376,8 +376,8 @@ class HSDPServer:
             request: The ``/v1/images/generations`` body, as a dict or the schema object.
 
         Returns:
-            The OpenAI images response: ``created``, ``data[i].b64_json``, plus ``seed``, ``rank``
-            and ``retried``.
+            The OpenAI images response: ``created``, ``data[i].b64_json``, plus ``seed``, ``rank``,
+            ``retried`` and the steps and guidance it ran with.
         """
         body = ImageGenerationRequest.model_validate(request)
         self._check_model(body.model)
@@ -388,7 +388,14 @@ class HSDPServer:
         job = to_generation_request(body, self.config, request_id=uuid.uuid4().hex)
         self.group.check(job)
         result, first_error = await self._result(job, seeded=body.seed is not None)
-        response = {**image_response(result, self.model_name), "id": job.request_id, "retried": first_error is not None}
+        response = {
+            **image_response(result, self.model_name),
+            "id": job.request_id,
+            "retried": first_error is not None,
+            # What ran: the request's defaults may come from the app or from an adapter (lora_defaults).
+            "num_inference_steps": job.num_inference_steps,
+            "guidance_scale": job.guidance_scale,
+        }
         return {**response, "first_error": first_error} if first_error else response
 
     # ---- video jobs ------------------------------------------------------------------------
@@ -411,6 +418,8 @@ class HSDPServer:
             "num_frames": job.num_frames,
             "fps": fps,
             "seed": job.seed,
+            "num_inference_steps": job.num_inference_steps,
+            "guidance_scale": job.guidance_scale,
         }
         status, created = await self.jobs.create.remote(fields)
         if status == "full":
@@ -591,11 +600,21 @@ class HSDPServer:
 
     @api.get("/v1/loras")
     def loras(self) -> dict:
-        """The LoRA adapters requests may name (``lora``), with the components each one adapts."""
+        """The LoRA adapters: those requests may name (``lora``) and those merged into the weights
+        (``fused``: the scale every request runs them at), with the components each adapts and the
+        defaults a request gets from it."""
         return {
             "object": "list",
             "data": [
-                {"id": name, "object": "lora", "components": sorted(parts)}
+                {
+                    "id": name,
+                    "object": "lora",
+                    "components": sorted(parts),
+                    "fused": self.config.fuse_loras.get(name),
+                    "defaults": self.config.lora_defaults[name].model_dump(exclude_none=True)
+                    if name in self.config.lora_defaults
+                    else {},
+                }
                 for name, parts in sorted(self.config.lora_sources().items())
             ],
             "max_loras_per_request": self.config.max_loras_per_request,

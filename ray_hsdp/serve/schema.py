@@ -183,14 +183,23 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
         raise RequestLimitError(f"size {width}x{height} exceeds the limit of {config.max_pixels} pixels")
     if body.n > config.max_n:
         raise RequestLimitError(f"n={body.n} exceeds the limit max_n={config.max_n}")
-    steps = body.num_inference_steps or config.default_steps
+    lora = parse_lora(body.lora)
+    try:
+        given = frozenset(
+            f for f in ("num_inference_steps", "guidance_scale", "guidance_scale_2") if getattr(body, f) is not None
+        )
+        defaults = config.request_defaults(lora, given)
+    except ValueError as err:
+        raise RequestLimitError(str(err)) from None
+    steps = body.num_inference_steps or defaults["num_inference_steps"]
     if steps > config.max_steps:
         raise RequestLimitError(f"num_inference_steps={steps} exceeds the limit max_steps={config.max_steps}")
     if body.timeout_s is not None and body.timeout_s > config.request_timeout_s:
         raise RequestLimitError(
             f"timeout_s={body.timeout_s} exceeds the limit request_timeout_s={config.request_timeout_s}"
         )
-    guidance = body.guidance_scale if body.guidance_scale is not None else config.default_guidance_scale
+    guidance = body.guidance_scale if body.guidance_scale is not None else defaults["guidance_scale"]
+    guidance_2 = body.guidance_scale_2 if body.guidance_scale_2 is not None else defaults.get("guidance_scale_2")
     return GenerationRequest(
         prompt=body.prompt,
         negative_prompt=body.negative_prompt,
@@ -199,12 +208,12 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
         num_frames=1,
         num_inference_steps=steps,
         guidance_scale=float(guidance),
-        guidance_scale_2=float(body.guidance_scale_2) if body.guidance_scale_2 is not None else None,
+        guidance_scale_2=float(guidance_2) if guidance_2 is not None else None,
         seed=body.seed if body.seed is not None else secrets.randbelow(2**31),
         n=body.n,
         request_id=request_id,
         timeout_s=float(body.timeout_s) if body.timeout_s is not None else None,
-        lora=parse_lora(body.lora),
+        lora=lora,
     )
 
 

@@ -44,9 +44,9 @@ def reference(pipe, request: GenerationRequest) -> np.ndarray:
 
 def test_get_loras_lists_each_app_s_adapters(server):
     listed = requests.get(f"{server}/v1/loras", timeout=60).json()
-    assert [(a["id"], a["components"]) for a in listed["data"]] == [
-        ("detail", ["transformer"]),
-        ("style", ["transformer"]),
+    assert [(a["id"], a["components"], a["fused"], a["defaults"]) for a in listed["data"]] == [
+        ("detail", ["transformer"], None, {"num_inference_steps": 2}),
+        ("style", ["transformer"], None, {}),
     ]
     assert listed["max_loras_per_request"] == 4
     assert [a["id"] for a in requests.get(f"{server}/i2v/v1/loras", timeout=60).json()["data"]] == ["style"]
@@ -74,6 +74,19 @@ def test_a_video_job_takes_the_string_form(server, t2v_pipe):
     request = GenerationRequest(prompt="waves", num_frames=5, num_inference_steps=2, seed=2, lora=(("style", 0.8),))
     frames, _ = decode_mp4(response.content)
     assert mae(frames, as_mp4(reference(t2v_pipe, request))) <= SAME_MP4_MAE
+
+
+def test_a_request_naming_an_adapter_gets_its_default_steps(server, t2v_pipe):
+    """tiny_cpu.yaml: ``lora_defaults: {detail: {num_inference_steps: 2}}``; the app's default is 4."""
+    body = {"prompt": "a lighthouse", "size": "64x64", "seed": 3, "lora": "detail"}
+    response = requests.post(f"{server}/v1/images/generations", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    assert (response.json()["num_inference_steps"], response.json()["guidance_scale"]) == (2, 5.0)
+    request = GenerationRequest(prompt="a lighthouse", num_inference_steps=2, seed=3, lora=(("detail", 1.0),))
+    assert np.abs(png_pixels(response.json()) - reference(t2v_pipe, request)[0]).max() <= 1
+    video = requests.post(f"{server}/v1/videos", json={**body, "num_frames": 5, "lora": "style"}, timeout=60)
+    assert video.status_code == 200 and video.json()["num_inference_steps"] == 4, video.text  # the app's default
+    assert requests.delete(f"{server}/v1/videos/{video.json()['id']}", timeout=60).status_code == 200
 
 
 def test_the_openai_client_sends_its_lora_list_as_form_fields(server):
