@@ -57,6 +57,21 @@ def ensure_model(arch: str, model_dir: Path, device: str, small_encoders: bool =
     return time.perf_counter() - start
 
 
+def random_loras(arch: str, folder: Path, count: int, rank: int, device: str) -> dict[str, str]:
+    """``count`` random rank-``rank`` LoRAs of ``arch`` (real size in bf16 on cuda, tiny in fp32 on
+    cpu) under ``folder``, written unless there: name (``lora0``...) -> path, a ``loras`` config."""
+    from ray_hsdp.checkpoints.lora import LORA_FILE, make_random_lora
+
+    paths = {}
+    for i in range(count):
+        path = folder / f"lora{i}"
+        if not (path / LORA_FILE).exists():
+            dtype = "bfloat16" if device == "cuda" else "float32"
+            make_random_lora(arch, path, rank=rank, seed=i, tiny=device != "cuda", dtype=dtype)
+        paths[f"lora{i}"] = str(path)
+    return paths
+
+
 def start_ray(ray_cpus: int | None = None, env_vars: dict | None = None) -> None:
     """Starts Ray for a benchmark. With ``ray_cpus`` (a CPU dry run) it is a Ray of its own
     ("local") beside any cluster already running here; ``env_vars`` go to every rank."""

@@ -27,6 +27,7 @@ from bench.common import (
     gib,
     load_plain,
     plain_kwargs,
+    random_loras,
     start_ray,
     write_results,
 )
@@ -35,10 +36,11 @@ PROMPT = "A red fox runs through fresh snow at dawn, cinematic"
 
 
 def layout_fields(name: str) -> dict:
-    """GroupConfig fields of a layout name such as ``s4-cfg2-u2`` or ``s2-r2``."""
-    match = re.fullmatch(r"s(\d+)((?:-(?:u\d+|r\d+|cfg2))*)", name)
+    """GroupConfig fields of a layout name such as ``s4-cfg2-u2`` or ``s2-r2`` (a ``+lora`` or
+    ``+fused`` suffix, the adapter, is ``adapter_of``'s)."""
+    match = re.fullmatch(r"s(\d+)((?:-(?:u\d+|r\d+|cfg2))*)(?:\+(?:lora|fused))?", name)
     if not match:
-        raise ValueError(f"layout {name!r}: expected 'plain' or s<S>[-u<N>][-r<N>][-cfg2]")
+        raise ValueError(f"layout {name!r}: expected 'plain' or s<S>[-u<N>][-r<N>][-cfg2][+lora|+fused]")
     fields = {"shard_size": int(match.group(1))}
     for part in filter(None, match.group(2).split("-")):
         if part == "cfg2":
@@ -48,6 +50,17 @@ def layout_fields(name: str) -> dict:
         else:
             fields["ring_degree"] = int(part[1:])
     return fields
+
+
+def adapter_of(layout: str, args) -> tuple[dict, tuple]:
+    """A layout's adapter: ``+lora`` runs every request with one random LoRA switched per forward,
+    ``+fused`` merges it into the weights at load. Returns the config fields and a request's ``lora``."""
+    if not layout.endswith(("+lora", "+fused")):
+        return {}, ()
+    loras = random_loras(args.arch, args.lora_dir, 1, args.lora_rank, args.device)
+    if layout.endswith("+fused"):
+        return {"loras": loras, "fuse_loras": {"lora0": 1.0}}, ()
+    return {"loras": loras}, (("lora0", 1.0),)
 
 
 def request_for(size: str, frames: int, steps: int, request_id: str, seed: int = 0, image: bool = False):
@@ -134,11 +147,16 @@ def run_group(model_dir: Path, layout: str, requests: list, args):
     from ray_hsdp.config import GroupConfig
     from ray_hsdp.group import ShardGroup
 
-    config = GroupConfig(model=str(model_dir), device=args.device, requests_per_rank=1, **layout_fields(layout))
+    adapter, lora = adapter_of(layout, args)
+    config = GroupConfig(
+        model=str(model_dir), device=args.device, requests_per_rank=1, **layout_fields(layout), **adapter
+    )
+    requests = [dataclasses.replace(r, lora=lora) for r in requests]
     rows, frames, batch = [], [], None
     with ShardGroup(config) as group:
         memory = group.memory()
         first = requests[0] if requests else request_for(args.throughput_size, args.frames, 1, "w", image=args.image)
+        first = dataclasses.replace(first, lora=lora)
         warm = dataclasses.replace(first, num_inference_steps=1, request_id="warm-up")
         group.generate([warm])
         for request in requests:
@@ -164,7 +182,10 @@ def run_group(model_dir: Path, layout: str, requests: list, args):
             frames.append(np.asarray(result.frames, dtype=np.float32))
         if args.throughput and (args.throughput_layouts is None or layout in args.throughput_layouts):
             many = [
-                request_for(args.throughput_size, args.frames, args.steps, f"t{i}", seed=i, image=args.image)
+                dataclasses.replace(
+                    request_for(args.throughput_size, args.frames, args.steps, f"t{i}", seed=i, image=args.image),
+                    lora=lora,
+                )
                 for i in range(args.throughput)
             ]
             start = time.perf_counter()
@@ -212,6 +233,8 @@ def main() -> None:
     parser.add_argument("--ray-cpus", type=int, default=None, help="a Ray of its own with this many CPUs (CPU runs)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--name", default="lanes-wan2.1-t2v-14b")
+    parser.add_argument("--lora-dir", type=Path, default=Path("/tmp/bench-loras"), help="the +lora layouts' LoRA")
+    parser.add_argument("--lora-rank", type=int, default=64)
     args = parser.parse_args()
 
     import numpy as np
@@ -242,7 +265,7 @@ def main() -> None:
                 print(layout, results["layouts"][layout], flush=True)
                 continue
             entry = {"rows": rows, "parameter_bytes_per_gpu": weights, "throughput": batch}
-            if reference is not None:
+            if reference is not None and "+" not in layout:  # an adapter changes the frames
                 entry["max_abs_diff_to_plain"] = [float(np.abs(a - b).max()) for a, b in zip(frames, reference)]
         entry["layout_s"] = round(time.perf_counter() - began, 1)
         results["layouts"][layout] = entry

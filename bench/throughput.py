@@ -14,7 +14,8 @@ offload (a user without HSDP); ``batch`` on a mixed workload (steps interleaved)
 set (``batch`` takes its default); ``batch-ctas2``, ``batch-ctas8`` (and ``batch-ctas2-compile``):
 ``nccl_max_ctas`` set; ``batch-lora``: every request with one unfused random rank-``--lora-rank``
 LoRA, ``batch-lora4``: four LoRAs registered, the requests taking them in turn (four at once on a
-group of 4), both against ``batch`` without adapters. Every setup runs the same requests (480x832, guidance on) at
+group of 4), ``batch-fused``: that one LoRA merged into the weights at load (``fuse_loras``), all
+against ``batch`` without adapters. Every setup runs the same requests (480x832, guidance on) at
 each frame count; results are written after every setup so that a run cut short keeps what it
 measured.
 """
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 
 from bench.common import ensure_model, environment, fox_requests, load_plain, plain_kwargs, start_ray, write_results
+from bench.common import random_loras as common_random_loras
 
 
 def latent_tokens(width: int, height: int, frames: int) -> int:
@@ -186,16 +188,7 @@ def main() -> None:
         return [dataclasses.replace(r, lora=((loras[i % len(loras)], 1.0),)) for i, r in enumerate(made)]
 
     def random_loras(count: int) -> dict[str, str]:
-        from ray_hsdp.checkpoints.lora import LORA_FILE, make_random_lora
-
-        paths = {}
-        for i in range(count):
-            path = Path(args.lora_dir) / f"lora{i}"
-            if not (path / LORA_FILE).exists():
-                dtype = "bfloat16" if args.device == "cuda" else "float32"
-                make_random_lora(args.arch, path, rank=args.lora_rank, seed=i, tiny=args.device != "cuda", dtype=dtype)
-            paths[f"lora{i}"] = str(path)
-        return paths
+        return common_random_loras(args.arch, Path(args.lora_dir), count, args.lora_rank, args.device)
 
     def group(**fields):
         return ShardGroup(GroupConfig(model=str(model_dir), device=args.device, **fields)).start()
@@ -257,7 +250,9 @@ def main() -> None:
         }.get(setup, {})
         if setup in ("batch-lora", "batch-lora4"):
             options = {"loras": random_loras(4 if setup == "batch-lora4" else 1)}
-        adapters = tuple(options.get("loras", {}))
+        if setup == "batch-fused":
+            options = {"loras": random_loras(1), "fuse_loras": {"lora0": 1.0}}
+        adapters = tuple(name for name in options.get("loras", {}) if name not in options.get("fuse_loras", {}))
         mode = "replicated" if setup == "replicated" else "batch"
         groups = [group(shard_size=shard_size, replicate_size=replicas, mode=mode, **options) for _ in range(replicas)]
         try:
