@@ -182,6 +182,13 @@ class GroupConfig(BaseModel):
         description="Decode with the VAE's tiling (diffusers' enable_tiling): less memory, slower. "
         "'auto': for frames larger than vae_tiling_above_pixels.",
     )
+    vae_parallel: bool = Field(
+        True,
+        description="Lanes of several ranks share the VAE's tiled decode: each rank decodes some of the tiles of "
+        "diffusers' tiled decode, the leader blends them (frames equal to the one-rank tiled decode). A lane's "
+        "decode is then always tiled when its frames make more than one tile; off: the leader decodes alone, tiled "
+        "as vae_tiling says.",
+    )
     vae_tiling_above_pixels: int = Field(
         1280 * 720,
         ge=1,

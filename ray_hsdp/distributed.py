@@ -93,6 +93,19 @@ def build_meshes(device: str, dims: ParallelDims) -> tuple[DeviceMesh, DeviceMes
     return shard, lanes
 
 
+def lane_decode_group(device: str, dims: ParallelDims, timeout_s: float):
+    """A process group of each lane's ranks, for its split decodes alone (every rank calls this,
+    in the same order); returns this rank's. One small collective on it creates its communicator
+    now rather than in a request's first split decode."""
+    lanes = [list(dims.lane_ranks(lane)) for lane in range(dims.num_lanes)]
+    mine, _ = dist.new_subgroups_by_enumeration(
+        lanes, timeout=timedelta(seconds=timeout_s), backend=backend_for(device)
+    )
+    probe = torch.ones(1, device=torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else "cpu")
+    dist.all_reduce(probe, group=mine)
+    return mine
+
+
 def destroy_process_group() -> None:
     """Leaves the process group; a no-op when none was formed."""
     if dist.is_available() and dist.is_initialized():

@@ -31,8 +31,9 @@ logger = logging.getLogger("ray_hsdp")
 #: for as long as the rank lives.
 CONCURRENCY_GROUPS = {"control": 2, "intake": MAX_REQUESTS_PER_RANK, "profile": 1, "watch": 1}
 
-#: Faults ``inject_fault`` knows: a rank hung before its next collective, a forward that raises.
-FAULTS = ("stall", "forward")
+#: Faults ``inject_fault`` knows: a rank hung before its next collective, a forward that raises,
+#: a split decode that raises.
+FAULTS = ("stall", "forward", "decode")
 
 
 class Rank:
@@ -59,6 +60,7 @@ class Rank:
         self.runtime: RankRuntime | None = None
         self.model_path = None
         self.lora_paths: dict = {}
+        self.decode_group = None  # the lane's own process group for its split decodes
         self.load_s = 0.0
         self.load_peak_rss_bytes = 0
         self.last_request_peak_device_bytes = 0
@@ -106,6 +108,10 @@ class Rank:
                 self.config.device, master, port, self.rank, self.dims.shard_size, self.config.collective_timeout_s
             )
             self.mesh, self.lane_mesh = distributed.build_meshes(self.config.device, self.dims)
+            if self.config.vae_parallel and self.dims.lane_size > 1:
+                self.decode_group = distributed.lane_decode_group(
+                    self.config.device, self.dims, self.config.collective_timeout_s
+                )
         else:
             self.mesh = self.lane_mesh = None
         return {
@@ -179,6 +185,11 @@ class Rank:
                     adapters=adapters,
                 )
                 exchange = ProcessGroupExchange(self.config.device)
+            if self.decode_group is not None:
+                from ray_hsdp.lane_tiles import LaneTiles
+
+                index = self.rank % self.dims.lane_size
+                self.pipeline.lane_tiles = LaneTiles(self.decode_group, index, self.dims.lane_size, self.config.device)
             self.runtime = RankRuntime(
                 self.pipeline.run,
                 rank=self.rank,
@@ -189,6 +200,7 @@ class Rank:
                 lane_size=self.dims.lane_size,
                 leads=self.dims.leads(self.rank),
                 variant_of=(lambda request: request.lora) if adapters is not None else None,
+                lane_decodes=self.pipeline.splits_decode if self.decode_group is not None else None,
             )
             if modules is not None:
                 split = CfgSplit(self.runtime.call, self.dims.cfg_index(self.rank), self.pipeline.guided)
@@ -326,9 +338,10 @@ class Rank:
 
         - ``"stall"``: the next tick sleeps ``seconds`` before its collective, as a hung rank
           would, so the others wait in theirs until the collective timeout;
-        - ``"forward"``: the next real forward raises half way through, as an out-of-memory would.
+        - ``"forward"``: the next real forward raises half way through, as an out-of-memory would;
+        - ``"decode"``: the next split decode raises on this rank before it hands over its tiles.
         """
-        from ray_hsdp.runtime.faults import FailNextForward, StallNextTick
+        from ray_hsdp.runtime.faults import FailNextForward, FailNextSplitDecode, StallNextTick
 
         runtime = self._loaded()
         if runtime.modules is None:
@@ -337,6 +350,10 @@ class Rank:
             runtime.exchange = StallNextTick(runtime.exchange, seconds)
         elif kind == "forward":
             runtime.modules = FailNextForward(runtime.modules)
+        elif kind == "decode":
+            if self.pipeline.lane_tiles is None:
+                raise RuntimeError("this rank's lane does not split its decodes")
+            self.pipeline.lane_tiles = FailNextSplitDecode(self.pipeline.lane_tiles)
         else:
             raise ValueError(f"unknown fault {kind!r}; known: {', '.join(FAULTS)}")
 

@@ -15,6 +15,11 @@ class RequestCancelledError(RuntimeError):
     of a denoising step, before its decode. A missed deadline is a ``TimeoutError`` instead."""
 
 
+class LaneCollectiveError(RuntimeError):
+    """A request failed while its lane's ranks were in a collective of their own outside the ticks
+    (a split decode): the other ranks of the lane may wait in it, so the rank's session fails."""
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One generation job in diffusers terms.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import logging
 import queue
@@ -25,10 +26,10 @@ from ray_hsdp.loading import (
     pipeline_class,
 )
 from ray_hsdp.memory import module_memory, peak_device_bytes, unit_memory
-from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
+from ray_hsdp.request import GenerationRequest, GenerationResult, LaneCollectiveError, RequestCancelledError
 from ray_hsdp.sharding import compile_units, resolve_plan, shard_module
 from ray_hsdp.sharding.context_parallel import attention_backend_for, enable_context_parallel
-from ray_hsdp.sharding.policy import registered_policy
+from ray_hsdp.sharding.policy import decode_split_for, registered_policy
 from ray_hsdp.topology import ParallelDims
 
 logger = logging.getLogger("ray_hsdp")
@@ -140,6 +141,8 @@ class ShardedPipeline:
         #: LoRA adapters a request selects at its start: an unsharded rank's (one request at a
         #: time); a sharded rank's tick thread selects them per forward instead.
         self.adapters = None
+        #: This rank's side of its lane's split decodes (``LaneTiles``); ``None``: no split.
+        self.lane_tiles = None
         self._call_params = set(inspect.signature(pipe.__call__).parameters)
         pipe.set_progress_bar_config(disable=True)
         self.modules = components(pipe)  # the real modules, also once proxies stand in for sharded ones
@@ -392,16 +395,51 @@ class ShardedPipeline:
             step_s=(step_ends[-1] - step_ends[0]) / (len(step_ends) - 1) if len(step_ends) > 1 else None,
         )
 
+    def splits_decode(self, request: GenerationRequest) -> bool:
+        """Whether the ranks of this rank's lane share the decode of ``request``: a lane of several
+        ranks with ``vae_parallel``, a VAE whose tiled decode has a registered split, and frames of
+        more than one tile. The same answer on every rank of the lane."""
+        vae = getattr(self.pipe, "vae", None)
+        split = decode_split_for(vae) if self.lane_tiles is not None and vae is not None else None
+        return split is not None and split.tiled(vae, request.width, request.height)
+
     def _set_tiling(self, pipe, request: GenerationRequest) -> None:
-        """Tiles the slot's VAE decode for this request or not (each slot has a VAE of its own)."""
+        """Tiles the slot's VAE decode for this request or not (each slot has a VAE of its own),
+        and shares its tiles over the lane when the lane splits the decode."""
         vae = getattr(pipe, "vae", None)
         if vae is None or not hasattr(vae, "enable_tiling"):
+            return
+        # The instance attribute stands in for the class's tiled_decode: AutoencoderKL*._decode
+        # calls self.tiled_decode when the frames exceed one tile.
+        vars(vae).pop("tiled_decode", None)
+        if self.splits_decode(request):
+            vae.enable_tiling()
+            vae.tiled_decode = functools.partial(self._lane_tiled_decode, vae, decode_split_for(vae))
             return
         mode, above_pixels = self.vae_tiling
         if mode == "on" or (mode == "auto" and request.width * request.height > above_pixels):
             vae.enable_tiling()
         else:
             vae.disable_tiling()
+
+    def _lane_tiled_decode(self, vae, split, z: torch.Tensor, return_dict: bool = True):
+        """The slot VAE's ``tiled_decode`` while its lane splits the decode: the leader returns
+        what ``tiled_decode`` returns; another rank, once its tiles are handed over, ends its part
+        of the request (``RequestCancelledError``, as at its last step without a split).
+
+        Raises:
+            LaneCollectiveError: The decode failed: the lane's other ranks may wait in its
+                gather, so this rank's session must fail.
+        """
+        from diffusers.models.autoencoders.vae import DecoderOutput
+
+        try:
+            sample = self.lane_tiles.run(lambda: split.decode(vae, z, self.lane_tiles))
+        except Exception as err:
+            raise LaneCollectiveError(f"the lane's split decode failed on rank {self.rank}: {err}") from err
+        if sample is None:
+            raise RequestCancelledError(f"rank {self.rank} handed its decoded tiles to its lane's leader")
+        return DecoderOutput(sample=sample) if return_dict else (sample,)
 
     def _slot_stream(self, pipe) -> torch.cuda.Stream | None:
         """The slot's own CUDA stream, or ``None`` (the current stream) when slots share it."""

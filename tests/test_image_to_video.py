@@ -82,13 +82,21 @@ def test_batch_on_two_ranks_equals_unsharded_and_the_image_matters(ray_cluster, 
 
 
 def test_a_lane_of_cfg_2_x_ulysses_2_equals_unsharded(ray_cluster, i2v_models):
+    """The second request's 320 x 288 frames make 2 x 2 of the VAE's tiles: the lane's four ranks
+    share the decode (vae_parallel), equal to the unsharded pipeline's tiled decode."""
     folder, pipe = i2v_models["wan21-i2v"]
-    request = i2v_request("rain at night", 5, png(64, 48, 3), width=64, num_frames=9)
+    small = i2v_request("rain at night", 5, png(64, 48, 3), width=64, num_frames=9)
+    tiled = i2v_request("a harbour", 6, png(64, 48, 5), width=320, height=288, num_frames=5, num_inference_steps=1)
     config = GroupConfig(model=folder, device="cpu", shard_size=4, ulysses_degree=2, cfg_parallel=True)
     with ShardGroup(config) as group:
         assert group.describe()["lane_size"] == 4
-        (result,) = group.generate([request])
-    assert max_abs_diff(result.frames, reference_frames(pipe, request)) <= TOLERANCE
+        results = group.generate([small, tiled])
+    assert max_abs_diff(results[0].frames, reference_frames(pipe, small)) <= TOLERANCE
+    pipe.vae.enable_tiling()
+    try:
+        assert max_abs_diff(results[1].frames, reference_frames(pipe, tiled)) <= TOLERANCE
+    finally:
+        pipe.vae.disable_tiling()
 
 
 def test_two_experts_with_ulysses_2_equal_unsharded(ray_cluster, i2v_models):

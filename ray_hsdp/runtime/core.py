@@ -9,6 +9,8 @@ from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol
 
+from ray_hsdp.request import LaneCollectiveError
+
 #: States a rank brings to a tick besides a module id: nothing to do, or requests running with
 #: no forward waiting (decoding, or between two forwards).
 IDLE = -1
@@ -226,6 +228,11 @@ class RankRuntime:
             end each request after its last denoising step.
         variant_of: ``variant_of(request)``: what a request's forwards run with besides their
             inputs (its adapters); a forward batches only calls of one variant.
+        lane_decodes: ``lane_decodes(request)``: whether all ranks of the lane decode the request
+            together after its last step (a split decode, whose collectives run on the lane's own
+            process group from the request threads). The ranks then go on past the last step, and
+            each rank runs its lane's decodes one at a time in ticket order, the same order on
+            every rank of the lane.
     """
 
     def __init__(
@@ -241,6 +248,7 @@ class RankRuntime:
         lane_size: int = 1,
         leads: bool = True,
         variant_of: Callable[[Any], Hashable] | None = None,
+        lane_decodes: Callable[[Any], bool] | None = None,
     ) -> None:
         if (modules is None) != (exchange is None):
             raise ValueError("modules and exchange go together: both for a sharded rank, neither otherwise")
@@ -257,6 +265,7 @@ class RankRuntime:
         self.lane_size = lane_size
         self.leads = leads
         self.variant_of = variant_of
+        self.lane_decodes = lane_decodes
         self.ticks = 0
         self.idle_ticks = 0  # ticks at which this rank had nothing to do
         self.forwards = 0
@@ -407,6 +416,8 @@ class RankRuntime:
         self.in_session = True
         try:
             while True:
+                if self._failure is not None:  # a request thread failed it (a split decode's error)
+                    raise self._failure
                 if self.lane_size == 1:  # a lane of several ranks starts requests at a tick
                     self._start_requests()
                 if self.modules is None:
@@ -623,12 +634,26 @@ class RankRuntime:
 
     # ---- request threads -------------------------------------------------------------------
 
+    def _await_decode_turn(self, job: Job) -> None:
+        """Waits until no request this rank started before ``job`` (a smaller ticket) still runs:
+        the ranks of a lane run the same requests, so they enter its split decodes in one order.
+
+        Raises:
+            SessionFailedError: The session failed meanwhile.
+        """
+        with self._cond:
+            while self._failure is None and any(other.ticket < job.ticket for other in self._running):
+                self._cond.wait()
+            if self._failure is not None:
+                raise SessionFailedError(str(self._failure))
+
     def _run_job(self, job: Job) -> None:
         request_id = job.request.request_id
         expecting = [self.modules is not None]
         self._local.job = job
         lane = self.lane_size > 1
         follower_done = [False]
+        decodes_together = lane and self.lane_decodes is not None and self.lane_decodes(job.request)
 
         def stop_expecting() -> None:
             if expecting[0]:
@@ -643,16 +668,26 @@ class RankRuntime:
             # A lane acts on its stops, decided at a tick; a lone rank on its own cancellation.
             halt = job.stopped if lane else job.cancelled
             if done >= total and not self.leads:
-                follower_done[0] = True  # the leader decodes and answers; this rank is done
-                halt = True
+                follower_done[0] = True  # the leader answers; this rank is done once it decoded its part
+                halt = not decodes_together
             if done >= total or halt:
                 stop_expecting()  # decoding (or interrupted) from here: no more sharded forwards
+            if done >= total and decodes_together:
+                # Past the last step the lane decodes whatever stop comes: its ranks may read a
+                # stop at different moments, and a decode all of them must join cannot be skipped
+                # by some of them.
+                self._await_decode_turn(job)
+                return False
             return halt
 
         self._progress[request_id] = (0, job.request.num_inference_steps)
         self.observer.request(request_id, "start")
         try:
             job.complete(self._run_request(job.request, on_step))
+        except LaneCollectiveError as err:
+            # Its lane's other ranks may wait in the decode's collectives for this one: the
+            # session fails (the tick thread raises it), and with it every request held here.
+            self.fail(SessionFailedError(f"rank {self.rank}: {err}"[:400]))
         except BaseException as err:  # noqa: BLE001 - the request's own error belongs to its caller
             if follower_done[0]:
                 job.complete(None)

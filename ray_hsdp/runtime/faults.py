@@ -1,8 +1,8 @@
 """Fault injection, as wrappers around the runtime's seams (tests and chaos drills use them; the
 tick itself has no fault branches).
 
-``Rank.inject_fault`` installs one: the wrapper replaces ``runtime.exchange`` or
-``runtime.modules`` and fires once.
+``Rank.inject_fault`` installs one: the wrapper replaces ``runtime.exchange``,
+``runtime.modules`` or the pipeline's ``lane_tiles`` and fires once.
 """
 
 from __future__ import annotations
@@ -67,3 +67,27 @@ class FailNextForward:
             return self._inner.forward(calls)
         finally:
             handle.remove()
+
+
+class FailNextSplitDecode:
+    """The next split decode raises :class:`InjectedFault` on this rank once it has decoded its
+    tiles, before it hands them over, as an out-of-memory error would: the lane's other ranks
+    wait in the gather for it.
+
+    Args:
+        lane_tiles: The rank's ``LaneTiles``.
+    """
+
+    def __init__(self, lane_tiles):
+        self._inner = lane_tiles
+        self._armed = threading.Event()
+        self._armed.set()
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def gather(self, *args, **kwargs):
+        if self._armed.is_set():
+            self._armed.clear()
+            raise InjectedFault("injected fault in a split decode")
+        return self._inner.gather(*args, **kwargs)

@@ -110,6 +110,42 @@ def registered_policy(model: nn.Module) -> ShardingPolicy | None:
     return None
 
 
+@dataclass(frozen=True)
+class DecodeSplit:
+    """How the ranks of a lane share a VAE's tiled decode (per VAE class, like a sharding policy).
+
+    Attributes:
+        decode: ``decode(vae, z, lane)``: the VAE's own tiled decode of latents ``z`` with its
+            tiles shared over ``lane`` (a ``LaneTiles``): each rank decodes ``lane.share(n)``,
+            ``lane.gather`` hands them to the leader, which blends them as the one-rank tiled decode
+            does. Returns the decoded sample on the leader (what ``tiled_decode`` returns), ``None``
+            on the other ranks.
+        tiled: ``tiled(vae, width, height)``: whether the VAE's tiled decode of a request of that
+            output size makes more than one tile (else the VAE decodes whole, on the leader alone).
+    """
+
+    decode: Callable
+    tiled: Callable
+
+
+_DECODE_SPLITS: dict[str, DecodeSplit] = {}
+
+
+def register_decode_split(*class_names: str, split: DecodeSplit) -> DecodeSplit:
+    """Registers how lanes split the tiled decode of the VAEs whose class is named one of ``class_names``."""
+    for name in class_names:
+        _DECODE_SPLITS[name] = split
+    return split
+
+
+def decode_split_for(vae) -> DecodeSplit | None:
+    """The decode split registered for ``vae``'s class (or its nearest registered base); ``None``: none."""
+    for cls in type(vae).__mro__:
+        if cls.__name__ in _DECODE_SPLITS:
+            return _DECODE_SPLITS[cls.__name__]
+    return None
+
+
 def name_matches(name: str, pattern: str) -> bool:
     """``fnmatch`` per dotted segment, so ``"blocks.*"`` matches ``blocks.3`` but not ``blocks.3.attn1``."""
     names, patterns = name.split("."), pattern.split(".")

@@ -1,0 +1,101 @@
+"""A lane's share of a tiled decode: which tiles each rank decodes, and the gather to the leader.
+
+The ranks of a lane hold the same latents when their denoising ends, so each can decode a
+disjoint share of a tiled decode's tiles (diffusers decodes every spatial tile on its own) and
+the leader blends them all. The collectives of that exchange run on a process group of the
+lane's ranks alone, created for it and used by nothing else, from the request thread, while the
+tick thread goes on with the group's forwards on the group's own communicator. On CUDA they run
+on a stream of their own: nothing the tick thread queues ever waits on them, so neither can wait
+on the other (see ``LaneTiles.run``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+#: Dims of a tile's shape sent ahead of the tiles (a decoded video tile has 5).
+_MAX_DIMS = 7
+
+
+class LaneTiles:
+    """One rank's side of its lane's tiled decodes.
+
+    Args:
+        group: The process group of the lane's ranks, for these exchanges only.
+        index: This rank's place in its lane (0 leads and blends).
+        size: Ranks in the lane.
+        device: ``"cuda"`` or ``"cpu"``.
+    """
+
+    def __init__(self, group, index: int, size: int, device: str):
+        self.group = group
+        self.index = index
+        self.size = size
+        self.device = device
+        self.stream = torch.cuda.Stream() if device == "cuda" else None
+
+    @property
+    def leads(self) -> bool:
+        return self.index == 0
+
+    def share(self, count: int) -> list[int]:
+        """The tiles (of ``count``, in the decode's row-major order) this rank decodes: every
+        ``size``-th one, so that each rank gets edge and inner tiles alike."""
+        return list(range(self.index, count, self.size))
+
+    def run(self, decode: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+        """Runs ``decode`` (which decodes this rank's share and calls ``gather``) apart from the
+        tick thread's work.
+
+        On CUDA the decode stream first waits for the work queued so far on the current stream
+        (the latents), and the caller waits on the host for the decode to end: the current
+        stream, which the tick thread's forwards share, never waits on the lane's collectives, so
+        a rank's forwards can never sit behind a gather that waits for a rank still in them.
+        """
+        if self.stream is None:
+            return decode()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            out = decode()
+        self.stream.synchronize()
+        return out
+
+    def gather(self, count: int, mine: dict[int, torch.Tensor], dtype: torch.dtype) -> dict[int, torch.Tensor] | None:
+        """Hands this rank's decoded tiles to the lane's leader.
+
+        Args:
+            count: Tiles of the decode in all.
+            mine: This rank's tiles by index (``share(count)``).
+            dtype: The tiles' dtype (a rank with no tile sends padding of it).
+
+        Returns:
+            On the leader, every tile by index; ``None`` on the other ranks.
+        """
+        device = torch.device(self.device, torch.cuda.current_device()) if self.device == "cuda" else "cpu"
+        # Shapes first (each rank fills the rows of its tiles), then one padded buffer per rank.
+        shapes = torch.zeros(count, _MAX_DIMS + 1, dtype=torch.int64, device=device)
+        for i, tile in mine.items():
+            shapes[i, 0] = tile.dim()
+            shapes[i, 1 : tile.dim() + 1] = torch.tensor(tile.shape)
+        dist.all_reduce(shapes, group=self.group)
+        shapes = [tuple(row[1 : row[0] + 1]) for row in shapes.tolist()]
+        numel = [int(torch.Size(s).numel()) for s in shapes]
+        per_rank = [sum(numel[i] for i in range(r, count, self.size)) for r in range(self.size)]
+        send = torch.zeros(max(per_rank), dtype=dtype, device=device)
+        if mine:
+            flat = torch.cat([mine[i].reshape(-1).to(dtype) for i in sorted(mine)])
+            send[: flat.numel()] = flat
+        received = [torch.empty_like(send) for _ in range(self.size)] if self.leads else None
+        dist.gather(send, received, group=self.group, group_dst=0)
+        if not self.leads:
+            return None
+        tiles = {}
+        for r, buffer in enumerate(received):
+            offset = 0
+            for i in range(r, count, self.size):
+                tiles[i] = buffer[offset : offset + numel[i]].view(shapes[i])
+                offset += numel[i]
+        return tiles

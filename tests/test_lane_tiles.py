@@ -1,0 +1,88 @@
+"""The VAE decode split over a lane (issue 25): each rank decodes some of the tiles of diffusers'
+tiled decode and the leader blends them, so the frames equal the one-rank tiled decode; on lanes of
+real groups (Ulysses, CFG x Ulysses, two lanes decoding at once) a request equals the unsharded
+pipeline with the VAE's tiling on."""
+
+from __future__ import annotations
+
+import pytest
+from gloo import GlooGroup
+from support import max_abs_diff, reference_frames
+
+from ray_hsdp.config import GroupConfig
+from ray_hsdp.group import ShardGroup
+from ray_hsdp.request import GenerationRequest
+
+
+def split_against_one_rank(mesh, rank, model: str, latent: tuple[int, ...], tile: int, stride: int):
+    """On every rank of a gloo group (one lane): the split decode of seeded latents; the leader
+    returns its largest difference to the VAE's own one-rank ``tiled_decode``."""
+    import torch
+    import torch.distributed as dist
+    from diffusers import AutoencoderKLWan
+
+    from ray_hsdp.lane_tiles import LaneTiles
+    from ray_hsdp.sharding.policy import decode_split_for
+
+    vae = AutoencoderKLWan.from_pretrained(f"{model}/vae").eval()
+    vae.enable_tiling(tile, tile, stride, stride)
+    z = torch.randn((1, vae.config.z_dim, *latent), generator=torch.Generator().manual_seed(7))
+    lane = LaneTiles(dist.group.WORLD, rank, dist.get_world_size(), "cpu")
+    with torch.no_grad():
+        split = decode_split_for(vae).decode(vae, z, lane)
+        if split is None:
+            return None
+        whole = vae.tiled_decode(z).sample
+    return float((split - whole).abs().max()), tuple(split.shape)
+
+
+def test_a_lane_decodes_its_tiles_to_the_one_rank_tiled_decode(ray_cluster, tiny_model):
+    """Tiles of 32 pixels every 24 (latent 4 every 3) over latents of 3 frames by 9 x 9: 3 x 3
+    tiles, shared 5 and 4. (Below, lanes of 2 and 4 ranks decode at the VAE's own tile size.)"""
+    ranks, latent = 2, (3, 9, 9)
+    with GlooGroup(ranks) as group:
+        results = group.run(split_against_one_rank, tiny_model, latent, 32, 24)
+    assert results[1:] == [None] * (ranks - 1)  # only the leader holds the frames
+    diff, shape = results[0]
+    assert diff <= 1e-5
+    assert shape == (1, 3, 4 * (latent[0] - 1) + 1, 8 * latent[1], 8 * latent[2])
+
+
+#: 320 x 320 pixels: 2 x 2 of the Wan VAE's default tiles (256 every 192), in one request.
+SPLIT = [
+    GenerationRequest(prompt="a lighthouse", seed=3, num_inference_steps=2, width=320, height=320, num_frames=1),
+    GenerationRequest(prompt="a red fox", seed=4, num_inference_steps=2, width=320, height=288, num_frames=1),
+]
+
+
+@pytest.fixture(scope="module")
+def tiled_pipe(reference_pipe):
+    reference_pipe.vae.enable_tiling()
+    yield reference_pipe
+    reference_pipe.vae.disable_tiling()
+
+
+def test_two_lanes_split_their_decodes_at_once_and_equal_the_unsharded_tiled_run(ray_cluster, tiny_model, tiled_pipe):
+    """Two lanes of Ulysses 2, one request each: both start at one tick with the same steps, so their
+    split decodes run at the same time, each on its lane's own process group. (The CFG x Ulysses
+    lane of four, 2 x 2 tiles: tests/test_image_to_video.py.) Then a decode that fails on a lane's follower
+    fails the group at once, not at the collective timeout of its leader's gather."""
+    import time
+
+    import ray
+
+    from ray_hsdp.group import GroupFailedError
+
+    config = GroupConfig(model=tiny_model, device="cpu", shard_size=4, ulysses_degree=2, requests_per_rank=1)
+    with ShardGroup(config) as group:
+        results = group.generate(SPLIT)
+        ray.get([group.ranks[follower].inject_fault.remote("decode") for follower in (1, 3)])
+        failing = group.submit(SPLIT[0])
+        injected_at = time.monotonic()
+        with pytest.raises(GroupFailedError, match="split decode failed on rank [13]: injected fault"):
+            failing.result(timeout=60)
+        answered_s = time.monotonic() - injected_at
+    for request, result in zip(SPLIT, results):
+        assert max_abs_diff(result.frames, reference_frames(tiled_pipe, request)) <= 1e-5, request.prompt
+    assert sorted(r.rank for r in results) == [0, 2]  # the leaders of the two lanes answered
+    assert answered_s < 30  # the denoising, then the failure (the collective timeout is minutes)
