@@ -36,11 +36,11 @@ PROMPT = "A red fox runs through fresh snow at dawn, cinematic"
 
 
 def layout_fields(name: str) -> dict:
-    """GroupConfig fields of a layout name such as ``s4-cfg2-u2`` or ``s2-r2`` (a ``+lora`` or
-    ``+fused`` suffix, the adapter, is ``adapter_of``'s)."""
-    match = re.fullmatch(r"s(\d+)((?:-(?:u\d+|r\d+|cfg2))*)(?:\+(?:lora|fused))?", name)
+    """GroupConfig fields of a layout name such as ``s4-cfg2-u2`` or ``s2-r2`` (a ``+lora``,
+    ``+fused`` or ``+novae`` suffix is ``options_of``'s)."""
+    match = re.fullmatch(r"s(\d+)((?:-(?:u\d+|r\d+|cfg2))*)(?:\+(?:lora|fused|novae))?", name)
     if not match:
-        raise ValueError(f"layout {name!r}: expected 'plain' or s<S>[-u<N>][-r<N>][-cfg2][+lora|+fused]")
+        raise ValueError(f"layout {name!r}: expected 'plain' or s<S>[-u<N>][-r<N>][-cfg2][+lora|+fused|+novae]")
     fields = {"shard_size": int(match.group(1))}
     for part in filter(None, match.group(2).split("-")):
         if part == "cfg2":
@@ -52,9 +52,12 @@ def layout_fields(name: str) -> dict:
     return fields
 
 
-def adapter_of(layout: str, args) -> tuple[dict, tuple]:
-    """A layout's adapter: ``+lora`` runs every request with one random LoRA switched per forward,
-    ``+fused`` merges it into the weights at load. Returns the config fields and a request's ``lora``."""
+def options_of(layout: str, args) -> tuple[dict, tuple]:
+    """A layout's suffix: ``+lora`` runs every request with one random LoRA switched per forward,
+    ``+fused`` merges it into the weights at load, ``+novae`` has the leader decode alone
+    (``vae_parallel: false``). Returns the config fields and a request's ``lora``."""
+    if layout.endswith("+novae"):
+        return {"vae_parallel": False}, ()
     if not layout.endswith(("+lora", "+fused")):
         return {}, ()
     loras = random_loras(args.arch, args.lora_dir, 1, args.lora_rank, args.device)
@@ -147,9 +150,9 @@ def run_group(model_dir: Path, layout: str, requests: list, args):
     from ray_hsdp.config import GroupConfig
     from ray_hsdp.group import ShardGroup
 
-    adapter, lora = adapter_of(layout, args)
+    options, lora = options_of(layout, args)
     config = GroupConfig(
-        model=str(model_dir), device=args.device, requests_per_rank=1, **layout_fields(layout), **adapter
+        model=str(model_dir), device=args.device, requests_per_rank=1, **layout_fields(layout), **options
     )
     requests = [dataclasses.replace(r, lora=lora) for r in requests]
     rows, frames, batch = [], [], None
@@ -265,7 +268,7 @@ def main() -> None:
                 print(layout, results["layouts"][layout], flush=True)
                 continue
             entry = {"rows": rows, "parameter_bytes_per_gpu": weights, "throughput": batch}
-            if reference is not None and "+" not in layout:  # an adapter changes the frames
+            if reference is not None and not layout.endswith(("+lora", "+fused")):  # an adapter changes the frames
                 entry["max_abs_diff_to_plain"] = [float(np.abs(a - b).max()) for a, b in zip(frames, reference)]
         entry["layout_s"] = round(time.perf_counter() - began, 1)
         results["layouts"][layout] = entry
