@@ -182,12 +182,14 @@ class GroupConfig(BaseModel):
         description="Decode with the VAE's tiling (diffusers' enable_tiling): less memory, slower. "
         "'auto': for frames larger than vae_tiling_above_pixels.",
     )
-    vae_parallel: bool = Field(
-        True,
+    vae_parallel: Literal["auto", "on", "off"] = Field(
+        "auto",
         description="Lanes of several ranks share the VAE's tiled decode: each rank decodes some of the tiles of "
-        "diffusers' tiled decode, the leader blends them (frames equal to the one-rank tiled decode). A lane's "
-        "decode is then always tiled when its frames make more than one tile; off: the leader decodes alone, tiled "
-        "as vae_tiling says.",
+        "diffusers' tiled decode and the leader blends them (frames equal to the one-rank tiled decode). 'on': for "
+        "every request whose frames make more than one tile; 'auto': on lanes of 4 or more ranks, and on smaller "
+        "lanes where the decode is tiled anyway (vae_tiling); 'off': the leader decodes alone. Measured on 4 x "
+        "H100 (Wan2.1 VAE, 81 frames, 1280x720): one GPU whole 4.74 s, tiled 9.45 s, split over 2 5.02 s, over 4 "
+        "2.93 s.",
     )
     vae_tiling_above_pixels: int = Field(
         1280 * 720,

@@ -108,7 +108,7 @@ class Rank:
                 self.config.device, master, port, self.rank, self.dims.shard_size, self.config.collective_timeout_s
             )
             self.mesh, self.lane_mesh = distributed.build_meshes(self.config.device, self.dims)
-            if self.config.vae_parallel and self.dims.lane_size > 1:
+            if self.config.vae_parallel != "off" and self.dims.lane_size > 1:
                 self.decode_group = distributed.lane_decode_group(
                     self.config.device, self.dims, self.config.collective_timeout_s
                 )
@@ -215,6 +215,7 @@ class Rank:
             self.pipeline.set_request_slots(self.config.requests_per_rank, self.config.shard_components)
             self.pipeline.request_streams = self.config.request_streams
             self.pipeline.vae_tiling = (self.config.vae_tiling, self.config.vae_tiling_above_pixels)
+            self.pipeline.vae_parallel = self.config.vae_parallel
             self.load_s = time.perf_counter() - start
         self.load_peak_rss_bytes = rss.peak_above_start
         return {**self.memory(), "pipeline": self.pipeline.facts}

@@ -137,6 +137,8 @@ class ShardedPipeline:
         self.request_streams = False
         #: ``("auto" | "on" | "off", pixels)``: when a request's decode uses the VAE's tiling.
         self.vae_tiling: tuple[str, int] = ("off", 0)
+        #: ``"auto" | "on" | "off"``: when a lane shares a request's decode (with ``lane_tiles``).
+        self.vae_parallel = "auto"
         self._streams: dict[int, torch.cuda.Stream] = {}
         #: LoRA adapters a request selects at its start: an unsharded rank's (one request at a
         #: time); a sharded rank's tick thread selects them per forward instead.
@@ -397,11 +399,19 @@ class ShardedPipeline:
 
     def splits_decode(self, request: GenerationRequest) -> bool:
         """Whether the ranks of this rank's lane share the decode of ``request``: a lane of several
-        ranks with ``vae_parallel``, a VAE whose tiled decode has a registered split, and frames of
-        more than one tile. The same answer on every rank of the lane."""
+        ranks, a VAE whose tiled decode has a registered split, frames of more than one tile, and
+        ``vae_parallel`` "on", or "auto" where it measured faster than the leader alone: lanes of 4
+        or more, or a decode the leader would tile anyway. The same answer on every rank of the lane."""
         vae = getattr(self.pipe, "vae", None)
         split = decode_split_for(vae) if self.lane_tiles is not None and vae is not None else None
-        return split is not None and split.tiled(vae, request.width, request.height)
+        if split is None or not split.tiled(vae, request.width, request.height):
+            return False
+        return self.vae_parallel == "on" or self.lane_tiles.size >= 4 or self._tiles(request)
+
+    def _tiles(self, request: GenerationRequest) -> bool:
+        """Whether ``vae_tiling`` tiles the decode of ``request`` on a rank decoding alone."""
+        mode, above_pixels = self.vae_tiling
+        return mode == "on" or (mode == "auto" and request.width * request.height > above_pixels)
 
     def _set_tiling(self, pipe, request: GenerationRequest) -> None:
         """Tiles the slot's VAE decode for this request or not (each slot has a VAE of its own),
@@ -416,8 +426,7 @@ class ShardedPipeline:
             vae.enable_tiling()
             vae.tiled_decode = functools.partial(self._lane_tiled_decode, vae, decode_split_for(vae))
             return
-        mode, above_pixels = self.vae_tiling
-        if mode == "on" or (mode == "auto" and request.width * request.height > above_pixels):
+        if self._tiles(request):
             vae.enable_tiling()
         else:
             vae.disable_tiling()

@@ -73,7 +73,10 @@ def test_two_lanes_split_their_decodes_at_once_and_equal_the_unsharded_tiled_run
 
     from ray_hsdp.group import GroupFailedError
 
-    config = GroupConfig(model=tiny_model, device="cpu", shard_size=4, ulysses_degree=2, requests_per_rank=1)
+    # 'on': lanes of two split only tiled decodes by default ('auto'; slower than whole otherwise).
+    config = GroupConfig(
+        model=tiny_model, device="cpu", shard_size=4, ulysses_degree=2, requests_per_rank=1, vae_parallel="on"
+    )
     with ShardGroup(config) as group:
         results = group.generate(SPLIT)
         ray.get([group.ranks[follower].inject_fault.remote("decode") for follower in (1, 3)])
