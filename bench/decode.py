@@ -77,7 +77,7 @@ def _rank(rank: int, world: int, args, port: int, scratch: str) -> None:
     split = decode_split_for(vae)
     lane = LaneTiles(dist.group.WORLD, rank, world, device)
 
-    def whole(latents):
+    def one_gpu(latents):  # whole or tiled, as vae.use_tiling says
         return vae.decode(latents).sample
 
     def shared(latents):
@@ -92,10 +92,10 @@ def _rank(rank: int, world: int, args, port: int, scratch: str) -> None:
             if world == 1:
                 vae.disable_tiling()
                 vae.decode(warm)
-                _, whole_s, whole_peak = _timed(device, whole, z)
+                _, whole_s, whole_peak = _timed(device, one_gpu, z)
                 vae.enable_tiling()
                 vae.decode(warm)
-                tiled, tiled_s, tiled_peak = _timed(device, whole, z)
+                tiled, tiled_s, tiled_peak = _timed(device, one_gpu, z)
                 torch.save(tiled.cpu(), reference)
                 rows.append({"size": size, "ranks": 1, "how": "whole", "seconds": whole_s, "peaks": [whole_peak]})
                 rows.append({"size": size, "ranks": 1, "how": "tiled", "seconds": tiled_s, "peaks": [tiled_peak]})
