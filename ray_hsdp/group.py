@@ -24,6 +24,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_hsdp.config import GroupConfig
+from ray_hsdp.phases import Phases
 from ray_hsdp.rank import CONCURRENCY_GROUPS, Rank
 from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
 from ray_hsdp.runtime import SessionFailedError
@@ -242,6 +243,8 @@ class ShardGroup:
         self._scheduler: threading.Thread | None = None
         self._failure: str | None = None
         self._closed = False
+        self.phases = Phases(f"group {self.group_id}")
+        self.rank_phases: list[dict[str, float]] = []
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -249,20 +252,24 @@ class ShardGroup:
         """Places the ranks, forms the process group, loads and shards the pipeline, starts intake."""
         if not ray.is_initialized():
             ray.init()
+        started = time.perf_counter()
         self.config = self.config.resolve_device(ray.cluster_resources().get("GPU", 0) > 0)
         bundles = self.dims.bundles(self.config.device, self.config.cpus_per_rank)
         try:
-            if self._pg is None:
-                check_placeable(bundles)
-                self._pg = placement_group(bundles, strategy=PLACEMENT_STRATEGY)
-            if not self._pg.wait(timeout_seconds=self.config.rendezvous_timeout_s):
-                raise GroupFailedError(
-                    f"could not place {self.dims.shard_size} ranks of {bundles[0]} on one node within "
-                    f"{self.config.rendezvous_timeout_s:.0f}s (cluster resources: {ray.available_resources()})"
-                )
+            with self.phases.phase("placement"):
+                if self._pg is None:
+                    check_placeable(bundles)
+                    self._pg = placement_group(bundles, strategy=PLACEMENT_STRATEGY)
+                if not self._pg.wait(timeout_seconds=self.config.rendezvous_timeout_s):
+                    raise GroupFailedError(
+                        f"could not place {self.dims.shard_size} ranks of {bundles[0]} on one node within "
+                        f"{self.config.rendezvous_timeout_s:.0f}s (cluster resources: {ray.available_resources()})"
+                    )
             self._spawn_and_join()
-            reports = ray.get([r.load.remote() for r in self.ranks], timeout=self.config.load_timeout_s)
+            with self.phases.phase("load"):
+                reports = ray.get([r.load.remote() for r in self.ranks], timeout=self.config.load_timeout_s)
             self.pipeline_facts = reports[0]["pipeline"]
+            self.rank_phases = [r["start_phases_s"] for r in reports]
         except BaseException:
             self.shutdown()
             raise
@@ -279,12 +286,15 @@ class ShardGroup:
                 for lane in range(self.dims.num_lanes)
             ]
             try:
-                self.generate(warm)
+                with self.phases.phase("warm-up"):
+                    self.generate(warm)
             except BaseException:
                 self.shutdown()
                 raise
+        self.phases.seconds["total"] = round(time.perf_counter() - started, 3)
         logger.info(
-            "Shard group ready: %d ranks on %s, mode=%s",
+            "Shard group ready in %.1f s: %d ranks on %s, mode=%s",
+            self.phases.seconds["total"],
             self.dims.shard_size,
             sorted({p["node_ip"] for p in self.placement}),
             self.config.mode,
@@ -309,12 +319,14 @@ class ShardGroup:
                 ).remote(i, self.config, self.dims, self.group_id)
                 for i in range(self.dims.shard_size)
             ]
-            ray.get([r.prepare.remote() for r in self.ranks], timeout=self.config.load_timeout_s)
+            with self.phases.phase("rank processes and imports"):
+                ray.get([r.prepare.remote() for r in self.ranks], timeout=self.config.load_timeout_s)
             master, port = ray.get(self.ranks[0].address.remote(), timeout=self.config.rendezvous_timeout_s)
             try:
-                joined = ray.get(
-                    [r.join.remote(master, port) for r in self.ranks], timeout=self.config.rendezvous_timeout_s
-                )
+                with self.phases.phase("rendezvous"):
+                    joined = ray.get(
+                        [r.join.remote(master, port) for r in self.ranks], timeout=self.config.rendezvous_timeout_s
+                    )
                 self.placement = [{**place, "actor_name": name} for place, name in zip(joined, names)]
                 return
             except (ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError) as err:
@@ -764,4 +776,6 @@ class ShardGroup:
             "model": self.config.served_model_name,
             "pipeline": self.pipeline_facts,
             "ranks": self.placement,
+            # Where the start went: the group's phases as it waited on them, and each rank's own.
+            "start": {"phases_s": dict(self.phases.seconds), "ranks_phases_s": list(self.rank_phases)},
         }

@@ -16,6 +16,7 @@ import time
 import ray
 
 from ray_hsdp.config import MAX_REQUESTS_PER_RANK, GroupConfig
+from ray_hsdp.phases import Phases
 from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
 from ray_hsdp.runtime import RankRuntime, SessionFailedError
 from ray_hsdp.runtime.core import RequestStoppedError
@@ -61,6 +62,7 @@ class Rank:
         self.model_path = None
         self.lora_paths: dict = {}
         self.decode_group = None  # the lane's own process group for its split decodes
+        self.phases = Phases(f"rank {rank}")  # where this rank's part of the group's start went
         self.load_s = 0.0
         self.load_peak_rss_bytes = 0
         self.last_request_peak_device_bytes = 0
@@ -79,13 +81,15 @@ class Rank:
         """
         from ray_hsdp.loading import import_component_classes, resolve_lora_path, resolve_model_path
 
-        self.model_path = resolve_model_path(self.config.model)
-        self.lora_paths = {
-            name: {component: resolve_lora_path(source) for component, source in parts.items()}
-            for name, parts in self.config.lora_sources().items()
-        }
+        with self.phases.phase("model files"):
+            self.model_path = resolve_model_path(self.config.model)
+            self.lora_paths = {
+                name: {component: resolve_lora_path(source) for component, source in parts.items()}
+                for name, parts in self.config.lora_sources().items()
+            }
         # Code first, weights later: the load's memory report then counts weights only.
-        import_component_classes(self.model_path)
+        with self.phases.phase("imports"):
+            import_component_classes(self.model_path)
         return str(self.model_path)
 
     def address(self) -> tuple[str, int]:
@@ -104,14 +108,16 @@ class Rank:
         from ray_hsdp import distributed
 
         if self.dims.shard_size > 1:
-            distributed.init_process_group(
-                self.config.device, master, port, self.rank, self.dims.shard_size, self.config.collective_timeout_s
-            )
-            self.mesh, self.lane_mesh = distributed.build_meshes(self.config.device, self.dims)
-            if self.config.vae_parallel != "off" and self.dims.lane_size > 1:
-                self.decode_group = distributed.lane_decode_group(
-                    self.config.device, self.dims, self.config.collective_timeout_s
+            with self.phases.phase("process group"):
+                distributed.init_process_group(
+                    self.config.device, master, port, self.rank, self.dims.shard_size, self.config.collective_timeout_s
                 )
+            with self.phases.phase("meshes"):
+                self.mesh, self.lane_mesh = distributed.build_meshes(self.config.device, self.dims)
+                if self.config.vae_parallel != "off" and self.dims.lane_size > 1:
+                    self.decode_group = distributed.lane_decode_group(
+                        self.config.device, self.dims, self.config.collective_timeout_s
+                    )
         else:
             self.mesh = self.lane_mesh = None
         return {
@@ -167,6 +173,7 @@ class Rank:
                 attention_backend=self.config.attention_backend,
                 compile=self.config.compile,
                 fuse_loras={name: (scale, self.lora_paths[name]) for name, scale in self.config.fuse_loras.items()},
+                phases=self.phases,
             )
             adapters = None
             switched = {name: parts for name, parts in self.lora_paths.items() if name not in self.config.fuse_loras}
@@ -174,7 +181,8 @@ class Rank:
                 from ray_hsdp.adapters import Adapters
 
                 # After fully_shard: the adapters stay plain replicated parameters beside the units.
-                adapters = Adapters.load(self.pipeline.pipe, switched)
+                with self.phases.phase("adapters"):
+                    adapters = Adapters.load(self.pipeline.pipe, switched)
             modules = exchange = None
             if self.pipeline.sharded:
                 modules = ShardedModules(
@@ -212,13 +220,14 @@ class Rank:
             if adapters is not None and modules is None:
                 # Unsharded: no tick thread; its one request slot selects its request's adapters.
                 self.pipeline.adapters = adapters
-            self.pipeline.set_request_slots(self.config.requests_per_rank, self.config.shard_components)
+            with self.phases.phase("request slots"):  # each slot's own VAE and scheduler
+                self.pipeline.set_request_slots(self.config.requests_per_rank, self.config.shard_components)
             self.pipeline.request_streams = self.config.request_streams
             self.pipeline.vae_tiling = (self.config.vae_tiling, self.config.vae_tiling_above_pixels)
             self.pipeline.vae_parallel = self.config.vae_parallel
             self.load_s = time.perf_counter() - start
         self.load_peak_rss_bytes = rss.peak_above_start
-        return {**self.memory(), "pipeline": self.pipeline.facts}
+        return {**self.memory(), "pipeline": self.pipeline.facts, "start_phases_s": dict(self.phases.seconds)}
 
     def _loaded(self) -> RankRuntime:
         if self.runtime is None:

@@ -26,6 +26,7 @@ from ray_hsdp.loading import (
     pipeline_class,
 )
 from ray_hsdp.memory import module_memory, peak_device_bytes, unit_memory
+from ray_hsdp.phases import Phases
 from ray_hsdp.request import GenerationRequest, GenerationResult, LaneCollectiveError, RequestCancelledError
 from ray_hsdp.sharding import compile_units, resolve_plan, shard_module
 from ray_hsdp.sharding.context_parallel import attention_backend_for, enable_context_parallel
@@ -173,6 +174,7 @@ class ShardedPipeline:
         attention_backend: str = "auto",
         compile: bool = False,
         fuse_loras: FusedLoras | None = None,
+        phases: Phases | None = None,
     ) -> ShardedPipeline:
         """Loads a pipeline folder, sharding the named components over ``mesh``.
 
@@ -183,12 +185,14 @@ class ShardedPipeline:
         With ``compile`` the repeated blocks of the diffusers models are compiled in place (the
         first forwards of each shape compile). The adapters of ``fuse_loras`` are merged into
         their components' weights as they load (each rank its own rows), before any gather.
+        ``phases`` times each sharded component's load, the other components and the parallel setup.
 
         Raises:
             ValueError: None of ``shard_components`` is a module of the pipeline, or the lanes ask
                 for a split (sequence, CFG) that no component of this pipeline supports.
         """
         dims = dims or ParallelDims(1, 1)
+        phases = phases or Phases("pipeline")
         backend = attention_backend_for(attention_backend, device, dims.ring)
         prebuilt, shardings, stats, policies = {}, {}, {}, {}
         fused = dict(fuse_loras or {})
@@ -198,21 +202,22 @@ class ShardedPipeline:
             for name in shard_components:
                 if name not in index:
                     continue
-                module = build_on_meta(path / name, *index[name], dtype)
-                plan = resolve_plan(module, min_num_params)
-                shardings[name] = shard_module(
-                    module,
-                    plan,
-                    mesh,
-                    gather=gather,
-                    reshard_after_forward=reshard_after_forward,
-                    forward_prefetch=forward_prefetch,
-                )
-                materialize(module, device)
-                stats[name] = fill_from_checkpoint(module, path / name, allow_pickle)
-                if fused:  # before activate: the in-place gathers take over the shards there
-                    _fuse(pipeline_cls, module, name, fused)
-                shardings[name].activate()
+                with phases.phase(f"shards of {name}"):
+                    module = build_on_meta(path / name, *index[name], dtype)
+                    plan = resolve_plan(module, min_num_params)
+                    shardings[name] = shard_module(
+                        module,
+                        plan,
+                        mesh,
+                        gather=gather,
+                        reshard_after_forward=reshard_after_forward,
+                        forward_prefetch=forward_prefetch,
+                    )
+                    materialize(module, device)
+                    stats[name] = fill_from_checkpoint(module, path / name, allow_pickle)
+                    if fused:  # before activate: the in-place gathers take over the shards there
+                        _fuse(pipeline_cls, module, name, fused)
+                    shardings[name].activate()
                 prebuilt[name] = module
                 policies[name] = registered_policy(module)
             if not shardings:
@@ -220,27 +225,29 @@ class ShardedPipeline:
                     f"None of shard_components={list(shard_components)} is a component of this pipeline "
                     f"(its components: {sorted(index)}); nothing would be sharded"
                 )
-        pipe = load_pipeline(path, dtype, allow_pickle, **prebuilt)
-        for component in sorted({c for _, parts in fused.values() for c in parts} - set(shardings)):
-            module = getattr(pipe, component, None)
-            if not isinstance(module, nn.Module):
-                raise ValueError(f"fuse_loras: {type(pipe).__name__} has no component {component!r}")
-            _fuse(pipeline_cls, module, component, fused)
+        with phases.phase("other components"):
+            pipe = load_pipeline(path, dtype, allow_pickle, **prebuilt)
+            for component in sorted({c for _, parts in fused.values() for c in parts} - set(shardings)):
+                module = getattr(pipe, component, None)
+                if not isinstance(module, nn.Module):
+                    raise ValueError(f"fuse_loras: {type(pipe).__name__} has no component {component!r}")
+                _fuse(pipeline_cls, module, component, fused)
         # Only diffusers models have attention backends, context parallel and repeated blocks.
         candidates = {name: getattr(pipe, name, None) for name in shard_components}
         models = {name: m for name, m in candidates.items() if hasattr(m, "enable_parallelism")}
         sequence = None
-        if dims.sequence_degree > 1:
-            sequence = _split_sequences(pipe, models, policies, dims, lane_mesh, device, backend)
-        elif backend is not None:
-            for module in models.values():
-                module.set_attention_backend(backend)
-        if compile:
-            for name, module in models.items():
-                if name in shardings:
-                    compile_units(shardings[name])
-                else:  # a group of one rank: diffusers' own regional compile
-                    module.compile_repeated_blocks()
+        with phases.phase("parallel setup"):
+            if dims.sequence_degree > 1:
+                sequence = _split_sequences(pipe, models, policies, dims, lane_mesh, device, backend)
+            elif backend is not None:
+                for module in models.values():
+                    module.set_attention_backend(backend)
+            if compile:
+                for name, module in models.items():
+                    if name in shardings:
+                        compile_units(shardings[name])
+                    else:  # a group of one rank: diffusers' own regional compile
+                        module.compile_repeated_blocks()
         cfg_split: tuple[str, ...] = ()
         if dims.cfg == 2:
             cfg_split = tuple(name for name in shardings if policies[name] is not None and policies[name].cfg_split)
@@ -249,7 +256,8 @@ class ShardedPipeline:
                     f"cfg_parallel: no sharded component of {type(pipe).__name__} declares in its sharding policy "
                     "that the pipeline calls it for the conditional, then the unconditional prediction (cfg_split)"
                 )
-        return cls(pipe, device, rank, shardings, stats, sequence, cfg_split)
+        with phases.phase("replicated components to device"):
+            return cls(pipe, device, rank, shardings, stats, sequence, cfg_split)
 
     @property
     def facts(self) -> dict:

@@ -41,6 +41,24 @@ def test_batch_mode_runs_two_prompts_at_once_each_equal_to_unsharded(batch_group
     assert max_abs_diff(results[0].frames, results[1].frames) > 1e-3
 
 
+def test_the_start_says_where_its_time_went(batch_group):
+    """Issue 23: the group's phases as it waited on them (one log line each) and each rank's own,
+    in /v1/pool's describe()."""
+    start = batch_group.describe()["start"]
+    group = start["phases_s"]
+    assert list(group) == ["placement", "rank processes and imports", "rendezvous", "load", "total"]
+    assert all(seconds >= 0 for seconds in group.values())
+    assert sum(v for k, v in group.items() if k != "total") <= group["total"]
+    assert len(start["ranks_phases_s"]) == 2
+    for rank in start["ranks_phases_s"]:
+        # The rank's own: its imports, process group, each sharded component's slices, the rest.
+        assert {"imports", "process group", "shards of transformer", "shards of text_encoder"} <= set(rank)
+        assert {"other components", "request slots"} <= set(rank)
+        # Its loading phases happen inside the group's "load" wait.
+        loading = ("shards of transformer", "shards of text_encoder", "other components", "parallel setup")
+        assert sum(rank[k] for k in loading if k in rank) <= group["load"]
+
+
 def test_replicated_mode_equals_unsharded(replicated_group, reference_pipe):
     req = request("An astronaut rides a horse on the moon", 7, negative_prompt="low quality", num_frames=1)
     (result,) = replicated_group.generate([req])
