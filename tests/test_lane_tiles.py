@@ -63,10 +63,11 @@ def tiled_pipe(reference_pipe):
 
 
 def test_two_lanes_split_their_decodes_at_once_and_equal_the_unsharded_tiled_run(ray_cluster, tiny_model, tiled_pipe):
-    """Two lanes of Ulysses 2, one request each: both start at one tick with the same steps, so their
-    split decodes run at the same time, each on its lane's own process group. (The CFG x Ulysses
-    lane of four, 2 x 2 tiles: tests/test_image_to_video.py.) Then a decode that fails on a lane's follower
-    fails the group at once, not at the collective timeout of its leader's gather."""
+    """Two lanes of Ulysses 2, two request slots per rank, four requests: the first two (2 steps)
+    start at one tick, so the lanes' split decodes run at the same time, each on its lane's own
+    process group. (The order of one lane's decodes: tests/runtime/test_contract.py; the CFG x
+    Ulysses lane of four, 2 x 2 tiles: tests/test_image_to_video.py.) Then a decode that fails on a
+    lane's follower fails the group at once, not at the collective timeout of its leader's gather."""
     import time
 
     import ray
@@ -75,17 +76,21 @@ def test_two_lanes_split_their_decodes_at_once_and_equal_the_unsharded_tiled_run
 
     # 'on': lanes of two split only tiled decodes by default ('auto'; slower than whole otherwise).
     config = GroupConfig(
-        model=tiny_model, device="cpu", shard_size=4, ulysses_degree=2, requests_per_rank=1, vae_parallel="on"
+        model=tiny_model, device="cpu", shard_size=4, ulysses_degree=2, requests_per_rank=2, vae_parallel="on"
     )
+    requests = SPLIT + [
+        GenerationRequest(prompt="a small boat", seed=5, num_inference_steps=1, width=320, height=320, num_frames=1),
+        GenerationRequest(prompt="waves", seed=6, num_inference_steps=1, width=288, height=320, num_frames=1),
+    ]
     with ShardGroup(config) as group:
-        results = group.generate(SPLIT)
+        results = group.generate(requests)
         ray.get([group.ranks[follower].inject_fault.remote("decode") for follower in (1, 3)])
         failing = group.submit(SPLIT[0])
         injected_at = time.monotonic()
         with pytest.raises(GroupFailedError, match="split decode failed on rank [13]: injected fault"):
             failing.result(timeout=60)
         answered_s = time.monotonic() - injected_at
-    for request, result in zip(SPLIT, results):
+    for request, result in zip(requests, results):
         assert max_abs_diff(result.frames, reference_frames(tiled_pipe, request)) <= 1e-5, request.prompt
-    assert sorted(r.rank for r in results) == [0, 2]  # the leaders of the two lanes answered
+    assert sorted(r.rank for r in results) == [0, 0, 2, 2]  # the leaders of the two lanes answered
     assert answered_s < 30  # the denoising, then the failure (the collective timeout is minutes)

@@ -512,3 +512,55 @@ def test_lanes_run_each_call_on_all_their_ranks_at_the_same_tick(seed):
             assert request.request_id not in cancelled
         elif rank % lane_size:
             assert job.value is None  # followers never answer: the leader does
+
+
+def test_a_lane_decodes_together_one_request_at_a_time_in_ticket_order():
+    """Split decodes (``lane_decodes``): every rank of the lane goes on past the last step, and a
+    rank enters a request's decode only once the requests it started before have ended, so the
+    ranks of a lane meet in the same decode. Here the second request (1 step) ends its denoising
+    while the first (2 steps) still decodes, on both ranks."""
+    gather = FakeAllGather(2)
+    runtimes, decodes = [], [[], []]
+    for rank in range(2):
+        holder: dict = {}
+
+        def run_request(request: FakeRequest, on_step, holder=holder, log=decodes[rank]):
+            total = 0.0
+            for step, (module_id, x) in enumerate(request.calls):
+                total += holder["runtime"].call(module_id, (torch.tensor([x]),), {}).item()
+                if on_step(step + 1, len(request.calls)):
+                    raise InjectedError(f"{request.request_id}: stopped")
+            log.append((request.request_id, "begin", time.monotonic()))
+            time.sleep(0.5 if request.request_id == "first" else 0.05)  # the decode
+            log.append((request.request_id, "end", time.monotonic()))
+            return total
+
+        runtime = RankRuntime(
+            run_request,
+            rank=rank,
+            slots=2,
+            modules=LaneModules(),
+            exchange=gather.for_rank(rank),
+            patience_s=0.01,
+            lane_size=2,
+            leads=rank == 0,
+            lane_decodes=lambda request: True,
+        )
+        holder["runtime"] = runtime
+        runtimes.append(runtime)
+    first, second = FakeRequest("first", ((1, 1.0), (1, 2.0))), FakeRequest("second", ((1, 3.0),))
+    jobs = [rt.submit(first, ticket=0) for rt in runtimes] + [rt.submit(second, ticket=1) for rt in runtimes]
+    threads = [threading.Thread(target=rt.session, daemon=True) for rt in runtimes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=DEADLINE_S)
+    assert not any(t.is_alive() for t in threads)
+    assert jobs[0].value == first.expected() and jobs[2].value == second.expected()  # the leader's answers
+    for log in decodes:
+        assert [(rid, event) for rid, event, _ in log] == [
+            ("first", "begin"),
+            ("first", "end"),
+            ("second", "begin"),
+            ("second", "end"),
+        ]
