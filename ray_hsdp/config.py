@@ -400,6 +400,9 @@ class LoraDefaults(BaseModel):
     guidance_scale_2: float | None = Field(
         None, ge=0, description="The low-noise expert's guidance of a two-expert pipeline (Wan2.2 A14B)."
     )
+    flow_shift: float | None = Field(
+        None, gt=0, description="The scheduler's timestep shift (Wan's flow_shift) the adapter was distilled with."
+    )
 
 
 class AppConfig(GroupConfig):
@@ -458,9 +461,9 @@ class AppConfig(GroupConfig):
 
     lora_defaults: dict[str, LoraDefaults] = Field(
         default_factory=dict,
-        description="Per adapter of loras, the steps and guidance a request naming it gets when it gives none "
-        "(for an adapter of fuse_loras: every request). A request's own values win; two named adapters that "
-        "default a field differently need the request to give it.",
+        description="Per adapter of loras, the steps, guidance and flow_shift a request naming it gets when it "
+        "gives none (for an adapter of fuse_loras: every request). A request's own values win; two named adapters "
+        "that default a field differently need the request to give it.",
     )
 
     @model_validator(mode="after")

@@ -471,6 +471,8 @@ class ShardGroup:
                 f"{self.config.served_model_name} makes its output from text alone: it takes no image "
                 "(input_reference is for image-to-video models)"
             )
+        if request.flow_shift is not None and not self.pipeline_facts.get("flow_shift"):
+            raise ValueError(f"flow_shift: the scheduler of {self.config.served_model_name} takes no shift")
         if request.guidance_scale_2 is not None and not self.pipeline_facts.get("guidance_scale_2"):
             raise ValueError(
                 "guidance_scale_2 is the low-noise expert's guidance of a two-expert pipeline (Wan2.2 A14B); "

@@ -45,6 +45,9 @@ class GenerationRequest:
             ``height`` (``fit_image`` makes one from any image); ``None`` for text-to-video.
         lora: The LoRA adapters this request runs with, as ``(name, scale)`` pairs of the
             group's registered adapters (``parse_lora`` reads the forms clients send); empty: none.
+        flow_shift: The shift of the scheduler's timesteps for this request (Wan's UniPC
+            ``flow_shift``, a flow-match scheduler's ``shift``; distilled LoRAs ask for their own);
+            ``None``: the pipeline's.
     """
 
     prompt: str
@@ -62,6 +65,7 @@ class GenerationRequest:
     uint8_frames: bool = False
     image: bytes | None = field(default=None, repr=False)  # megabytes: never in a log line
     lora: tuple[tuple[str, float], ...] = ()
+    flow_shift: float | None = None
 
     def first_frame(self):
         """The image of an image-to-video request as the pipeline takes it (an RGB PIL image)."""

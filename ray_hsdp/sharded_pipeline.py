@@ -36,6 +36,17 @@ from ray_hsdp.topology import ParallelDims
 logger = logging.getLogger("ray_hsdp")
 
 
+#: Scheduler config keys that shift the timesteps of a flow-matching schedule (UniPC's, then
+#: FlowMatchEulerDiscrete's); a request's ``flow_shift`` sets the first one the scheduler has.
+SHIFT_KEYS = ("flow_shift", "shift")
+
+
+def shift_key(scheduler) -> str | None:
+    """The config key a request's ``flow_shift`` sets on ``scheduler``; ``None``: it has none."""
+    config = getattr(scheduler, "config", {}) or {}
+    return next((key for key in SHIFT_KEYS if key in config), None)
+
+
 def components(pipe) -> dict[str, nn.Module]:
     """The ``nn.Module`` components of a diffusers pipeline, by name."""
     return {name: c for name, c in pipe.components.items() if isinstance(c, nn.Module)}
@@ -273,6 +284,8 @@ class ShardedPipeline:
             and getattr(self.pipe.config, "boundary_ratio", None) is not None,
             # Image-to-video: every request brings its first frame.
             "image_input": "image" in self._call_params,
+            # The scheduler key a request's flow_shift sets; None: the scheduler takes no shift.
+            "flow_shift": shift_key(getattr(self.pipe, "scheduler", None)),
         }
 
     def guided(self) -> bool:
@@ -380,13 +393,19 @@ class ShardedPipeline:
         start = time.perf_counter()
         pipe = self._slots.get()
         self._running_slot.pipe = pipe
+        scheduler = pipe.scheduler if request.flow_shift is not None else None
         try:
             if self.adapters is not None:
                 self.adapters.select(request.lora)
             self._set_tiling(pipe, request)
+            if scheduler is not None:  # the slot's own scheduler, with this request's shift
+                shifted = type(scheduler).from_config(scheduler.config, **{shift_key(scheduler): request.flow_shift})
+                pipe.scheduler = shifted
             with torch.cuda.stream(self._slot_stream(pipe)):
                 output = pipe(**kwargs)
         finally:
+            if scheduler is not None:
+                pipe.scheduler = scheduler
             self._running_slot.pipe = None
             self._slots.put(pipe)
         frames = output.frames if hasattr(output, "frames") else output.images

@@ -33,17 +33,24 @@ def reference_frames(pipe, request: GenerationRequest) -> np.ndarray:
         video["guidance_scale_2"] = request.guidance_scale_2
     if request.image is not None:  # already fitted to the request's size (request.fit_image)
         video["image"] = request.first_frame()
-    out = pipe(
-        prompt=request.prompt,
-        negative_prompt=request.negative_prompt,
-        height=request.height,
-        width=request.width,
-        num_inference_steps=request.num_inference_steps,
-        guidance_scale=request.guidance_scale,
-        generator=torch.Generator("cpu").manual_seed(request.seed),
-        output_type="np",
-        **video,
-    )
+    scheduler = pipe.scheduler
+    if request.flow_shift is not None:  # Wan's UniPC calls it flow_shift, a flow-match Euler shift
+        key = "flow_shift" if "flow_shift" in scheduler.config else "shift"
+        pipe.scheduler = type(scheduler).from_config(scheduler.config, **{key: request.flow_shift})
+    try:
+        out = pipe(
+            prompt=request.prompt,
+            negative_prompt=request.negative_prompt,
+            height=request.height,
+            width=request.width,
+            num_inference_steps=request.num_inference_steps,
+            guidance_scale=request.guidance_scale,
+            generator=torch.Generator("cpu").manual_seed(request.seed),
+            output_type="np",
+            **video,
+        )
+    finally:
+        pipe.scheduler = scheduler
     return out.frames if hasattr(out, "frames") else out.images[:, None]
 
 

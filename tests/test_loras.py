@@ -101,6 +101,7 @@ def test_a_request_takes_the_defaults_of_the_adapters_it_names():
             "turbo": {"num_inference_steps": 4, "guidance_scale": 1.0},
             "style": {"num_inference_steps": 8},
             "slow": {"num_inference_steps": 40, "guidance_scale_2": 3.0},
+            "detail": {"flow_shift": 3.0},
         },
     )
 
@@ -109,6 +110,11 @@ def test_a_request_takes_the_defaults_of_the_adapters_it_names():
         return request.num_inference_steps, request.guidance_scale, request.guidance_scale_2
 
     assert mapped() == (4, 1.0, None)
+    shifts = [
+        to_generation_request(ImageGenerationRequest(prompt="a", **body), config, "r").flow_shift
+        for body in ({}, {"lora": "detail"}, {"lora": "detail", "flow_shift": 8})
+    ]
+    assert shifts == [None, 3.0, 8.0]
     assert mapped(lora="style:0.5,detail") == (8, 1.0, None)
     assert mapped(lora="slow") == (40, 1.0, 3.0)
     assert mapped(lora="style", num_inference_steps=6, guidance_scale=3) == (6, 3.0, None)

@@ -1,4 +1,5 @@
-"""One rank's pipeline: a request stopped by its step callback never decodes."""
+"""One rank's pipeline: a request stopped by its step callback never decodes; a request's own
+scheduler shift."""
 
 from pathlib import Path
 
@@ -38,4 +39,39 @@ def test_a_stopped_request_raises_at_its_step_and_skips_the_decode(tiny_model):
         "cfg_split": [],
         "guidance_scale_2": False,  # one expert
         "image_input": False,  # text to video
+        "flow_shift": "shift",  # the tiny model's flow-match Euler scheduler
     }
+
+
+def test_a_request_s_flow_shift_sets_its_timesteps_and_no_other_s(tiny_model):
+    """The transformer sees the timesteps of the scheduler shifted as the request asks (what a
+    diffusers user gets with ``from_config(..., shift=...)``); the next request, the pipeline's."""
+    pipeline = ShardedPipeline.load(
+        Path(tiny_model),
+        dtype="float32",
+        device="cpu",
+        rank=0,
+        mesh=None,
+        shard_components=("transformer",),
+        min_num_params=10**9,
+        reshard_after_forward=True,
+        forward_prefetch=1,
+    )
+    seen = []
+    pipeline.pipe.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(float(kwargs["timestep"].flatten()[0])), with_kwargs=True
+    )
+    own = pipeline.pipe.scheduler
+
+    def timesteps(shift):
+        scheduler = type(own).from_config(own.config, shift=shift) if shift else type(own).from_config(own.config)
+        scheduler.set_timesteps(3)
+        return [float(t) for t in scheduler.timesteps]
+
+    for shift in (2.0, None):
+        seen.clear()
+        request = GenerationRequest(prompt="shift", num_inference_steps=3, guidance_scale=1.0, flow_shift=shift)
+        pipeline.run(request)
+        assert seen == pytest.approx(timesteps(shift)), shift
+        assert pipeline.pipe.scheduler is own
+    assert timesteps(2.0) != pytest.approx(timesteps(None))

@@ -395,6 +395,7 @@ class HSDPServer:
             # What ran: the request's defaults may come from the app or from an adapter (lora_defaults).
             "num_inference_steps": job.num_inference_steps,
             "guidance_scale": job.guidance_scale,
+            "flow_shift": job.flow_shift,
         }
         return {**response, "first_error": first_error} if first_error else response
 
@@ -420,6 +421,7 @@ class HSDPServer:
             "seed": job.seed,
             "num_inference_steps": job.num_inference_steps,
             "guidance_scale": job.guidance_scale,
+            "flow_shift": job.flow_shift,
         }
         status, created = await self.jobs.create.remote(fields)
         if status == "full":

@@ -61,6 +61,9 @@ class ImageGenerationRequest(BaseModel):
     guidance_scale_2: StrictFloat | StrictInt | None = Field(
         None, ge=0, description="Guidance of the low-noise expert (Wan2.2 A14B); guidance_scale when omitted."
     )
+    flow_shift: StrictFloat | StrictInt | None = Field(
+        None, gt=0, description="The scheduler's timestep shift (Wan's flow_shift); the pipeline's when omitted."
+    )
     seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED, description="Noise seed; random when omitted.")
     timeout_s: StrictFloat | StrictInt | None = Field(
         None, gt=0, description="Deadline once a rank takes the request; the server's request_timeout_s when omitted."
@@ -186,7 +189,9 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
     lora = parse_lora(body.lora)
     try:
         given = frozenset(
-            f for f in ("num_inference_steps", "guidance_scale", "guidance_scale_2") if getattr(body, f) is not None
+            f
+            for f in ("num_inference_steps", "guidance_scale", "guidance_scale_2", "flow_shift")
+            if getattr(body, f) is not None
         )
         defaults = config.request_defaults(lora, given)
     except ValueError as err:
@@ -200,6 +205,7 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
         )
     guidance = body.guidance_scale if body.guidance_scale is not None else defaults["guidance_scale"]
     guidance_2 = body.guidance_scale_2 if body.guidance_scale_2 is not None else defaults.get("guidance_scale_2")
+    shift = body.flow_shift if body.flow_shift is not None else defaults.get("flow_shift")
     return GenerationRequest(
         prompt=body.prompt,
         negative_prompt=body.negative_prompt,
@@ -209,6 +215,7 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
         num_inference_steps=steps,
         guidance_scale=float(guidance),
         guidance_scale_2=float(guidance_2) if guidance_2 is not None else None,
+        flow_shift=float(shift) if shift is not None else None,
         seed=body.seed if body.seed is not None else secrets.randbelow(2**31),
         n=body.n,
         request_id=request_id,
@@ -255,6 +262,9 @@ class VideoCreateRequest(BaseModel):
     guidance_scale_2: float | None = Field(
         None, ge=0, description="Guidance of the low-noise expert (Wan2.2 A14B); guidance_scale when omitted."
     )
+    flow_shift: float | None = Field(
+        None, gt=0, description="The scheduler's timestep shift (Wan's flow_shift); the pipeline's when omitted."
+    )
     negative_prompt: str | None = Field(None, description="Negative prompt.")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Noise seed; random when omitted.")
     user: str | None = Field(None, description="OpenAI's end-user id; accepted and ignored.")
@@ -288,6 +298,7 @@ def to_video_request(
                 "num_inference_steps": body.num_inference_steps,
                 "guidance_scale": body.guidance_scale,
                 "guidance_scale_2": body.guidance_scale_2,
+                "flow_shift": body.flow_shift,
                 "seed": body.seed,
                 "lora": body.lora,
             }.items()

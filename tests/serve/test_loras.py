@@ -45,7 +45,7 @@ def reference(pipe, request: GenerationRequest) -> np.ndarray:
 def test_get_loras_lists_each_app_s_adapters(server):
     listed = requests.get(f"{server}/v1/loras", timeout=60).json()
     assert [(a["id"], a["components"], a["fused"], a["defaults"]) for a in listed["data"]] == [
-        ("detail", ["transformer"], None, {"num_inference_steps": 2}),
+        ("detail", ["transformer"], None, {"num_inference_steps": 2, "flow_shift": 3.0}),
         ("style", ["transformer"], None, {}),
     ]
     assert listed["max_loras_per_request"] == 4
@@ -57,7 +57,10 @@ def test_an_image_with_two_adapters_equals_diffusers_own(server, t2v_pipe):
     lora = [{"name": "style", "scale": 0.5}, "detail"]
     response = requests.post(f"{server}/v1/images/generations", json={**body, "lora": lora}, timeout=120)
     assert response.status_code == 200, response.text
-    request = GenerationRequest(prompt=body["prompt"], num_inference_steps=3, seed=6, lora=parse_lora(lora))
+    # detail's lora_defaults give the shift the request leaves out (its steps it gives).
+    request = GenerationRequest(
+        prompt=body["prompt"], num_inference_steps=3, seed=6, lora=parse_lora(lora), flow_shift=3.0
+    )
     got, expected = png_pixels(response.json()), reference(t2v_pipe, request)[0]
     assert np.abs(got - expected).max() <= 1
     # The adapters reach the pixels: the tiny model moves them by about one level, in many more
@@ -77,15 +80,20 @@ def test_a_video_job_takes_the_string_form(server, t2v_pipe):
 
 
 def test_a_request_naming_an_adapter_gets_its_default_steps(server, t2v_pipe):
-    """tiny_cpu.yaml: ``lora_defaults: {detail: {num_inference_steps: 2}}``; the app's default is 4."""
+    """tiny_cpu.yaml: ``lora_defaults: {detail: {num_inference_steps: 2, flow_shift: 3.0}}``; the
+    app's default is 4 steps at the scheduler's own shift."""
     body = {"prompt": "a lighthouse", "size": "64x64", "seed": 3, "lora": "detail"}
     response = requests.post(f"{server}/v1/images/generations", json=body, timeout=120)
     assert response.status_code == 200, response.text
-    assert (response.json()["num_inference_steps"], response.json()["guidance_scale"]) == (2, 5.0)
-    request = GenerationRequest(prompt="a lighthouse", num_inference_steps=2, seed=3, lora=(("detail", 1.0),))
+    ran = response.json()
+    assert (ran["num_inference_steps"], ran["guidance_scale"], ran["flow_shift"]) == (2, 5.0, 3.0)
+    request = GenerationRequest(
+        prompt="a lighthouse", num_inference_steps=2, seed=3, lora=(("detail", 1.0),), flow_shift=3.0
+    )
     assert np.abs(png_pixels(response.json()) - reference(t2v_pipe, request)[0]).max() <= 1
     video = requests.post(f"{server}/v1/videos", json={**body, "num_frames": 5, "lora": "style"}, timeout=60)
-    assert video.status_code == 200 and video.json()["num_inference_steps"] == 4, video.text  # the app's default
+    assert video.status_code == 200, video.text
+    assert (video.json()["num_inference_steps"], video.json()["flow_shift"]) == (4, None)  # the app's own
     assert requests.delete(f"{server}/v1/videos/{video.json()['id']}", timeout=60).status_code == 200
 
 
