@@ -278,6 +278,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         num_inference_steps=args.steps,
         guidance_scale=args.guidance_scale,
         guidance_scale_2=args.guidance_scale_2,
+        flow_shift=args.flow_shift,
         seed=args.seed,
         n=args.n,
         request_id="cli",
@@ -400,6 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--guidance-scale", type=float, default=DEFAULT_GUIDANCE_SCALE)
     p.add_argument("--guidance-scale-2", type=float, default=None, help="the low-noise expert's guidance (Wan2.2 A14B)")
+    p.add_argument("--flow-shift", type=float, default=None, help="the scheduler's timestep shift (the pipeline's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--n", type=int, default=1)
     p.add_argument("--shard-size", type=int, default=2)
