@@ -37,7 +37,16 @@ def test_metrics_count_the_requests_sent_with_their_labels(server):
     deadline = time.monotonic() + 120
     while True:  # Ray exports at intervals, each metric in its own time: wait for all of them
         text = scrape()
-        done = total(text, "ray_hsdp_requests_total", status="ok", **mine) == 3
+        done = all(
+            total(text, name, **labels, **mine) == 3
+            for name, labels in (
+                ("ray_hsdp_requests_total", {"status": "ok"}),
+                ("ray_hsdp_queue_seconds_count", {"status": "ok"}),
+                ("ray_hsdp_step_seconds_count", {}),
+            )
+        )
+        # The ranks' counters come in one poll of the replica: wait for the one after the requests.
+        counted = total(text, "ray_hsdp_forwards_total", **mine) >= 3 * 3
         polled = all(
             {labels["rank"] for labels, _ in samples(text, name, **mine)} == {"0", "1"}
             for name in ("ray_hsdp_ticks_total", "ray_hsdp_idle_ticks_total", "ray_hsdp_device_allocated_bytes")
@@ -46,7 +55,7 @@ def test_metrics_count_the_requests_sent_with_their_labels(server):
         replica_polled = all(
             samples(text, name, replica=replica) for name in ("ray_hsdp_queue_depth", "ray_hsdp_video_jobs")
         )
-        if (done and polled and replica_polled) or time.monotonic() > deadline:
+        if (done and counted and polled and replica_polled) or time.monotonic() > deadline:
             break
         time.sleep(2)
     assert total(text, "ray_hsdp_requests_total", status="ok", **mine) == 3
