@@ -405,6 +405,33 @@ class LoraDefaults(BaseModel):
     )
 
 
+class AutoscalingSpec(BaseModel):
+    """Shard groups that Serve adds and removes with the load (one Serve replica per group)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_groups: int = Field(1, ge=1, description="Groups kept however idle the service is.")
+    max_groups: int = Field(2, ge=1, description="Most groups: the GPUs the service may take.")
+    target_per_lane: float = Field(
+        2.0,
+        gt=0,
+        description="Requests (queued and running, video jobs included) one lane should hold on average; more "
+        "adds groups, fewer removes them.",
+    )
+    upscale_delay_s: float = Field(10.0, ge=0, description="How long the load must call for more groups first.")
+    downscale_delay_s: float = Field(
+        300.0, ge=0, description="How long the load must call for fewer groups first (a group takes a while to start)."
+    )
+    metrics_interval_s: float = Field(2.0, gt=0, description="How often each group reports its load to Serve.")
+    look_back_period_s: float = Field(10.0, gt=0, description="The window Serve averages each group's load over.")
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> AutoscalingSpec:
+        if self.max_groups < self.min_groups:
+            raise ValueError(f"autoscaling: max_groups={self.max_groups} is below min_groups={self.min_groups}")
+        return self
+
+
 class AppConfig(GroupConfig):
     """The Serve application: one shard group per replica plus request defaults and limits."""
 
@@ -459,6 +486,17 @@ class AppConfig(GroupConfig):
         None, description="File holding the API key (first line); takes precedence over api_key_env."
     )
 
+    autoscaling: AutoscalingSpec | None = Field(
+        None,
+        description="Serve adds and removes shard groups with their load (min_groups to max_groups); None: a fixed "
+        "pool of replicate_size groups.",
+    )
+    drain_timeout_s: float = Field(
+        600.0,
+        ge=0,
+        description="A group Serve removes (downscale, redeploy) first finishes its video jobs for this long; then "
+        "a seeded job is handed to another group, any other job fails with the reason.",
+    )
     lora_defaults: dict[str, LoraDefaults] = Field(
         default_factory=dict,
         description="Per adapter of loras, the steps, guidance and flow_shift a request naming it gets when it "

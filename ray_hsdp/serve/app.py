@@ -8,6 +8,7 @@ from ray.serve.config import RequestRouterConfig
 
 from ray_hsdp.config import AppConfig
 from ray_hsdp.group import check_placeable
+from ray_hsdp.serve.autoscaling import autoscaling_config
 from ray_hsdp.serve.deployment import HSDPServer
 from ray_hsdp.serve.jobs import VideoJobTable, limits
 from ray_hsdp.serve.routing import GroupAwareRouter
@@ -17,7 +18,8 @@ OVERFLOW = 64
 
 
 def build_app(args: dict) -> Application:
-    """Builds the ray_hsdp application: ``replicate_size`` replicas, each one shard group.
+    """Builds the ray_hsdp application: ``replicate_size`` replicas (or ``autoscaling``'s), each one
+    shard group.
 
     Args:
         args: ``AppConfig`` fields (the ``args`` of a Serve YAML application).
@@ -31,8 +33,15 @@ def build_app(args: dict) -> Application:
     dims = config.parallel_dims()
     bundles = dims.bundles(config.device, config.cpus_per_rank)
     check_placeable(bundles)  # else Serve waits forever for a node that could hold the replica
+    # A fixed pool of replicate_size groups, or as many as the load calls for.
+    if config.autoscaling is not None:
+        scale = {"autoscaling_config": autoscaling_config(config.autoscaling, dims.num_lanes)}
+    else:
+        scale = {"num_replicas": dims.replicate_size}
     return HSDPServer.options(
-        num_replicas=dims.replicate_size,
+        **scale,
+        # A removed group drains its video jobs first (HSDPServer.__del__), then shuts its ranks down.
+        graceful_shutdown_timeout_s=config.drain_timeout_s + 60,
         placement_group_bundles=bundles,
         placement_group_strategy=PLACEMENT_STRATEGY,
         # The replica process only routes; its bundle's resources belong to rank 0.

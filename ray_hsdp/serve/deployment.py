@@ -32,7 +32,7 @@ from ray_hsdp.serve.jobs import DECODED, DENOISED
 from ray_hsdp.serve.keeper import GroupKeeper
 from ray_hsdp.serve.media import encode_mp4, encode_png
 from ray_hsdp.serve.metrics import ReplicaMetrics
-from ray_hsdp.serve.routing import GROUP_OK
+from ray_hsdp.serve.routing import GROUP_LOAD, GROUP_OK
 from ray_hsdp.serve.schema import (
     ImageGenerationRequest,
     ImageTooLargeError,
@@ -262,6 +262,10 @@ class HSDPServer:
         self.keeper = GroupKeeper(self._build_group)
         self.jobs = jobs
         self._video_tasks: dict[str, asyncio.Task] = {}
+        #: Video id -> (request, frame rate, seeded) of the jobs this replica runs (a drain hands
+        #: the seeded ones over).
+        self._video_jobs: dict[str, tuple[GenerationRequest, int, bool]] = {}
+        self._draining = False
         self._stopping = threading.Event()
         threading.Thread(target=self._report_metrics, name="ray_hsdp-metrics", daemon=True).start()
 
@@ -437,10 +441,49 @@ class HSDPServer:
                 raise
             except GroupFailedError:
                 pass  # it failed just now: the job's task waits for the rebuild, or retries elsewhere
-        task = asyncio.create_task(self._run_video(created["id"], job, fps, body.seed is not None, future))
-        self._video_tasks[created["id"]] = task
-        task.add_done_callback(lambda _: self._video_tasks.pop(created["id"], None))
+        self._start_video(created["id"], job, fps, body.seed is not None, future)
         return created
+
+    def _start_video(self, video_id: str, job: GenerationRequest, fps: int, seeded: bool, future=None) -> None:
+        """Runs a video job in the background on this replica's group, to its MP4 in the table."""
+        task = asyncio.create_task(self._run_video(video_id, job, fps, seeded, future))
+        self._video_tasks[video_id] = task
+        self._video_jobs[video_id] = (job, fps, seeded)
+
+        def forget(_):
+            self._video_tasks.pop(video_id, None)
+            self._video_jobs.pop(video_id, None)
+
+        task.add_done_callback(forget)
+
+    async def adopt_video(self, video_id: str, job: GenerationRequest, fps: int, avoid_replica: str) -> bool:
+        """Takes over a seeded video job from a replica being removed (its drain timed out): the
+        same seed makes the same video here. Returns once the job runs here.
+
+        Raises:
+            GroupFailedError: This is the replica to avoid, or it is being removed too.
+        """
+        if avoid_replica == self._replica or self._draining:
+            raise GroupFailedError("this shard group is being removed too; it cannot take the job over")
+        await self.jobs.update.remote(video_id, retried=True)
+        self._start_video(video_id, job, fps, seeded=True)
+        return True
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """The load Serve's autoscaling policy sizes the pool on (``ray_hsdp.serve.autoscaling``):
+        requests the group holds, queued or running, video jobs included; a group being rebuilt
+        counts its waiting video jobs."""
+        from ray_hsdp.serve.autoscaling import LOAD_METRIC
+
+        return {LOAD_METRIC: float(self._load())}
+
+    def _load(self) -> int:
+        """Requests the group holds, queued or running, video jobs included; while the group is
+        rebuilt, the video jobs waiting for it."""
+        load = len(self._video_tasks)
+        if self.keeper.ready:
+            load = max(load, sum(self.keeper.group.load()))
+        return load
 
     async def _run_video(
         self, video_id: str, job: GenerationRequest, fps: int, seeded: bool, future
@@ -526,7 +569,13 @@ class HSDPServer:
         (queued, or running with their denoising step: ``ShardGroup.progress``)."""
         group = self._ready_group()
         replica = serve.get_replica_context().replica_id.unique_id
-        return {**group.describe(), "replica": replica, "ranks": group.memory(), "requests": group.progress()}
+        return {
+            **group.describe(),
+            "replica": replica,
+            "state": "draining" if self._draining else "serving",
+            "ranks": group.memory(),
+            "requests": group.progress(),
+        }
 
     def progress(self) -> dict:
         """Request id -> state (queued, or running with its denoising step) of this replica's requests."""
@@ -539,7 +588,7 @@ class HSDPServer:
         rebuild here without waiting for a request or the health check.
         """
         self.keeper.current()
-        return {GROUP_OK: self.keeper.ready}
+        return {GROUP_OK: self.keeper.ready, GROUP_LOAD: self._load()}
 
     def check_health(self) -> None:
         """Serve's replica health check: every rank must answer within the deadline.
@@ -551,13 +600,52 @@ class HSDPServer:
         if current.done():
             current.result().check_health()  # raises for a group that could not be rebuilt
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:
+        """Serve removes this replica (downscale, redeploy, shutdown): its video jobs get
+        ``drain_timeout_s`` to finish; then a seeded job is handed to another replica and any other
+        job fails with the reason. Only then does the group shut down. (Serve has stopped routing
+        requests here and waited for the ongoing ones before it calls this.)"""
+        if getattr(self, "_draining", False):  # once: Serve calls it, the garbage collector may again
+            return
+        self._draining = True
+        tasks = dict(getattr(self, "_video_tasks", {}))
+        if tasks:
+            logger.info("Draining %d video jobs (drain_timeout_s=%g)", len(tasks), self.config.drain_timeout_s)
+            await asyncio.wait(tasks.values(), timeout=self.config.drain_timeout_s)
+            for video_id, task in tasks.items():
+                if not task.done():
+                    await self._hand_over(video_id, task)
         stopping = getattr(self, "_stopping", None)
         if stopping is not None:
             stopping.set()
         keeper = getattr(self, "keeper", None)
         if keeper is not None:
             keeper.shutdown()
+
+    async def _hand_over(self, video_id: str, task: asyncio.Task) -> None:
+        """A job still running when this replica's drain ends: another replica takes a seeded one
+        over; any other is failed with the reason. Its run here stops either way."""
+        job, fps, seeded = self._video_jobs[video_id]
+        handed = False
+        reason = "it has no seed, so another group would make a different video"
+        if seeded:
+            # (The replica context's world size already counts this replica out.)
+            context = serve.get_replica_context()
+            handle = serve.get_deployment_handle(context.deployment, context.app_name)
+            try:
+                handed = await handle.adopt_video.remote(video_id, job, fps, self._replica)
+            except Exception as err:  # noqa: BLE001 - the job then fails here with the reason
+                reason = f"no other shard group could take it over ({remote_cause(err)})"
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        if handed:
+            logger.info("Video job %s handed to another shard group", video_id)
+            return
+        message = (
+            f"the shard group running it was removed and drain_timeout_s={self.config.drain_timeout_s:g} passed; "
+            f"{reason}"
+        )
+        await self.jobs.fail.remote(video_id, "drained", message)
 
     @api.post("/v1/images/generations")
     async def images_generations(self, body: ImageGenerationRequest) -> dict:

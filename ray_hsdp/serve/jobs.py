@@ -128,14 +128,15 @@ class JobTable:
                 "completed_at": None,
                 "expires_at": None,
                 "error": None,
+                "retried": False,  # True once another group took it over (its group was removed)
                 **fields,
                 "_heartbeat": time.time(),
             }
             return "ok", self._public(self.jobs[video_id])
 
-    def update(self, video_id: str, progress: int | None = None, running: bool = False) -> bool:
+    def update(self, video_id: str, progress: int | None = None, running: bool = False, retried: bool = False) -> bool:
         """A job's report (also its heartbeat, queued or running): ``running`` once a lane took
-        it; progress never goes down.
+        it; progress never goes down; ``retried`` once another group took it over (a drain).
 
         Returns:
             False when the job is gone or finished (deleted, expired, failed by the sweep): its
@@ -146,6 +147,8 @@ class JobTable:
             if job is None or job["status"] not in ("queued", "in_progress"):
                 return False
             job["_heartbeat"] = time.time()
+            if retried:
+                job["retried"] = True
             if running or progress:
                 self._move(video_id, "in_progress")
             if progress is not None and job["status"] == "in_progress":

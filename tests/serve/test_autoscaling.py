@@ -1,0 +1,128 @@
+"""Elastic serving (issue 23): Serve adds a shard group when the groups' own load (video jobs
+included) calls for it, and a group it removes hands its running seeded video job to another."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import requests
+
+from ray_hsdp.config import AppConfig, AutoscalingSpec
+from ray_hsdp.serve.autoscaling import LOAD_METRIC, autoscaling_config, group_load_policy
+
+from .served import deploy
+
+APP = "elastic"
+
+
+def context(loads: dict[str, float], target: float, current: int = 1, low: int = 1, high: int = 3):
+    from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+    return AutoscalingContext(
+        deployment_id=None,
+        deployment_name="HSDPServer",
+        app_name=APP,
+        current_num_replicas=current,
+        target_num_replicas=current,
+        running_replicas=list(loads),
+        total_num_requests=0.0,
+        total_queued_requests=0.0,
+        aggregated_metrics={LOAD_METRIC: loads} if loads else {},
+        raw_metrics={},
+        capacity_adjusted_min_replicas=low,
+        capacity_adjusted_max_replicas=high,
+        policy_state={},
+        last_scale_up_time=None,
+        last_scale_down_time=None,
+        current_time=None,
+        config=AutoscalingConfig(min_replicas=low, max_replicas=high, target_ongoing_requests=target),
+    )
+
+
+def test_the_policy_sizes_the_pool_on_the_groups_own_load():
+    # A group of 2 lanes at target_per_lane 2 holds 4.
+    target = AutoscalingSpec(target_per_lane=2).target_per_lane * 2
+    assert group_load_policy(context({"a": 4.0}, target))[0] == 1
+    assert group_load_policy(context({"a": 4.0, "b": 1.0}, target, current=2))[0] == 2
+    assert group_load_policy(context({"a": 9.0, "b": 9.0}, target, current=2))[0] == 3  # capped at max
+    assert group_load_policy(context({"a": 0.0, "b": 0.0}, target, current=2))[0] == 1  # floored at min
+    assert group_load_policy(context({}, target, current=2))[0] == 2  # no report yet: as it is
+    config = autoscaling_config(AutoscalingSpec(min_groups=1, max_groups=4, target_per_lane=2), lanes_per_group=2)
+    assert (config["min_replicas"], config["max_replicas"], config["target_ongoing_requests"]) == (1, 4, 4)
+    assert config["policy"] == {"policy_function": "ray_hsdp.serve.autoscaling:group_load_policy"}
+    with pytest.raises(ValueError, match="max_groups=1 is below min_groups=2"):
+        AppConfig(model="tiny", autoscaling={"min_groups": 2, "max_groups": 1})
+
+
+def replicas(deadline_s: float, want: int) -> int:
+    """Waits until the app runs ``want`` replicas (or the deadline); returns how many it runs."""
+    from ray import serve
+
+    deadline = time.monotonic() + deadline_s
+    while True:
+        deployment = serve.status().applications[APP].deployments["HSDPServer"]
+        running = deployment.replica_states.get("RUNNING", 0)
+        if running == want and sum(deployment.replica_states.values()) == want or time.monotonic() > deadline:
+            return running
+        time.sleep(0.5)
+
+
+def wait_all(base: str, ids: list[str], deadline_s: float) -> list[dict]:
+    deadline = time.monotonic() + deadline_s
+    while True:
+        jobs = [requests.get(f"{base}/v1/videos/{i}", timeout=30).json() for i in ids]
+        if all(j["status"] in ("completed", "failed") for j in jobs) or time.monotonic() > deadline:
+            return jobs
+        time.sleep(0.5)
+
+
+def test_a_burst_adds_a_group_and_a_removed_group_hands_its_job_over(server):
+    """One group of 2 lanes at 2 requests per lane holds 4. A burst of 8 video jobs makes Serve add
+    a second group. Once the burst's load falls to one group's share, Serve's downscale delay
+    starts; meanwhile two long seeded jobs, a routing period apart, land one on each group (the
+    router prefers the least loaded). Their load (2) keeps calling for one group, so Serve removes
+    one while both run: its job outlives drain_timeout_s and the other group takes it over with the
+    same seed. Every job completes."""
+    from ray import serve
+
+    args = {
+        "model": "tiny",
+        "device": "cpu",
+        "shard_size": 2,
+        "default_size": "64x64",
+        "max_steps": 400,
+        "drain_timeout_s": 0.5,
+        "autoscaling": {
+            "min_groups": 1,
+            "max_groups": 2,
+            "target_per_lane": 2,
+            "upscale_delay_s": 0,
+            "downscale_delay_s": 15,
+            "metrics_interval_s": 0.5,
+            "look_back_period_s": 1,
+        },
+    }
+    base = deploy(server, APP, args)
+    try:
+        burst = [
+            requests.post(
+                f"{base}/v1/videos",
+                json={"prompt": f"burst {i}", "num_frames": 5, "num_inference_steps": 40, "seed": i},
+                timeout=60,
+            ).json()["id"]
+            for i in range(8)
+        ]
+        assert replicas(90, want=2) == 2
+        assert all(j["status"] == "completed" for j in wait_all(base, burst, 120))
+        long = []
+        for i in range(2):
+            body = {"prompt": f"long {i}", "num_frames": 5, "num_inference_steps": 250, "seed": 100 + i}
+            long.append(requests.post(f"{base}/v1/videos", json=body, timeout=60).json()["id"])
+            time.sleep(1.5)  # the routing stats show the first job's load before the second
+        assert replicas(60, want=1) == 1
+        jobs = wait_all(base, long, 120)
+        assert [j["status"] for j in jobs] == ["completed", "completed"], [j["error"] for j in jobs]
+        assert [j["retried"] for j in jobs].count(True) == 1, jobs  # the removed group's, taken over
+    finally:
+        serve.delete(APP)
