@@ -458,14 +458,15 @@ class HSDPServer:
 
     async def adopt_video(self, video_id: str, job: GenerationRequest, fps: int, avoid_replica: str) -> bool:
         """Takes over a seeded video job from a replica being removed (its drain timed out): the
-        same seed makes the same video here. Returns once the job runs here.
+        same seed makes the same video here. Returns once the job runs here (False: the job is gone).
 
         Raises:
             GroupFailedError: This is the replica to avoid, or it is being removed too.
         """
         if avoid_replica == self._replica or self._draining:
             raise GroupFailedError("this shard group is being removed too; it cannot take the job over")
-        await self.jobs.update.remote(video_id, retried=True)
+        if not await self.jobs.update.remote(video_id, retried=True):
+            return False  # deleted or expired meanwhile: nothing to take over
         self._start_video(video_id, job, fps, seeded=True)
         return True
 
@@ -625,7 +626,10 @@ class HSDPServer:
     async def _hand_over(self, video_id: str, task: asyncio.Task) -> None:
         """A job still running when this replica's drain ends: another replica takes a seeded one
         over; any other is failed with the reason. Its run here stops either way."""
-        job, fps, seeded = self._video_jobs[video_id]
+        spec = self._video_jobs.get(video_id)
+        if spec is None:  # it ended meanwhile
+            return
+        job, fps, seeded = spec
         handed = False
         reason = "it has no seed, so another group would make a different video"
         if seeded:
