@@ -237,6 +237,15 @@ async def _video_body(request: Request) -> VideoCreateRequest:
     return VideoCreateRequest.model_validate(fields)
 
 
+def _application_going() -> bool:
+    """Whether this replica's whole application is being deleted (or Serve shut down)."""
+    try:
+        app = serve.status().applications.get(serve.get_replica_context().app_name)
+    except Exception:  # noqa: BLE001 - no controller to ask: Serve itself is going
+        return True
+    return app is None or app.status == "DELETING"
+
+
 @serve.deployment
 @serve.ingress(api)
 class HSDPServer:
@@ -602,15 +611,18 @@ class HSDPServer:
             current.result().check_health()  # raises for a group that could not be rebuilt
 
     async def __del__(self) -> None:
-        """Serve removes this replica (downscale, redeploy, shutdown): its video jobs get
+        """Serve removes this replica (a downscale, a redeploy): its video jobs get
         ``drain_timeout_s`` to finish; then a seeded job is handed to another replica and any other
         job fails with the reason. Only then does the group shut down. (Serve has stopped routing
-        requests here and waited for the ongoing ones before it calls this.)"""
+        requests here and waited for the ongoing ones before it calls this.) When the whole
+        application goes, the group shuts down at once."""
         if getattr(self, "_draining", False):  # once: Serve calls it, the garbage collector may again
             return
         self._draining = True
         tasks = dict(getattr(self, "_video_tasks", {}))
-        if tasks:
+        # When the whole application goes (serve.delete, shutdown), its job table goes with it:
+        # nothing would keep a drained job's video.
+        if tasks and not await asyncio.to_thread(_application_going):
             logger.info("Draining %d video jobs (drain_timeout_s=%g)", len(tasks), self.config.drain_timeout_s)
             await asyncio.wait(tasks.values(), timeout=self.config.drain_timeout_s)
             for video_id, task in tasks.items():
