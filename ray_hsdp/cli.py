@@ -114,6 +114,19 @@ def cmd_make_random_lora(args: argparse.Namespace) -> int:
     return 0
 
 
+def _adapter_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--lora-file`` and ``--fuse-lora``: the adapters a group loads (``serve`` and ``generate``)."""
+    parser.add_argument(
+        "--lora-file", action="append", default=[], metavar="NAME=PATH", help="register a LoRA adapter (repeatable)"
+    )
+    parser.add_argument(
+        "--fuse-lora",
+        default=None,
+        metavar="NAME[:SCALE],...",
+        help="registered adapters to merge into the weights at load: every request runs with them",
+    )
+
+
 def _lora_files(values: list[str]) -> dict[str, str]:
     """``--lora-file NAME=PATH`` (repeatable) as a ``loras`` config."""
     loras = {}
@@ -383,15 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1 unless told otherwise)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local cluster)")
-    p.add_argument(
-        "--lora-file", action="append", default=[], metavar="NAME=PATH", help="register a LoRA adapter (repeatable)"
-    )
-    p.add_argument(
-        "--fuse-lora",
-        default=None,
-        metavar="NAME[:SCALE],...",
-        help="registered adapters to merge into the weights at load: every request runs with them",
-    )
+    _adapter_arguments(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="run one request on a shard group without Serve")
@@ -412,15 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fps", type=int, default=16, help="frame rate of the MP4 (Wan: 16)")
     p.add_argument("--out", default="out/generate.png", help="an image path, or an .mp4 for a video")
     p.add_argument("--image", default=None, help="the first frame of an image-to-video model (fitted to --size)")
-    p.add_argument(
-        "--lora-file", action="append", default=[], metavar="NAME=PATH", help="register a LoRA adapter (repeatable)"
-    )
-    p.add_argument(
-        "--fuse-lora",
-        default=None,
-        metavar="NAME[:SCALE],...",
-        help="registered adapters to merge into the weights at load: every request runs with them",
-    )
+    _adapter_arguments(p)
     p.add_argument("--lora", default=None, help="adapters to run with: 'name', 'name:scale,other' (registered ones)")
     p.add_argument("--verbose", action="store_true")
     p.set_defaults(func=cmd_generate)

@@ -9,8 +9,9 @@ from ray_hsdp.request import GenerationRequest, RequestCancelledError
 from ray_hsdp.sharded_pipeline import ShardedPipeline
 
 
-def test_a_stopped_request_raises_at_its_step_and_skips_the_decode(tiny_model):
-    pipeline = ShardedPipeline.load(
+def one_rank(tiny_model) -> ShardedPipeline:
+    """The tiny pipeline as a group of one rank loads it (nothing sharded)."""
+    return ShardedPipeline.load(
         Path(tiny_model),
         dtype="float32",
         device="cpu",
@@ -21,6 +22,10 @@ def test_a_stopped_request_raises_at_its_step_and_skips_the_decode(tiny_model):
         reshard_after_forward=True,
         forward_prefetch=1,
     )
+
+
+def test_a_stopped_request_raises_at_its_step_and_skips_the_decode(tiny_model):
+    pipeline = one_rank(tiny_model)
     vae = pipeline.pipe.vae
     decodes = []
     decode = vae.decode
@@ -46,17 +51,7 @@ def test_a_stopped_request_raises_at_its_step_and_skips_the_decode(tiny_model):
 def test_a_request_s_flow_shift_sets_its_timesteps_and_no_other_s(tiny_model):
     """The transformer sees the timesteps of the scheduler shifted as the request asks (what a
     diffusers user gets with ``from_config(..., shift=...)``); the next request, the pipeline's."""
-    pipeline = ShardedPipeline.load(
-        Path(tiny_model),
-        dtype="float32",
-        device="cpu",
-        rank=0,
-        mesh=None,
-        shard_components=("transformer",),
-        min_num_params=10**9,
-        reshard_after_forward=True,
-        forward_prefetch=1,
-    )
+    pipeline = one_rank(tiny_model)
     seen = []
     pipeline.pipe.transformer.register_forward_pre_hook(
         lambda module, args, kwargs: seen.append(float(kwargs["timestep"].flatten()[0])), with_kwargs=True
