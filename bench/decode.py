@@ -5,8 +5,8 @@
 The VAE is the Wan2.1 one at its real size with seeded random weights (``AutoencoderKLWan()``:
 the same on every rank), in the served dtype (bf16 on CUDA); latents are seeded. For each size:
 on one GPU the untiled decode (``vae.decode``) and diffusers' tiled decode (``enable_tiling``, its
-default 256-pixel tiles every 192); on N > 1 GPUs, a lane of N ranks (NCCL) sharing the tiled
-decode as served (``ray_hsdp.lane_tiles``, the Wan policy's split), with the largest difference of
+default 256-pixel tiles every 192); on N > 1 GPUs, a lane of N ranks sharing the tiled decode as
+served (``ray_hsdp.lane_tiles``, the Wan policy's split, tiles exchanged over gloo), with the largest difference of
 its frames to the one-GPU tiled decode. Each measurement follows a warm-up of two latent frames at
 the same size; times are wall seconds with CUDA synchronised, peaks are ``max_memory_allocated``
 per rank (the VAE's weights included). No Ray: ``torch.multiprocessing`` starts the ranks.
@@ -75,7 +75,8 @@ def _rank(rank: int, world: int, args, port: int, scratch: str) -> None:
     )
     vae = _vae(device, dtype)
     split = decode_split_for(vae)
-    lane = LaneTiles(dist.group.WORLD, rank, world, device)
+    # As served: the lane's exchange on a gloo group of its own (lane_decode_group).
+    lane = LaneTiles(dist.new_group(backend="gloo"), rank, world, device)
 
     def one_gpu(latents):  # whole or tiled, as vae.use_tiling says
         return vae.decode(latents).sample

@@ -55,9 +55,9 @@ def layout_fields(name: str) -> dict:
 def options_of(layout: str, args) -> tuple[dict, tuple]:
     """A layout's suffix: ``+lora`` runs every request with one random LoRA switched per forward,
     ``+fused`` merges it into the weights at load, ``+novae`` has the leader decode alone
-    (``vae_parallel: false``). Returns the config fields and a request's ``lora``."""
+    (``vae_parallel: off``). Returns the config fields and a request's ``lora``."""
     if layout.endswith("+novae"):
-        return {"vae_parallel": False}, ()
+        return {"vae_parallel": "off"}, ()
     if not layout.endswith(("+lora", "+fused")):
         return {}, ()
     loras = random_loras(args.arch, args.lora_dir, 1, args.lora_rank, args.device)

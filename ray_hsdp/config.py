@@ -135,11 +135,14 @@ class GroupConfig(BaseModel):
         True,
         description="Free the gathered weights of a unit after its forward (memory) instead of keeping them (speed).",
     )
-    gather: Literal["auto", "fsdp2", "in_place"] = Field(
+    gather: Literal["auto", "fsdp2", "in_place", "peer"] = Field(
         "auto",
         description="How a unit's sharded weights are gathered for its forward. 'fsdp2': FSDP2's flat all-gather, "
         "copied into and out of a buffer each forward; 'in_place': each weight gathered straight into buffers its "
-        "module reads (no copies; forward_prefetch + 1 units' buffers held at all times). 'auto': in_place on CUDA "
+        "module reads (no copies; forward_prefetch + 1 units' buffers held at all times); 'peer': as in_place, but "
+        "each rank copies the other ranks' rows out of their memory itself (CUDA symmetric memory, copy engines; "
+        "CPU shared memory): no collective in a forward and no SMs taken, for groups on one node. 'auto': in_place "
+        "on CUDA "
         "(NCCL sends a unit's gathers as one group; Wan-14B on 2 x H100: 0.936 of plain diffusers against 0.877, "
         "bench/results), fsdp2 on CPU (gloo sends each weight's gather on its own), fsdp2 with "
         "reshard_after_forward=False.",
@@ -183,13 +186,14 @@ class GroupConfig(BaseModel):
         "'auto': for frames larger than vae_tiling_above_pixels.",
     )
     vae_parallel: Literal["auto", "on", "off"] = Field(
-        "auto",
+        "off",
         description="Lanes of several ranks share the VAE's tiled decode: each rank decodes some of the tiles of "
         "diffusers' tiled decode and the leader blends them (frames equal to the one-rank tiled decode). 'on': for "
         "every request whose frames make more than one tile; 'auto': on lanes of 4 or more ranks, and on smaller "
         "lanes where the decode is tiled anyway (vae_tiling); 'off': the leader decodes alone. Measured on 4 x "
-        "H100 (Wan2.1 VAE, 81 frames, 1280x720): one GPU whole 4.74 s, tiled 9.45 s, split over 2 5.02 s, over 4 "
-        "2.93 s.",
+        "H100 (Wan2.1 VAE, 81 frames, 1280x720, bench.decode): one GPU whole 4.74 s, tiled 9.45 s, split over 2 "
+        "5.02 s, over 4 2.93 s. Off by default until the served split is measured on GPUs: its first version "
+        "(tiles exchanged over NCCL) never finished a request on 4 x H100; the exchange is gloo's now.",
     )
     vae_tiling_above_pixels: int = Field(
         1280 * 720,
@@ -277,10 +281,11 @@ class GroupConfig(BaseModel):
                 "sharded VAE's gathers would wait for ranks that never join them; leave 'vae' out (VAEs stay "
                 "replicated) or use lanes of one rank"
             )
-        if self.gather == "in_place" and not self.reshard_after_forward:
+        if self.gather in ("in_place", "peer") and not self.reshard_after_forward:
             raise ValueError(
-                "gather='in_place' frees each unit's gathered weights after its forward (its buffers take turns); "
-                "with reshard_after_forward=False use gather='fsdp2', or mode='replicated' to keep whole weights"
+                f"gather={self.gather!r} frees each unit's gathered weights after its forward (its buffers take "
+                "turns); with reshard_after_forward=False use gather='fsdp2', or mode='replicated' to keep whole "
+                "weights"
             )
         if len(self.loras) > self.max_loras:
             raise ValueError(f"loras registers {len(self.loras)} adapters; max_loras={self.max_loras}")

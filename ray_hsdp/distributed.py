@@ -93,16 +93,17 @@ def build_meshes(device: str, dims: ParallelDims) -> tuple[DeviceMesh, DeviceMes
     return shard, lanes
 
 
-def lane_decode_group(device: str, dims: ParallelDims, timeout_s: float):
-    """A process group of each lane's ranks, for its split decodes alone (every rank calls this,
-    in the same order); returns this rank's. One small collective on it creates its communicator
-    now rather than in a request's first split decode."""
+def lane_decode_group(dims: ParallelDims, timeout_s: float):
+    """A gloo process group of each lane's ranks, for its split decodes alone (every rank calls
+    this, in the same order); returns this rank's.
+
+    Gloo on GPUs too: a decode's exchange runs on a request thread while the tick thread goes on
+    with the group's NCCL collectives, and two NCCL communicators used at once from two threads
+    can wait on each other (on 4 x H100 a lane of 4 that shared its decode over NCCL never
+    finished its first request). Gloo's collectives run on the host, beside any GPU kernel."""
     lanes = [list(dims.lane_ranks(lane)) for lane in range(dims.num_lanes)]
-    mine, _ = dist.new_subgroups_by_enumeration(
-        lanes, timeout=timedelta(seconds=timeout_s), backend=backend_for(device)
-    )
-    probe = torch.ones(1, device=torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else "cpu")
-    dist.all_reduce(probe, group=mine)
+    mine, _ = dist.new_subgroups_by_enumeration(lanes, timeout=timedelta(seconds=timeout_s), backend="gloo")
+    dist.all_reduce(torch.ones(1), group=mine)  # connects now rather than in a request's first decode
     return mine
 
 

@@ -2,11 +2,12 @@
 
 The ranks of a lane hold the same latents when their denoising ends, so each can decode a
 disjoint share of a tiled decode's tiles (diffusers decodes every spatial tile on its own) and
-the leader blends them all. The collectives of that exchange run on a process group of the
+the leader blends them all. The collectives of that exchange run on a gloo process group of the
 lane's ranks alone, created for it and used by nothing else, from the request thread, while the
-tick thread goes on with the group's forwards on the group's own communicator. On CUDA they run
-on a stream of their own: nothing the tick thread queues ever waits on them, so neither can wait
-on the other (see ``LaneTiles.run``).
+tick thread goes on with the group's forwards on the group's own communicator: gloo works on the
+host, so the exchange never waits on a GPU kernel of the tick thread's NCCL collectives, nor they
+on it (two NCCL communicators in use at once from two threads hung a lane of 4 H100s). On CUDA the
+tiles decode on a stream of their own (see ``LaneTiles.run``).
 """
 
 from __future__ import annotations
@@ -75,27 +76,33 @@ class LaneTiles:
             On the leader, every tile by index; ``None`` on the other ranks.
         """
         device = torch.device(self.device, torch.cuda.current_device()) if self.device == "cuda" else "cpu"
-        # Shapes first (each rank fills the rows of its tiles), then one padded buffer per rank.
-        shapes = torch.zeros(count, _MAX_DIMS + 1, dtype=torch.int64, device=device)
+        # Shapes first (each rank fills the rows of its tiles), then one padded buffer per rank, in
+        # host memory (the group is gloo's) and as bytes (any dtype travels).
+        shapes = torch.zeros(count, _MAX_DIMS + 1, dtype=torch.int64)
         for i, tile in mine.items():
             shapes[i, 0] = tile.dim()
             shapes[i, 1 : tile.dim() + 1] = torch.tensor(tile.shape)
         dist.all_reduce(shapes, group=self.group)
         shapes = [tuple(row[1 : row[0] + 1]) for row in shapes.tolist()]
-        numel = [int(torch.Size(s).numel()) for s in shapes]
-        per_rank = [sum(numel[i] for i in range(r, count, self.size)) for r in range(self.size)]
-        send = torch.zeros(max(per_rank), dtype=dtype, device=device)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = [int(torch.Size(s).numel()) * itemsize for s in shapes]
+        per_rank = [sum(nbytes[i] for i in range(r, count, self.size)) for r in range(self.size)]
+        send = torch.zeros(max(per_rank), dtype=torch.uint8)
         if mine:
-            flat = torch.cat([mine[i].reshape(-1).to(dtype) for i in sorted(mine)])
-            send[: flat.numel()] = flat
+            flat = torch.cat([mine[i].reshape(-1).to(dtype) for i in sorted(mine)]).cpu()
+            send[: per_rank[self.index]] = flat.view(torch.uint8)
         received = [torch.empty_like(send) for _ in range(self.size)] if self.leads else None
         dist.gather(send, received, group=self.group, group_dst=0)
         if not self.leads:
             return None
-        tiles = {}
-        for r, buffer in enumerate(received):
+        tiles = {i: tile.to(dtype) for i, tile in mine.items()}  # the leader's own never left it
+        for r, buffer in enumerate(received[1:], start=1):
+            if not per_rank[r]:
+                continue
+            buffer = buffer[: per_rank[r]].to(device).view(dtype)
             offset = 0
             for i in range(r, count, self.size):
-                tiles[i] = buffer[offset : offset + numel[i]].view(shapes[i])
-                offset += numel[i]
+                numel = nbytes[i] // itemsize
+                tiles[i] = buffer[offset : offset + numel].view(shapes[i])
+                offset += numel
         return tiles

@@ -115,9 +115,7 @@ class Rank:
             with self.phases.phase("meshes"):
                 self.mesh, self.lane_mesh = distributed.build_meshes(self.config.device, self.dims)
                 if self.config.vae_parallel != "off" and self.dims.lane_size > 1:
-                    self.decode_group = distributed.lane_decode_group(
-                        self.config.device, self.dims, self.config.collective_timeout_s
-                    )
+                    self.decode_group = distributed.lane_decode_group(self.dims, self.config.collective_timeout_s)
         else:
             self.mesh = self.lane_mesh = None
         return {

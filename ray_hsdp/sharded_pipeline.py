@@ -150,7 +150,7 @@ class ShardedPipeline:
         #: ``("auto" | "on" | "off", pixels)``: when a request's decode uses the VAE's tiling.
         self.vae_tiling: tuple[str, int] = ("off", 0)
         #: ``"auto" | "on" | "off"``: when a lane shares a request's decode (with ``lane_tiles``).
-        self.vae_parallel = "auto"
+        self.vae_parallel = "off"
         self._streams: dict[int, torch.cuda.Stream] = {}
         #: LoRA adapters a request selects at its start: an unsharded rank's (one request at a
         #: time); a sharded rank's tick thread selects them per forward instead.

@@ -87,7 +87,9 @@ def test_a_lane_of_cfg_2_x_ulysses_2_equals_unsharded(ray_cluster, i2v_models):
     folder, pipe = i2v_models["wan21-i2v"]
     small = i2v_request("rain at night", 5, png(64, 48, 3), width=64, num_frames=9)
     tiled = i2v_request("a harbour", 6, png(64, 48, 5), width=320, height=288, num_frames=5, num_inference_steps=1)
-    config = GroupConfig(model=folder, device="cpu", shard_size=4, ulysses_degree=2, cfg_parallel=True)
+    config = GroupConfig(
+        model=folder, device="cpu", shard_size=4, ulysses_degree=2, cfg_parallel=True, vae_parallel="auto"
+    )
     with ShardGroup(config) as group:
         assert group.describe()["lane_size"] == 4
         results = group.generate([small, tiled])
