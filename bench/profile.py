@@ -26,7 +26,6 @@ SETUPS = {
     "batch-fsdp2": {"mode": "batch", "gather": "fsdp2"},
     "batch-compile": {"mode": "batch", "compile": True},
     "batch-inplace-compile": {"mode": "batch", "gather": "in_place", "compile": True},
-    "batch-peer": {"mode": "batch", "gather": "peer"},
     "replicated": {"mode": "replicated"},
 }
 

@@ -4,13 +4,14 @@
 
 Setups (N GPUs): ``plain``: plain diffusers (``from_pretrained(...).to("cuda")``, no Ray actor
 protocol, no FSDP) on every GPU at once, one Ray task per GPU, each running its share of the
-requests one after another: the baseline every ratio is taken against; R=N x S=1 unsharded replicas
-of ours (the ceiling); ``batch`` (ours) on R x S layouts (``--layouts``, default R=1 x S=N); R=1 x
-S=N ``replicated`` (vllm-omni's standalone HSDP semantics); one GPU with diffusers' group offload (a
-user without HSDP); ``batch`` on a mixed workload (steps interleaved); and ``batch-compile`` against
-``plain-compile`` (``compile: true`` against diffusers' ``compile_repeated_blocks``);
-``batch-inplace``, ``batch-peer`` (and ``-compile`` of each) and ``batch-fsdp2``: ``gather`` set
-(``batch`` takes its default); ``batch-ctas2``, ``batch-ctas8`` (and ``batch-ctas2-compile``):
+requests one after another: the baseline every ratio is taken against; R=N x S=1 unsharded
+replicas of ours (the ceiling); ``batch`` (ours) on R x S layouts
+(``--layouts``, default R=1 x S=N);
+R=1 x S=N ``replicated`` (vllm-omni's standalone HSDP semantics); one GPU with diffusers' group
+offload (a user without HSDP); ``batch`` on a mixed workload (steps interleaved); and
+``batch-compile`` against ``plain-compile`` (``compile: true`` against diffusers'
+``compile_repeated_blocks``); ``batch-inplace`` (and ``-compile``) and ``batch-fsdp2``: ``gather``
+set (``batch`` takes its default); ``batch-ctas2``, ``batch-ctas8`` (and ``batch-ctas2-compile``):
 ``nccl_max_ctas`` set; ``batch-lora``: every request with one unfused random rank-``--lora-rank``
 LoRA, ``batch-lora4``: four LoRAs registered, the requests taking them in turn (four at once on a
 group of 4), ``batch-fused``: that one LoRA merged into the weights at load (``fuse_loras``), all
@@ -243,8 +244,6 @@ def main() -> None:
             "batch-inplace": {"gather": "in_place"},
             "batch-fsdp2": {"gather": "fsdp2"},
             "batch-inplace-compile": {"gather": "in_place", "compile": True},
-            "batch-peer": {"gather": "peer"},
-            "batch-peer-compile": {"gather": "peer", "compile": True},
             "batch-ctas2": {"nccl_max_ctas": 2},
             "batch-ctas8": {"nccl_max_ctas": 8},
             "batch-ctas2-compile": {"nccl_max_ctas": 2, "compile": True},

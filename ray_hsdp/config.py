@@ -135,14 +135,11 @@ class GroupConfig(BaseModel):
         True,
         description="Free the gathered weights of a unit after its forward (memory) instead of keeping them (speed).",
     )
-    gather: Literal["auto", "fsdp2", "in_place", "peer"] = Field(
+    gather: Literal["auto", "fsdp2", "in_place"] = Field(
         "auto",
         description="How a unit's sharded weights are gathered for its forward. 'fsdp2': FSDP2's flat all-gather, "
         "copied into and out of a buffer each forward; 'in_place': each weight gathered straight into buffers its "
-        "module reads (no copies; forward_prefetch + 1 units' buffers held at all times); 'peer': as in_place, but "
-        "each rank copies the other ranks' rows out of their memory itself (CUDA symmetric memory, copy engines; "
-        "CPU shared memory): no collective in a forward and no SMs taken, for groups on one node. 'auto': in_place "
-        "on CUDA "
+        "module reads (no copies; forward_prefetch + 1 units' buffers held at all times). 'auto': in_place on CUDA "
         "(NCCL sends a unit's gathers as one group; Wan-14B on 2 x H100: 0.936 of plain diffusers against 0.877, "
         "bench/results), fsdp2 on CPU (gloo sends each weight's gather on its own), fsdp2 with "
         "reshard_after_forward=False.",
@@ -281,11 +278,10 @@ class GroupConfig(BaseModel):
                 "sharded VAE's gathers would wait for ranks that never join them; leave 'vae' out (VAEs stay "
                 "replicated) or use lanes of one rank"
             )
-        if self.gather in ("in_place", "peer") and not self.reshard_after_forward:
+        if self.gather == "in_place" and not self.reshard_after_forward:
             raise ValueError(
-                f"gather={self.gather!r} frees each unit's gathered weights after its forward (its buffers take "
-                "turns); with reshard_after_forward=False use gather='fsdp2', or mode='replicated' to keep whole "
-                "weights"
+                "gather='in_place' frees each unit's gathered weights after its forward (its buffers take turns); "
+                "with reshard_after_forward=False use gather='fsdp2', or mode='replicated' to keep whole weights"
             )
         if len(self.loras) > self.max_loras:
             raise ValueError(f"loras registers {len(self.loras)} adapters; max_loras={self.max_loras}")

@@ -98,19 +98,18 @@ def shard_module(
     """Shards ``root`` (on the meta device) as ``plan`` says.
 
     Args:
-        gather: ``"fsdp2"`` (``FsdpUnits``), ``"in_place"`` or ``"peer"`` (``InPlaceUnits`` by
-            all-gathers or by reading the other ranks' memory; both always free a unit's gathered
-            weights after its forward).
+        gather: ``"fsdp2"`` (``FsdpUnits``) or ``"in_place"`` (``InPlaceUnits``, which always
+            frees a unit's gathered weights after its forward).
         reshard_after_forward: FSDP2's setting.
         forward_prefetch: Units whose gathers a unit's forward starts ahead.
     """
     model_class = type(root).__name__  # fully_shard renames the class (FSDP<name>)
-    if gather in ("in_place", "peer"):
-        sharded = InPlaceUnits(root, plan, mesh, forward_prefetch, peer=gather == "peer")
+    if gather == "in_place":
+        sharded = InPlaceUnits(root, plan, mesh, forward_prefetch)
     elif gather == "fsdp2":
         sharded = FsdpUnits(root, plan, mesh, reshard_after_forward, forward_prefetch)
     else:
-        raise ValueError(f"gather must be 'fsdp2', 'in_place' or 'peer' once resolved, got {gather!r}")
+        raise ValueError(f"gather must be 'fsdp2' or 'in_place' once resolved, got {gather!r}")
     logger.info("Sharded %d modules + root (%s, %s, %s gathers)", len(plan.units), model_class, plan.source, gather)
     return sharded
 

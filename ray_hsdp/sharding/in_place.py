@@ -15,12 +15,6 @@ so the gathered weights held at any time are those of ``prefetch + 1`` units and
 FSDP2's reshard after forward and explicit prefetch; the buffers are allocated once, after the
 load. A unit's gathers are issued from the compute stream, so NCCL starts them only after the
 kernels already queued there, among them those of the unit that used the slot before.
-
-With ``peer=True`` a unit is gathered without a collective: each rank keeps its rows in memory
-every rank of the node can read (``PeerMemory``) and copies the other ranks' rows into its slot
-itself, on copy streams that wait for the compute stream the same way. The rows never change after
-the load, so no rank waits for another, a forward has no collective at all (a ghost pass does
-nothing), and on CUDA the copies run on copy engines, leaving every SM to the forward.
 """
 
 from __future__ import annotations
@@ -34,7 +28,6 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ray_hsdp.sharding.peer_memory import PeerMemory
 from ray_hsdp.sharding.policy import ShardPlan, minority_dtype
 
 #: Bytes every gathered parameter's view is aligned to inside its slot.
@@ -56,10 +49,8 @@ class _Param:
         return self.sharded.shape[0]
 
     def receive_bytes(self, world: int) -> int:
-        return self.send_bytes(world) * world
-
-    def send_bytes(self, world: int) -> int:
-        return math.ceil(self.rows / world) * math.prod(self.sharded.shape[1:]) * self.sharded.element_size()
+        padded = math.ceil(self.rows / world) * world
+        return padded * math.prod(self.sharded.shape[1:]) * self.sharded.element_size()
 
 
 @dataclass
@@ -68,7 +59,6 @@ class _Unit:
     module: nn.Module
     params: list[_Param] = field(default_factory=list)
     slot: int = -1  # -1: the root's own buffer
-    pulls: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)  # peer: (to, from) per stream
 
     def swap(self, attribute: str) -> None:
         for param in self.params:
@@ -105,21 +95,16 @@ class InPlaceUnits:
         plan: Its units and the submodules that stay replicated; units must not nest.
         mesh: The group's 1-D ``shard`` mesh.
         prefetch: Units whose gathers a unit's forward issues ahead of its own compute.
-        peer: Gather by reading the other ranks' rows from their memory (one node) instead of by
-            all-gathers.
 
     Raises:
         ValueError: A unit of the plan holds another.
     """
 
-    def __init__(self, root: nn.Module, plan: ShardPlan, mesh: DeviceMesh, prefetch: int, peer: bool = False):
+    def __init__(self, root: nn.Module, plan: ShardPlan, mesh: DeviceMesh, prefetch: int):
         self.mesh = mesh
         self.group = mesh.get_group()
         self.world = mesh.size()
         self.prefetch = prefetch
-        self.peer = peer
-        self._streams: list[torch.cuda.Stream] = []  # peer on CUDA: one copy stream per other rank
-        self._window: PeerMemory | None = None
         in_plan = {id(m): name for name, m in plan.units}
         for name, unit in plan.units:
             for inner_name, inner in unit.named_modules():
@@ -185,30 +170,18 @@ class InPlaceUnits:
         self._coalesce = device.type == "cuda"
         buffers = {slot: torch.empty(size, dtype=torch.uint8, device=device) for slot, size in sizes.items()}
         self._slots = list(buffers.values())
-        every = [p for u in [*self.units, self.root] for p in u.params]
-        window = None
-        if self.peer:
-            window = PeerMemory.allocate(sum(_aligned(p.send_bytes(self.world)) for p in every), self.group, device)
-        sent = 0
         for unit in [*self.units, self.root]:
             offset = 0
             for param in unit.params:
-                self._place(param, buffers[unit.slot], offset, window.local[sent:] if window else None)
+                self._place(param, buffers[unit.slot], offset)
                 offset += _aligned(param.receive_bytes(self.world))
-                sent += _aligned(param.send_bytes(self.world))
-        if window is not None:
-            self._window = window  # owns the mappings of the other ranks' memory
-            self._plan_pulls(window, device)
-            window.published()
         for unit in self.units:
             unit.module.register_forward_pre_hook(self._before_unit)
             unit.module.register_forward_hook(self._after_unit)
         self.root.module.register_forward_pre_hook(self._before_root)
         self.root.module.register_forward_hook(self._after_root)
 
-    def _place(self, param: _Param, buffer: torch.Tensor, offset: int, window: torch.Tensor | None) -> None:
-        """Views ``param``'s slot in ``buffer`` at ``offset``; its rows move to the start of ``window``
-        (peer memory) when given, or to a padded tensor of their own when uneven."""
+    def _place(self, param: _Param, buffer: torch.Tensor, offset: int) -> None:
         shape = param.sharded.shape
         padded_rows = math.ceil(shape[0] / self.world)
         nbytes = param.receive_bytes(self.world)
@@ -217,15 +190,11 @@ class InPlaceUnits:
         )
         param.gathered = nn.Parameter(param.receive[: shape[0]], requires_grad=False)
         local = param.sharded.to_local()
-        if window is None and local.shape[0] == padded_rows and local.is_contiguous():
+        if local.shape[0] == padded_rows and local.is_contiguous():
             param.send = local
             return
-        # This rank's rows live in a padded tensor (or peer memory) from now on, the DTensor views them.
-        if window is None:
-            param.send = torch.zeros((padded_rows, *shape[1:]), dtype=local.dtype, device=local.device)
-        else:
-            param.send = window[: param.send_bytes(self.world)].view(local.dtype).view(padded_rows, *shape[1:])
-            param.send[local.shape[0] :].zero_()
+        # Uneven rows: this rank's rows live in a padded tensor from now on, the DTensor views them.
+        param.send = torch.zeros((padded_rows, *shape[1:]), dtype=local.dtype, device=local.device)
         param.send[: local.shape[0]].copy_(local)
         sharded = nn.Parameter(
             DTensor.from_local(
@@ -244,51 +213,11 @@ class InPlaceUnits:
 
     # ---- the gathers ---------------------------------------------------------------------
 
-    def _plan_pulls(self, window: PeerMemory, device: torch.device) -> None:
-        """Lists each unit's copies once: every rank's rows from its memory into the unit's slot,
-        rank ``me + 1 + i`` (and, on the first stream, this rank's own rows) on copy stream ``i``."""
-        me = self.mesh.get_local_rank()
-        lanes = max(1, self.world - 1)
-        if device.type == "cuda":
-            self._streams = [torch.cuda.Stream(device) for _ in range(lanes)]
-        local_start = window.local.data_ptr()
-        for unit in [*self.units, self.root]:
-            unit.pulls = [[] for _ in range(lanes)]
-            for param in unit.params:
-                rows = param.send.shape[0]
-                start = param.send.data_ptr() - local_start
-                for step in range(self.world):
-                    source = (me + step) % self.world
-                    memory = window.peers[source][start : start + param.send_bytes(self.world)]
-                    rows_there = memory.view(param.send.dtype).view(param.send.shape)
-                    lane = max(0, step - 1)
-                    unit.pulls[lane].append((param.receive[source * rows : (source + 1) * rows], rows_there))
-
-    def _pull(self, unit: _Unit) -> list:
-        """Copies ``unit``'s rows from every rank; returns what the compute stream must wait for."""
-        if not self._streams:  # CPU: plain copies, done when they return
-            for pulls in unit.pulls:
-                for to, source in pulls:
-                    to.copy_(source)
-            return []
-        compute = torch.cuda.current_stream()
-        done = []
-        for stream, pulls in zip(self._streams, unit.pulls):
-            stream.wait_stream(compute)  # the slot's previous unit has finished with it
-            with torch.cuda.stream(stream):
-                for to, source in pulls:
-                    to.copy_(source, non_blocking=True)
-            done.append(stream.record_event())
-        return done
-
     def _issue(self, key: int) -> None:
         """Starts the gathers of unit ``key`` (-1: the root) unless they are under way."""
         if key in self._pending or key >= len(self.units):
             return
         unit = self.root if key < 0 else self.units[key]
-        if self.peer:
-            self._pending[key] = self._pull(unit)
-            return
         if not self._coalesce:
             self._pending[key] = [
                 dist.all_gather_into_tensor(p.receive, p.send, group=self.group, async_op=True) for p in unit.params
@@ -338,10 +267,8 @@ class InPlaceUnits:
 
     @torch.no_grad()
     def ghost(self) -> None:
-        """The collectives of one forward, in its order, without computing it (none with ``peer``)."""
+        """The collectives of one forward, in its order, without computing it."""
         self._drain()
-        if self.peer:
-            return
         self._wait(-1)
         for key in range(len(self.units)):
             self._wait(key)

@@ -265,7 +265,7 @@ def gloo_pair(ray_cluster):
         yield group
 
 
-@pytest.mark.parametrize("gather", ["fsdp2", "in_place", "peer"])
+@pytest.mark.parametrize("gather", ["fsdp2", "in_place"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_policy_units_and_forward_parity(gloo_pair, case, gather):
     _, expected_units = CASES[case]
