@@ -53,4 +53,6 @@ def test_cluster_notebook_places_each_group_on_one_node(ray_cluster, tmp_path):
     assert "2 groups, each on one node" in outputs
     assert "8 images of (64, 64)" in outputs
     assert outputs.count("replica ") == 2 and "2 lanes of 1" in outputs
+    assert "groups by state: {'RUNNING': 2}" in outputs and "each group: ['serving', 'serving']" in outputs
+    assert "'autoscaling': {'min_groups': 1, 'max_groups': 4" in outputs
     assert any("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))

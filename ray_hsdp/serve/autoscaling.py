@@ -9,6 +9,8 @@ and the up- and downscale delays around the policy.
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 
 from ray_hsdp.config import AutoscalingSpec
@@ -18,6 +20,29 @@ LOAD_METRIC = "ray_hsdp_group_load"
 
 #: Where Serve finds the policy (an import path: the controller imports it).
 POLICY = "ray_hsdp.serve.autoscaling:group_load_policy"
+
+#: The policy's answer, exported from Serve's controller (Prometheus: ``ray_`` + this).
+TARGET_METRIC = "hsdp_autoscaling_target_groups"
+
+logger = logging.getLogger("ray_hsdp")
+
+
+@functools.cache
+def _target_gauge():
+    from ray.util.metrics import Gauge
+
+    return Gauge(
+        TARGET_METRIC,
+        description="shard groups the autoscaling policy asks Serve for (before Serve's delays)",
+        tag_keys=("application", "deployment"),
+    )
+
+
+def _report_target(ctx, groups: int) -> None:
+    try:
+        _target_gauge().set(groups, tags={"application": ctx.app_name, "deployment": ctx.deployment_name})
+    except Exception as err:  # noqa: BLE001 - a metric must never stop the scaling
+        logger.warning("Could not export the autoscaling target: %s", err)
 
 
 def group_load_policy(ctx) -> tuple[int, dict]:
@@ -35,7 +60,9 @@ def group_load_policy(ctx) -> tuple[int, dict]:
         return ctx.target_num_replicas, ctx.policy_state
     wanted = math.ceil(sum(loads.values()) / ctx.config.target_ongoing_requests)
     low, high = ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas
-    return max(low, min(high, wanted)), ctx.policy_state
+    groups = max(low, min(high, wanted))
+    _report_target(ctx, groups)
+    return groups, ctx.policy_state
 
 
 def autoscaling_config(spec: AutoscalingSpec, lanes_per_group: int) -> dict:

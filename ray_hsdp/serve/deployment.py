@@ -268,7 +268,6 @@ class HSDPServer:
         self._placement = ray.util.get_current_placement_group()
         self._replica = serve.get_replica_context().replica_id.unique_id
         self.metrics = ReplicaMetrics(self.model_name)
-        self.keeper = GroupKeeper(self._build_group)
         self.jobs = jobs
         self._video_tasks: dict[str, asyncio.Task] = {}
         #: Video id -> (request, frame rate, seeded) of the jobs this replica runs (a drain hands
@@ -276,7 +275,14 @@ class HSDPServer:
         self._video_jobs: dict[str, tuple[GenerationRequest, int, bool]] = {}
         self._draining = False
         self._stopping = threading.Event()
+        self.keeper: GroupKeeper | None = None  # while None, the group is starting
+        # Before the group's start, so that the metrics show it starting.
         threading.Thread(target=self._report_metrics, name="ray_hsdp-metrics", daemon=True).start()
+        try:
+            self.keeper = GroupKeeper(self._build_group)
+        except BaseException:
+            self._stopping.set()
+            raise
 
     def _build_group(self) -> ShardGroup:
         labels = {"replica": self._replica}
@@ -288,6 +294,9 @@ class HSDPServer:
         """Every ``metrics_interval_s``: the group's queue and ranks, its failures, the job table."""
         while not self._stopping.wait(self.config.metrics_interval_s):
             try:
+                self.metrics.state(self._state(), self._load())
+                if self.keeper is None:
+                    continue
                 if self.keeper.ready:
                     group = self.keeper.group
                     self.metrics.group(group.group_id, *group.load(), group.tick_stats())
@@ -487,11 +496,21 @@ class HSDPServer:
 
         return {LOAD_METRIC: float(self._load())}
 
+    def _state(self) -> str:
+        """The group's state, one of ``GROUP_STATES``."""
+        if self._draining:
+            return "draining"
+        if self.keeper is None:
+            return "starting"
+        if self.keeper.broken:
+            return "failed"
+        return "serving" if self.keeper.ready else "rebuilding"
+
     def _load(self) -> int:
         """Requests the group holds, queued or running, video jobs included; while the group is
         rebuilt, the video jobs waiting for it."""
         load = len(self._video_tasks)
-        if self.keeper.ready:
+        if self.keeper is not None and self.keeper.ready:
             load = max(load, sum(self.keeper.group.load()))
         return load
 
@@ -582,7 +601,7 @@ class HSDPServer:
         return {
             **group.describe(),
             "replica": replica,
-            "state": "draining" if self._draining else "serving",
+            "state": self._state(),
             "ranks": group.memory(),
             "requests": group.progress(),
         }

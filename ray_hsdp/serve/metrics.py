@@ -30,7 +30,17 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "ray_hsdp_group_failures_total": ("counter", ("model",), "shard group failures (each starts a rebuild)"),
     "ray_hsdp_group_rebuilds_total": ("counter", ("model",), "shard groups rebuilt after a failure"),
     "ray_hsdp_video_jobs": ("gauge", ("status",), "video jobs in the job table, by status"),
+    "ray_hsdp_group_state": ("gauge", ("model", "state"), "1 for the state the replica's group is in, else 0"),
+    "ray_hsdp_group_load": (
+        "gauge",
+        ("model",),
+        "requests the group holds, queued or running, video jobs included (what autoscaling sizes the pool on)",
+    ),
 }
+
+#: A replica's group: building in the replica's constructor, serving, being rebuilt after a
+#: failure, failed for good (Serve replaces the replica), or draining before the replica stops.
+GROUP_STATES = ("starting", "serving", "rebuilding", "failed", "draining")
 
 #: Rank counters: Prometheus name -> the field of ``Rank.tick_stats``.
 _RANK_COUNTERS = {
@@ -95,6 +105,12 @@ class ReplicaMetrics:
                     self._m[name].inc(delta, tags=tags)
             for name, field in _RANK_GAUGES.items():
                 self._m[name].set(stats[field], tags=tags)
+
+    def state(self, state: str, load: int) -> None:
+        """The group's state (one of ``GROUP_STATES``) and its load."""
+        for name in GROUP_STATES:
+            self._m["ray_hsdp_group_state"].set(int(name == state), tags={"model": self.model, "state": name})
+        self._m["ray_hsdp_group_load"].set(load, tags={"model": self.model})
 
     def keeper(self, failures: int, rebuilds: int) -> None:
         """The replica's group failures and rebuilds so far (the counters appear at the first one)."""

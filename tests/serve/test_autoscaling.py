@@ -11,6 +11,7 @@ import requests
 from ray_hsdp.config import AppConfig, AutoscalingSpec
 from ray_hsdp.serve.autoscaling import LOAD_METRIC, autoscaling_config, group_load_policy
 
+from .prometheus import scrape, total
 from .served import deploy
 
 APP = "elastic"
@@ -65,6 +66,22 @@ def replicas(deadline_s: float, want: int) -> int:
         running = deployment.replica_states.get("RUNNING", 0)
         if running == want and sum(deployment.replica_states.values()) == want or time.monotonic() > deadline:
             return running
+        time.sleep(0.5)
+
+
+def exported(deadline_s: float, replica: str) -> dict[str, float]:
+    """Waits until Prometheus shows the app's target groups at 1 and ``replica``'s group serving,
+    or the deadline; returns what it last saw."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        text = scrape()
+        seen = {
+            "target": total(text, "ray_hsdp_autoscaling_target_groups", application=APP),
+            "serving": total(text, "ray_hsdp_group_state", application=APP, replica=replica, state="serving"),
+            "draining": total(text, "ray_hsdp_group_state", application=APP, replica=replica, state="draining"),
+        }
+        if seen == {"target": 1, "serving": 1, "draining": 0} or time.monotonic() > deadline:
+            return seen
         time.sleep(0.5)
 
 
@@ -124,5 +141,9 @@ def test_a_burst_adds_a_group_and_a_removed_group_hands_its_job_over(server):
         jobs = wait_all(base, long, 120)
         assert [j["status"] for j in jobs] == ["completed", "completed"], [j["error"] for j in jobs]
         assert [j["retried"] for j in jobs].count(True) == 1, jobs  # the removed group's, taken over
+        # Once idle: the policy's answer (exported by Serve's controller) and the group's state.
+        remaining = requests.get(f"{base}/v1/pool", timeout=30).json()
+        assert remaining["state"] == "serving"
+        assert exported(30, remaining["replica"]) == {"target": 1, "serving": 1, "draining": 0}
     finally:
         serve.delete(APP)

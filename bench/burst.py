@@ -1,0 +1,188 @@
+"""What a burst looks like under ``autoscaling``: shard groups and video jobs over time.
+
+    python -m bench.burst --device cpu --out bench/results --plot docs/burst-cpu.png
+
+Deploys the app with ``autoscaling`` on a Ray of its own, sends ``--jobs`` video jobs at once over
+HTTP, and every ``--every`` seconds reads Serve's replicas of the app by state (each replica is a
+shard group: starting, running, stopping) and the jobs by status, until every job has ended and the
+pool is back to ``min_groups`` (or ``--deadline``). Writes the samples (JSON), a Markdown summary
+and, with ``--plot``, a PNG of both over time (matplotlib). On CPU it serves the tiny model on gloo
+ranks with fractional CPUs; on GPUs, ``--model`` names a checkpoint folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from bench.common import environment, write_results
+
+APP = "burst"
+
+
+def _replicas() -> dict[str, int]:
+    from ray import serve
+
+    app = serve.status().applications.get(APP)
+    if app is None or "HSDPServer" not in app.deployments:
+        return {}
+    return dict(app.deployments["HSDPServer"].replica_states)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", default="tiny", help="'tiny' or a checkpoint folder")
+    parser.add_argument("--shard-size", type=int, default=2)
+    parser.add_argument("--min-groups", type=int, default=1)
+    parser.add_argument("--max-groups", type=int, default=3)
+    parser.add_argument("--target-per-lane", type=float, default=2)
+    parser.add_argument("--upscale-delay", type=float, default=2)
+    parser.add_argument("--downscale-delay", type=float, default=20)
+    parser.add_argument("--jobs", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--frames", type=int, default=5)
+    parser.add_argument("--size", default="64x64")
+    parser.add_argument("--every", type=float, default=0.5)
+    parser.add_argument("--deadline", type=float, default=300)
+    parser.add_argument("--ray-cpus", type=int, default=8, help="CPU runs: logical CPUs of the local Ray")
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--name", default="burst-cpu")
+    parser.add_argument("--plot", default=None, help="write the plot to this PNG")
+    args = parser.parse_args()
+
+    import ray
+    import requests
+    from ray import serve
+
+    from ray_hsdp.distributed import free_port
+    from ray_hsdp.serve import build_app
+
+    ray.init(
+        address="local",
+        include_dashboard=False,
+        log_to_driver=False,
+        num_cpus=args.ray_cpus if args.device == "cpu" else None,
+    )
+    port = free_port("127.0.0.1")
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    config = {
+        "model": args.model,
+        "device": args.device,
+        "shard_size": args.shard_size,
+        "default_size": args.size,
+        "max_steps": max(50, args.steps),
+        "autoscaling": {
+            "min_groups": args.min_groups,
+            "max_groups": args.max_groups,
+            "target_per_lane": args.target_per_lane,
+            "upscale_delay_s": args.upscale_delay,
+            "downscale_delay_s": args.downscale_delay,
+            "metrics_interval_s": 0.5,
+            "look_back_period_s": 2,
+        },
+    }
+    if args.device == "cpu":
+        config["cpus_per_rank"] = 0.5
+    serve.run(build_app(config), name=APP, route_prefix=f"/{APP}")
+    base = f"http://127.0.0.1:{port}/{APP}"
+    start = time.monotonic()
+    ids = [
+        requests.post(
+            f"{base}/v1/videos",
+            json={
+                "prompt": f"burst {i}",
+                "seed": i,
+                "num_inference_steps": args.steps,
+                "num_frames": args.frames,
+            },
+            timeout=60,
+        ).json()["id"]
+        for i in range(args.jobs)
+    ]
+    sent_s = time.monotonic() - start
+    samples = []
+    while True:
+        now = time.monotonic() - start
+        states = _replicas()
+        statuses = [requests.get(f"{base}/v1/videos/{i}", timeout=30).json()["status"] for i in ids]
+        sample = {
+            "t_s": round(now, 2),
+            "groups_running": states.get("RUNNING", 0),
+            "groups_starting": states.get("STARTING", 0),
+            "groups_stopping": states.get("STOPPING", 0),
+            **{status: statuses.count(status) for status in ("queued", "in_progress", "completed", "failed")},
+        }
+        samples.append(sample)
+        ended = sample["completed"] + sample["failed"] == len(ids)
+        settled = sample["groups_running"] == args.min_groups and not sample["groups_stopping"]
+        if (ended and settled) or now > args.deadline:
+            break
+        time.sleep(args.every)
+    serve.delete(APP)
+    ray.shutdown()
+    payload = {"config": config, "jobs": args.jobs, "sent_s": sent_s, "samples": samples, "environment": environment()}
+    write_results(Path(args.out), args.name, payload, _summary(payload, args))
+    if args.plot:
+        _plot(samples, args)
+
+
+def _summary(payload: dict, args) -> str:
+    samples = payload["samples"]
+    peak = max(s["groups_running"] for s in samples)
+    first_up = next((s["t_s"] for s in samples if s["groups_running"] > args.min_groups), None)
+    all_done = next((s["t_s"] for s in samples if s["completed"] + s["failed"] == args.jobs), None)
+    back = next(
+        (s["t_s"] for s in samples if s["t_s"] > (all_done or 0) and s["groups_running"] == args.min_groups), None
+    )
+    lines = [
+        f"# A burst under autoscaling: {args.jobs} video jobs at once, {args.model} on {args.device}",
+        "",
+        f"GPUs: {', '.join(payload['environment']['gpus']) or 'none'}",
+        "",
+        f"Config: `{payload['config']['autoscaling']}`, shard_size {args.shard_size}, {args.steps} steps, "
+        f"{args.frames} frames at {args.size}.",
+        "",
+        "| what | value |",
+        "| --- | --- |",
+        f"| jobs sent (s) | {payload['sent_s']:.2f} |",
+        f"| groups at most | {peak} |",
+        f"| first group added, running (s after the burst) | {first_up} |",
+        f"| every job ended (s) | {all_done} |",
+        f"| back to min_groups (s) | {back} |",
+        f"| jobs completed / failed | {samples[-1]['completed']} / {samples[-1]['failed']} |",
+        "",
+        f"Command: `{payload['environment']['command']}`",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _plot(samples: list[dict], args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [s["t_s"] for s in samples]
+    fig, (groups, jobs) = plt.subplots(2, 1, sharex=True, figsize=(8, 5))
+    groups.step(t, [s["groups_running"] for s in samples], where="post", label="running")
+    groups.step(t, [s["groups_starting"] for s in samples], where="post", label="starting")
+    groups.step(t, [s["groups_stopping"] for s in samples], where="post", label="stopping (draining)")
+    groups.set_ylabel("shard groups")
+    groups.legend(loc="upper right")
+    jobs.step(t, [s["queued"] for s in samples], where="post", label="queued")
+    jobs.step(t, [s["in_progress"] for s in samples], where="post", label="in progress")
+    jobs.step(t, [s["completed"] for s in samples], where="post", label="completed")
+    jobs.set_ylabel("video jobs")
+    jobs.set_xlabel("seconds after the burst")
+    jobs.legend(loc="center right")
+    fig.suptitle(f"{args.jobs} video jobs at once, autoscaling {args.min_groups}..{args.max_groups} groups")
+    fig.tight_layout()
+    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.plot, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
