@@ -161,11 +161,13 @@ def run_group(model_dir: Path, layout: str, requests: list, args):
         first = requests[0] if requests else request_for(args.throughput_size, args.frames, 1, "w", image=args.image)
         first = dataclasses.replace(first, lora=lora)
         warm = dataclasses.replace(first, num_inference_steps=1, request_id="warm-up")
-        group.generate([warm])
+        # A deadline on every wait: a layout that hangs is recorded as failed (its group shut
+        # down) and the next layout runs, instead of the call's time running out on it.
+        group.submit(warm).result(timeout=args.request_deadline)
         for request in requests:
             group.start_profile()
             start = time.perf_counter()
-            result = group.submit(request).result()
+            result = group.submit(request).result(timeout=args.request_deadline)
             end = time.perf_counter()
             profiles = group.stop_profile()
             record = next(p["requests"][request.request_id] for p in profiles if request.request_id in p["requests"])
@@ -195,7 +197,7 @@ def run_group(model_dir: Path, layout: str, requests: list, args):
             futures = [(time.perf_counter(), group.submit(r)) for r in many]
             latencies = []
             for submitted, future in futures:
-                future.result()
+                future.result(timeout=args.request_deadline)
                 latencies.append(time.perf_counter() - submitted)
             wall = time.perf_counter() - start
             batch = {
@@ -238,6 +240,12 @@ def main() -> None:
     parser.add_argument("--name", default="lanes-wan2.1-t2v-14b")
     parser.add_argument("--lora-dir", type=Path, default=Path("/tmp/bench-loras"), help="the +lora layouts' LoRA")
     parser.add_argument("--lora-rank", type=int, default=64)
+    parser.add_argument(
+        "--request-deadline",
+        type=float,
+        default=600,
+        help="seconds a layout's request may take before the layout is recorded as failed and the next runs",
+    )
     args = parser.parse_args()
 
     import numpy as np
@@ -264,6 +272,8 @@ def main() -> None:
             except Exception as err:  # noqa: BLE001 - a layout that fails is a result of its own
                 # The message is the last line of a rank's traceback.
                 message = str(err).strip().splitlines()[-1] if str(err).strip() else ""
+                if isinstance(err, TimeoutError):
+                    message = message or f"a request took longer than --request-deadline {args.request_deadline:g} s"
                 results["layouts"][layout] = {"error": f"{type(err).__name__}: {message[:300]}"}
                 print(layout, results["layouts"][layout], flush=True)
                 continue

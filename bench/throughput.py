@@ -37,13 +37,43 @@ def latent_tokens(width: int, height: int, frames: int) -> int:
     return ((frames - 1) // 4 + 1) * (height // 16) * (width // 16)
 
 
-def run_groups(groups, requests) -> dict:
-    """Submits every request at once, spread over the groups; returns rate and latencies."""
+#: Setups of ``batch`` with one group field changed.
+OPTIONS = {
+    "batch-prefetch0": {"forward_prefetch": 0},
+    "batch-prefetch2": {"forward_prefetch": 2},
+    "batch-fwd2": {"max_forward_batch": 2},
+    "batch-compile": {"compile": True},
+    "batch-inplace": {"gather": "in_place"},
+    "batch-fsdp2": {"gather": "fsdp2"},
+    "batch-inplace-compile": {"gather": "in_place", "compile": True},
+    "batch-ctas2": {"nccl_max_ctas": 2},
+    "batch-ctas8": {"nccl_max_ctas": 8},
+    "batch-ctas2-compile": {"nccl_max_ctas": 2, "compile": True},
+}
+#: Every setup ``--setups`` takes.
+SETUPS = {
+    "plain",
+    "plain-compile",
+    "ceiling",
+    "batch",
+    "replicated",
+    "mixed",
+    "offload",
+    "batch-lora",
+    "batch-lora4",
+    "batch-fused",
+    *OPTIONS,
+}
+
+
+def run_groups(groups, requests, deadline_s: float | None = None) -> dict:
+    """Submits every request at once, spread over the groups; returns rate and latencies (a
+    request unanswered ``deadline_s`` after the previous answer raises ``TimeoutError``)."""
     start = time.perf_counter()
     futures = [(groups[i % len(groups)].submit(r), time.perf_counter()) for i, r in enumerate(requests)]
     latencies = []
     for future, submitted in futures:
-        future.result()
+        future.result(timeout=deadline_s)
         latencies.append(time.perf_counter() - submitted)
     wall = time.perf_counter() - start
     return summary(latencies, wall)
@@ -168,6 +198,12 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--lora-dir", default="/tmp/bench-loras", help="where the lora setups' random LoRAs go")
     parser.add_argument("--lora-rank", type=int, default=64)
+    parser.add_argument(
+        "--request-deadline",
+        type=float,
+        default=600,
+        help="seconds to wait for each next answer before the setup is recorded as failed and the next runs",
+    )
     args = parser.parse_args()
 
     import ray
@@ -194,6 +230,7 @@ def main() -> None:
         return ShardGroup(GroupConfig(model=str(model_dir), device=args.device, **fields)).start()
 
     rows: list[dict] = []
+    failed: list[dict] = []  # setups that raised or ran past --request-deadline
     name = f"throughput-{args.arch}"
 
     def record(setup, frames, result, groups=()):
@@ -209,10 +246,14 @@ def main() -> None:
                 or max((r["last_request_peak_device_bytes"] for r in memory), default=None),
             }
         )
-        write_results(
-            Path(args.out), name, {"rows": rows, "environment": environment(), "steps": args.steps}, table(rows, args)
-        )
+        write()
 
+    def write():
+        payload = {"rows": rows, "failed": failed, "environment": environment(), "steps": args.steps}
+        write_results(Path(args.out), name, payload, table(rows, args, failed))
+
+    if unknown := sorted(set(args.setups) - SETUPS):
+        parser.error(f"unknown setups {unknown}; known: {sorted(SETUPS)}")
     runs = []  # (row name, setup, R, S)
     for setup in args.setups:
         if setup == "batch":
@@ -226,57 +267,60 @@ def main() -> None:
         else:
             runs.append((setup, setup, 1, args.gpus))
 
-    for row, setup, replicas, shard_size in runs:
+    def run_setup(row, setup, replicas, shard_size):
         if setup in ("plain", "plain-compile"):
             for frames in args.frames:
                 outcome = plain_baseline(str(model_dir), requests(frames), args.gpus, args.device, setup != "plain")
                 record(setup, frames, outcome)
-            continue
+            return
         if setup == "offload":
             for frames in args.offload_frames:
                 record(setup, frames, offload_baseline(str(model_dir), requests(frames, count=2), args.device))
-            continue
-        options = {
-            "batch-prefetch0": {"forward_prefetch": 0},
-            "batch-prefetch2": {"forward_prefetch": 2},
-            "batch-fwd2": {"max_forward_batch": 2},
-            "batch-compile": {"compile": True},
-            "batch-inplace": {"gather": "in_place"},
-            "batch-fsdp2": {"gather": "fsdp2"},
-            "batch-inplace-compile": {"gather": "in_place", "compile": True},
-            "batch-ctas2": {"nccl_max_ctas": 2},
-            "batch-ctas8": {"nccl_max_ctas": 8},
-            "batch-ctas2-compile": {"nccl_max_ctas": 2, "compile": True},
-        }.get(setup, {})
+            return
+        options = OPTIONS.get(setup, {})
         if setup in ("batch-lora", "batch-lora4"):
             options = {"loras": random_loras(4 if setup == "batch-lora4" else 1)}
         if setup == "batch-fused":
             options = {"loras": random_loras(1), "fuse_loras": {"lora0": 1.0}}
         adapters = tuple(name for name in options.get("loras", {}) if name not in options.get("fuse_loras", {}))
         mode = "replicated" if setup == "replicated" else "batch"
-        groups = [group(shard_size=shard_size, replicate_size=replicas, mode=mode, **options) for _ in range(replicas)]
+        groups = []
         try:
+            for _ in range(replicas):
+                groups.append(group(shard_size=shard_size, replicate_size=replicas, mode=mode, **options))
             for frames in args.mixed_frames if setup == "mixed" else args.frames:
                 if setup == "mixed":
                     work = requests(frames, steps=[2 * args.steps, 4 * args.steps], count=2 * n)
                 else:
                     work = requests(frames, loras=adapters)
                 # Warm-up: one request per GPU (with the adapters, each of them).
-                run_groups(groups, requests(frames, count=args.gpus, loras=adapters))
-                result = run_groups(groups, work)
+                run_groups(groups, requests(frames, count=args.gpus, loras=adapters), args.request_deadline)
+                result = run_groups(groups, work, args.request_deadline)
                 result["forwards"] = sum(2 * r.num_inference_steps for r in work)
                 record(row, frames, result, groups)
             if setup == "ceiling":  # the mixed workload's ideal: the same work on unsharded replicas
                 for frames in args.mixed_frames if "mixed" in args.setups else []:
                     work = requests(frames, steps=[2 * args.steps, 4 * args.steps], count=2 * n)
-                    record("ceiling-mixed", frames, run_groups(groups, work), groups)
+                    record("ceiling-mixed", frames, run_groups(groups, work, args.request_deadline), groups)
         finally:
             for g in groups:
                 g.shutdown()
+
+    for row, setup, replicas, shard_size in runs:
+        try:
+            run_setup(row, setup, replicas, shard_size)
+        except Exception as err:  # noqa: BLE001 - a setup that fails is a result of its own; the next runs
+            text = str(err).strip()
+            message = (
+                text.splitlines()[-1] if text else f"no answer within --request-deadline {args.request_deadline:g} s"
+            )
+            failed.append({"setup": row, "error": f"{type(err).__name__}: {message[:300]}"})
+            print(f"{row} failed: {failed[-1]['error']}")
+            write()
     ray.shutdown()
 
 
-def table(rows: list[dict], args) -> str:
+def table(rows: list[dict], args, failed: list[dict] = ()) -> str:
     by = {(r["setup"], r["frames"]): r for r in rows}
     lines = [
         f"# Throughput: {args.arch}, random {'bf16' if args.device == 'cuda' else 'fp32 tiny'} weights, "
@@ -308,6 +352,7 @@ def table(rows: list[dict], args) -> str:
             f"| {r['setup']} | {r['frames']} | {r['tokens']} | {r['requests']} | {r['requests_per_s']:.3f} "
             f"| {ratio} | {r['latency_p50_s']:.2f} / {r['latency_p95_s']:.2f} | {weights} | {peak} |"
         )
+    lines += [f"| {f['setup']} | | | | failed: {f['error']} | | | | |" for f in failed]
     lines += ["", f"Command: `{environment()['command']}`", ""]
     return "\n".join(lines)
 
