@@ -37,10 +37,10 @@ PROMPT = "A red fox runs through fresh snow at dawn, cinematic"
 
 def layout_fields(name: str) -> dict:
     """GroupConfig fields of a layout name such as ``s4-cfg2-u2`` or ``s2-r2`` (a ``+lora``,
-    ``+fused`` or ``+novae`` suffix is ``options_of``'s)."""
-    match = re.fullmatch(r"s(\d+)((?:-(?:u\d+|r\d+|cfg2))*)(?:\+(?:lora|fused|novae))?", name)
+    ``+fused``, ``+vae`` or ``+novae`` suffix is ``options_of``'s)."""
+    match = re.fullmatch(r"s(\d+)((?:-(?:u\d+|r\d+|cfg2))*)(?:\+(?:lora|fused|vae|novae))?", name)
     if not match:
-        raise ValueError(f"layout {name!r}: expected 'plain' or s<S>[-u<N>][-r<N>][-cfg2][+lora|+fused|+novae]")
+        raise ValueError(f"layout {name!r}: expected 'plain' or s<S>[-u<N>][-r<N>][-cfg2][+lora|+fused|+vae|+novae]")
     fields = {"shard_size": int(match.group(1))}
     for part in filter(None, match.group(2).split("-")):
         if part == "cfg2":
@@ -54,8 +54,11 @@ def layout_fields(name: str) -> dict:
 
 def options_of(layout: str, args) -> tuple[dict, tuple]:
     """A layout's suffix: ``+lora`` runs every request with one random LoRA switched per forward,
-    ``+fused`` merges it into the weights at load, ``+novae`` has the leader decode alone
-    (``vae_parallel: off``). Returns the config fields and a request's ``lora``."""
+    ``+fused`` merges it into the weights at load, ``+vae`` splits every decode of more than one
+    tile over the lane (``vae_parallel: on``), ``+novae`` has the leader decode alone
+    (``vae_parallel: off``, the default). Returns the config fields and a request's ``lora``."""
+    if layout.endswith("+vae"):
+        return {"vae_parallel": "on"}, ()
     if layout.endswith("+novae"):
         return {"vae_parallel": "off"}, ()
     if not layout.endswith(("+lora", "+fused")):

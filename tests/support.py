@@ -6,8 +6,10 @@ the name ``conftest``.)"""
 from __future__ import annotations
 
 import inspect
+import random
 import socket
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -76,10 +78,40 @@ def max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)).max())
 
 
+#: Ports ``free_port`` handed out in this process: never twice.
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for ``bind(0)`` (Linux: ``ip_local_port_range``)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port free now on every interface, below the kernel's ephemeral range and never handed
+    out before in this session.
+
+    Between this call and the bind that uses the port, Ray's processes start and take dozens of
+    ports with ``bind(0)``; a port from the ephemeral range (where a ``bind(0)`` probe would find
+    one) can be taken by one of them, which failed a run when a node's metrics port was (its
+    agent: "Address already in use"). No ``bind(0)`` ever returns a port below the range.
+    """
+    high = _ephemeral_low()
+    low = max(1024, high - 12000)
+    for port in random.sample(range(low, high), min(500, high - low)):
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free TCP port between {low} and {high}")
 
 
 def wait_until(condition, timeout_s: float = 60, what: str = "the condition", interval_s: float = 0.02):
