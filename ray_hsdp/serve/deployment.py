@@ -8,6 +8,7 @@ import os
 import threading
 import uuid
 from pathlib import Path
+from typing import NamedTuple
 
 import ray
 from fastapi import FastAPI, Request
@@ -246,6 +247,15 @@ def _application_going() -> bool:
     return app is None or app.status == "DELETING"
 
 
+class _VideoRun(NamedTuple):
+    """A video job this replica runs: its task, and what another replica needs to take it over."""
+
+    task: asyncio.Task
+    job: GenerationRequest
+    fps: int
+    seeded: bool
+
+
 @serve.deployment
 @serve.ingress(api)
 class HSDPServer:
@@ -269,10 +279,8 @@ class HSDPServer:
         self._replica = serve.get_replica_context().replica_id.unique_id
         self.metrics = ReplicaMetrics(self.model_name)
         self.jobs = jobs
-        self._video_tasks: dict[str, asyncio.Task] = {}
-        #: Video id -> (request, frame rate, seeded) of the jobs this replica runs (a drain hands
-        #: the seeded ones over).
-        self._video_jobs: dict[str, tuple[GenerationRequest, int, bool]] = {}
+        #: Video id -> the job this replica runs (a drain hands the seeded ones over).
+        self._videos: dict[str, _VideoRun] = {}
         self._draining = False
         self._stopping = threading.Event()
         self.keeper: GroupKeeper | None = None  # while None, the group is starting
@@ -465,14 +473,8 @@ class HSDPServer:
     def _start_video(self, video_id: str, job: GenerationRequest, fps: int, seeded: bool, future=None) -> None:
         """Runs a video job in the background on this replica's group, to its MP4 in the table."""
         task = asyncio.create_task(self._run_video(video_id, job, fps, seeded, future))
-        self._video_tasks[video_id] = task
-        self._video_jobs[video_id] = (job, fps, seeded)
-
-        def forget(_):
-            self._video_tasks.pop(video_id, None)
-            self._video_jobs.pop(video_id, None)
-
-        task.add_done_callback(forget)
+        self._videos[video_id] = _VideoRun(task, job, fps, seeded)
+        task.add_done_callback(lambda _: self._videos.pop(video_id, None))
 
     async def adopt_video(self, video_id: str, job: GenerationRequest, fps: int, avoid_replica: str) -> bool:
         """Takes over a seeded video job from a replica being removed (its drain timed out): the
@@ -509,7 +511,7 @@ class HSDPServer:
     def _load(self) -> int:
         """Requests the group holds, queued or running, video jobs included; while the group is
         rebuilt, the video jobs waiting for it."""
-        load = len(self._video_tasks)
+        load = len(self._videos)
         if self.keeper is not None and self.keeper.ready:
             load = max(load, sum(self.keeper.group.load()))
         return load
@@ -576,7 +578,7 @@ class HSDPServer:
         is this one, else at its next report to the table (every 0.25 s)."""
         if not await self.jobs.delete.remote(video_id):
             raise VideoNotFoundError(f"no video {video_id!r} (never created, deleted, or expired)")
-        if video_id in self._video_tasks:
+        if video_id in self._videos:
             self._cancel(video_id)  # a job's request id is its video id
         return {"id": video_id, "object": "video.deleted", "deleted": True}
 
@@ -587,7 +589,7 @@ class HSDPServer:
             ``{"video": the video object, "mp4": the MP4's bytes}``; raises if the job failed.
         """
         created = await self.create_video(request)
-        error = await asyncio.shield(self._video_tasks[created["id"]])
+        error = await asyncio.shield(self._videos[created["id"]].task)
         if error is not None:
             raise error  # answered by its own class: bad input 400, deadline 504, broken group 503
         video = await self.video(created["id"])
@@ -638,7 +640,7 @@ class HSDPServer:
         if getattr(self, "_draining", False):  # once: Serve calls it, the garbage collector may again
             return
         self._draining = True
-        tasks = dict(getattr(self, "_video_tasks", {}))
+        tasks = {video_id: run.task for video_id, run in getattr(self, "_videos", {}).items()}
         # When the whole application goes (serve.delete, shutdown), its job table goes with it:
         # nothing would keep a drained job's video.
         if tasks and not await asyncio.to_thread(_application_going):
@@ -657,10 +659,10 @@ class HSDPServer:
     async def _hand_over(self, video_id: str, task: asyncio.Task) -> None:
         """A job still running when this replica's drain ends: another replica takes a seeded one
         over; any other is failed with the reason. Its run here stops either way."""
-        spec = self._video_jobs.get(video_id)
-        if spec is None:  # it ended meanwhile
+        run = self._videos.get(video_id)
+        if run is None:  # it ended meanwhile
             return
-        job, fps, seeded = spec
+        _, job, fps, seeded = run
         handed = False
         reason = "it has no seed, so another group would make a different video"
         if seeded:
