@@ -15,9 +15,13 @@ set (``batch`` takes its default); ``batch-ctas2``, ``batch-ctas8`` (and ``batch
 ``nccl_max_ctas`` set; ``batch-lora``: every request with one unfused random rank-``--lora-rank``
 LoRA, ``batch-lora4``: four LoRAs registered, the requests taking them in turn (four at once on a
 group of 4), ``batch-fused``: that one LoRA merged into the weights at load (``fuse_loras``), all
-against ``batch`` without adapters. Every setup runs the same requests (480x832, guidance on) at
-each frame count; results are written after every setup so that a run cut short keeps what it
-measured.
+against ``batch`` without adapters; ``batch-fbcache`` and ``batch-taylorseer``: every request with a
+step cache (First Block Cache at its default threshold; TaylorSeer at a fixed schedule, one full
+step in 2 after the first; ``-compile``: with ``compile: true``), each row with its share of
+forwards that reused the cache and the drift of its first request's frames from the same request
+uncached on the same group. Every setup
+runs the same requests (480x832, guidance on) at each frame count; results are written after every
+setup so that a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ OPTIONS = {
     "batch-ctas2": {"nccl_max_ctas": 2},
     "batch-ctas8": {"nccl_max_ctas": 8},
     "batch-ctas2-compile": {"nccl_max_ctas": 2, "compile": True},
+    "batch-fbcache": {"cache": {"kind": "first_block"}},
+    "batch-taylorseer": {"cache": {"kind": "taylorseer", "interval": 2, "warmup_steps": 1}},
+    "batch-taylorseer-compile": {"cache": {"kind": "taylorseer", "interval": 2, "warmup_steps": 1}, "compile": True},
 }
 #: Every setup ``--setups`` takes.
 SETUPS = {
@@ -66,17 +73,35 @@ SETUPS = {
 }
 
 
-def run_groups(groups, requests, deadline_s: float | None = None) -> dict:
+def run_groups(groups, requests, deadline_s: float | None = None, results: list | None = None) -> dict:
     """Submits every request at once, spread over the groups; returns rate and latencies (a
-    request unanswered ``deadline_s`` after the previous answer raises ``TimeoutError``)."""
+    request unanswered ``deadline_s`` after the previous answer raises ``TimeoutError``); the
+    results go to ``results`` when given."""
     start = time.perf_counter()
     futures = [(groups[i % len(groups)].submit(r), time.perf_counter()) for i, r in enumerate(requests)]
     latencies = []
     for future, submitted in futures:
-        future.result(timeout=deadline_s)
+        result = future.result(timeout=deadline_s)
         latencies.append(time.perf_counter() - submitted)
+        if results is not None:
+            results.append(result)
     wall = time.perf_counter() - start
     return summary(latencies, wall)
+
+
+def cache_figures(group, work, results, deadline_s: float | None) -> dict:
+    """A cached setup's share of forwards that reused the cache, and the drift of its first
+    request's frames from the same request run uncached on ``group`` (max and mean abs diff)."""
+    import numpy as np
+
+    reused = sum(r.cached_forwards or 0 for r in results)
+    uncached = group.submit(dataclasses.replace(work[0], cache=None)).result(timeout=deadline_s)
+    diff = np.abs(results[0].frames.astype(np.float64) - uncached.frames.astype(np.float64))
+    return {
+        "cache_reused_share": round(reused / sum(2 * r.num_inference_steps for r in work), 4),
+        "drift_max": round(float(diff.max()), 4),
+        "drift_mean": round(float(diff.mean()), 5),
+    }
 
 
 def summary(latencies: list[float], wall: float) -> dict:
@@ -208,7 +233,7 @@ def main() -> None:
 
     import ray
 
-    from ray_hsdp.config import GroupConfig
+    from ray_hsdp.config import GroupConfig, StepCacheConfig
     from ray_hsdp.group import ShardGroup
 
     model_dir = Path(args.model_dir)
@@ -216,8 +241,9 @@ def main() -> None:
     start_ray(args.ray_cpus)
     n = args.requests_per_gpu * args.gpus
 
-    def requests(frames, steps=None, count=n, loras=()):
+    def requests(frames, steps=None, count=n, loras=(), cache=None):
         made = fox_requests(count, width=args.width, height=args.height, frames=frames, steps=steps or args.steps)
+        made = [dataclasses.replace(r, cache=cache) for r in made]
         # Request i runs with adapter i mod len(loras), at scale 1.
         if not loras:
             return made
@@ -283,6 +309,7 @@ def main() -> None:
         if setup == "batch-fused":
             options = {"loras": random_loras(1), "fuse_loras": {"lora0": 1.0}}
         adapters = tuple(name for name in options.get("loras", {}) if name not in options.get("fuse_loras", {}))
+        cache = StepCacheConfig(**options["cache"]).settings() if "cache" in options else None
         mode = "replicated" if setup == "replicated" else "batch"
         groups = []
         try:
@@ -292,11 +319,15 @@ def main() -> None:
                 if setup == "mixed":
                     work = requests(frames, steps=[2 * args.steps, 4 * args.steps], count=2 * n)
                 else:
-                    work = requests(frames, loras=adapters)
+                    work = requests(frames, loras=adapters, cache=cache)
                 # Warm-up: one request per GPU (with the adapters, each of them).
-                run_groups(groups, requests(frames, count=args.gpus, loras=adapters), args.request_deadline)
-                result = run_groups(groups, work, args.request_deadline)
+                warm = requests(frames, count=args.gpus, loras=adapters, cache=cache)
+                run_groups(groups, warm, args.request_deadline)
+                results: list = []
+                result = run_groups(groups, work, args.request_deadline, results)
                 result["forwards"] = sum(2 * r.num_inference_steps for r in work)
+                if cache is not None:
+                    result.update(cache_figures(groups[0], work, results, args.request_deadline))
                 record(row, frames, result, groups)
             if setup == "ceiling":  # the mixed workload's ideal: the same work on unsharded replicas
                 for frames in args.mixed_frames if "mixed" in args.setups else []:
@@ -330,8 +361,9 @@ def table(rows: list[dict], args, failed: list[dict] = ()) -> str:
         f"GPUs: {', '.join(environment()['gpus']) or 'none'}",
         "",
         "| setup | frames | tokens | requests | requests/s | vs plain diffusers (else our ceiling) "
-        "| latency p50 / p95 (s) | weights/GPU (GiB) | peak/GPU (GiB) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| latency p50 / p95 (s) | weights/GPU (GiB) | peak/GPU (GiB) | forwards that reused a step cache "
+        "| drift from uncached: max / mean abs |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         # A compiled setup against plain diffusers compiled the same way; the rest against plain.
@@ -348,11 +380,14 @@ def table(rows: list[dict], args, failed: list[dict] = ()) -> str:
             ratio = "-"
         weights = f"{r['weights_per_gpu_bytes'] / 2**30:.2f}" if r.get("weights_per_gpu_bytes") else "-"
         peak = f"{r['peak_per_gpu_bytes'] / 2**30:.2f}" if r.get("peak_per_gpu_bytes") else "-"
+        reused = f"{r['cache_reused_share']:.0%}" if "cache_reused_share" in r else "-"
+        drift = f"{r['drift_max']:.4f} / {r['drift_mean']:.5f}" if "drift_max" in r else "-"
         lines.append(
             f"| {r['setup']} | {r['frames']} | {r['tokens']} | {r['requests']} | {r['requests_per_s']:.3f} "
-            f"| {ratio} | {r['latency_p50_s']:.2f} / {r['latency_p95_s']:.2f} | {weights} | {peak} |"
+            f"| {ratio} | {r['latency_p50_s']:.2f} / {r['latency_p95_s']:.2f} | {weights} | {peak} | {reused} "
+            f"| {drift} |"
         )
-    lines += [f"| {f['setup']} | | | | failed: {f['error']} | | | | |" for f in failed]
+    lines += [f"| {f['setup']} | | | | failed: {f['error']} | | | | | | |" for f in failed]
     lines += ["", f"Command: `{environment()['command']}`", ""]
     return "\n".join(lines)
 

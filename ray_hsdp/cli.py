@@ -125,6 +125,12 @@ def _adapter_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME[:SCALE],...",
         help="registered adapters to merge into the weights at load: every request runs with them",
     )
+    parser.add_argument(
+        "--cache",
+        choices=("none", "first_block", "taylorseer"),
+        default="none",
+        help="step cache every request runs with (an approximation: faster, frames differ); needs shard size >= 2",
+    )
 
 
 def _lora_files(values: list[str]) -> dict[str, str]:
@@ -223,6 +229,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "cfg_parallel": args.cfg_parallel,
         "loras": _lora_files(args.lora_file),
         "fuse_loras": dict(parse_lora(args.fuse_lora)),
+        "cache": {"kind": args.cache},
     }
     if args.default_size:
         config["default_size"] = args.default_size
@@ -282,6 +289,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         mode=args.mode,
         loras=loras,
         fuse_loras=dict(parse_lora(args.fuse_lora)),
+        cache={"kind": args.cache},
     )
     request = GenerationRequest(
         prompt=args.prompt,
@@ -298,6 +306,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         uint8_frames=video,
         image=image,
         lora=lora,
+        cache=config.cache.resolve(None),
     )
     with ShardGroup(config) as group:
         t = group.pipeline_facts.get("temporal_compression", 1)

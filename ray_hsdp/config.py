@@ -10,9 +10,9 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ray_hsdp.request import DEFAULT_GUIDANCE_SCALE
+from ray_hsdp.request import DEFAULT_GUIDANCE_SCALE, StepCache
 from ray_hsdp.topology import ParallelDims
 
 #: The model name that stands for the embedded tiny Wan pipeline (written on first use).
@@ -57,6 +57,98 @@ def check_attention_backend_name(name: str) -> None:
         )
     if name not in known:
         raise ValueError(f"attention_backend={name!r} is not a diffusers attention backend; known: {known} or 'auto'")
+
+
+#: The fields of a step cache a request may set for itself (``StepCache``'s, but ``kind``).
+CACHE_REQUEST_FIELDS = ("threshold", "interval", "warmup_steps", "full_after_step")
+
+
+class StepCacheConfig(BaseModel):
+    """A group's step cache: the hooks its ranks load, and the settings a request gets.
+
+    An approximation a user turns on: a cached request's frames differ from the uncached run's.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["none", "first_block", "taylorseer"] = Field(
+        "none",
+        description="'first_block': diffusers' First Block Cache (a step reuses the last residual of the blocks "
+        "after the first when the first block's output barely changed); 'taylorseer': a schedule of full steps "
+        "and steps predicted from them (diffusers' TaylorSeer); 'none': every step computed in full.",
+    )
+    every_request: bool = Field(
+        True,
+        description="Requests that do not say (their 'cache' field) run with the cache; False: only those that "
+        "ask ('cache': 'on' or an object of settings).",
+    )
+    threshold: float = Field(
+        0.05,
+        ge=0,
+        description="first_block: the relative change of the first block's residual below which a step "
+        "reuses the cache (diffusers' default 0.05; higher: faster, further from the uncached frames).",
+    )
+    interval: int = Field(
+        2,
+        ge=1,
+        description="taylorseer: one full step in every 'interval' after the warm-up (2: about half the forwards).",
+    )
+    warmup_steps: int = Field(1, ge=1, description="taylorseer: steps computed in full first.")
+    full_after_step: int | None = Field(
+        None, ge=1, description="taylorseer: steps from this index on are computed in full; None: none."
+    )
+    max_order: int = Field(1, ge=1, le=4, description="taylorseer: the order of the Taylor expansion (loaded once).")
+    lite: bool = Field(
+        True,
+        description="taylorseer: predict only the output projection and skip every block on a predicted step "
+        "(a few MB of state per request); False: predict each attention's output and run the rest (GBs of state "
+        "per request for a video).",
+    )
+
+    def settings(self, **overrides) -> StepCache:
+        """This config's settings for one request, with the fields it gives (``CACHE_REQUEST_FIELDS``)."""
+        fields = {name: getattr(self, name) for name in CACHE_REQUEST_FIELDS}
+        return StepCache(kind=self.kind, **{**fields, **overrides})
+
+    def resolve(self, value) -> StepCache | None:
+        """The step cache of a request whose ``cache`` field is ``value``.
+
+        Forms: ``None`` (the group's choice, ``every_request``), ``"on"`` / ``"off"`` (also
+        ``True`` / ``False``), or an object of settings (``CACHE_REQUEST_FIELDS``, and ``kind``,
+        which must be the group's).
+
+        Raises:
+            ValueError: The group has no step cache and the request asks for one, another kind,
+                an unknown field, or a value out of range.
+        """
+        if value is None:
+            return self.settings() if self.kind != "none" and self.every_request else None
+        if value in ("off", False):
+            return None
+        if self.kind == "none":
+            raise ValueError(
+                "this deployment has no step cache (its cache kind is 'none'); send cache 'off' or omit it"
+            )
+        if value in ("on", True):
+            return self.settings()
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"cache must be 'on', 'off' or an object of {', '.join(CACHE_REQUEST_FIELDS)}; got {value!r}"
+            )
+        given = dict(value)
+        kind = given.pop("kind", self.kind)
+        if kind != self.kind:
+            raise ValueError(f"cache kind {kind!r}: this deployment loads the {self.kind!r} step cache only")
+        unknown = sorted(set(given) - set(CACHE_REQUEST_FIELDS))
+        if unknown:
+            raise ValueError(f"cache: unknown field(s) {unknown}; a request may set {', '.join(CACHE_REQUEST_FIELDS)}")
+        try:
+            merged = StepCacheConfig(**{**self.model_dump(), **given})  # the same checks as the config's
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            raise ValueError(f"cache.{where}: {first['msg']} (got {first['input']!r})") from None
+        return merged.settings()
 
 
 class GroupConfig(BaseModel):
@@ -250,6 +342,11 @@ class GroupConfig(BaseModel):
         "scale (W += scale * B @ A): every request runs with them at no cost per step (a step-distillation LoRA), "
         "and no request names them. Works with compile.",
     )
+    cache: StepCacheConfig = Field(
+        default_factory=StepCacheConfig,
+        description="Step caching (an opt-in approximation): the kind whose hooks every rank loads, and the settings "
+        "requests get; a request may turn it off or set its own (its 'cache' field).",
+    )
 
     @model_validator(mode="after")
     def _check_sizes(self) -> GroupConfig:
@@ -307,6 +404,11 @@ class GroupConfig(BaseModel):
             raise ValueError(
                 "loras with shard_size 1 and requests_per_rank > 1: an unsharded rank runs its requests' forwards "
                 "on their own threads, so two requests could not hold different adapters; use requests_per_rank 1"
+            )
+        if self.cache.kind != "none" and self.resolved_shard_size == 1:
+            raise ValueError(
+                f"cache kind {self.cache.kind!r} with shard_size 1: a step cache keeps each request's state apart on "
+                "the tick thread of a sharded rank, which an unsharded rank does not have; use shard_size >= 2"
             )
         if lane_size > 1 and self.max_forward_batch > 1:
             raise ValueError(

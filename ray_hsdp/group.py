@@ -438,7 +438,8 @@ class ShardGroup:
         """Refuses a request this pipeline cannot run: one whose tokens do not split evenly over a
         lane's ``ring x ulysses`` ranks, that asks a single-expert pipeline for ``guidance_scale_2``,
         or that lacks the image an image-to-video pipeline needs (or brings one to another), or names
-        LoRA adapters the group did not load (or more than ``max_loras_per_request``).
+        LoRA adapters the group did not load (or more than ``max_loras_per_request``), or a step
+        cache of a kind the group did not load.
 
         Raises:
             UnsplittableRequestError: With the token count, the degree and what to change.
@@ -461,6 +462,10 @@ class ShardGroup:
             switched = sorted(self.config.lora_sources(fused=False))
             known = ", ".join(switched) or "none (the deployment registers no loras)"
             raise ValueError(f"unknown lora {', '.join(map(repr, unknown))}; this deployment's adapters: {known}")
+        if request.cache is not None and request.cache.kind != self.config.cache.kind:
+            kind = self.config.cache.kind
+            loaded = "no step cache" if kind == "none" else f"the {kind!r} step cache"
+            raise ValueError(f"the request asks for the {request.cache.kind!r} step cache; this group loads {loaded}")
         wants_image = bool(self.pipeline_facts.get("image_input"))
         if wants_image and request.image is None:
             raise ValueError(

@@ -171,6 +171,7 @@ class Rank:
                 attention_backend=self.config.attention_backend,
                 compile=self.config.compile,
                 fuse_loras={name: (scale, self.lora_paths[name]) for name, scale in self.config.fuse_loras.items()},
+                cache_hooks=self._cache_hooks(),
                 phases=self.phases,
             )
             adapters = None
@@ -181,14 +182,18 @@ class Rank:
                 # After fully_shard: the adapters stay plain replicated parameters beside the units.
                 with self.phases.phase("adapters"):
                     adapters = Adapters.load(self.pipeline.pipe, switched)
-            modules = exchange = None
+            modules = exchange = step_caches = None
             if self.pipeline.sharded:
+                if self.config.cache.kind != "none":
+                    step_caches = self._step_caches()
+                    self.pipeline.step_caches = step_caches
                 modules = ShardedModules(
                     self.pipeline.sharded_modules,
                     self.config.device,
                     self.pipeline.shardings,
                     cfg_group=self.lane_mesh.get_group("cfg") if self.dims.cfg == 2 else None,
                     adapters=adapters,
+                    step_caches=step_caches,
                 )
                 exchange = ProcessGroupExchange(self.config.device)
             if self.decode_group is not None:
@@ -205,7 +210,8 @@ class Rank:
                 max_batch=self.config.max_forward_batch,
                 lane_size=self.dims.lane_size,
                 leads=self.dims.leads(self.rank),
-                variant_of=(lambda request: request.lora) if adapters is not None else None,
+                # A cached request's state is its own: its forwards never batch with another's.
+                variant_of=lambda request: (request.lora, id(request) if request.cache is not None else None),
                 lane_decodes=self.pipeline.splits_decode if self.decode_group is not None else None,
             )
             if modules is not None:
@@ -226,6 +232,22 @@ class Rank:
             self.load_s = time.perf_counter() - start
         self.load_peak_rss_bytes = rss.peak_above_start
         return {**self.memory(), "pipeline": self.pipeline.facts, "start_phases_s": dict(self.phases.seconds)}
+
+    def _cache_hooks(self) -> dict | None:
+        """The step cache's hooks the sharded models take at load (``step_cache.enable``)."""
+        cache = self.config.cache
+        if cache.kind == "none":
+            return None
+        return {"kind": cache.kind, "max_order": cache.max_order, "lite": cache.lite}
+
+    def _step_caches(self):
+        """The step caches of the loaded sharded modules; a lane that splits the sequence sums
+        First Block Cache's measure over its ``ring`` and ``ulysses`` ranks."""
+        from ray_hsdp.step_cache import StepCaches
+
+        dims = {"ring": self.dims.ring, "ulysses": self.dims.ulysses}
+        groups = [self.lane_mesh.get_group(name) for name, size in dims.items() if size > 1]
+        return StepCaches(list(self.pipeline.sharded_modules.values()), groups)
 
     def _loaded(self) -> RankRuntime:
         if self.runtime is None:
@@ -293,9 +315,13 @@ class Rank:
 
         runtime = self.runtime
         counts = ("ticks", "idle_ticks", "forwards", "ghosts", "batched")
+        caches = self.pipeline.step_caches if self.pipeline is not None else None
         return {
             "rank": self.rank,
             **{name: getattr(runtime, name) if runtime is not None else 0 for name in counts},
+            # Forwards run with a request's step cache, and those that reused it.
+            "step_cache_forwards": caches.forwards if caches is not None else 0,
+            "step_cache_reused": caches.cached_forwards if caches is not None else 0,
             "device_allocated_bytes": device_allocated_bytes(self.config.device),
             "last_request_peak_device_bytes": self.last_request_peak_device_bytes,
         }

@@ -20,6 +20,34 @@ class LaneCollectiveError(RuntimeError):
     (a split decode): the other ranks of the lane may wait in it, so the rank's session fails."""
 
 
+#: Step-cache kinds: diffusers' First Block Cache (decides from the first block's residual) and
+#: TaylorSeer (a fixed schedule of full and predicted steps).
+CACHE_KINDS = ("first_block", "taylorseer")
+
+
+@dataclass(frozen=True)
+class StepCache:
+    """How one request reuses work across its denoising steps (an approximation it opted into).
+
+    Attributes:
+        kind: One of ``CACHE_KINDS``; the group must have loaded this kind's hooks.
+        threshold: ``first_block``: a step runs the blocks after the first only when the first
+            block's residual changed by more than this (relative mean absolute change) since the
+            last step that ran them.
+        interval: ``taylorseer``: after the warm-up, one full step in every ``interval``; the others
+            are predicted from the last full steps.
+        warmup_steps: ``taylorseer``: steps computed in full first (at least 1).
+        full_after_step: ``taylorseer``: steps from this index on are computed in full; ``None``:
+            none.
+    """
+
+    kind: str
+    threshold: float = 0.05
+    interval: int = 2
+    warmup_steps: int = 1
+    full_after_step: int | None = None
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One generation job in diffusers terms.
@@ -48,6 +76,7 @@ class GenerationRequest:
         flow_shift: The shift of the scheduler's timesteps for this request (Wan's UniPC
             ``flow_shift``, a flow-match scheduler's ``shift``; distilled LoRAs ask for their own);
             ``None``: the pipeline's.
+        cache: The request's step cache; ``None``: every step computed in full.
     """
 
     prompt: str
@@ -66,6 +95,7 @@ class GenerationRequest:
     image: bytes | None = field(default=None, repr=False)  # megabytes: never in a log line
     lora: tuple[tuple[str, float], ...] = ()
     flow_shift: float | None = None
+    cache: StepCache | None = None
 
     def first_frame(self):
         """The image of an image-to-video request as the pipeline takes it (an RGB PIL image)."""
@@ -172,6 +202,8 @@ class GenerationResult:
         peak_device_bytes: Peak device memory allocated on the rank since this request started (0 on
             CPU; requests running at once on one rank share the counter, so each sees the joint peak).
         step_s: Mean seconds between two denoising steps' ends; ``None`` for a one-step request.
+        cached_forwards: Of the request's transformer forwards on the rank that answered, those
+            that reused its step cache instead of running every block; ``None``: no step cache.
     """
 
     frames: np.ndarray
@@ -181,3 +213,4 @@ class GenerationResult:
     request_id: str = ""
     peak_device_bytes: int = 0
     step_s: float | None = None
+    cached_forwards: int | None = None

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ray_hsdp import step_cache
 from ray_hsdp.loading import (
     build_on_meta,
     fill_from_checkpoint,
@@ -157,6 +158,9 @@ class ShardedPipeline:
         self.adapters = None
         #: This rank's side of its lane's split decodes (``LaneTiles``); ``None``: no split.
         self.lane_tiles = None
+        #: The step caches of the sharded modules (``StepCaches``); a request's state is dropped
+        #: when it ends. ``None``: no step cache.
+        self.step_caches = None
         self._call_params = set(inspect.signature(pipe.__call__).parameters)
         pipe.set_progress_bar_config(disable=True)
         self.modules = components(pipe)  # the real modules, also once proxies stand in for sharded ones
@@ -185,6 +189,7 @@ class ShardedPipeline:
         attention_backend: str = "auto",
         compile: bool = False,
         fuse_loras: FusedLoras | None = None,
+        cache_hooks: Mapping | None = None,
         phases: Phases | None = None,
     ) -> ShardedPipeline:
         """Loads a pipeline folder, sharding the named components over ``mesh``.
@@ -196,6 +201,8 @@ class ShardedPipeline:
         With ``compile`` the repeated blocks of the diffusers models are compiled in place (the
         first forwards of each shape compile). The adapters of ``fuse_loras`` are merged into
         their components' weights as they load (each rank its own rows), before any gather.
+        ``cache_hooks`` (``kind``, ``max_order``, ``lite``: ``ray_hsdp.step_cache.enable``'s) puts a
+        step cache's hooks on the sharded diffusers models, before they are sharded.
         ``phases`` times each sharded component's load, the other components and the parallel setup.
 
         Raises:
@@ -215,6 +222,8 @@ class ShardedPipeline:
                     continue
                 with phases.phase(f"shards of {name}"):
                     module = build_on_meta(path / name, *index[name], dtype)
+                    if cache_hooks:  # before fully_shard renames the block classes the hooks look for
+                        step_cache.enable(module, **cache_hooks)
                     plan = resolve_plan(module, min_num_params)
                     shardings[name] = shard_module(
                         module,
@@ -394,6 +403,7 @@ class ShardedPipeline:
         pipe = self._slots.get()
         self._running_slot.pipe = pipe
         scheduler = pipe.scheduler if request.flow_shift is not None else None
+        cached_forwards = None
         try:
             if self.adapters is not None:
                 self.adapters.select(request.lora)
@@ -408,6 +418,8 @@ class ShardedPipeline:
                 pipe.scheduler = scheduler
             self._running_slot.pipe = None
             self._slots.put(pipe)
+            if self.step_caches is not None:
+                cached_forwards = self.step_caches.release(request)
         frames = output.frames if hasattr(output, "frames") else output.images
         frames = np.asarray(frames, dtype=np.float32)
         if frames.ndim == 4:  # images: (n, H, W, C) -> (n, 1, H, W, C)
@@ -422,6 +434,7 @@ class ShardedPipeline:
             request_id=request.request_id,
             peak_device_bytes=peak_device_bytes(self.device),
             step_s=(step_ends[-1] - step_ends[0]) / (len(step_ends) - 1) if len(step_ends) > 1 else None,
+            cached_forwards=cached_forwards,
         )
 
     def splits_decode(self, request: GenerationRequest) -> bool:

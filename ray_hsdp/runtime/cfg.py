@@ -32,25 +32,26 @@ class CfgSplit:
         self._guided = guided
         self._local = threading.local()  # the deferred first call of the request on this thread
 
-    def __call__(self, module_id: int, args: tuple, kwargs: dict):
+    def __call__(self, module_id: int, args: tuple, kwargs: dict, context: dict | None = None):
         if not self._guided():
-            return self._call(module_id, args, kwargs)
+            return self._call(module_id, args, kwargs, context)
         if kwargs.get("return_dict", True):
             raise ValueError("CFG parallel defers a forward's result, which needs calls made with return_dict=False")
         pending = getattr(self._local, "pending", None)
         if pending is None:
             sample = kwargs.get("hidden_states", args[0] if args else None)
             deferred = torch.empty(0, dtype=sample.dtype, device=sample.device)
-            self._local.pending = (module_id, args, kwargs, deferred)
+            self._local.pending = (module_id, args, kwargs, context, deferred)
             return (deferred,)
         self._local.pending = None
-        first_module, first_args, first_kwargs, deferred = pending
+        first_module, first_args, first_kwargs, first_context, deferred = pending
         if first_module != module_id:
             raise RuntimeError(
                 f"CFG parallel expected the unconditional call of module {first_module}, got module {module_id}"
             )
-        mine = (first_args, first_kwargs) if self.cfg_index == 0 else (args, kwargs)
-        cond, uncond = self._call(module_id, *mine, context={"cfg": True})
+        # Each half runs its own call: its inputs and its cache context (cond or uncond).
+        mine = (first_args, first_kwargs, first_context) if self.cfg_index == 0 else (args, kwargs, context)
+        cond, uncond = self._call(module_id, *mine[:2], context={**(mine[2] or {}), "cfg": True})
         if cond.dtype != deferred.dtype:
             raise RuntimeError(f"CFG parallel: the output is {cond.dtype}, the deferred result {deferred.dtype}")
         deferred.resize_(cond.shape).copy_(cond)

@@ -149,9 +149,12 @@ class ForwardCall(Completion):
         ticket: int = 0,
         context: dict | None = None,
         variant: Hashable = None,
+        request: Any = None,
     ):
         super().__init__()
         self.module_id = module_id
+        #: The request whose thread made the call (its adapters, its step cache); ``None`` outside one.
+        self.request = request
         #: What the forward runs with besides its inputs (its request's adapters): calls batch
         #: only with calls of the same variant.
         self.variant = variant
@@ -227,7 +230,8 @@ class RankRuntime:
         leads: Whether this rank leads its lane: only a leader decodes and answers; the others
             end each request after its last denoising step.
         variant_of: ``variant_of(request)``: what a request's forwards run with besides their
-            inputs (its adapters); a forward batches only calls of one variant.
+            inputs (its adapters, a step cache of its own); a forward batches only calls of one
+            variant.
         lane_decodes: ``lane_decodes(request)``: whether all ranks of the lane decode the request
             together after its last step (a split decode, whose collectives run on the lane's own
             process group from the request threads). The ranks then go on past the last step, and
@@ -326,7 +330,15 @@ class RankRuntime:
         """
         job: Job | None = getattr(self._local, "job", None)
         variant = self.variant_of(job.request) if job is not None and self.variant_of is not None else None
-        call = ForwardCall(module_id, args, kwargs, job.ticket if job is not None else 0, context, variant)
+        call = ForwardCall(
+            module_id,
+            args,
+            kwargs,
+            job.ticket if job is not None else 0,
+            context,
+            variant,
+            job.request if job is not None else None,
+        )
         modules = self.modules
         modules.before_call(call)
         with self._cond:

@@ -3,7 +3,9 @@ torch process group."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -27,15 +29,37 @@ def _tensors(obj):
 
 class TickedModule:
     """Stands in a pipeline for a sharded root module: calls go to the tick thread, attributes
-    (``config``, ``dtype``, ``cache_context``, ...) to the module itself."""
+    (``config``, ``dtype``, ...) to the module itself.
 
-    def __init__(self, module: nn.Module, module_id: int, call: Callable[[int, tuple, dict], object]):
+    A pipeline's ``cache_context`` is kept for the calls its thread makes inside it, and entered
+    by the tick thread around their forwards (``ray_hsdp.step_cache``): entered here it would set
+    the hooks' context of a module that runs other requests' forwards meanwhile.
+    """
+
+    def __init__(self, module: nn.Module, module_id: int, call: Callable[..., object]):
         object.__setattr__(self, "_module", module)
         object.__setattr__(self, "_module_id", module_id)
         object.__setattr__(self, "_call", call)
+        object.__setattr__(self, "_local", threading.local())
 
     def __call__(self, *args, **kwargs):
-        return self._call(self._module_id, args, kwargs)
+        cache = getattr(self._local, "cache", None)
+        return self._call(self._module_id, args, kwargs, {"cache": cache} if cache is not None else None)
+
+    @contextmanager
+    def cache_context(self, name: str, **kwargs):
+        """diffusers' ``cache_context`` for the calls this thread makes inside it."""
+        previous = getattr(self._local, "cache", None)
+        self._local.cache = (name, kwargs)
+        try:
+            yield
+        finally:
+            self._local.cache = previous
+
+    def _reset_stateful_cache(self, recurse: bool = True) -> None:
+        """A no-op: diffusers resets every cache state of a component when a pipeline call ends,
+        which here would drop those of the requests still running; a request's own state is
+        dropped when it ends (``StepCaches.release``)."""
 
     def __getattr__(self, name):
         return getattr(self._module, name)
@@ -53,12 +77,23 @@ class ShardedModules:
         cfg_group: The process group of this rank's two CFG halves (the lane mesh's ``cfg`` dim),
             over which a call marked ``cfg`` exchanges its output; ``None`` without CFG parallel.
         adapters: The LoRA adapters loaded into the modules (``ray_hsdp.adapters.Adapters``):
-            each forward first selects its calls' variant (their request's adapters).
+            each forward first selects its request's adapters.
+        step_caches: The modules' step caches (``ray_hsdp.step_cache.StepCaches``): each forward
+            runs in its request's own cache context and settings.
     """
 
-    def __init__(self, modules: dict[str, nn.Module], device: str, shardings: dict, cfg_group=None, adapters=None):
+    def __init__(
+        self,
+        modules: dict[str, nn.Module],
+        device: str,
+        shardings: dict,
+        cfg_group=None,
+        adapters=None,
+        step_caches=None,
+    ):
         self.cfg_group = cfg_group
         self.adapters = adapters
+        self.step_caches = step_caches
         # Parameter counts are global (DTensor), so every rank gets the same order.
         self.names = sorted(modules, key=lambda n: (sum(p.numel() for p in modules[n].parameters()), n))
         self.modules = [modules[name] for name in self.names]
@@ -95,13 +130,20 @@ class ShardedModules:
             if "ready" in call.context:
                 torch.cuda.current_stream().wait_event(call.context["ready"])
         module = self.modules[calls[0].module_id]
+        request = calls[0].request  # a batch's calls share their variant: adapters, step cache
         if self.adapters is not None and self.adapters.adapts(module):
-            self.adapters.select(calls[0].variant or ())  # a batch's calls share their variant
-        if len(calls) == 1:
-            results = [module(*calls[0].args, **calls[0].kwargs)]
-        else:
-            args, kwargs, sizes = concatenate([(c.args, c.kwargs) for c in calls])
-            results = split(module(*args, **kwargs), sizes)
+            self.adapters.select(request.lora if request is not None else ())
+        cache = (
+            self.step_caches.forward(module, request, calls[0].context.get("cache"))
+            if self.step_caches is not None
+            else nullcontext()
+        )
+        with cache:
+            if len(calls) == 1:
+                results = [module(*calls[0].args, **calls[0].kwargs)]
+            else:
+                args, kwargs, sizes = concatenate([(c.args, c.kwargs) for c in calls])
+                results = split(module(*args, **kwargs), sizes)
         if calls[0].context.get("cfg"):  # one call: combined mode runs no batches
             results = [self._exchange_cfg(results[0])]
         finished = None

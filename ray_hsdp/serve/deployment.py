@@ -606,6 +606,8 @@ class HSDPServer:
             "state": self._state(),
             "ranks": group.memory(),
             "requests": group.progress(),
+            # What requests may ask of the step cache ('cache'), and what they get by default.
+            "cache": self.config.cache.model_dump(),
         }
 
     def progress(self) -> dict:

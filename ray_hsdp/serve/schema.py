@@ -9,7 +9,7 @@ import time
 from typing import Annotated, Literal
 
 import numpy as np
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
 
 from ray_hsdp.config import AppConfig, parse_size
 from ray_hsdp.request import GenerationRequest, GenerationResult, fit_image, parse_lora
@@ -42,6 +42,27 @@ LORA_DESCRIPTION = (
 )
 
 
+def _cache_form(value):
+    """A form field carries the cache's settings as a JSON object."""
+    if isinstance(value, str) and value.strip().startswith("{"):
+        import json
+
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"cache is not a JSON object: {err}") from None
+    return value
+
+
+#: A request's step cache: ``"on"``, ``"off"``, or an object of its settings.
+Cache = Annotated[Literal["on", "off"] | bool | dict | None, BeforeValidator(_cache_form)]
+CACHE_DESCRIPTION = (
+    "Step cache (an approximation: faster, frames differ from the uncached run): 'on', 'off', or an object of "
+    "settings (threshold for first_block; interval, warmup_steps, full_after_step for taylorseer); the "
+    "deployment's choice when omitted (GET /v1/pool shows its cache)."
+)
+
+
 class ImageGenerationRequest(BaseModel):
     """``POST /v1/images/generations``: OpenAI's fields plus the diffusers extensions."""
 
@@ -69,6 +90,7 @@ class ImageGenerationRequest(BaseModel):
         None, gt=0, description="Deadline once a rank takes the request; the server's request_timeout_s when omitted."
     )
     lora: Lora = Field(None, description=LORA_DESCRIPTION)
+    cache: Cache = Field(None, description=CACHE_DESCRIPTION)
 
 
 class RequestLimitError(ValueError):
@@ -188,6 +210,10 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
         raise RequestLimitError(f"n={body.n} exceeds the limit max_n={config.max_n}")
     lora = parse_lora(body.lora)
     try:
+        cache = config.cache.resolve(body.cache)
+    except ValueError as err:
+        raise RequestLimitError(str(err)) from None
+    try:
         given = frozenset(
             f
             for f in ("num_inference_steps", "guidance_scale", "guidance_scale_2", "flow_shift")
@@ -221,6 +247,7 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
         request_id=request_id,
         timeout_s=float(body.timeout_s) if body.timeout_s is not None else None,
         lora=lora,
+        cache=cache,
     )
 
 
@@ -238,6 +265,7 @@ def image_response(result: GenerationResult, model: str) -> dict:
         "seed": result.seed,
         "rank": result.rank,
         "elapsed_s": round(result.elapsed_s, 4),
+        **({"cached_forwards": result.cached_forwards} if result.cached_forwards is not None else {}),
     }
 
 
@@ -274,6 +302,7 @@ class VideoCreateRequest(BaseModel):
         "data: URL or {'image_url': 'data:...'}; fitted to the size (cover, then centre crop).",
     )
     lora: Lora = Field(None, description=LORA_DESCRIPTION)
+    cache: Cache = Field(None, description=CACHE_DESCRIPTION)
 
 
 def to_video_request(
@@ -301,6 +330,7 @@ def to_video_request(
                 "flow_shift": body.flow_shift,
                 "seed": body.seed,
                 "lora": body.lora,
+                "cache": body.cache,
             }.items()
             if v is not None
         }
