@@ -321,7 +321,7 @@ class Rank:
             **{name: getattr(runtime, name) if runtime is not None else 0 for name in counts},
             # Forwards run with a request's step cache, and those that reused it.
             "step_cache_forwards": caches.forwards if caches is not None else 0,
-            "step_cache_reused": caches.cached_forwards if caches is not None else 0,
+            "step_cache_reused": caches.reused if caches is not None else 0,
             "device_allocated_bytes": device_allocated_bytes(self.config.device),
             "last_request_peak_device_bytes": self.last_request_peak_device_bytes,
         }

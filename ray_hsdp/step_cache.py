@@ -97,7 +97,7 @@ class StepCaches:
         self._skipped: dict[int, int] = {}  # request -> forwards that reused the cache
         #: Forwards run with a step cache, and those of them that reused it, since the load.
         self.forwards = 0
-        self.cached_forwards = 0
+        self.reused = 0
         for hooks in self._hooks.values():
             for hook in hooks:
                 if isinstance(hook, FBCHeadBlockHook):
@@ -135,7 +135,7 @@ class StepCaches:
         if settings is not None:
             with self._lock:
                 self.forwards += 1
-                self.cached_forwards += reused
+                self.reused += reused
                 self._skipped[key] = self._skipped.get(key, 0) + reused
 
     def release(self, request) -> int | None:

@@ -155,8 +155,8 @@ class ForwardCall(Completion):
         self.module_id = module_id
         #: The request whose thread made the call (its adapters, its step cache); ``None`` outside one.
         self.request = request
-        #: What the forward runs with besides its inputs (its request's adapters): calls batch
-        #: only with calls of the same variant.
+        #: What the forward runs with besides its inputs (its request's adapters, a step cache of
+        #: its own): calls batch only with calls of the same variant.
         self.variant = variant
         self.args = args
         self.kwargs = kwargs

@@ -25,6 +25,11 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "ray_hsdp_ghost_passes_total": ("counter", ("model", "rank"), "forwards the rank only took part in (no compute)"),
     "ray_hsdp_idle_ticks_total": ("counter", ("model", "rank"), "ticks at which the rank had nothing to do"),
     "ray_hsdp_forwards_total": ("counter", ("model", "rank"), "real forwards the rank ran"),
+    "ray_hsdp_step_cache_reused_total": (
+        "counter",
+        ("model", "rank"),
+        "forwards of requests with a step cache that reused it instead of running every block",
+    ),
     "ray_hsdp_device_allocated_bytes": ("gauge", ("model", "rank"), "GPU memory allocated on the rank now"),
     "ray_hsdp_device_peak_bytes": ("gauge", ("model", "rank"), "peak GPU memory of the rank's latest request"),
     "ray_hsdp_group_failures_total": ("counter", ("model",), "shard group failures (each starts a rebuild)"),
@@ -48,6 +53,7 @@ _RANK_COUNTERS = {
     "ray_hsdp_ghost_passes_total": "ghosts",
     "ray_hsdp_idle_ticks_total": "idle_ticks",
     "ray_hsdp_forwards_total": "forwards",
+    "ray_hsdp_step_cache_reused_total": "step_cache_reused",
 }
 _RANK_GAUGES = {
     "ray_hsdp_device_allocated_bytes": "device_allocated_bytes",
