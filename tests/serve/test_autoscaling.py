@@ -94,6 +94,16 @@ def wait_all(base: str, ids: list[str], deadline_s: float) -> list[dict]:
         time.sleep(0.5)
 
 
+def wait_running(base: str, video_id: str, deadline_s: float) -> bool:
+    """Waits until a lane runs the job (or the deadline); returns whether one does."""
+    deadline = time.monotonic() + deadline_s
+    while requests.get(f"{base}/v1/videos/{video_id}", timeout=30).json()["status"] != "in_progress":
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
 def test_a_burst_adds_a_group_and_a_removed_group_hands_its_job_over(server):
     """One group of 2 lanes at 2 requests per lane holds 4. A burst of 8 video jobs makes Serve add
     a second group. Once the burst's load falls to one group's share, Serve's downscale delay
@@ -108,7 +118,7 @@ def test_a_burst_adds_a_group_and_a_removed_group_hands_its_job_over(server):
         "device": "cpu",
         "shard_size": 2,
         "default_size": "64x64",
-        "max_steps": 400,
+        "max_steps": 600,
         "drain_timeout_s": 0.5,
         "autoscaling": {
             "min_groups": 1,
@@ -132,11 +142,15 @@ def test_a_burst_adds_a_group_and_a_removed_group_hands_its_job_over(server):
         ]
         assert replicas(90, want=2) == 2
         assert all(j["status"] == "completed" for j in wait_all(base, burst, 120))
+        # Long enough (500 steps: 25 s or more here) to outlast the downscale delay, which started
+        # once the burst's load fell to one group's share, by several times: the removed group's
+        # job is still running when it goes, however fast the host.
         long = []
         for i in range(2):
-            body = {"prompt": f"long {i}", "num_frames": 5, "num_inference_steps": 250, "seed": 100 + i}
+            body = {"prompt": f"long {i}", "num_frames": 5, "num_inference_steps": 500, "seed": 100 + i}
             long.append(requests.post(f"{base}/v1/videos", json=body, timeout=60).json()["id"])
-            time.sleep(1.5)  # the routing stats show the first job's load before the second
+            assert wait_running(base, long[-1], 30)
+            time.sleep(1.5)  # a routing-stats period (1 s) shows the first job's load before the second
         assert replicas(60, want=1) == 1
         jobs = wait_all(base, long, 120)
         assert [j["status"] for j in jobs] == ["completed", "completed"], [j["error"] for j in jobs]
