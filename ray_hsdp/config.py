@@ -280,9 +280,9 @@ class GroupConfig(BaseModel):
         "diffusers' tiled decode and the leader blends them (frames equal to the one-rank tiled decode). 'on': for "
         "every request whose frames make more than one tile; 'auto': on lanes of 4 or more ranks, and on smaller "
         "lanes where the decode is tiled anyway (vae_tiling); 'off': the leader decodes alone. Measured on 4 x "
-        "H100 (Wan2.1 VAE, 81 frames, 1280x720, bench.decode): one GPU whole 4.74 s, tiled 9.45 s, split over 2 "
-        "5.02 s, over 4 2.93 s. Off by default until the served split is measured on GPUs: its first version "
-        "(tiles exchanged over NCCL) never finished a request on 4 x H100; the exchange is gloo's now.",
+        "H100 (Wan2.1 VAE, 81 frames, 1280x720, bench.decode, tiles exchanged over gloo as served): one GPU whole "
+        "4.75 s, tiled 9.45 s, split over 2 6.35 s, over 4 3.84 s; served end to end (Wan-14B, s4-u4) the split made "
+        "a request 1.5 s slower than the leader's whole decode, so it is off by default.",
     )
     vae_tiling_above_pixels: int = Field(
         1280 * 720,
