@@ -85,6 +85,14 @@ def test_cached_and_uncached_requests_of_different_steps_share_a_batch_group(kin
         results = group.generate(requests)
         profiles = group.stop_profile()
         stats = group.tick_stats()
+        # A cached request cut off part way by its deadline leaves no state behind: the next one,
+        # under the same id, equals its unsharded run.
+        cut = request("cut", 400, cache, timeout_s=1.0)
+        with pytest.raises(TimeoutError, match="missed its deadline"):
+            group.submit(cut).result(timeout=60)
+        following = dataclasses.replace(cut, num_inference_steps=4, timeout_s=None)
+        (again,) = group.generate([following])
+    assert max_abs_diff(again.frames, reference(reference_pipe, following)) <= 1e-5
     for req, result in zip(requests, results):
         assert max_abs_diff(result.frames, reference(reference_pipe, req)) <= 1e-5, req.request_id
         expected = reused_forwards(cache, req.num_inference_steps) if req.cache else None
