@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from ray_hsdp.config import TINY_MODEL
-from ray_hsdp.request import DEFAULT_GUIDANCE_SCALE
+from ray_hsdp.request import CACHE_KINDS, DEFAULT_GUIDANCE_SCALE
 
 
 def _format_bytes(n: int) -> str:
@@ -127,7 +127,7 @@ def _adapter_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--cache",
-        choices=("none", "first_block", "taylorseer"),
+        choices=("none", *CACHE_KINDS),
         default="none",
         help="step cache every request runs with (an approximation: faster, frames differ); needs shard size >= 2",
     )
