@@ -94,7 +94,7 @@ class StepCaches:
         self._settings: StepCache | None = None  # the request whose forward runs now (tick thread)
         self._lock = threading.Lock()
         self._contexts: dict[int, set[tuple[int, str]]] = {}  # request -> (module, context name)
-        self._skipped: dict[int, int] = {}  # request -> forwards that reused the cache
+        self._reused_by: dict[int, int] = {}  # request -> its forwards that reused the cache
         #: Forwards run with a step cache, and those of them that reused it, since the load.
         self.forwards = 0
         self.reused = 0
@@ -103,11 +103,6 @@ class StepCaches:
                 if isinstance(hook, FBCHeadBlockHook):
                     # An instance attribute: the hook calls its decision through self.
                     hook._should_compute_remaining_blocks = functools.partial(self._first_block_decision, hook)
-
-    @property
-    def active(self) -> bool:
-        """Whether any module has cache hooks."""
-        return bool(self._hooks)
 
     @contextmanager
     def forward(self, module: nn.Module, request, context: tuple[str, dict] | None) -> Iterator[None]:
@@ -136,7 +131,7 @@ class StepCaches:
             with self._lock:
                 self.forwards += 1
                 self.reused += reused
-                self._skipped[key] = self._skipped.get(key, 0) + reused
+                self._reused_by[key] = self._reused_by.get(key, 0) + reused
 
     def release(self, request) -> int | None:
         """Drops the cache state of ``request`` once it ended (on its own thread: none of its
@@ -148,13 +143,13 @@ class StepCaches:
         key = id(request)
         with self._lock:
             contexts = self._contexts.pop(key, set())
-            skipped = self._skipped.pop(key, 0)
+            reused = self._reused_by.pop(key, 0)
         for module_id, name in contexts:
             for manager in _state_managers(self._hooks[module_id]):
                 # diffusers frees states only all at once (reset), which would drop the states of
                 # the requests still running; each request's state is its own entry.
                 manager._state_cache.pop(name, None)
-        return skipped if getattr(request, "cache", None) is not None else None
+        return reused if getattr(request, "cache", None) is not None else None
 
     def _configure(self, hooks, settings: StepCache | None) -> None:
         self._settings = settings
