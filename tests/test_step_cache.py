@@ -64,7 +64,9 @@ def request(rid: str, steps: int, cache: StepCache | None, **fields) -> Generati
 
 
 @pytest.mark.parametrize("kind", sorted(SCHEDULES))
-def test_cached_and_uncached_requests_of_different_steps_share_a_batch_group(kind, reference_pipe, tiny_model):
+def test_cached_and_uncached_requests_of_different_steps_share_a_batch_group(
+    kind, ray_cluster, reference_pipe, tiny_model
+):
     """2 ranks, 2 requests on each at once: three cached (two of them on one rank together, whatever
     the placement) and one uncached, of 6 and 4 steps. The ranks reuse their caches at different
     ticks and stay in lock step (FSDP2 still gathers a skipped block); each cached request equals
@@ -107,7 +109,9 @@ def test_cached_and_uncached_requests_of_different_steps_share_a_batch_group(kin
     assert sorted(placed.values()) == [0, 0, 1, 1]  # two requests on each rank, at once
 
 
-def test_a_lane_of_ulysses_2_takes_the_same_first_block_decisions_on_both_ranks(reference_pipe, tiny_model):
+def test_a_lane_of_ulysses_2_takes_the_same_first_block_decisions_on_both_ranks(
+    ray_cluster, reference_pipe, tiny_model
+):
     """The first block's output is split over the lane's two ranks: each sums its part of the change
     and the lane compares the whole, so both ranks skip the same steps (a rank that skipped alone
     would leave its peer in an attention all-to-all) and the decisions are the unsharded run's. The
