@@ -37,6 +37,16 @@ def write_results(out_dir: Path, name: str, payload: dict, markdown: str) -> Non
     print(markdown)
 
 
+def failure(err: BaseException, deadline_s: float) -> str:
+    """What a failed setup or layout records: the error's class and the last line of its message
+    (a rank's traceback ends with its cause); a wait past ``deadline_s`` says so."""
+    text = str(err).strip()
+    message = text.splitlines()[-1] if text else ""
+    if not message and isinstance(err, TimeoutError):
+        message = f"no answer within --request-deadline {deadline_s:g} s"
+    return f"{type(err).__name__}: {message[:300]}"
+
+
 def gib(n: float) -> str:
     return f"{n / 2**30:.2f}"
 

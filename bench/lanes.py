@@ -23,6 +23,7 @@ from pathlib import Path
 from bench.common import (
     ensure_model,
     environment,
+    failure,
     first_frame_png,
     gib,
     load_plain,
@@ -273,11 +274,7 @@ def main() -> None:
                 rows, frames, weights, batch, model = run_group(args.model_dir, layout, singles, args)
                 results["model_parameter_bytes"] = model
             except Exception as err:  # noqa: BLE001 - a layout that fails is a result of its own
-                # The message is the last line of a rank's traceback.
-                message = str(err).strip().splitlines()[-1] if str(err).strip() else ""
-                if isinstance(err, TimeoutError):
-                    message = message or f"a request took longer than --request-deadline {args.request_deadline:g} s"
-                results["layouts"][layout] = {"error": f"{type(err).__name__}: {message[:300]}"}
+                results["layouts"][layout] = {"error": failure(err, args.request_deadline)}
                 print(layout, results["layouts"][layout], flush=True)
                 continue
             entry = {"rows": rows, "parameter_bytes_per_gpu": weights, "throughput": batch}

@@ -19,9 +19,8 @@ against ``batch`` without adapters; ``batch-fbcache`` and ``batch-taylorseer``: 
 step cache (First Block Cache at its default threshold; TaylorSeer at a fixed schedule, one full
 step in 2 after the first; ``-compile``: with ``compile: true``), each row with its share of
 forwards that reused the cache and the drift of its first request's frames from the same request
-uncached on the same group. Every setup
-runs the same requests (480x832, guidance on) at each frame count; results are written after every
-setup so that a run cut short keeps what it measured.
+uncached on the same group. Every setup runs the same requests (480x832, guidance on) at each frame
+count; results are written after every setup so that a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -32,7 +31,16 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.common import ensure_model, environment, fox_requests, load_plain, plain_kwargs, start_ray, write_results
+from bench.common import (
+    ensure_model,
+    environment,
+    failure,
+    fox_requests,
+    load_plain,
+    plain_kwargs,
+    start_ray,
+    write_results,
+)
 from bench.common import random_loras as common_random_loras
 
 
@@ -41,6 +49,8 @@ def latent_tokens(width: int, height: int, frames: int) -> int:
     return ((frames - 1) // 4 + 1) * (height // 16) * (width // 16)
 
 
+#: TaylorSeer at a fixed 2x schedule: step 0 in full, then one full step in every 2.
+TAYLORSEER_2X = {"kind": "taylorseer", "interval": 2, "warmup_steps": 1}
 #: Setups of ``batch`` with one group field changed.
 OPTIONS = {
     "batch-prefetch0": {"forward_prefetch": 0},
@@ -54,8 +64,8 @@ OPTIONS = {
     "batch-ctas8": {"nccl_max_ctas": 8},
     "batch-ctas2-compile": {"nccl_max_ctas": 2, "compile": True},
     "batch-fbcache": {"cache": {"kind": "first_block"}},
-    "batch-taylorseer": {"cache": {"kind": "taylorseer", "interval": 2, "warmup_steps": 1}},
-    "batch-taylorseer-compile": {"cache": {"kind": "taylorseer", "interval": 2, "warmup_steps": 1}, "compile": True},
+    "batch-taylorseer": {"cache": TAYLORSEER_2X},
+    "batch-taylorseer-compile": {"cache": TAYLORSEER_2X, "compile": True},
 }
 #: Every setup ``--setups`` takes.
 SETUPS = {
@@ -341,11 +351,7 @@ def main() -> None:
         try:
             run_setup(row, setup, replicas, shard_size)
         except Exception as err:  # noqa: BLE001 - a setup that fails is a result of its own; the next runs
-            text = str(err).strip()
-            message = (
-                text.splitlines()[-1] if text else f"no answer within --request-deadline {args.request_deadline:g} s"
-            )
-            failed.append({"setup": row, "error": f"{type(err).__name__}: {message[:300]}"})
+            failed.append({"setup": row, "error": failure(err, args.request_deadline)})
             print(f"{row} failed: {failed[-1]['error']}")
             write()
     ray.shutdown()

@@ -74,11 +74,6 @@ def _hooks(module: nn.Module) -> list:
     return found
 
 
-def _state_managers(hooks) -> list:
-    managers = {id(h.state_manager): h.state_manager for h in hooks}
-    return list(managers.values())
-
-
 class StepCaches:
     """The step-cache hooks of a rank's sharded modules, set per request at each forward.
 
@@ -90,6 +85,11 @@ class StepCaches:
 
     def __init__(self, modules: Sequence[nn.Module], sequence_groups: Sequence = ()):
         self._hooks = {id(m): hooks for m in modules if (hooks := _hooks(m))}
+        # Where each module's hooks keep their states (First Block Cache's hooks share one).
+        self._managers = {
+            key: list({id(h.state_manager): h.state_manager for h in hooks}.values())
+            for key, hooks in self._hooks.items()
+        }
         self._groups = list(sequence_groups)
         self._settings: StepCache | None = None  # the request whose forward runs now (tick thread)
         self._lock = threading.Lock()
@@ -145,7 +145,7 @@ class StepCaches:
             contexts = self._contexts.pop(key, set())
             reused = self._reused_by.pop(key, 0)
         for module_id, name in contexts:
-            for manager in _state_managers(self._hooks[module_id]):
+            for manager in self._managers[module_id]:
                 # diffusers frees states only all at once (reset), which would drop the states of
                 # the requests still running; each request's state is its own entry.
                 manager._state_cache.pop(name, None)
