@@ -41,7 +41,9 @@ def failure(err: BaseException, deadline_s: float) -> str:
     """What a failed setup or layout records: the error's class and the last line of its message
     (a rank's traceback ends with its cause); a wait past ``deadline_s`` says so."""
     text = str(err).strip()
-    message = text.splitlines()[-1] if text else ""
+    # Pydantic ends its message with a link to its docs: the line before says what was wrong.
+    lines = [line for line in text.splitlines() if "errors.pydantic.dev" not in line]
+    message = lines[-1].strip() if lines else ""
     if not message and isinstance(err, TimeoutError):
         message = f"no answer within --request-deadline {deadline_s:g} s"
     return f"{type(err).__name__}: {message[:300]}"

@@ -19,7 +19,10 @@ against ``batch`` without adapters; ``batch-fbcache`` and ``batch-taylorseer``: 
 step cache (First Block Cache at its default threshold; TaylorSeer at a fixed schedule, one full
 step in 2 after the first; ``-compile``: with ``compile: true``), each row with its share of
 forwards that reused the cache and the drift of its first request's frames from the same request
-uncached on the same group. Every setup runs the same requests (480x832, guidance on) at each frame
+uncached on the same group; ``batch-fp8`` (and ``-compile``): ``quantization: fp8``, with the drift of
+its first request's frames from ``batch``'s (when ``batch`` ran first);
+``batch-devicetick`` (and ``-compile``): the tick's all-gather on the GPU (``tick_exchange: device``).
+Every setup runs the same requests (480x832, guidance on) at each frame
 count; results are written after every setup so that a run cut short keeps what it measured.
 """
 
@@ -63,6 +66,10 @@ OPTIONS = {
     "batch-ctas2": {"nccl_max_ctas": 2},
     "batch-ctas8": {"nccl_max_ctas": 8},
     "batch-ctas2-compile": {"nccl_max_ctas": 2, "compile": True},
+    "batch-devicetick": {"tick_exchange": "device"},
+    "batch-devicetick-compile": {"tick_exchange": "device", "compile": True},
+    "batch-fp8": {"quantization": "fp8"},
+    "batch-fp8-compile": {"quantization": "fp8", "compile": True},
     "batch-fbcache": {"cache": {"kind": "first_block"}},
     "batch-taylorseer": {"cache": TAYLORSEER_2X},
     "batch-taylorseer-compile": {"cache": TAYLORSEER_2X, "compile": True},
@@ -102,16 +109,20 @@ def run_groups(groups, requests, deadline_s: float | None = None, results: list 
 def cache_figures(group, work, results, deadline_s: float | None) -> dict:
     """A cached setup's share of forwards that reused the cache, and the drift of its first
     request's frames from the same request run uncached on ``group`` (max and mean abs diff)."""
-    import numpy as np
-
     reused = sum(r.cached_forwards or 0 for r in results)
     uncached = group.submit(dataclasses.replace(work[0], cache=None)).result(timeout=deadline_s)
-    diff = np.abs(results[0].frames.astype(np.float64) - uncached.frames.astype(np.float64))
     return {
         "cache_reused_share": round(reused / sum(2 * r.num_inference_steps for r in work), 4),
-        "drift_max": round(float(diff.max()), 4),
-        "drift_mean": round(float(diff.mean()), 5),
+        **drift(results[0].frames, uncached.frames),
     }
+
+
+def drift(frames, reference) -> dict:
+    """Max and mean abs difference of two results' frames."""
+    import numpy as np
+
+    diff = np.abs(frames.astype(np.float64) - reference.astype(np.float64))
+    return {"drift_max": round(float(diff.max()), 4), "drift_mean": round(float(diff.mean()), 5)}
 
 
 def summary(latencies: list[float], wall: float) -> dict:
@@ -303,6 +314,8 @@ def main() -> None:
         else:
             runs.append((setup, setup, 1, args.gpus))
 
+    unquantized = {}  # frames -> the first request's frames on ``batch`` (run it before a quantized setup)
+
     def run_setup(row, setup, replicas, shard_size):
         if setup in ("plain", "plain-compile"):
             for frames in args.frames:
@@ -338,6 +351,10 @@ def main() -> None:
                 result["forwards"] = sum(2 * r.num_inference_steps for r in work)
                 if cache is not None:
                     result.update(cache_figures(groups[0], work, results, args.request_deadline))
+                if row == "batch":  # what a quantized setup's first request drifts from
+                    unquantized[frames] = results[0].frames
+                elif "quantization" in options and frames in unquantized:
+                    result.update(drift(results[0].frames, unquantized[frames]))
                 record(row, frames, result, groups)
             if setup == "ceiling":  # the mixed workload's ideal: the same work on unsharded replicas
                 for frames in args.mixed_frames if "mixed" in args.setups else []:
@@ -368,22 +385,23 @@ def table(rows: list[dict], args, failed: list[dict] = ()) -> str:
         "",
         "| setup | frames | tokens | requests | requests/s | vs plain diffusers (else our ceiling) "
         "| latency p50 / p95 (s) | weights/GPU (GiB) | peak/GPU (GiB) | forwards that reused a step cache "
-        "| drift from uncached: max / mean abs |",
+        "| drift (cache: from uncached, fp8: from batch): max / mean abs |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        # A compiled setup against plain diffusers compiled the same way; the rest against plain.
-        plain = "plain-compile" if r["setup"].endswith("compile") else "plain"
-        base = by.get((plain, r["frames"])) or by.get(("ceiling", r["frames"]))
+        # A compiled setup against plain diffusers compiled the same way, and against plain.
+        plain = by.get(("plain", r["frames"])) or by.get(("ceiling", r["frames"]))
+        compiled = by.get(("plain-compile", r["frames"])) if r["setup"].endswith("compile") else None
         ideal = by.get(("ceiling-mixed", r["frames"]))
         if r["setup"] == "mixed" and ideal:
             ratio = f"{ideal['wall_s'] / r['wall_s']:.3f} of ideal"
         elif r["setup"] == "ceiling-mixed":
             ratio = "ideal"
-        elif base:
-            ratio = f"{r['requests_per_s'] / base['requests_per_s']:.3f}"
         else:
-            ratio = "-"
+            ratios = [f"{r['requests_per_s'] / plain['requests_per_s']:.3f}"] if plain else []
+            if compiled and r["setup"] != "plain-compile":
+                ratios.append(f"{r['requests_per_s'] / compiled['requests_per_s']:.3f} of plain-compile")
+            ratio = "; ".join(ratios) or "-"
         weights = f"{r['weights_per_gpu_bytes'] / 2**30:.2f}" if r.get("weights_per_gpu_bytes") else "-"
         peak = f"{r['peak_per_gpu_bytes'] / 2**30:.2f}" if r.get("peak_per_gpu_bytes") else "-"
         reused = f"{r['cache_reused_share']:.0%}" if "cache_reused_share" in r else "-"

@@ -41,6 +41,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("RAY_HSDP_HOME", Path.home() / ".cache" / "ray_hsdp"))
 
 
+FP8_ON_CPU = (
+    "quantization 'fp8' needs a CUDA GPU with FP8 tensor cores (compute capability 8.9 or above: H100, L40S); "
+    "this group runs on CPU, where FP8 matmuls are emulated and slower than float32: use quantization 'none'"
+)
+
+
 def check_attention_backend_name(name: str) -> None:
     """Refuses a name diffusers does not know, and the ``*_hub`` backends, which download their
     kernels from the Hugging Face Hub at first use (our hosts cannot reach it).
@@ -264,6 +270,20 @@ class GroupConfig(BaseModel):
         "shape) that run as one batched forward, which gathers the weights once for all of them; 1: one call "
         "per forward.",
     )
+    quantization: Literal["none", "fp8"] = Field(
+        "none",
+        description="'fp8': the sharded diffusers models' linear layers inside their units keep, gather and "
+        "multiply their weights in FP8 (e4m3, one scale per output row, activations scaled per token): half the "
+        "weights per GPU and per gather, faster matmuls, outputs that drift from bfloat16. CUDA GPUs of compute "
+        "capability 8.9 or above (H100, L40S) with gather 'in_place' and shard_size >= 2 only.",
+    )
+    tick_exchange: Literal["auto", "host", "device"] = Field(
+        "auto",
+        description="Where the tick's all-gather (which forward each rank runs next) travels. 'host': gloo over "
+        "TCP, so a rank agrees on and queues its next forward while its GPU still runs the last one; 'device': "
+        "NCCL on the GPU's stream, so every tick waits for the rank's queued kernels to finish and the GPU "
+        "idles while the next forward is launched. 'auto': host.",
+    )
     request_streams: bool = Field(
         False,
         description="CUDA: run each request's own work (scheduler steps, VAE decode) on a stream of its own, "
@@ -405,6 +425,14 @@ class GroupConfig(BaseModel):
                 "loras with shard_size 1 and requests_per_rank > 1: an unsharded rank runs its requests' forwards "
                 "on their own threads, so two requests could not hold different adapters; use requests_per_rank 1"
             )
+        if self.quantization == "fp8":
+            if self.device == "cpu":
+                raise ValueError(FP8_ON_CPU)
+            if self.gather == "fsdp2" or not self.reshard_after_forward or self.resolved_shard_size == 1:
+                raise ValueError(
+                    "quantization 'fp8' quantizes each rank's rows of the weights and gathers them in place: use "
+                    "gather 'auto' or 'in_place' (with reshard_after_forward) and shard_size >= 2"
+                )
         if self.cache.kind != "none" and self.resolved_shard_size == 1:
             raise ValueError(
                 f"cache kind {self.cache.kind!r} with shard_size 1: a step cache keeps each request's state apart on "
@@ -463,7 +491,8 @@ class GroupConfig(BaseModel):
         return EMBEDDED_MODELS.get(self.model) or Path(self.model).name
 
     def resolve_device(self, cluster_has_gpus: bool) -> GroupConfig:
-        """Returns a copy with ``device``, ``dtype``, ``cpus_per_rank`` and ``gather`` made concrete.
+        """Returns a copy with ``device``, ``dtype``, ``cpus_per_rank``, ``gather`` and ``tick_exchange``
+        made concrete.
 
         Args:
             cluster_has_gpus: Whether the Ray cluster offers GPUs (decides ``device='auto'``).
@@ -474,7 +503,12 @@ class GroupConfig(BaseModel):
         gather = self.gather
         if gather == "auto":
             gather = "in_place" if device == "cuda" and self.reshard_after_forward else "fsdp2"
-        return self.model_copy(update={"device": device, "dtype": dtype, "cpus_per_rank": cpus, "gather": gather})
+        if self.quantization == "fp8" and device == "cpu":
+            raise ValueError(FP8_ON_CPU)
+        tick = self.tick_exchange if self.tick_exchange != "auto" else "host"
+        return self.model_copy(
+            update={"device": device, "dtype": dtype, "cpus_per_rank": cpus, "gather": gather, "tick_exchange": tick}
+        )
 
 
 def parse_size(size: str) -> tuple[int, int]:

@@ -93,6 +93,18 @@ def build_meshes(device: str, dims: ParallelDims) -> tuple[DeviceMesh, DeviceMes
     return shard, lanes
 
 
+def host_tick_group(timeout_s: float):
+    """A gloo process group of the whole group, for the tick's all-gather on GPUs (every rank calls
+    this, in the same order).
+
+    An NCCL all-gather read back with ``tolist`` waits for every kernel the rank has queued, so each
+    tick would drain the GPU and launch the next forward into an empty queue. Over gloo the tick
+    agrees on the next forward while the GPU still runs the last one."""
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    dist.all_reduce(torch.ones(1), group=group)  # connects now rather than at the first tick
+    return group
+
+
 def lane_decode_group(dims: ParallelDims, timeout_s: float):
     """A gloo process group of each lane's ranks, for its split decodes alone (every rank calls
     this, in the same order); returns this rank's.

@@ -62,6 +62,7 @@ class Rank:
         self.model_path = None
         self.lora_paths: dict = {}
         self.decode_group = None  # the lane's own process group for its split decodes
+        self.tick_group = None  # on GPUs with tick_exchange "host": the gloo group of the tick's all-gather
         self.phases = Phases(f"rank {rank}")  # where this rank's part of the group's start went
         self.load_s = 0.0
         self.load_peak_rss_bytes = 0
@@ -114,6 +115,8 @@ class Rank:
                 )
             with self.phases.phase("meshes"):
                 self.mesh, self.lane_mesh = distributed.build_meshes(self.config.device, self.dims)
+                if self.config.device == "cuda" and self.config.tick_exchange == "host":
+                    self.tick_group = distributed.host_tick_group(self.config.collective_timeout_s)
                 if self.config.vae_parallel != "off" and self.dims.lane_size > 1:
                     self.decode_group = distributed.lane_decode_group(self.dims, self.config.collective_timeout_s)
         else:
@@ -172,6 +175,7 @@ class Rank:
                 compile=self.config.compile,
                 fuse_loras={name: (scale, self.lora_paths[name]) for name, scale in self.config.fuse_loras.items()},
                 cache_hooks=self._cache_hooks(),
+                quantization=self.config.quantization,
                 phases=self.phases,
             )
             adapters = None
@@ -195,7 +199,8 @@ class Rank:
                     adapters=adapters,
                     step_caches=step_caches,
                 )
-                exchange = ProcessGroupExchange(self.config.device)
+                on_host = self.config.tick_exchange == "host"
+                exchange = ProcessGroupExchange("cpu" if on_host else self.config.device, self.tick_group)
             if self.decode_group is not None:
                 from ray_hsdp.lane_tiles import LaneTiles
 

@@ -31,6 +31,7 @@ from ray_hsdp.phases import Phases
 from ray_hsdp.request import GenerationRequest, GenerationResult, LaneCollectiveError, RequestCancelledError
 from ray_hsdp.sharding import compile_units, resolve_plan, shard_module
 from ray_hsdp.sharding.context_parallel import attention_backend_for, enable_context_parallel
+from ray_hsdp.sharding.fp8 import check_fp8_device, fp8_linears, quantize_fp8
 from ray_hsdp.sharding.policy import decode_split_for, registered_policy
 from ray_hsdp.topology import ParallelDims
 
@@ -190,6 +191,7 @@ class ShardedPipeline:
         compile: bool = False,
         fuse_loras: FusedLoras | None = None,
         cache_hooks: Mapping | None = None,
+        quantization: str = "none",
         phases: Phases | None = None,
     ) -> ShardedPipeline:
         """Loads a pipeline folder, sharding the named components over ``mesh``.
@@ -202,7 +204,9 @@ class ShardedPipeline:
         first forwards of each shape compile). The adapters of ``fuse_loras`` are merged into
         their components' weights as they load (each rank its own rows), before any gather.
         ``cache_hooks`` (``kind``, ``max_order``, ``lite``: ``ray_hsdp.step_cache.enable``'s) puts a
-        step cache's hooks on the sharded diffusers models, before they are sharded.
+        step cache's hooks on the sharded diffusers models, before they are sharded. ``quantization``
+        ``"fp8"`` keeps the linears inside the units of the sharded diffusers models in FP8
+        (``ray_hsdp.sharding.fp8``), quantized after the load and any fused adapter.
         ``phases`` times each sharded component's load, the other components and the parallel setup.
 
         Raises:
@@ -215,6 +219,8 @@ class ShardedPipeline:
         prebuilt, shardings, stats, policies = {}, {}, {}, {}
         fused = dict(fuse_loras or {})
         pipeline_cls = pipeline_class(path) if fused else None
+        if quantization == "fp8":
+            check_fp8_device(device)
         if mesh is not None:
             index = model_index(path)
             for name in shard_components:
@@ -225,6 +231,9 @@ class ShardedPipeline:
                     if cache_hooks:  # before fully_shard renames the block classes the hooks look for
                         step_cache.enable(module, **cache_hooks)
                     plan = resolve_plan(module, min_num_params)
+                    fp8 = quantization == "fp8" and hasattr(module, "enable_parallelism")  # diffusers models
+                    if fp8:
+                        fp8_linears(module, plan)
                     shardings[name] = shard_module(
                         module,
                         plan,
@@ -237,6 +246,8 @@ class ShardedPipeline:
                     stats[name] = fill_from_checkpoint(module, path / name, allow_pickle)
                     if fused:  # before activate: the in-place gathers take over the shards there
                         _fuse(pipeline_cls, module, name, fused)
+                    if fp8:  # each rank its own rows, before the gathers take over the shards
+                        quantize_fp8(module)
                     shardings[name].activate()
                 prebuilt[name] = module
                 policies[name] = registered_policy(module)

@@ -45,6 +45,13 @@ class _Param:
     gathered: nn.Parameter | None = None
 
     @property
+    def wire(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(receive, send)`` as the collective takes them: FP8 as bytes (gloo has no FP8 type)."""
+        if self.send.dtype.is_floating_point and self.send.element_size() == 1:
+            return self.receive.view(torch.uint8), self.send.view(torch.uint8)
+        return self.receive, self.send
+
+    @property
     def rows(self) -> int:
         return self.sharded.shape[0]
 
@@ -220,13 +227,13 @@ class InPlaceUnits:
         unit = self.root if key < 0 else self.units[key]
         if not self._coalesce:
             self._pending[key] = [
-                dist.all_gather_into_tensor(p.receive, p.send, group=self.group, async_op=True) for p in unit.params
+                dist.all_gather_into_tensor(*p.wire, group=self.group, async_op=True) for p in unit.params
             ]
             return
         # One NCCL group launch for the unit instead of one kernel per parameter.
         with dist._coalescing_manager(group=self.group, async_ops=True) as gathers:
             for p in unit.params:
-                dist.all_gather_into_tensor(p.receive, p.send, group=self.group)
+                dist.all_gather_into_tensor(*p.wire, group=self.group)
         self._pending[key] = [gathers]
 
     def _wait(self, key: int) -> None:

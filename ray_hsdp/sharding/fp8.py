@@ -1,0 +1,146 @@
+"""FP8 linears for in-place gathered units: weights stored, gathered and multiplied in FP8.
+
+Each rank quantizes its own rows of a unit's linear weights once, after the load: one scale per
+output row (row-wise scaling), so a rank needs no other rank's rows to quantize its own, and the
+gathered weight is byte for byte the weight the unsharded model would quantize. The shards and the
+gathers are then half their bfloat16 size. Each forward scales its activations per token and
+multiplies with ``torch._scaled_mm`` (row-wise scales, bfloat16 out): the only FP8 matmul torch
+offers on the CUDA hosts we serve on (torch 2.11; ``torch.nn.functional.scaled_mm`` takes its
+recipe as a private enum). FP8 matmuls need tensor cores of compute capability 8.9 or above.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
+
+from ray_hsdp.sharding.policy import ShardPlan
+
+#: The FP8 format of weights and activations: e4m3 (more mantissa; forward passes need no e5m2 range).
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+#: ``_scaled_mm`` wants both matrix sides that it contracts or returns as multiples of 16.
+_ALIGN = 16
+#: The smallest CUDA compute capability with FP8 tensor cores (Ada; Hopper is 9.0).
+MIN_CAPABILITY = (8, 9)
+
+
+def check_fp8_device(device: str) -> None:
+    """Raises ``ValueError`` unless ``device`` is a CUDA GPU with FP8 tensor cores."""
+    if device != "cuda" or not torch.cuda.is_available():
+        raise ValueError(f"quantization 'fp8' needs a CUDA GPU with FP8 tensor cores; this rank runs on {device}")
+    capability = torch.cuda.get_device_capability()
+    if capability < MIN_CAPABILITY:
+        name = torch.cuda.get_device_name()
+        raise ValueError(
+            f"quantization 'fp8' needs FP8 tensor cores (compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} "
+            f"or above: H100, L40S); this rank's {name} is {capability[0]}.{capability[1]}: use quantization 'none'"
+        )
+
+
+class Fp8Linear(nn.Linear):
+    """A linear layer whose weight becomes FP8 with one scale per output row at ``quantize_``.
+
+    Until then it is a plain ``nn.Linear`` (the loader fills its weight as the checkpoint holds it).
+    """
+
+    weight_scale: torch.Tensor | None
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.register_buffer("weight_scale", None, persistent=False)
+
+    @classmethod
+    def like(cls, linear: nn.Linear) -> Fp8Linear:
+        """An ``Fp8Linear`` that holds ``linear``'s own parameters (meta ones before the load)."""
+        new = cls(linear.in_features, linear.out_features, bias=False, device="meta", dtype=linear.weight.dtype)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        return new
+
+    @torch.no_grad()
+    def quantize_(self) -> None:
+        """Replaces this rank's rows of the weight (a DTensor sharded on dim 0, or a whole tensor)
+        by their FP8 values and keeps the scales of every row (gathered once from the other ranks)."""
+        weight = self.weight
+        local = weight.to_local() if isinstance(weight, DTensor) else weight.detach()
+        scale = local.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+        quantized = (local.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        if isinstance(weight, DTensor):
+            mesh = weight.device_mesh
+            world = mesh.size()
+            rows = math.ceil(weight.shape[0] / world)
+            padded = torch.ones(rows, 1, dtype=torch.float32, device=scale.device)
+            padded[: scale.shape[0]] = scale
+            everyone = torch.empty(rows * world, 1, dtype=torch.float32, device=scale.device)
+            dist.all_gather_into_tensor(everyone, padded, group=mesh.get_group())
+            full_scale = everyone[: weight.shape[0]]
+            quantized = DTensor.from_local(
+                quantized, mesh, [Shard(0)], run_check=False, shape=weight.shape, stride=weight.stride()
+            )
+        else:
+            full_scale = scale
+        self.weight = nn.Parameter(quantized, requires_grad=False)
+        # (1, out): _scaled_mm's row-wise scale of its second matrix, the weight's transpose.
+        self.weight_scale = full_scale.reshape(1, -1).contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype != FP8:
+            return F.linear(x, self.weight, self.bias)
+        rows = x.reshape(-1, x.shape[-1])
+        # The scale rounded to the activations' dtype, so that dividing by it stays in that dtype
+        # (one pass less than in float32) and the matmul multiplies back by the very same value.
+        scale = (rows.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX).to(x.dtype)
+        quantized = (rows / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        out = torch._scaled_mm(
+            quantized,
+            self.weight.t(),
+            scale_a=scale.float(),
+            scale_b=self.weight_scale,
+            out_dtype=x.dtype,
+            use_fast_accum=True,
+        )
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def fp8_linears(root: nn.Module, plan: ShardPlan) -> int:
+    """Swaps every ``nn.Linear`` inside the plan's units (not in its replicated submodules) whose
+    sides are multiples of 16 for an ``Fp8Linear``; call on the meta model, before it is sharded.
+
+    Returns:
+        How many linears were swapped.
+    """
+    replicated = {id(m) for _, module in plan.replicated for m in module.modules()}
+    swapped = 0
+    for _, unit in plan.units:
+        for parent in list(unit.modules()):
+            if id(parent) in replicated:
+                continue
+            for name, child in list(parent.named_children()):
+                if type(child) is not nn.Linear or id(child) in replicated:
+                    continue
+                if child.in_features % _ALIGN or child.out_features % _ALIGN:
+                    continue
+                setattr(parent, name, Fp8Linear.like(child))
+                swapped += 1
+    return swapped
+
+
+def quantize_fp8(root: nn.Module) -> int:
+    """Quantizes every loaded ``Fp8Linear`` of ``root`` (each rank its own rows); call after the
+    load and before the in-place gathers are activated.
+
+    Returns:
+        How many linears were quantized.
+    """
+    linears = [m for m in root.modules() if isinstance(m, Fp8Linear)]
+    for linear in linears:
+        linear.quantize_()
+    return len(linears)

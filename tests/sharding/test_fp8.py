@@ -1,0 +1,111 @@
+"""FP8 linears over 2 gloo ranks: each rank quantizes its own rows, the in-place gathers carry FP8,
+and the sharded model computes what the unsharded model quantized the same way computes.
+
+Served groups refuse FP8 on CPU (it is slower than float32 here); torch's CPU ``_scaled_mm``
+still runs, so the quantization, the gathers and the forward are checked here at module level.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from ray_hsdp.config import FP8_ON_CPU, GroupConfig
+from ray_hsdp.sharding.fp8 import FP8, Fp8Linear, check_fp8_device, fp8_linears, quantize_fp8
+
+
+def _wan():
+    """A tiny Wan transformer whose linears have sides of multiples of 16 (FP8 matmuls need them)."""
+    from diffusers import WanTransformer3DModel
+
+    model = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=3,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+    inputs = dict(
+        hidden_states=torch.randn(1, 4, 2, 8, 8),
+        timestep=torch.tensor([500]),
+        encoder_hidden_states=torch.randn(1, 8, 16),
+    )
+    return model.eval(), inputs
+
+
+def fp8_shard_and_compare(mesh, rank):
+    from ray_hsdp.memory import unit_memory
+    from ray_hsdp.sharding import resolve_plan, shard_module
+
+    torch.manual_seed(0)
+    model, inputs = _wan()
+
+    def output(m):
+        with torch.no_grad():
+            return m(**inputs, return_dict=False)[0].detach().clone()
+
+    reference = output(model)
+    whole = copy.deepcopy(model)
+    swapped = fp8_linears(whole, resolve_plan(whole, min_num_params=10**9))
+    quantize_fp8(whole)
+    unsharded = output(whole)
+
+    plan = resolve_plan(model, min_num_params=10**9)
+    fp8_linears(model, plan)
+    sharded = shard_module(model, plan, mesh, gather="in_place", reshard_after_forward=True, forward_prefetch=1)
+    before = unit_memory(sharded.unit_modules)
+    quantize_fp8(model)
+    sharded.activate()
+    after = unit_memory(sharded.unit_modules)
+    out = output(model)
+    again = output(model)
+    linears = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    return {
+        "swapped": swapped,
+        "linears": len(linears),
+        "fp8_shards": all(m.weight.to_local().dtype == FP8 for m in linears),
+        "unit_bytes": (sum(u["local"] for u in before.values()), sum(u["local"] for u in after.values())),
+        "sharded_vs_unsharded": float((out - unsharded).abs().max()),
+        "repeat_equal": bool(torch.equal(out, again)),
+        "drift": float((unsharded - reference).abs().max() / reference.abs().max()),
+    }
+
+
+@pytest.fixture(scope="module")
+def gloo_pair(ray_cluster):
+    from gloo import GlooGroup
+
+    with GlooGroup(2) as group:
+        yield group
+
+
+def test_fp8_shards_gather_and_match_the_unsharded_quantized_model(gloo_pair):
+    for result in gloo_pair.run(fp8_shard_and_compare):
+        assert result["swapped"] > 0 and result["linears"] == result["swapped"], result
+        assert result["fp8_shards"], result
+        before, after = result["unit_bytes"]
+        assert after < 0.5 * before, result  # float32 rows became one byte each (norms and biases stay)
+        # Row-wise scales need no other rank's rows: the gathered weights are the unsharded ones.
+        assert result["sharded_vs_unsharded"] == 0.0, result
+        assert result["repeat_equal"]
+        assert 0 < result["drift"] < 0.1, result
+
+
+def test_fp8_refused_on_cpu_with_its_message():
+    with pytest.raises(ValueError, match="FP8 tensor cores"):
+        GroupConfig(device="cpu", quantization="fp8")
+    with pytest.raises(ValueError) as err:
+        GroupConfig(quantization="fp8").resolve_device(cluster_has_gpus=False)
+    assert str(err.value) == FP8_ON_CPU
+    with pytest.raises(ValueError, match="gathers them in place"):
+        GroupConfig(quantization="fp8", gather="fsdp2")
+    assert GroupConfig(quantization="fp8").resolve_device(cluster_has_gpus=True).gather == "in_place"
+    with pytest.raises(ValueError, match="this rank runs on cpu"):
+        check_fp8_device("cpu")
