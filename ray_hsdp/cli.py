@@ -114,8 +114,8 @@ def cmd_make_random_lora(args: argparse.Namespace) -> int:
     return 0
 
 
-def _adapter_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--lora-file`` and ``--fuse-lora``: the adapters a group loads (``serve`` and ``generate``)."""
+def _group_options(parser: argparse.ArgumentParser) -> None:
+    """The group options ``serve`` and ``generate`` share: its adapters, step cache and quantization."""
     parser.add_argument(
         "--lora-file", action="append", default=[], metavar="NAME=PATH", help="register a LoRA adapter (repeatable)"
     )
@@ -130,6 +130,12 @@ def _adapter_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("none", *CACHE_KINDS),
         default="none",
         help="step cache every request runs with (an approximation: faster, frames differ); needs shard size >= 2",
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=("none", "fp8"),
+        default="none",
+        help="fp8: the sharded transformers' linears in FP8 (CUDA, compute capability 8.9+; frames differ)",
     )
 
 
@@ -230,6 +236,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "loras": _lora_files(args.lora_file),
         "fuse_loras": dict(parse_lora(args.fuse_lora)),
         "cache": {"kind": args.cache},
+        "quantization": args.quantization,
     }
     if args.default_size:
         config["default_size"] = args.default_size
@@ -290,6 +297,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         loras=loras,
         fuse_loras=dict(parse_lora(args.fuse_lora)),
         cache={"kind": args.cache},
+        quantization=args.quantization,
     )
     request = GenerationRequest(
         prompt=args.prompt,
@@ -405,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1 unless told otherwise)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local cluster)")
-    _adapter_arguments(p)
+    _group_options(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="run one request on a shard group without Serve")
@@ -426,7 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fps", type=int, default=16, help="frame rate of the MP4 (Wan: 16)")
     p.add_argument("--out", default="out/generate.png", help="an image path, or an .mp4 for a video")
     p.add_argument("--image", default=None, help="the first frame of an image-to-video model (fitted to --size)")
-    _adapter_arguments(p)
+    _group_options(p)
     p.add_argument("--lora", default=None, help="adapters to run with: 'name', 'name:scale,other' (registered ones)")
     p.add_argument("--verbose", action="store_true")
     p.set_defaults(func=cmd_generate)

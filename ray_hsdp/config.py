@@ -275,14 +275,16 @@ class GroupConfig(BaseModel):
         description="'fp8': the sharded diffusers models' linear layers inside their units keep, gather and "
         "multiply their weights in FP8 (e4m3, one scale per output row, activations scaled per token): half the "
         "weights per GPU and per gather, faster matmuls, outputs that drift from bfloat16. CUDA GPUs of compute "
-        "capability 8.9 or above (H100, L40S) with gather 'in_place' and shard_size >= 2 only.",
+        "capability 8.9 or above (H100, L40S) with gather 'in_place' and shard_size >= 2 only. Pays with compile: "
+        "Wan-14B, S=4 on 4 x H100, 21 frames: 1.53x plain diffusers compiled, 0.86 eager (bench/results).",
     )
     tick_exchange: Literal["auto", "host", "device"] = Field(
         "auto",
         description="Where the tick's all-gather (which forward each rank runs next) travels. 'host': gloo over "
         "TCP, so a rank agrees on and queues its next forward while its GPU still runs the last one; 'device': "
         "NCCL on the GPU's stream, so every tick waits for the rank's queued kernels to finish and the GPU "
-        "idles while the next forward is launched. 'auto': host.",
+        "idles while the next forward is launched. 'auto': host (Wan-14B, S=4 on 4 x H100, 21 frames: 0.932 and "
+        "0.933 of plain diffusers over host, 0.680 and 0.874 over device, bench/results).",
     )
     request_streams: bool = Field(
         False,
