@@ -43,10 +43,26 @@ def check_fp8_device(device: str) -> None:
         )
 
 
+def scale_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``rows`` in FP8 and its float32 scale (``rows ~= fp8 * scale``), eagerly.
+
+    The scale is rounded to the rows' dtype first, so that dividing by it stays in that dtype and
+    the matmul multiplies back by the very same value.
+    """
+    scale = (rows.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX).to(rows.dtype)
+    return (rows / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.float()
+
+
+#: ``scale_rows`` as one or two fused kernels on GPUs: eagerly it is five passes over a linear's
+#: input, which cost more than FP8 saves in the matmul. Compiled once per process, for any row count.
+fused_scale_rows = torch.compile(scale_rows, dynamic=True)
+
+
 class Fp8Linear(nn.Linear):
     """A linear layer whose weight becomes FP8 with one scale per output row at ``quantize_``.
 
     Until then it is a plain ``nn.Linear`` (the loader fills its weight as the checkpoint holds it).
+    ``quantize_`` picks how its forwards scale their inputs (``scale_rows``): fused on CUDA.
     """
 
     weight_scale: torch.Tensor | None
@@ -54,6 +70,7 @@ class Fp8Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool, device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.register_buffer("weight_scale", None, persistent=False)
+        self.scale_rows = scale_rows
 
     @classmethod
     def like(cls, linear: nn.Linear) -> Fp8Linear:
@@ -85,6 +102,7 @@ class Fp8Linear(nn.Linear):
             )
         else:
             full_scale = scale
+        self.scale_rows = fused_scale_rows if local.is_cuda else scale_rows
         self.weight = nn.Parameter(quantized, requires_grad=False)
         # (1, out): _scaled_mm's row-wise scale of its second matrix, the weight's transpose.
         self.weight_scale = full_scale.reshape(1, -1).contiguous()
@@ -92,15 +110,11 @@ class Fp8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype != FP8:
             return F.linear(x, self.weight, self.bias)
-        rows = x.reshape(-1, x.shape[-1])
-        # The scale rounded to the activations' dtype, so that dividing by it stays in that dtype
-        # (one pass less than in float32) and the matmul multiplies back by the very same value.
-        scale = (rows.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX).to(x.dtype)
-        quantized = (rows / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        quantized, scale = self.scale_rows(x.reshape(-1, x.shape[-1]))
         out = torch._scaled_mm(
             quantized,
             self.weight.t(),
-            scale_a=scale.float(),
+            scale_a=scale,
             scale_b=self.weight_scale,
             out_dtype=x.dtype,
             use_fast_accum=True,
