@@ -288,7 +288,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
             return 2
     lora = parse_lora(args.lora)
     loras = _lora_files(args.lora_file)
-    ray.init(address=args.address, ignore_reinit_error=True, log_to_driver=args.verbose)
     config = GroupConfig(
         model=args.model,
         device=args.device,
@@ -316,6 +315,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         lora=lora,
         cache=config.cache.resolve(None),
     )
+    # After the config and the request: a refused one says so without waiting for Ray to start.
+    ray.init(address=args.address, ignore_reinit_error=True, log_to_driver=args.verbose)
     with ShardGroup(config) as group:
         t = group.pipeline_facts.get("temporal_compression", 1)
         if video and (not group.pipeline_facts.get("video") or (args.frames - 1) % t):

@@ -94,8 +94,8 @@ def build_meshes(device: str, dims: ParallelDims) -> tuple[DeviceMesh, DeviceMes
 
 
 def host_tick_group(timeout_s: float):
-    """A gloo process group of the whole group, for the tick's all-gather on GPUs (every rank calls
-    this, in the same order).
+    """A gloo process group of the whole group, for the tick's all-gather (every rank calls this, in
+    the same order).
 
     An NCCL all-gather read back with ``tolist`` waits for every kernel the rank has queued, so each
     tick would drain the GPU and launch the next forward into an empty queue. Over gloo the tick

@@ -62,7 +62,7 @@ class Rank:
         self.model_path = None
         self.lora_paths: dict = {}
         self.decode_group = None  # the lane's own process group for its split decodes
-        self.tick_group = None  # on GPUs with tick_exchange "host": the gloo group of the tick's all-gather
+        self.tick_group = None  # with tick_exchange "host": the gloo group of the tick's all-gather
         self.phases = Phases(f"rank {rank}")  # where this rank's part of the group's start went
         self.load_s = 0.0
         self.load_peak_rss_bytes = 0
@@ -115,7 +115,7 @@ class Rank:
                 )
             with self.phases.phase("meshes"):
                 self.mesh, self.lane_mesh = distributed.build_meshes(self.config.device, self.dims)
-                if self.config.device == "cuda" and self.config.tick_exchange == "host":
+                if self.config.tick_exchange == "host":  # on CPUs too: the path GPUs take, tested here
                     self.tick_group = distributed.host_tick_group(self.config.collective_timeout_s)
                 if self.config.vae_parallel != "off" and self.dims.lane_size > 1:
                     self.decode_group = distributed.lane_decode_group(self.dims, self.config.collective_timeout_s)

@@ -77,6 +77,11 @@ def test_demo_prints_the_image_path_and_the_memory_table(tmp_path):
     assert len(shares) == 2 and all(45 <= s <= 55 for s in shares), done.stdout
 
 
+def test_fp8_on_cpu_is_refused_before_ray_starts(capsys):
+    done = run_here(capsys, "generate", "tiny", "--prompt", "a fox", "--device", "cpu", "--quantization", "fp8")
+    assert done.returncode == 2 and "FP8 tensor cores" in done.stderr, done.stderr
+
+
 def test_usp_without_use_hsdp_is_refused_with_the_fix(capsys):
     done = run_here(capsys, "serve", "tiny", "--usp", "2", "--device", "cpu")
     assert done.returncode == 2 and "add --use-hsdp" in done.stderr
