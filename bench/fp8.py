@@ -100,7 +100,7 @@ def main() -> None:
                 continue
             model = copy.deepcopy(base)
             if fp8:
-                fp8_linears(model, resolve_plan(model, min_num_params=10**12))
+                fp8_linears(resolve_plan(model, min_num_params=10**12))
                 quantize_fp8(model)
                 if scaling == "eager":
                     for module in model.modules():

@@ -233,7 +233,7 @@ class ShardedPipeline:
                     plan = resolve_plan(module, min_num_params)
                     fp8 = quantization == "fp8" and hasattr(module, "enable_parallelism")  # diffusers models
                     if fp8:
-                        fp8_linears(module, plan)
+                        fp8_linears(plan)
                     shardings[name] = shard_module(
                         module,
                         plan,

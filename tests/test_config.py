@@ -50,13 +50,17 @@ def test_auto_device_and_dtype():
     assert GroupConfig(device="cpu", dtype="bfloat16").resolve_device(True).device == "cpu"
 
 
+def test_auto_tick_exchange_is_the_host():
+    assert GroupConfig().resolve_device(cluster_has_gpus=True).tick_exchange == "host"
+    assert GroupConfig().resolve_device(cluster_has_gpus=False).tick_exchange == "host"
+    assert GroupConfig(tick_exchange="device").resolve_device(True).tick_exchange == "device"
+
+
 def test_auto_gather_is_in_place_on_cuda_and_fsdp2_on_cpu():
     assert GroupConfig().resolve_device(cluster_has_gpus=True).gather == "in_place"
     assert GroupConfig().resolve_device(cluster_has_gpus=False).gather == "fsdp2"
     assert GroupConfig(reshard_after_forward=False).resolve_device(True).gather == "fsdp2"
     assert GroupConfig(device="cpu", gather="in_place").resolve_device(False).gather == "in_place"
-    assert GroupConfig().resolve_device(cluster_has_gpus=True).tick_exchange == "host"
-    assert GroupConfig(tick_exchange="device").resolve_device(True).tick_exchange == "device"
     with pytest.raises(ValueError, match="gather='in_place' frees each unit's gathered weights"):
         GroupConfig(gather="in_place", reshard_after_forward=False)
 

@@ -124,9 +124,9 @@ class Fp8Linear(nn.Linear):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def fp8_linears(root: nn.Module, plan: ShardPlan) -> int:
+def fp8_linears(plan: ShardPlan) -> int:
     """Swaps every ``nn.Linear`` inside the plan's units (not in its replicated submodules) whose
-    sides are multiples of 16 for an ``Fp8Linear``; call on the meta model, before it is sharded.
+    sides are multiples of 16 for an ``Fp8Linear`` holding its parameters; call before sharding.
 
     Returns:
         How many linears were swapped.

@@ -53,12 +53,12 @@ def fp8_shard_and_compare(mesh, rank):
 
     reference = output(model)
     whole = copy.deepcopy(model)
-    swapped = fp8_linears(whole, resolve_plan(whole, min_num_params=10**9))
+    swapped = fp8_linears(resolve_plan(whole, min_num_params=10**9))
     quantize_fp8(whole)
     unsharded = output(whole)
 
     plan = resolve_plan(model, min_num_params=10**9)
-    fp8_linears(model, plan)
+    fp8_linears(plan)
     sharded = shard_module(model, plan, mesh, gather="in_place", reshard_after_forward=True, forward_prefetch=1)
     before = unit_memory(sharded.unit_modules)
     quantize_fp8(model)
