@@ -275,7 +275,7 @@ class GroupConfig(BaseModel):
         description="'fp8': the sharded diffusers models' linear layers inside their units keep, gather and "
         "multiply their weights in FP8 (e4m3, one scale per output row, activations scaled per token): half the "
         "weights per GPU and per gather, FP8 matmuls, outputs that drift from bfloat16. CUDA GPUs of compute "
-        "capability 8.9 or above (H100, L40S) with gather 'in_place' and shard_size >= 2 only; the first request "
+        "capability 8.9 or above (H100, L40S) with gather 'in_place' and shard_size >= 2 only; the group's start "
         "compiles the activations' scaling. Pays most with compile: Wan-14B, S=4 on 4 x H100, 21 frames: 1.53x "
         "plain diffusers; a forward on one H100 1.05x bfloat16 uncompiled, 1.29x compiled (bench/results).",
     )

@@ -149,12 +149,20 @@ def fp8_linears(plan: ShardPlan) -> int:
 
 def quantize_fp8(root: nn.Module) -> int:
     """Quantizes every loaded ``Fp8Linear`` of ``root`` (each rank its own rows); call after the
-    load and before the in-place gathers are activated.
+    load and before the in-place gathers are activated. On GPUs the activations' scaling compiles
+    here, at the group's start, rather than in the first request's forward, where the other ranks of
+    the group would wait on it.
 
     Returns:
         How many linears were quantized.
     """
     linears = [m for m in root.modules() if isinstance(m, Fp8Linear)]
+    if not linears:
+        return 0
+    dtype = linears[0].weight.dtype  # the activations' dtype: the model's
     for linear in linears:
         linear.quantize_()
+    first = linears[0]
+    if first.scale_rows is fused_scale_rows:  # one compile serves every row count and width
+        fused_scale_rows(torch.zeros(16, first.in_features, dtype=dtype, device=first.weight_scale.device))
     return len(linears)
