@@ -3,10 +3,11 @@
 
     python -m bench.fp8 --out bench/results
 
-A Wan2.1-14B-shaped transformer with ``--layers`` blocks (random bf16 weights), one forward at
-832x480 for each frame count; each setup's median time over ``--repeats`` forwards after two warm-up
-forwards (compiled setups compile in their warm-up), and its output's drift from bfloat16's
-(max and mean abs difference over bfloat16's max abs). Results are written after every setup.
+A transformer of ``--arch``'s shape (Wan2.1-14B by default) with ``--layers`` blocks (random bf16
+weights), one forward at 832x480 for each frame count; each setup's median time over ``--repeats``
+forwards after two warm-up forwards (compiled setups compile in their warm-up), and its output's
+drift from bfloat16's (max and mean abs difference over bfloat16's max abs). Results are written
+after every setup.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ SETUPS = [
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--arch", default="wan2.1-t2v-14b", help="a Wan architecture of ray_hsdp.checkpoints")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--frames", type=int, nargs="+", default=[21, 81])
     parser.add_argument("--repeats", type=int, default=5)
@@ -42,22 +44,17 @@ def main() -> None:
     from diffusers import WanTransformer3DModel
 
     from bench.common import environment
+    from ray_hsdp.checkpoints.architectures import get_architecture
+    from ray_hsdp.checkpoints.random_weights import transformer_kwargs
     from ray_hsdp.sharding import resolve_plan
     from ray_hsdp.sharding.fp8 import fp8_linears, quantize_fp8, scale_rows
 
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     torch.manual_seed(0)
     tiny = args.device != "cuda"  # a CPU dry run: a small model of the same kind
+    kwargs = transformer_kwargs(get_architecture(args.arch), tiny) | {"num_layers": args.layers}
     with torch.device(args.device):  # initialised where it runs: a CPU init of 1B weights takes long
-        base = WanTransformer3DModel(
-            num_attention_heads=2 if tiny else 40,
-            attention_head_dim=16 if tiny else 128,
-            ffn_dim=64 if tiny else 13824,
-            text_dim=32 if tiny else 4096,
-            in_channels=4 if tiny else 16,
-            out_channels=4 if tiny else 16,
-            num_layers=args.layers,
-        ).to(dtype).eval()
+        base = WanTransformer3DModel(**kwargs).to(dtype).eval()
     rows: list[dict] = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -66,7 +63,7 @@ def main() -> None:
         payload = {"rows": rows, "environment": environment(), "layers": args.layers}
         (out / "fp8-linears.json").write_text(json.dumps(payload, indent=1))
         lines = [
-            f"# FP8 linears on one GPU: a Wan2.1-14B-shaped transformer of {args.layers} blocks, 832x480",
+            f"# FP8 linears on one GPU: a {args.arch}-shaped transformer of {args.layers} blocks, 832x480",
             "",
             f"GPUs: {', '.join(environment()['gpus']) or 'none'}",
             "",

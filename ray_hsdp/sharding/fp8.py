@@ -16,7 +16,6 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 from ray_hsdp.sharding.policy import ShardPlan
@@ -61,7 +60,7 @@ fused_scale_rows = torch.compile(scale_rows, dynamic=True)
 class Fp8Linear(nn.Linear):
     """A linear layer whose weight becomes FP8 with one scale per output row at ``quantize_``.
 
-    Until then it is a plain ``nn.Linear`` (the loader fills its weight as the checkpoint holds it).
+    Until then it holds the weight as the checkpoint does (the loader fills it) and runs no forward.
     ``quantize_`` picks how its forwards scale their inputs (``scale_rows``): fused on CUDA.
     """
 
@@ -108,8 +107,6 @@ class Fp8Linear(nn.Linear):
         self.weight_scale = full_scale.reshape(1, -1).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.dtype != FP8:
-            return F.linear(x, self.weight, self.bias)
         quantized, scale = self.scale_rows(x.reshape(-1, x.shape[-1]))
         out = torch._scaled_mm(
             quantized,

@@ -15,27 +15,18 @@ from ray_hsdp.sharding.fp8 import FP8, Fp8Linear, check_fp8_device, fp8_linears,
 
 
 def _wan():
-    """A tiny Wan transformer whose linears have sides of multiples of 16 (FP8 matmuls need them)."""
+    """The tiny Wan transformer of ``make-tiny``: its linears' sides are multiples of 16, as FP8
+    matmuls need."""
     from diffusers import WanTransformer3DModel
 
-    model = WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=16,
-        in_channels=4,
-        out_channels=4,
-        text_dim=16,
-        freq_dim=32,
-        ffn_dim=64,
-        num_layers=3,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
-    )
+    from ray_hsdp.checkpoints.architectures import get_architecture
+    from ray_hsdp.checkpoints.random_weights import transformer_kwargs
+
+    model = WanTransformer3DModel(**transformer_kwargs(get_architecture("wan2.1-t2v-14b"), tiny=True))
     inputs = dict(
-        hidden_states=torch.randn(1, 4, 2, 8, 8),
+        hidden_states=torch.randn(1, model.config.in_channels, 2, 8, 8),
         timestep=torch.tensor([500]),
-        encoder_hidden_states=torch.randn(1, 8, 16),
+        encoder_hidden_states=torch.randn(1, 8, model.config.text_dim),
     )
     return model.eval(), inputs
 
