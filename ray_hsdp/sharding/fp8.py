@@ -11,7 +11,9 @@ recipe as a private enum). FP8 matmuls need tensor cores of compute capability 8
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -52,9 +54,15 @@ def scale_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (rows / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.float()
 
 
-#: ``scale_rows`` as one or two fused kernels on GPUs: eagerly it is five passes over a linear's
-#: input, which cost more than FP8 saves in the matmul. Compiled once per process, for any row count.
-fused_scale_rows = torch.compile(scale_rows, dynamic=True)
+@functools.cache
+def fused_scale_rows() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """``scale_rows`` as one or two fused kernels on GPUs: eagerly it is five passes over a linear's
+    input, which cost more than FP8 saves in the matmul. Compiled once per process, for any row count.
+
+    Built on first use: ``torch.compile`` imports inductor (0.9 s of every rank's start on CPU),
+    which a group without FP8 never runs.
+    """
+    return torch.compile(scale_rows, dynamic=True)
 
 
 class Fp8Linear(nn.Linear):
@@ -101,7 +109,7 @@ class Fp8Linear(nn.Linear):
             )
         else:
             full_scale = scale
-        self.scale_rows = fused_scale_rows if local.is_cuda else scale_rows
+        self.scale_rows = fused_scale_rows() if local.is_cuda else scale_rows
         self.weight = nn.Parameter(quantized, requires_grad=False)
         # (1, out): _scaled_mm's row-wise scale of its second matrix, the weight's transpose.
         self.weight_scale = full_scale.reshape(1, -1).contiguous()
@@ -160,6 +168,6 @@ def quantize_fp8(root: nn.Module) -> int:
     for linear in linears:
         linear.quantize_()
     first = linears[0]
-    if first.scale_rows is fused_scale_rows:  # one compile serves every row count and width
-        fused_scale_rows(torch.zeros(16, first.in_features, dtype=dtype, device=first.weight_scale.device))
+    if first.scale_rows is not scale_rows:  # the fused one: one compile serves every row count and width
+        first.scale_rows(torch.zeros(16, first.in_features, dtype=dtype, device=first.weight_scale.device))
     return len(linears)
