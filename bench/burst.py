@@ -2,17 +2,20 @@
 
     python -m bench.burst --device cpu --out bench/results --plot docs/burst-cpu.png
 
-Deploys the app with ``autoscaling`` on a Ray of its own, sends ``--jobs`` video jobs at once over
-HTTP, and every ``--every`` seconds reads Serve's replicas of the app by state (each replica is a
-shard group: starting, running, stopping) and the jobs by status, until every job has ended and the
-pool is back to ``min_groups`` (or ``--deadline``). Writes the samples (JSON), a Markdown summary
-and, with ``--plot``, a PNG of both over time (matplotlib). On CPU it serves the tiny model on gloo
-ranks with fractional CPUs; on GPUs, ``--model`` names a checkpoint folder.
+Deploys the app with ``autoscaling`` on a Ray of its own, sends ``--jobs`` video jobs over HTTP (at
+once, or ``--rate`` per second: a job is bound to the group that took its ``POST``, so only the jobs
+sent after a group was added can run there), and every ``--every`` seconds reads Serve's replicas of
+the app by state (each replica is a shard group: starting, running, stopping) and the jobs by status
+and group, until every job has ended and the pool is back to ``min_groups`` (or ``--deadline``).
+Writes the samples (JSON), a Markdown summary (when the scale-up was decided, when the added group
+ran and took its first job) and, with ``--plot``, a PNG of both over time (matplotlib). On CPU it
+serves the tiny model on gloo ranks with fractional CPUs; on GPUs, ``--model`` names a checkpoint folder.
 """
 
 from __future__ import annotations
 
 import argparse
+import threading
 import time
 from pathlib import Path
 
@@ -41,6 +44,7 @@ def main() -> None:
     parser.add_argument("--upscale-delay", type=float, default=2)
     parser.add_argument("--downscale-delay", type=float, default=20)
     parser.add_argument("--jobs", type=int, default=16)
+    parser.add_argument("--rate", type=float, default=0, help="jobs sent per second; 0: all at once")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--frames", type=int, default=5)
     parser.add_argument("--size", default="64x64")
@@ -87,26 +91,23 @@ def main() -> None:
         config["cpus_per_rank"] = 0.5
     serve.run(build_app(config), name=APP, route_prefix=f"/{APP}")
     base = f"http://127.0.0.1:{port}/{APP}"
+    ids: list[str] = []
     start = time.monotonic()
-    ids = [
-        requests.post(
-            f"{base}/v1/videos",
-            json={
-                "prompt": f"burst {i}",
-                "seed": i,
-                "num_inference_steps": args.steps,
-                "num_frames": args.frames,
-            },
-            timeout=60,
-        ).json()["id"]
-        for i in range(args.jobs)
-    ]
-    sent_s = time.monotonic() - start
-    samples = []
+    sender = threading.Thread(target=_send, args=(base, args, ids), daemon=True)
+    sender.start()
+    samples, jobs = [], {}
     while True:
         now = time.monotonic() - start
         states = _replicas()
-        statuses = [requests.get(f"{base}/v1/videos/{i}", timeout=30).json()["status"] for i in ids]
+        videos = [requests.get(f"{base}/v1/videos/{i}", timeout=30).json() for i in list(ids)]
+        for video in videos:  # when each job was first seen running, on which group, and ended
+            job = jobs.setdefault(video["id"], {"replica": None, "running_s": None, "ended_s": None})
+            if video["status"] != "queued" and job["running_s"] is None:
+                job["running_s"] = round(now, 2)
+            job["replica"] = video.get("replica") or job["replica"]
+            if video["status"] in ("completed", "failed") and job["ended_s"] is None:
+                job["ended_s"] = round(now, 2)
+        statuses = [video["status"] for video in videos]
         sample = {
             "t_s": round(now, 2),
             "groups_running": states.get("RUNNING", 0),
@@ -115,48 +116,84 @@ def main() -> None:
             **{status: statuses.count(status) for status in ("queued", "in_progress", "completed", "failed")},
         }
         samples.append(sample)
-        ended = sample["completed"] + sample["failed"] == len(ids)
+        ended = not sender.is_alive() and sample["completed"] + sample["failed"] == args.jobs
         settled = sample["groups_running"] == args.min_groups and not sample["groups_stopping"]
         if (ended and settled) or now > args.deadline:
             break
         time.sleep(args.every)
     serve.delete(APP)
     ray.shutdown()
-    payload = {"config": config, "jobs": args.jobs, "sent_s": sent_s, "samples": samples, "environment": environment()}
+    payload = {"config": config, "jobs": args.jobs, "rate": args.rate, "samples": samples, "job_runs": jobs}
+    payload["environment"] = environment()
     write_results(Path(args.out), args.name, payload, _summary(payload, args))
     if args.plot:
         _plot(samples, args)
 
 
+def _send(base: str, args, ids: list[str]) -> None:
+    """Posts ``args.jobs`` video jobs, ``args.rate`` per second (all at once at rate 0)."""
+    import requests
+
+    start = time.monotonic()
+    for i in range(args.jobs):
+        if args.rate > 0:
+            time.sleep(max(0.0, start + i / args.rate - time.monotonic()))
+        body = {"prompt": f"burst {i}", "seed": i, "num_inference_steps": args.steps, "num_frames": args.frames}
+        ids.append(requests.post(f"{base}/v1/videos", json=body, timeout=60).json()["id"])
+
+
 def _summary(payload: dict, args) -> str:
-    samples = payload["samples"]
+    samples, runs = payload["samples"], payload["job_runs"]
     peak = max(s["groups_running"] for s in samples)
-    first_up = next((s["t_s"] for s in samples if s["groups_running"] > args.min_groups), None)
+    decided = next((s["t_s"] for s in samples if s["groups_starting"] or s["groups_running"] > args.min_groups), None)
+    added = next((s["t_s"] for s in samples if s["groups_running"] > args.min_groups), None)
+    started = sorted((r["running_s"], r["replica"]) for r in runs.values() if r["running_s"] is not None)
+    first_replica = started[0][1] if started else None
+    added_first = next((t for t, replica in started if replica != first_replica), None)
+    # The first group keeps serving while the pool grows: its jobs that ended meanwhile.
+    served_meanwhile = sum(
+        1
+        for r in runs.values()
+        if r["replica"] == first_replica and r["ended_s"] is not None and decided is not None
+        and decided <= r["ended_s"] <= (added_first or float("inf"))
+    )
     all_done = next((s["t_s"] for s in samples if s["completed"] + s["failed"] == args.jobs), None)
     back = next(
         (s["t_s"] for s in samples if s["t_s"] > (all_done or 0) and s["groups_running"] == args.min_groups), None
     )
+    sending = "at once" if not args.rate else f"{args.rate:g} per second"
+
+    def since(t: float | None) -> str:
+        return "-" if t is None or decided is None else f"{t - decided:.1f}"
+
     lines = [
-        f"# A burst under autoscaling: {args.jobs} video jobs at once, {args.model} on {args.device}",
+        f"# A burst under autoscaling: {args.jobs} video jobs sent {sending}, {args.model} on {args.device}",
         "",
         f"GPUs: {', '.join(payload['environment']['gpus']) or 'none'}",
         "",
         f"Config: `{payload['config']['autoscaling']}`, shard_size {args.shard_size}, {args.steps} steps, "
-        f"{args.frames} frames at {args.size}.",
+        f"{args.frames} frames at {args.size}. Times are seconds after the first job was sent, sampled "
+        f"every {args.every:g} s (Serve's replica states, each job's status and group).",
         "",
-        "| what | value |",
-        "| --- | --- |",
-        f"| jobs sent (s) | {payload['sent_s']:.2f} |",
-        f"| groups at most | {peak} |",
-        f"| first group added, running (s after the burst) | {first_up} |",
-        f"| every job ended (s) | {all_done} |",
-        f"| back to min_groups (s) | {back} |",
-        f"| jobs completed / failed | {samples[-1]['completed']} / {samples[-1]['failed']} |",
+        "| what | s after the first job | s after the scale-up decision |",
+        "| --- | --- | --- |",
+        f"| scale-up decided (a group starting) | {_s(decided)} | 0 |",
+        f"| the added group running (Serve: RUNNING) | {_s(added)} | {since(added)} |",
+        f"| the added group runs its first job | {_s(added_first)} | {since(added_first)} |",
+        f"| every job ended | {_s(all_done)} | |",
+        f"| back to min_groups | {_s(back)} | |",
+        "",
+        f"Groups at most: {peak}. Jobs completed / failed: {samples[-1]['completed']} / {samples[-1]['failed']}. "
+        f"Jobs the first group finished between the decision and the added group's first job: {served_meanwhile}.",
         "",
         f"Command: `{payload['environment']['command']}`",
         "",
     ]
     return "\n".join(lines)
+
+
+def _s(t: float | None) -> str:
+    return "-" if t is None else f"{t:.1f}"
 
 
 def _plot(samples: list[dict], args) -> None:
@@ -178,7 +215,8 @@ def _plot(samples: list[dict], args) -> None:
     jobs.set_ylabel("video jobs")
     jobs.set_xlabel("seconds after the burst")
     jobs.legend(loc="center right")
-    fig.suptitle(f"{args.jobs} video jobs at once, autoscaling {args.min_groups}..{args.max_groups} groups")
+    sending = "at once" if not args.rate else f"{args.rate:g}/s"
+    fig.suptitle(f"{args.jobs} video jobs ({sending}), autoscaling {args.min_groups}..{args.max_groups} groups")
     fig.tight_layout()
     Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.plot, dpi=100)

@@ -549,7 +549,9 @@ class HSDPServer:
                 state = None
             running = state is not None and state["state"] == "running"
             progress = DENOISED * state["step"] // max(state["total"], 1) if running else None
-            if not await self.jobs.update.remote(video_id, progress=progress, running=running):
+            if not await self.jobs.update.remote(
+                video_id, progress=progress, running=running, replica=self._replica
+            ):
                 self._cancel(request_id)
                 return
             await asyncio.sleep(0.25)

@@ -129,14 +129,23 @@ class JobTable:
                 "expires_at": None,
                 "error": None,
                 "retried": False,  # True once another group took it over (its group was removed)
+                "replica": None,  # the Serve replica (shard group) that runs it, once one does
                 **fields,
                 "_heartbeat": time.time(),
             }
             return "ok", self._public(self.jobs[video_id])
 
-    def update(self, video_id: str, progress: int | None = None, running: bool = False, retried: bool = False) -> bool:
+    def update(
+        self,
+        video_id: str,
+        progress: int | None = None,
+        running: bool = False,
+        retried: bool = False,
+        replica: str | None = None,
+    ) -> bool:
         """A job's report (also its heartbeat, queued or running): ``running`` once a lane took
-        it; progress never goes down; ``retried`` once another group took it over (a drain).
+        it, with the ``replica`` whose group runs it; progress never goes down; ``retried`` once
+        another group took it over (a drain).
 
         Returns:
             False when the job is gone or finished (deleted, expired, failed by the sweep): its
@@ -151,6 +160,8 @@ class JobTable:
                 job["retried"] = True
             if running or progress:
                 self._move(video_id, "in_progress")
+            if running and replica:
+                job["replica"] = replica
             if progress is not None and job["status"] == "in_progress":
                 job["progress"] = max(job["progress"], min(int(progress), 99))
             return True

@@ -94,14 +94,14 @@ def wait_all(base: str, ids: list[str], deadline_s: float) -> list[dict]:
         time.sleep(0.5)
 
 
-def wait_running(base: str, video_id: str, deadline_s: float) -> bool:
-    """Waits until a lane runs the job (or the deadline); returns whether one does."""
+def wait_running(base: str, video_id: str, deadline_s: float) -> dict | None:
+    """Waits until a lane runs the job (or the deadline); returns its video object, or None."""
     deadline = time.monotonic() + deadline_s
-    while requests.get(f"{base}/v1/videos/{video_id}", timeout=30).json()["status"] != "in_progress":
+    while (video := requests.get(f"{base}/v1/videos/{video_id}", timeout=30).json())["status"] != "in_progress":
         if time.monotonic() > deadline:
-            return False
+            return None
         time.sleep(0.2)
-    return True
+    return video
 
 
 def test_a_burst_adds_a_group_and_a_removed_group_hands_its_job_over(server):
@@ -145,12 +145,15 @@ def test_a_burst_adds_a_group_and_a_removed_group_hands_its_job_over(server):
         # Long enough (500 steps: 25 s or more here) to outlast the downscale delay, which started
         # once the burst's load fell to one group's share, by several times: the removed group's
         # job is still running when it goes, however fast the host.
-        long = []
+        long, ran_on = [], []
         for i in range(2):
             body = {"prompt": f"long {i}", "num_frames": 5, "num_inference_steps": 500, "seed": 100 + i}
             long.append(requests.post(f"{base}/v1/videos", json=body, timeout=60).json()["id"])
-            assert wait_running(base, long[-1], 30)
+            running = wait_running(base, long[-1], 30)
+            assert running is not None
+            ran_on.append(running["replica"])
             time.sleep(1.5)  # a routing-stats period (1 s) shows the first job's load before the second
+        assert len(set(ran_on)) == 2, ran_on  # one on each group
         assert replicas(60, want=1) == 1
         jobs = wait_all(base, long, 120)
         assert [j["status"] for j in jobs] == ["completed", "completed"], [j["error"] for j in jobs]
@@ -158,6 +161,7 @@ def test_a_burst_adds_a_group_and_a_removed_group_hands_its_job_over(server):
         # Once idle: the policy's answer (exported by Serve's controller) and the group's state.
         remaining = requests.get(f"{base}/v1/pool", timeout=30).json()
         assert remaining["state"] == "serving"
+        assert {j["replica"] for j in jobs} == {remaining["replica"]}  # the taken-over job names its new group
         assert exported(30, remaining["replica"]) == {"target": 1, "serving": 1, "draining": 0}
     finally:
         serve.delete(APP)
