@@ -16,6 +16,7 @@ import re
 import shutil
 import struct
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -29,6 +30,11 @@ from ray_hsdp.config import EMBEDDED_LORAS, EMBEDDED_MODELS, TINY_MODEL, cache_d
 logger = logging.getLogger("ray_hsdp")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+#: Slices a rank reads at once: a file read and a host-to-device copy release the GIL, so a few
+#: threads overlap the disk (or the page cache) with the copies, and keep a fast disk's queue full.
+READ_THREADS = 8
 
 
 class CheckpointError(ValueError):
@@ -351,7 +357,9 @@ def fill_from_checkpoint(model: nn.Module, folder: Path, allow_pickle: bool = Fa
     """Copies this rank's slice of every parameter and persistent buffer from the checkpoint.
 
     Tied parameters (one tensor under several names) are filled once from whichever name the
-    checkpoint holds.
+    checkpoint holds. The keys are matched first, so a mismatch fails before any byte is read;
+    then ``READ_THREADS`` threads read the slices, each straight into its tensor on CPU, or into a
+    host buffer copied to the device.
 
     Returns:
         ``{"files": n, "bytes_read": b}``: what this rank read.
@@ -368,7 +376,7 @@ def fill_from_checkpoint(model: nn.Module, folder: Path, allow_pickle: bool = Fa
     ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
     filled: set[int] = set()
     unexpected: list[str] = []
-    bytes_read = 0
+    reads: list[tuple[SafetensorsReader | _PickleReader, str, torch.Tensor]] = []
     files = _checkpoint_files(folder, allow_pickle)
     for file in files:
         reader = _PickleReader(file) if file.suffix == ".bin" else SafetensorsReader(file)
@@ -384,13 +392,7 @@ def fill_from_checkpoint(model: nn.Module, folder: Path, allow_pickle: bool = Fa
                 raise CheckpointError(
                     f"{folder.name}/{key}: checkpoint shape {reader.shape(key)} != model shape {tuple(target.shape)}"
                 )
-            local = target.to_local() if isinstance(target, DTensor) else target
-            with torch.no_grad():
-                value = reader.read(key, local_rows(target), out=local)
-                if value is not local:
-                    local.copy_(value)
-            bytes_read += value.numel() * value.element_size()
-            del value
+            reads.append((reader, key, target))
             filled.add(id(target))
     missing = sorted(names[0] for tid, names in aliases.items() if tid not in filled)
     if unexpected or missing:
@@ -399,4 +401,16 @@ def fill_from_checkpoint(model: nn.Module, folder: Path, allow_pickle: bool = Fa
             f"missing keys {missing[:20]}{' ...' if len(missing) > 20 else ''}; "
             f"unexpected keys {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}"
         )
+    with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ray_hsdp-read") as pool:
+        bytes_read = sum(pool.map(lambda read: _fill(*read), reads))
     return {"files": len(files), "bytes_read": bytes_read}
+
+
+def _fill(reader: SafetensorsReader | _PickleReader, key: str, target: torch.Tensor) -> int:
+    """Reads ``key``'s slice into ``target``'s local tensor; returns the bytes read."""
+    local = target.to_local() if isinstance(target, DTensor) else target
+    with torch.no_grad():
+        value = reader.read(key, local_rows(target), out=local)
+        if value is not local:
+            local.copy_(value)
+    return value.numel() * value.element_size()
