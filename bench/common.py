@@ -132,11 +132,14 @@ def load_plain(model_dir, device: str):
     return pipe
 
 
-def plain_kwargs(request) -> dict:
-    """The arguments a plain diffusers call takes for ``request`` (a ``GenerationRequest``)."""
+def plain_kwargs(request, pipe) -> dict:
+    """The arguments plain diffusers' ``pipe`` takes for ``request`` (a ``GenerationRequest``): those
+    of its ``__call__``, as the sharded pipeline passes them (an image pipeline takes no frames)."""
+    import inspect
+
     import torch
 
-    return {
+    kwargs = {
         "prompt": request.prompt,
         "negative_prompt": request.negative_prompt,
         "width": request.width,
@@ -149,6 +152,8 @@ def plain_kwargs(request) -> dict:
         # An image-to-video request's first frame, already fitted to its size (request.fit_image).
         **({"image": request.first_frame()} if request.image is not None else {}),
     }
+    accepted = inspect.signature(pipe.__call__).parameters
+    return {k: v for k, v in kwargs.items() if k in accepted}
 
 
 def first_frame_png(width: int, height: int) -> bytes:

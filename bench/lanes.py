@@ -126,7 +126,7 @@ def run_plain(model_dir: Path, requests: list, device: str) -> tuple[list[dict],
         hook = pipe.transformer.register_forward_pre_hook(first)
         sync()
         start = time.perf_counter()
-        out = pipe(**plain_kwargs(request), callback_on_step_end=on_step)
+        out = pipe(**plain_kwargs(request, pipe), callback_on_step_end=on_step)
         sync()
         end = time.perf_counter()
         hook.remove()

@@ -159,7 +159,7 @@ def plain_baseline(model_dir: str, requests, gpus: int, device: str, compile: bo
                     getattr(pipe, name).compile_repeated_blocks()
 
         def call(r):
-            pipe(**plain_kwargs(r))
+            pipe(**plain_kwargs(r, pipe))
             if device == "cuda":
                 torch.cuda.synchronize()
 
