@@ -3,8 +3,8 @@
     python -m bench.burst --device cpu --out bench/results --plot docs/burst-cpu.png
 
 Deploys the app with ``autoscaling`` on a Ray of its own, sends ``--jobs`` video jobs over HTTP (at
-once, or ``--rate`` per second: a job is bound to the group that took its ``POST``, so only the jobs
-sent after a group was added can run there), and every ``--every`` seconds reads Serve's replicas of
+once, or ``--rate`` per second; a job queued on a busy group moves to a group with a free lane after
+``video_takeover_after_s``), and every ``--every`` seconds reads Serve's replicas of
 the app by state (each replica is a shard group: starting, running, stopping) and the jobs by status
 and group, until every job has ended and the pool is back to ``min_groups`` (or ``--deadline``).
 Writes the samples (JSON), a Markdown summary (when the scale-up was decided, when the added group

@@ -614,6 +614,13 @@ class AppConfig(GroupConfig):
         gt=0,
         description="A running video job whose replica has not reported for this long is failed (the replica is gone).",
     )
+    video_takeover_after_s: float | None = Field(
+        2.0,
+        gt=0,
+        description="A video job is bound to the group that took its POST; one that has waited queued there this "
+        "long is taken over by a group with a free lane (a group added for a burst serves the burst's backlog). "
+        "None: jobs never move.",
+    )
     metrics_interval_s: float = Field(
         5.0, gt=0, description="How often a replica reports its group's queue, ranks and the video jobs as metrics."
     )

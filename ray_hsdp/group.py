@@ -392,7 +392,7 @@ class ShardGroup:
             if self._closed or self._failure:
                 raise GroupFailedError(self._failure or "the shard group is shut down")
             running = len({id(job) for _, job in self._inflight.values()})
-            if len(self._pending) + running >= self._running_capacity + self.config.max_queue:
+            if len(self._pending) + running >= self.running_capacity + self.config.max_queue:
                 raise GroupOverloadedError(
                     f"the shard group's queue is full: {running} requests running, {len(self._pending)} waiting "
                     f"(max_queue={self.config.max_queue}); retry later"
@@ -496,7 +496,7 @@ class ShardGroup:
             )
 
     @property
-    def _running_capacity(self) -> int:
+    def running_capacity(self) -> int:
         """Requests the ranks run at once: ``requests_per_rank`` per lane."""
         return self.dims.num_lanes * self.config.requests_per_rank
 

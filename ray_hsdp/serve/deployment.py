@@ -291,6 +291,12 @@ class HSDPServer:
         except BaseException:
             self._stopping.set()
             raise
+        if self.config.video_takeover_after_s is not None:
+            # Serve runs the constructor on the replica's event loop: the task starts once it returns
+            # (held here: the loop keeps only a weak reference to its tasks).
+            self._takeover = asyncio.get_running_loop().create_task(
+                self._take_waiting_jobs(self.config.video_takeover_after_s)
+            )
 
     def _build_group(self) -> ShardGroup:
         labels = {"replica": self._replica}
@@ -433,7 +439,12 @@ class HSDPServer:
 
     async def create_video(self, request: dict | VideoCreateRequest) -> dict:
         """Creates a video job (``POST /v1/videos``) and starts it; returns the video object at
-        once, in every state of the group: while the group is rebuilt, the job waits queued."""
+        once, in every state of the group: while the group is rebuilt, the job waits queued (and
+        another group with a free lane may take it over: ``video_takeover_after_s``)."""
+        return await self._create_video(request, movable=True)
+
+    async def _create_video(self, request: dict | VideoCreateRequest, movable: bool) -> dict:
+        """``create_video``; a job that is not ``movable`` (a caller waits for it here) stays on this group."""
         body = VideoCreateRequest.model_validate(request)
         self._check_model(body.model)
         facts = self.group.pipeline_facts
@@ -453,7 +464,8 @@ class HSDPServer:
             "guidance_scale": job.guidance_scale,
             "flow_shift": job.flow_shift,
         }
-        status, created = await self.jobs.create.remote(fields)
+        spec = (job, fps, body.seed is not None) if movable else None
+        status, created = await self.jobs.create.remote(fields, self._replica, spec)
         if status == "full":
             raise JobTableFullError(created)
         job = dataclasses.replace(job, request_id=created["id"])
@@ -485,10 +497,42 @@ class HSDPServer:
         """
         if avoid_replica == self._replica or self._draining:
             raise GroupFailedError("this shard group is being removed too; it cannot take the job over")
-        if not await self.jobs.update.remote(video_id, retried=True):
+        if not await self.jobs.update.remote(video_id, self._replica, retried=True):
             return False  # deleted or expired meanwhile: nothing to take over
         self._start_video(video_id, job, fps, seeded=True)
         return True
+
+    async def _take_waiting_jobs(self, waited_s: float) -> None:
+        """While this group has free lanes and nothing queued: takes over the video jobs that have
+        waited queued for ``waited_s`` on other, busy groups, one per free lane (the job table
+        picks the oldest; their first replicas stop their copies at their next report)."""
+        while not self._stopping.is_set():
+            await asyncio.sleep(waited_s / 2)
+            if self._draining or self.keeper is None or not self.keeper.ready:
+                continue
+            group = self.keeper.group
+            queued, running = group.load()
+            # The group's requests, and this replica's jobs not handed to it yet.
+            for _ in range(group.running_capacity - max(queued + running, len(self._videos))):
+                try:
+                    taken = await self.jobs.take_waiting.remote(self._replica, waited_s)
+                except Exception as err:  # noqa: BLE001 - the table answers again at the next round
+                    logger.warning("Asking the job table for waiting video jobs failed: %s", err)
+                    break
+                if taken is None:
+                    break
+                video_id, (job, fps, seeded) = taken
+                if video_id in self._videos:
+                    continue  # released back to its first replica before it had stopped its copy: it runs on
+                job = dataclasses.replace(job, request_id=video_id)
+                try:  # requests that came in while the table answered may have filled the group
+                    future = group.submit(job)
+                except (GroupOverloadedError, GroupFailedError) as err:
+                    logger.info("Could not take over video job %s: %s", video_id, err)
+                    await self.jobs.release.remote(video_id, self._replica)
+                    break
+                logger.info("Took over video job %s, which waited queued on a busy shard group", video_id)
+                self._start_video(video_id, job, fps, seeded, future)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """The load Serve's autoscaling policy sizes the pool on (``ray_hsdp.serve.autoscaling``):
@@ -523,7 +567,7 @@ class HSDPServer:
         reporter = asyncio.create_task(self._report_progress(video_id, job.request_id))
         try:
             result, _ = await self._result(job, seeded, future)
-            await self.jobs.update.remote(video_id, progress=DECODED)
+            await self.jobs.update.remote(video_id, self._replica, progress=DECODED)
             frames = result.frames[0]
             mp4 = await asyncio.to_thread(encode_mp4, frames, fps)  # off the event loop, far from any tick
             await self.jobs.complete.remote(video_id, mp4, encode_png(frames[0]))
@@ -534,7 +578,7 @@ class HSDPServer:
             err = remote_cause(err)
             code = "group_failed" if isinstance(err, GroupFailedError) else type(err).__name__
             logger.warning("Video job %s failed: %s", video_id, err)
-            await self.jobs.fail.remote(video_id, code, str(err))
+            await self.jobs.fail.remote(video_id, code, str(err), self._replica)
             return err
         finally:
             reporter.cancel()
@@ -549,9 +593,7 @@ class HSDPServer:
                 state = None
             running = state is not None and state["state"] == "running"
             progress = DENOISED * state["step"] // max(state["total"], 1) if running else None
-            if not await self.jobs.update.remote(
-                video_id, progress=progress, running=running, replica=self._replica
-            ):
+            if not await self.jobs.update.remote(video_id, self._replica, progress=progress, running=running):
                 self._cancel(request_id)
                 return
             await asyncio.sleep(0.25)
@@ -585,12 +627,13 @@ class HSDPServer:
         return {"id": video_id, "object": "video.deleted", "deleted": True}
 
     async def generate_video(self, request: dict | VideoCreateRequest) -> dict:
-        """Creates a video job and waits for it (the handle's entry point).
+        """Creates a video job and waits for it (the handle's entry point); it runs on this
+        replica's group.
 
         Returns:
             ``{"video": the video object, "mp4": the MP4's bytes}``; raises if the job failed.
         """
-        created = await self.create_video(request)
+        created = await self._create_video(request, movable=False)
         error = await asyncio.shield(self._videos[created["id"]].task)
         if error is not None:
             raise error  # answered by its own class: bad input 400, deadline 504, broken group 503
@@ -686,7 +729,7 @@ class HSDPServer:
             f"the shard group running it was removed and drain_timeout_s={self.config.drain_timeout_s:g} passed; "
             f"{reason}"
         )
-        await self.jobs.fail.remote(video_id, "drained", message)
+        await self.jobs.fail.remote(video_id, "drained", message, self._replica)
 
     @api.post("/v1/images/generations")
     async def images_generations(self, body: ImageGenerationRequest) -> dict:

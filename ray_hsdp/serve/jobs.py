@@ -106,8 +106,15 @@ class JobTable:
 
     # ---- what replicas call ----------------------------------------------------------------
 
-    def create(self, fields: dict) -> tuple[str, dict | str]:
+    def create(self, fields: dict, owner: str = "", spec: tuple | None = None) -> tuple[str, dict | str]:
         """Adds a queued job.
+
+        Args:
+            fields: The video object's fields.
+            owner: The replica whose group will run it.
+            spec: What another replica needs to run it instead (``take_waiting``): the prepared
+                request, its fps and whether it was seeded; None: it never moves (a caller waits
+                for it on its replica).
 
         Returns:
             ``("ok", video object)``, or ``("full", why)`` when a limit is reached.
@@ -132,39 +139,77 @@ class JobTable:
                 "replica": None,  # the Serve replica (shard group) that runs it, once one does
                 **fields,
                 "_heartbeat": time.time(),
+                "_waiting_since": time.time(),  # queued on its owner's group since
+                "_owner": owner,
+                "_spec": spec,
             }
             return "ok", self._public(self.jobs[video_id])
 
     def update(
         self,
         video_id: str,
+        replica: str,
         progress: int | None = None,
         running: bool = False,
         retried: bool = False,
-        replica: str | None = None,
     ) -> bool:
-        """A job's report (also its heartbeat, queued or running): ``running`` once a lane took
-        it, with the ``replica`` whose group runs it; progress never goes down; ``retried`` once
-        another group took it over (a drain).
+        """A job's report from the ``replica`` that runs it (also its heartbeat, queued or
+        running): ``running`` once a lane took it; progress never goes down; ``retried`` when this
+        replica takes it over from a group being removed (a drain).
 
         Returns:
-            False when the job is gone or finished (deleted, expired, failed by the sweep): its
-            replica should stop it.
+            False when the job is gone or finished (deleted, expired, failed by the sweep) or
+            another replica has taken it (``take_waiting``): this replica should stop it.
         """
         with self._lock:
             job = self.jobs.get(video_id)
             if job is None or job["status"] not in ("queued", "in_progress"):
                 return False
-            job["_heartbeat"] = time.time()
             if retried:
                 job["retried"] = True
-            if running or progress:
+                job["_owner"] = replica
+            elif job["_owner"] != replica:
+                return False
+            job["_heartbeat"] = time.time()
+            if running or progress:  # (a short job may end between two reports: progress says it ran)
                 self._move(video_id, "in_progress")
-            if running and replica:
                 job["replica"] = replica
             if progress is not None and job["status"] == "in_progress":
                 job["progress"] = max(job["progress"], min(int(progress), 99))
             return True
+
+    def take_waiting(self, replica: str, waited_s: float) -> tuple[str, tuple] | None:
+        """Hands ``replica`` (whose group has a free lane) the oldest job that has waited queued
+        for at least ``waited_s`` on another replica's busy group. Its old replica stops its copy at
+        its next report, which this makes fail.
+
+        Returns:
+            ``(video_id, spec)`` (the spec ``create`` got), or None when no job waits so long.
+        """
+        with self._lock:
+            self._sweep()
+            now = time.time()
+            for video_id, job in self.jobs.items():
+                if (
+                    job["status"] == "queued"
+                    and job["_owner"] != replica
+                    and job["_spec"] is not None
+                    and now - job["_waiting_since"] >= waited_s
+                ):
+                    job["_owner"] = replica
+                    job["_heartbeat"] = job["_waiting_since"] = now
+                    return video_id, job["_spec"]
+            return None
+
+    def release(self, video_id: str, replica: str) -> None:
+        """``replica`` took the job (``take_waiting``) but its group filled up meanwhile: the job
+        waits for the next group with a free lane. (Its first replica may have stopped its copy.)"""
+        with self._lock:
+            job = self.jobs.get(video_id)
+            if job is not None and job["status"] == "queued" and job["_owner"] == replica:
+                job["_owner"] = ""
+                job["_heartbeat"] = time.time()
+                job["_waiting_since"] = 0.0  # the next asker takes it at once
 
     def complete(self, video_id: str, mp4: bytes, thumbnail: bytes) -> bool:
         """Stores the MP4 and its first frame; False (and nothing stored) when the job is gone or
@@ -176,9 +221,13 @@ class JobTable:
             self.jobs[video_id]["progress"] = 100
             return True
 
-    def fail(self, video_id: str, code: str, message: str) -> bool:
-        """Marks a job failed with the reason; False when it had finished already."""
+    def fail(self, video_id: str, code: str, message: str, replica: str | None = None) -> bool:
+        """Marks a job failed with the reason; False when it had finished already, or when
+        ``replica`` no longer runs it (another took it over: its failure is not the job's)."""
         with self._lock:
+            job = self.jobs.get(video_id)
+            if replica is not None and job is not None and job["_owner"] != replica:
+                return False
             return self._move(video_id, "failed", error={"code": code, "message": message})
 
     def counts(self) -> dict[str, int]:

@@ -142,12 +142,12 @@ def test_a_burst_adds_a_group_and_a_removed_group_hands_its_job_over(server):
         ]
         assert replicas(90, want=2) == 2
         assert all(j["status"] == "completed" for j in wait_all(base, burst, 120))
-        # Long enough (500 steps: 25 s or more here) to outlast the downscale delay, which started
-        # once the burst's load fell to one group's share, by several times: the removed group's
-        # job is still running when it goes, however fast the host.
+        # Long enough (300 steps: about 30 s here) to outlast the downscale delay (15 s), which
+        # started once the burst's load fell to one group's share, before these were sent, by twice:
+        # the removed group's job is still running when it goes. (Taken over, it runs again.)
         long, ran_on = [], []
         for i in range(2):
-            body = {"prompt": f"long {i}", "num_frames": 5, "num_inference_steps": 500, "seed": 100 + i}
+            body = {"prompt": f"long {i}", "num_frames": 5, "num_inference_steps": 300, "seed": 100 + i}
             long.append(requests.post(f"{base}/v1/videos", json=body, timeout=60).json()["id"])
             running = wait_running(base, long[-1], 30)
             assert running is not None
@@ -165,3 +165,48 @@ def test_a_burst_adds_a_group_and_a_removed_group_hands_its_job_over(server):
         assert exported(30, remaining["replica"]) == {"target": 1, "serving": 1, "draining": 0}
     finally:
         serve.delete(APP)
+
+
+def test_a_job_queued_behind_a_long_one_moves_to_the_group_that_frees_first(server):
+    """Two groups of one lane each, one request at a time. A long job runs on one, a shorter one on
+    the other (the router prefers the least loaded); two more jobs, a routing period apart while both
+    run, queue one behind each. The shorter job's group runs its queued job, then, with a free lane, takes
+    over the one still queued behind the long job: both end on that group, while the long one runs."""
+    from ray import serve
+
+    args = {
+        "model": "tiny",
+        "device": "cpu",
+        "shard_size": 1,
+        "replicate_size": 2,
+        "requests_per_rank": 1,
+        "default_size": "64x64",
+        "max_steps": 8000,
+        "video_takeover_after_s": 1,
+    }
+    base = deploy(server, "takeover", args)
+
+    def post(steps: int, seed: int) -> str:
+        body = {"prompt": f"job {seed}", "num_frames": 5, "num_inference_steps": steps, "seed": seed}
+        return requests.post(f"{base}/v1/videos", json=body, timeout=60).json()["id"]
+
+    try:
+        time.sleep(1.5)  # the router has seen both groups' load (routing stats come every second)
+        ids = {}
+        for name, steps in (("long", 8000), ("shorter", 500), ("queued", 5), ("queued 2", 5)):
+            ids[name] = post(steps, len(ids))
+            if name in ("long", "shorter"):
+                assert wait_running(base, ids[name], 30) is not None
+            if name != "queued 2":
+                time.sleep(1.5)  # the next one sees this one's load (routing stats come every second)
+        # Both groups were busy when the two queued jobs came: each waited behind one of them.
+        assert requests.get(f"{base}/v1/videos/{ids['shorter']}", timeout=30).json()["status"] == "in_progress"
+        done = wait_all(base, [ids["queued"], ids["queued 2"]], 120)
+        long = requests.get(f"{base}/v1/videos/{ids['long']}", timeout=30).json()
+        shorter = requests.get(f"{base}/v1/videos/{ids['shorter']}", timeout=30).json()
+        assert [j["status"] for j in done] == ["completed", "completed"], [j["error"] for j in done]
+        assert long["status"] == "in_progress" and shorter["status"] == "completed", (long, shorter)
+        assert long["replica"] != shorter["replica"]
+        assert [j["replica"] for j in done] == [shorter["replica"]] * 2, done  # one of them moved
+    finally:
+        serve.delete("takeover")

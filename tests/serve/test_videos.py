@@ -293,14 +293,14 @@ def test_a_job_whose_replica_stops_reporting_reads_failed_and_stays_failed():
     from ray_hsdp.serve.jobs import JobTable
 
     table = JobTable(max_jobs=4, max_bytes=2**20, ttl_s=60, stale_after_s=0.5)
-    status, video = table.create({"model": "m", "prompt": "p", "size": "64x64"})
-    assert status == "ok" and table.update(video["id"], progress=30)
+    status, video = table.create({"model": "m", "prompt": "p", "size": "64x64"}, "a")
+    assert status == "ok" and table.update(video["id"], "a", progress=30)
     time.sleep(0.8)
     failed = table.get(video["id"])
     assert failed["status"] == "failed" and failed["error"]["code"] == "replica_lost", failed
     assert failed["progress"] == 30 and failed["completed_at"] is not None
     # Its replica comes back to life too late: the job stays failed, nothing is stored.
-    assert table.update(video["id"], progress=60) is False
+    assert table.update(video["id"], "a", progress=60) is False
     assert table.complete(video["id"], b"mp4", b"png") is False
     assert table.get(video["id"])["status"] == "failed" and table.content(video["id"], "video") == (
         "not_ready",
@@ -314,11 +314,39 @@ def test_the_job_table_moves_only_forward():
     from ray_hsdp.serve.jobs import TRANSITIONS, JobTable
 
     table = JobTable(max_jobs=4, max_bytes=2**20, ttl_s=60, stale_after_s=60)
-    _, video = table.create({"prompt": "p"})
-    assert table.update(video["id"], running=True) and table.get(video["id"])["status"] == "in_progress"
+    _, video = table.create({"prompt": "p"}, "a")
+    assert table.update(video["id"], "a", running=True) and table.get(video["id"])["status"] == "in_progress"
     assert table.complete(video["id"], b"mp4", b"png") and table.get(video["id"])["progress"] == 100
     assert table.fail(video["id"], "late", "too late") is False and table.get(video["id"])["status"] == "completed"
     assert all(not TRANSITIONS[state] for state in ("completed", "failed"))
+
+
+def test_a_job_waiting_on_a_busy_group_moves_once_to_a_group_with_a_free_lane():
+    """A queued job that waited long enough goes to the asking replica, and its first replica's
+    next report fails, which stops its copy there; a running job, a job of the asker's own, or one
+    that waited too little stays."""
+    from ray_hsdp.serve.jobs import JobTable
+
+    table = JobTable(max_jobs=8, max_bytes=2**20, ttl_s=60, stale_after_s=60)
+    _, running = table.create({"prompt": "running"}, "a", ("spec running", 16, True))
+    _, waiting = table.create({"prompt": "waiting"}, "a", ("spec waiting", 16, False))
+    _, own = table.create({"prompt": "own"}, "b", ("spec own", 16, True))
+    assert table.update(running["id"], "a", running=True)
+    assert table.take_waiting("b", waited_s=60) is None  # nothing waited a minute
+    time.sleep(0.05)
+    assert table.take_waiting("b", waited_s=0.01) == (waiting["id"], ("spec waiting", 16, False))
+    assert table.update(waiting["id"], "a") is False  # the first replica stops its copy
+    assert table.fail(waiting["id"], "group_failed", "its copy's failure", "a") is False  # not the job's
+    assert table.update(waiting["id"], "b", running=True)
+    moved = table.get(waiting["id"])
+    assert moved["status"] == "in_progress" and moved["replica"] == "b" and moved["retried"] is False
+    assert table.take_waiting("b", waited_s=0.01) is None  # the running job and b's own stay
+    assert table.take_waiting("c", waited_s=0.01) == (own["id"], ("spec own", 16, True))
+    assert "_spec" not in moved and "_owner" not in moved
+    # c's group filled up meanwhile: the job goes to the next asker at once, its first replica included.
+    table.release(own["id"], "c")
+    assert table.update(own["id"], "b") is False
+    assert table.take_waiting("b", waited_s=60) == (own["id"], ("spec own", 16, True))
 
 
 def test_a_redeploy_applies_new_limits_and_serve_delete_removes_the_table(limited, server):
