@@ -91,7 +91,8 @@ class JobTable:
         job["status"] = status
         if status in ("completed", "failed"):
             now = time.time()
-            job.update(completed_at=int(now), expires_at=now + self.ttl_s, error=error)
+            # The spec (with an image-to-video job's image) is only for moving a queued job.
+            job.update(completed_at=int(now), expires_at=now + self.ttl_s, error=error, _spec=None)
         return True
 
     @staticmethod
