@@ -464,7 +464,8 @@ class HSDPServer:
             "guidance_scale": job.guidance_scale,
             "flow_shift": job.flow_shift,
         }
-        spec = (job, fps, body.seed is not None) if movable else None
+        seeded = body.seed is not None
+        spec = (job, fps, seeded) if movable else None
         status, created = await self.jobs.create.remote(fields, self._replica, spec)
         if status == "full":
             raise JobTableFullError(created)
@@ -479,7 +480,7 @@ class HSDPServer:
                 raise
             except GroupFailedError:
                 pass  # it failed just now: the job's task waits for the rebuild, or retries elsewhere
-        self._start_video(created["id"], job, fps, body.seed is not None, future)
+        self._start_video(created["id"], job, fps, seeded, future)
         return created
 
     def _start_video(self, video_id: str, job: GenerationRequest, fps: int, seeded: bool, future=None) -> None:
