@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import platform
+import shutil
+import subprocess
 import sys
+import threading
 from pathlib import Path
 
 
@@ -28,6 +32,84 @@ def environment() -> dict:
         "transformers": transformers.__version__,
         "command": " ".join(sys.argv),
     }
+
+
+class GpuSampler:
+    """nvidia-smi's samples of every GPU's SM clock, power draw and utilisation while open; without
+    nvidia-smi (CPU runs) it samples nothing.
+
+    A GPU held at its power limit lowers its clock: two setups that run the same kernels at
+    different clocks differ by that much, whatever their code does.
+
+    Args:
+        period_ms: Sampling period.
+    """
+
+    QUERY = "timestamp,index,clocks.sm,power.draw,utilization.gpu,temperature.gpu"
+
+    def __init__(self, period_ms: int = 200):
+        self.period_ms = period_ms
+        self._samples: list[tuple[float, int, float, float, float, float]] = []
+        self._proc = None
+        self._reader = None
+
+    def __enter__(self) -> GpuSampler:
+        exe = shutil.which("nvidia-smi")
+        if exe is None:
+            return self
+        # Line-buffered: a pipe would otherwise hold seconds of samples back.
+        line_buffered = [shutil.which("stdbuf"), "-oL"] if shutil.which("stdbuf") else []
+        command = [*line_buffered, exe, f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits"]
+        self._proc = subprocess.Popen(
+            [*command, f"-lms={self.period_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        return self
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            parts = [p.strip() for p in line.split(",")]
+            try:
+                when = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                self._samples.append((when, int(parts[1]), *(float(x) for x in parts[2:6])))
+            except (ValueError, IndexError):  # a field nvidia-smi reports as [N/A]
+                continue
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(timeout=10)
+            self._reader.join(timeout=10)
+
+    def write_csv(self, path: Path) -> None:
+        """Writes every sample (epoch seconds, GPU, SM MHz, W, utilisation %, degrees C), if any."""
+        if self._samples:
+            rows = ["time_s,gpu,sm_clock_mhz,power_w,util_pct,temperature_c"]
+            rows += [",".join(f"{x:.3f}" if i == 0 else f"{x:g}" for i, x in enumerate(s)) for s in self._samples]
+            path.write_text("\n".join(rows) + "\n")
+
+    def figures(self, start: float, end: float) -> dict:
+        """Means of the samples taken between ``start`` and ``end`` (``time.time()``): SM clock,
+        power and utilisation over all GPUs, each GPU's mean clock and its hottest temperature,
+        and the mean clock of the slowest GPU; ``{}`` when there are none."""
+        window = [s for s in self._samples if start <= s[0] <= end]
+        if not window:
+            return {}
+
+        def mean(values):
+            return round(sum(values) / len(values), 1)
+
+        gpus = sorted({s[1] for s in window})
+        per_gpu = [mean([s[2] for s in window if s[1] == gpu]) for gpu in gpus]
+        return {
+            "sm_clock_mhz": mean([s[2] for s in window]),
+            "sm_clock_slowest_gpu_mhz": min(per_gpu),
+            "sm_clock_per_gpu_mhz": per_gpu,
+            "temperature_max_per_gpu_c": [max(s[5] for s in window if s[1] == gpu) for gpu in gpus],
+            "power_w": mean([s[3] for s in window]),
+            "gpu_util_pct": mean([s[4] for s in window]),
+        }
 
 
 def write_results(out_dir: Path, name: str, payload: dict, markdown: str) -> None:

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from bench.common import (
+    GpuSampler,
     ensure_model,
     environment,
     failure,
@@ -59,6 +60,9 @@ OPTIONS = {
     "batch-prefetch0": {"forward_prefetch": 0},
     "batch-prefetch2": {"forward_prefetch": 2},
     "batch-fwd2": {"max_forward_batch": 2},
+    "batch-keep50": {"keep_gathered": 0.5},
+    "batch-keep100": {"keep_gathered": 1.0},
+    "batch-keep50-compile": {"keep_gathered": 0.5, "compile": True},
     "batch-compile": {"compile": True},
     "batch-inplace": {"gather": "in_place"},
     "batch-fsdp2": {"gather": "fsdp2"},
@@ -94,6 +98,7 @@ def run_groups(groups, requests, deadline_s: float | None = None, results: list 
     """Submits every request at once, spread over the groups; returns rate and latencies (a
     request unanswered ``deadline_s`` after the previous answer raises ``TimeoutError``); the
     results go to ``results`` when given."""
+    started_at = time.time()
     start = time.perf_counter()
     futures = [(groups[i % len(groups)].submit(r), time.perf_counter()) for i, r in enumerate(requests)]
     latencies = []
@@ -103,7 +108,7 @@ def run_groups(groups, requests, deadline_s: float | None = None, results: list 
         if results is not None:
             results.append(result)
     wall = time.perf_counter() - start
-    return summary(latencies, wall)
+    return {**summary(latencies, wall), "window": (started_at, time.time())}
 
 
 def cache_figures(group, work, results, deadline_s: float | None) -> dict:
@@ -164,20 +169,23 @@ def plain_baseline(model_dir: str, requests, gpus: int, device: str, compile: bo
                 torch.cuda.synchronize()
 
         call(share[0])  # warm-up
+        started_at = time.time()
         start = time.perf_counter()
         latencies = []
         for r in share:
             call(r)
             latencies.append(time.perf_counter() - start)
         peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
-        return latencies, time.perf_counter() - start, peak
+        return latencies, time.perf_counter() - start, peak, (started_at, time.time())
 
     shares = [requests[i::gpus] for i in range(gpus)]
     outcomes = ray.get([run.remote(model_dir, share) for share in shares if share])
-    latencies = [t for lat, _, _ in outcomes for t in lat]
-    out = summary(latencies, max(wall for _, wall, _ in outcomes))
-    out["requests_per_s"] = round(sum(len(lat) / wall for lat, wall, _ in outcomes), 4)
-    out["peak_device_bytes"] = max(peak for _, _, peak in outcomes)
+    latencies = [t for lat, *_ in outcomes for t in lat]
+    out = summary(latencies, max(wall for _, wall, *_ in outcomes))
+    out["requests_per_s"] = round(sum(len(lat) / wall for lat, wall, *_ in outcomes), 4)
+    out["peak_device_bytes"] = max(peak for _, _, peak, _ in outcomes)
+    # Every GPU's timed share: from the first to start to the last to end.
+    out["window"] = (min(w[0] for *_, w in outcomes), max(w[1] for *_, w in outcomes))
     return out
 
 
@@ -288,6 +296,7 @@ def main() -> None:
                 "frames": frames,
                 "tokens": latent_tokens(args.width, args.height, frames),
                 **result,
+                **(gpus.figures(*result["window"]) if "window" in result else {}),
                 "weights_per_gpu_bytes": max((r["device_allocated_bytes"] for r in memory), default=None),
                 "peak_per_gpu_bytes": result.get("peak_device_bytes")
                 or max((r["last_request_peak_device_bytes"] for r in memory), default=None),
@@ -364,13 +373,15 @@ def main() -> None:
             for g in groups:
                 g.shutdown()
 
-    for row, setup, replicas, shard_size in runs:
-        try:
-            run_setup(row, setup, replicas, shard_size)
-        except Exception as err:  # noqa: BLE001 - a setup that fails is a result of its own; the next runs
-            failed.append({"setup": row, "error": failure(err, args.request_deadline)})
-            print(f"{row} failed: {failed[-1]['error']}")
-            write()
+    with GpuSampler() as gpus:
+        for row, setup, replicas, shard_size in runs:
+            try:
+                run_setup(row, setup, replicas, shard_size)
+            except Exception as err:  # noqa: BLE001 - a setup that fails is a result of its own; the next runs
+                failed.append({"setup": row, "error": failure(err, args.request_deadline)})
+                print(f"{row} failed: {failed[-1]['error']}")
+                write()
+    gpus.write_csv(Path(args.out) / f"{name}-gpu-samples.csv")
     ray.shutdown()
 
 
@@ -385,8 +396,8 @@ def table(rows: list[dict], args, failed: list[dict] = ()) -> str:
         "",
         "| setup | frames | tokens | requests | requests/s | vs plain diffusers (else our ceiling) "
         "| latency p50 / p95 (s) | weights/GPU (GiB) | peak/GPU (GiB) | forwards that reused a step cache "
-        "| drift (cache: from uncached, fp8: from batch): max / mean abs |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| drift (cache: from uncached, fp8: from batch): max / mean abs | SM clock MHz (slowest GPU) / power W |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         # A compiled setup against plain diffusers compiled the same way, and against plain.
@@ -406,12 +417,17 @@ def table(rows: list[dict], args, failed: list[dict] = ()) -> str:
         peak = f"{r['peak_per_gpu_bytes'] / 2**30:.2f}" if r.get("peak_per_gpu_bytes") else "-"
         reused = f"{r['cache_reused_share']:.0%}" if "cache_reused_share" in r else "-"
         drift = f"{r['drift_max']:.4f} / {r['drift_mean']:.5f}" if "drift_max" in r else "-"
+        clock = (
+            f"{r['sm_clock_mhz']:.0f} ({r['sm_clock_slowest_gpu_mhz']:.0f}) / {r['power_w']:.0f}"
+            if "sm_clock_mhz" in r
+            else "-"
+        )
         lines.append(
             f"| {r['setup']} | {r['frames']} | {r['tokens']} | {r['requests']} | {r['requests_per_s']:.3f} "
             f"| {ratio} | {r['latency_p50_s']:.2f} / {r['latency_p95_s']:.2f} | {weights} | {peak} | {reused} "
-            f"| {drift} |"
+            f"| {drift} | {clock} |"
         )
-    lines += [f"| {f['setup']} | | | | failed: {f['error']} | | | | | | |" for f in failed]
+    lines += [f"| {f['setup']} | | | | failed: {f['error']} | | | | | | | |" for f in failed]
     lines += ["", f"Command: `{environment()['command']}`", ""]
     return "\n".join(lines)
 

@@ -170,6 +170,7 @@ class Rank:
                 min_num_params=self.config.min_num_params,
                 reshard_after_forward=self.config.reshard_after_forward,
                 forward_prefetch=self.config.forward_prefetch,
+                keep_gathered=self.config.keep_gathered,
                 gather=self.config.gather,
                 allow_pickle=self.config.allow_pickle,
                 dims=self.dims,

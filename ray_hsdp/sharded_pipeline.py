@@ -183,6 +183,7 @@ class ShardedPipeline:
         min_num_params: int,
         reshard_after_forward: bool,
         forward_prefetch: int,
+        keep_gathered: float = 0.0,
         gather: str = "fsdp2",
         allow_pickle: bool = False,
         dims: ParallelDims | None = None,
@@ -207,6 +208,8 @@ class ShardedPipeline:
         step cache's hooks on the sharded diffusers models, before they are sharded. ``quantization``
         ``"fp8"`` keeps the linears inside the units of the sharded diffusers models in FP8
         (``ray_hsdp.sharding.fp8``), quantized after the load and any fused adapter.
+        ``keep_gathered`` is the share of the sharded diffusers models' units gathered once and kept
+        whole.
         ``phases`` times each sharded component's load, the other components and the parallel setup.
 
         Raises:
@@ -231,7 +234,8 @@ class ShardedPipeline:
                     if cache_hooks:  # before fully_shard renames the block classes the hooks look for
                         step_cache.enable(module, **cache_hooks)
                     plan = resolve_plan(module, min_num_params)
-                    fp8 = quantization == "fp8" and hasattr(module, "enable_parallelism")  # diffusers models
+                    denoiser = hasattr(module, "enable_parallelism")  # diffusers models, not text encoders
+                    fp8 = quantization == "fp8" and denoiser
                     if fp8:
                         fp8_linears(plan)
                     shardings[name] = shard_module(
@@ -241,6 +245,8 @@ class ShardedPipeline:
                         gather=gather,
                         reshard_after_forward=reshard_after_forward,
                         forward_prefetch=forward_prefetch,
+                        # A text encoder runs once per request: its gathers are not worth the memory.
+                        keep_gathered=keep_gathered if denoiser else 0.0,
                     )
                     materialize(module, device)
                     stats[name] = fill_from_checkpoint(module, path / name, allow_pickle)

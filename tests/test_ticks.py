@@ -56,7 +56,8 @@ def test_two_experts_at_different_experts_in_one_tick(ray_cluster, tmp_path):
         GenerationRequest(prompt="a cat", seed=1, num_inference_steps=8, num_frames=5),
         GenerationRequest(prompt="a dog", seed=2, num_inference_steps=2, num_frames=5),
     ]
-    with ShardGroup(GroupConfig(model=str(folder), device="cpu", shard_size=2)) as group:
+    # Half of each expert's blocks kept gathered: their results still equal unsharded ones.
+    with ShardGroup(GroupConfig(model=str(folder), device="cpu", shard_size=2, keep_gathered=0.5)) as group:
         results = submit_staggered(group, requests)
         stats = group.tick_stats()
     for req, result in zip(requests, results):
@@ -64,15 +65,17 @@ def test_two_experts_at_different_experts_in_one_tick(ray_cluster, tmp_path):
     assert sum(s["ghosts"] for s in stats) > 0
 
 
-def in_place_params(model_dir) -> int:
-    """Parameters the tiny transformer shards in place: all but its minority-dtype ones."""
+def in_place_params(model_dir, kept_blocks=()) -> int:
+    """Parameters the tiny transformer gathers in place per forward: all but its scalars and
+    those of the blocks kept gathered."""
     from diffusers import WanTransformer3DModel
 
     model = WanTransformer3DModel.from_pretrained(Path(model_dir) / "transformer")
-    return sum(1 for p in model.parameters() if p.dim() > 0)
+    kept = tuple(f"blocks.{i}." for i in kept_blocks)
+    return sum(1 for name, p in model.named_parameters() if p.dim() > 0 and not name.startswith(kept))
 
 
-def count_collectives(mesh, rank, model_dir, forward_prefetch, gather):
+def count_collectives(mesh, rank, model_dir, forward_prefetch, gather, keep_gathered=0.0):
     """Rank 0 runs a real transformer forward while rank 1 ghosts it; both record their collectives."""
     import torch.distributed as dist
 
@@ -90,6 +93,7 @@ def count_collectives(mesh, rank, model_dir, forward_prefetch, gather):
         min_num_params=10**9,
         reshard_after_forward=True,
         forward_prefetch=forward_prefetch,
+        keep_gathered=keep_gathered,
         gather=gather,
     )
     record = []
@@ -149,3 +153,14 @@ def test_a_ghost_pass_issues_exactly_the_collectives_of_the_real_forward(
     per_forward = units if gather == "fsdp2" else in_place_params(tiny_model)
     assert len(gathers) == 2 * per_forward
     assert real == ghost  # the same collectives, ticks included, in the same order
+
+
+@pytest.mark.parametrize("gather", ["fsdp2", "in_place"])
+def test_units_kept_gathered_gather_nothing_in_a_forward_or_a_ghost_pass(gloo_pair, tiny_model, gather):
+    real, ghost = gloo_pair.run(count_collectives, tiny_model, 1, gather, 0.5)
+    gathers = [c for c in real if c[0] != (2,)]
+    # Blocks 1 and 3 of the four were gathered once at the load; blocks 0 and 2 and the root still
+    # gather for each of the two forwards.
+    per_forward = 2 + 1 if gather == "fsdp2" else in_place_params(tiny_model, kept_blocks=(1, 3))
+    assert len(gathers) == 2 * per_forward
+    assert real == ghost

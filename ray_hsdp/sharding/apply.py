@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from ray_hsdp.sharding.in_place import InPlaceUnits
+from ray_hsdp.sharding.in_place import InPlaceUnits, kept_units
 from ray_hsdp.sharding.policy import ShardPlan, minority_dtype
 
 logger = logging.getLogger("ray_hsdp")
@@ -41,48 +41,69 @@ class FsdpUnits:
         reshard_after_forward: The group's setting; the plan's own value wins when set.
         forward_prefetch: How many following units each unit's forward starts gathering
             (explicit FSDP2 forward prefetch); 0 leaves FSDP2's default.
+        keep_gathered: Share of the units (``kept_units`` picks them) gathered once by
+            ``activate`` and never resharded; 1 keeps the root too.
     """
 
     buffer_bytes = 0  # FSDP2 allocates its gathered weights per forward
 
     def __init__(
-        self, root: nn.Module, plan: ShardPlan, mesh: DeviceMesh, reshard_after_forward: bool, forward_prefetch: int = 0
+        self,
+        root: nn.Module,
+        plan: ShardPlan,
+        mesh: DeviceMesh,
+        reshard_after_forward: bool,
+        forward_prefetch: int = 0,
+        keep_gathered: float = 0.0,
     ):
         reshard = plan.reshard_after_forward if plan.reshard_after_forward is not None else reshard_after_forward
         self.reshard_after_forward = reshard
+        # Module order is forward order within the block stacks of DiTs and text encoders; where it
+        # is not (a unit outside the stack), a prefetch only gathers early: FSDP2 still waits for it.
+        in_plan = {id(m) for _, m in plan.units}
+        ordered = [m for _, m in root.named_modules() if id(m) in in_plan]
+        kept = {id(ordered[i]) for i in kept_units(len(ordered), keep_gathered)}
         for _, unit in plan.units:
             fully_shard(
-                unit, mesh=mesh, reshard_after_forward=reshard, ignored_params=minority_dtype_params(unit) or None
+                unit,
+                mesh=mesh,
+                reshard_after_forward=reshard and id(unit) not in kept,
+                ignored_params=minority_dtype_params(unit) or None,
             )
         ignored = {p for _, module in plan.replicated for p in module.parameters()}
         ignored |= {p for p in minority_dtype_params(root) if p not in ignored}
-        fully_shard(root, mesh=mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
+        root_reshard = reshard and keep_gathered < 1
+        fully_shard(root, mesh=mesh, reshard_after_forward=root_reshard, ignored_params=ignored or None)
         # FSDP2 keeps the root's weights gathered after forward by default, for a backward that
         # inference never runs; the root follows the same setting as its units instead.
-        root.set_reshard_after_forward(reshard, recurse=False)
-        # Module order is forward order within the block stacks of DiTs and text encoders; where it
-        # is not (a unit outside the stack), a prefetch only gathers early: FSDP2 still waits for it.
+        root.set_reshard_after_forward(root_reshard, recurse=False)
         named = [(name, m) for name, m in root.named_modules() if name and isinstance(m, FSDPModule)]
         #: ``(qualified name, module)`` of each unit in module order, then the root (``""``).
         self.unit_modules = named + [("", root)]
         self.root = root
-        self.units = [m for _, m in named]
+        #: The units gathered for each forward, in module order.
+        self.units = [m for _, m in named if id(m) not in kept]
+        self._kept = [m for _, m in named if id(m) in kept] + ([] if root_reshard else [root])
         if forward_prefetch > 0:
             for i, unit in enumerate(self.units[:-1]):
                 unit.set_modules_to_forward_prefetch(self.units[i + 1 : i + 1 + forward_prefetch])
 
     def activate(self) -> None:
-        """Nothing to do after the load: FSDP2 hooked the forwards when it sharded."""
+        """Gathers the kept units; call once on every rank of the mesh, after the load (FSDP2
+        hooked the forwards when it sharded)."""
+        with torch.no_grad():
+            for unit in self._kept:
+                unit.unshard()
 
     @torch.no_grad()
     def ghost(self) -> None:
         """The collectives of one forward, in its order, without computing it."""
-        self.root.unshard()
+        self.root.unshard()  # a no-op for a kept root, as in its forward
         for unit in self.units:
             unit.unshard()
             if self.reshard_after_forward:
                 unit.reshard()
-        if self.reshard_after_forward:
+        if self.reshard_after_forward and self.root not in self._kept:
             self.root.reshard()
 
 
@@ -94,6 +115,7 @@ def shard_module(
     gather: str,
     reshard_after_forward: bool,
     forward_prefetch: int,
+    keep_gathered: float = 0.0,
 ) -> FsdpUnits | InPlaceUnits:
     """Shards ``root`` (on the meta device) as ``plan`` says.
 
@@ -102,12 +124,13 @@ def shard_module(
             frees a unit's gathered weights after its forward).
         reshard_after_forward: FSDP2's setting.
         forward_prefetch: Units whose gathers a unit's forward starts ahead.
+        keep_gathered: Share of the units gathered once, when activated, and kept whole.
     """
     model_class = type(root).__name__  # fully_shard renames the class (FSDP<name>)
     if gather == "in_place":
-        sharded = InPlaceUnits(root, plan, mesh, forward_prefetch)
+        sharded = InPlaceUnits(root, plan, mesh, forward_prefetch, keep_gathered)
     elif gather == "fsdp2":
-        sharded = FsdpUnits(root, plan, mesh, reshard_after_forward, forward_prefetch)
+        sharded = FsdpUnits(root, plan, mesh, reshard_after_forward, forward_prefetch, keep_gathered)
     else:
         raise ValueError(f"gather must be 'fsdp2' or 'in_place' once resolved, got {gather!r}")
     logger.info("Sharded %d modules + root (%s, %s, %s gathers)", len(plan.units), model_class, plan.source, gather)

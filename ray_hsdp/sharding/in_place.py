@@ -15,6 +15,9 @@ so the gathered weights held at any time are those of ``prefetch + 1`` units and
 FSDP2's reshard after forward and explicit prefetch; the buffers are allocated once, after the
 load. A unit's gathers are issued from the compute stream, so NCCL starts them only after the
 kernels already queued there, among them those of the unit that used the slot before.
+
+Units that stay gathered (``keep_gathered``) have buffers of their own, gathered once when the
+units are activated: their forwards gather nothing, and a ghost pass skips them.
 """
 
 from __future__ import annotations
@@ -102,12 +105,14 @@ class InPlaceUnits:
         plan: Its units and the submodules that stay replicated; units must not nest.
         mesh: The group's 1-D ``shard`` mesh.
         prefetch: Units whose gathers a unit's forward issues ahead of its own compute.
+        keep_gathered: Share of the units gathered once and kept whole (``kept_units`` picks
+            them); 1 keeps the root too, so that a forward gathers nothing.
 
     Raises:
         ValueError: A unit of the plan holds another.
     """
 
-    def __init__(self, root: nn.Module, plan: ShardPlan, mesh: DeviceMesh, prefetch: int):
+    def __init__(self, root: nn.Module, plan: ShardPlan, mesh: DeviceMesh, prefetch: int, keep_gathered: float = 0.0):
         self.mesh = mesh
         self.group = mesh.get_group()
         self.world = mesh.size()
@@ -120,12 +125,19 @@ class InPlaceUnits:
         replicated = {id(p) for _, m in plan.replicated for p in m.parameters()}
         # Registration order is forward order in the block stacks of DiTs and text encoders.
         ordered = [(name, m) for name, m in root.named_modules() if id(m) in in_plan]
-        self.units = [
-            _Unit(name, m, self._shard(_shardable(m, replicated)), i % (prefetch + 1))
-            for i, (name, m) in enumerate(ordered)
-        ]
+        kept = kept_units(len(ordered), keep_gathered)
+        #: Every unit in forward order: those gathered per forward and those kept whole.
+        self.all_units = [_Unit(name, m, self._shard(_shardable(m, replicated))) for name, m in ordered]
+        #: The units gathered for each forward; unit ``i`` of them gathers into slot ``i mod (prefetch + 1)``.
+        self.units = [u for i, u in enumerate(self.all_units) if i not in kept]
+        for i, unit in enumerate(self.units):
+            unit.slot = i % (prefetch + 1)
+        self.kept = [u for i, u in enumerate(self.all_units) if i in kept]
+        for i, unit in enumerate(self.kept):
+            unit.slot = -2 - i  # a buffer of its own
         in_units = {id(p) for _, m in ordered for p in m.parameters()}  # the units' parameters as sharded
         self.root = _Unit("", root, self._shard(_shardable(root, replicated | in_units)))
+        self.root_kept = keep_gathered >= 1
         self._slots: list[torch.Tensor] = []
         self._coalesce = False  # set by activate: NCCL coalesces, gloo has no coalesced all-gather
         self._pending: dict[int, list] = {}
@@ -153,7 +165,7 @@ class InPlaceUnits:
     @property
     def unit_modules(self) -> list[tuple[str, nn.Module]]:
         """``(qualified name, module)`` of each unit in forward order, then the root (``""``)."""
-        return [(u.name, u.module) for u in self.units] + [("", self.root.module)]
+        return [(u.name, u.module) for u in self.all_units] + [("", self.root.module)]
 
     @property
     def buffer_bytes(self) -> int:
@@ -161,27 +173,34 @@ class InPlaceUnits:
         return sum(b.numel() for b in self._slots)
 
     def activate(self) -> None:
-        """Allocates the gather buffers and hooks the forwards; call once, after the load."""
-        for unit in [*self.units, self.root]:
+        """Allocates the gather buffers, gathers the kept units and hooks the forwards; call once
+        on every rank of the mesh, after the load."""
+        every = [*self.all_units, self.root]
+        for unit in every:
             for param in unit.params:  # materialising the model replaced the meta parameters
                 module, name = param.owners[0]
                 param.sharded = getattr(module, name)
         sizes: dict[int, int] = {}
-        for unit in [*self.units, self.root]:
+        for unit in every:
             need = sum(_aligned(p.receive_bytes(self.world)) for p in unit.params)
             sizes[unit.slot] = max(sizes.get(unit.slot, 0), need)
-        any_param = next((p for u in [*self.units, self.root] for p in u.params), None)
+        any_param = next((p for u in every for p in u.params), None)
         if any_param is None:
             return
         device = any_param.sharded.to_local().device
         self._coalesce = device.type == "cuda"
         buffers = {slot: torch.empty(size, dtype=torch.uint8, device=device) for slot, size in sizes.items()}
         self._slots = list(buffers.values())
-        for unit in [*self.units, self.root]:
+        for unit in every:
             offset = 0
             for param in unit.params:
                 self._place(param, buffers[unit.slot], offset)
                 offset += _aligned(param.receive_bytes(self.world))
+        for unit in self.kept + ([self.root] if self.root_kept else []):
+            self._gather_now(unit)
+            unit.swap("gathered")
+            for param in unit.params:  # the whole weight holds this rank's rows: the shard goes
+                param.sharded = param.send = None
         for unit in self.units:
             unit.module.register_forward_pre_hook(self._before_unit)
             unit.module.register_forward_hook(self._after_unit)
@@ -220,26 +239,30 @@ class InPlaceUnits:
 
     # ---- the gathers ---------------------------------------------------------------------
 
-    def _issue(self, key: int) -> None:
-        """Starts the gathers of unit ``key`` (-1: the root) unless they are under way."""
-        if key in self._pending or key >= len(self.units):
-            return
-        unit = self.root if key < 0 else self.units[key]
+    def _start(self, unit: _Unit) -> list:
+        """Starts ``unit``'s gathers; returns what to wait on."""
         if not self._coalesce:
-            self._pending[key] = [
-                dist.all_gather_into_tensor(*p.wire, group=self.group, async_op=True) for p in unit.params
-            ]
-            return
+            return [dist.all_gather_into_tensor(*p.wire, group=self.group, async_op=True) for p in unit.params]
         # One NCCL group launch for the unit instead of one kernel per parameter.
         with dist._coalescing_manager(group=self.group, async_ops=True) as gathers:
             for p in unit.params:
                 dist.all_gather_into_tensor(*p.wire, group=self.group)
-        self._pending[key] = [gathers]
+        return [gathers]
+
+    def _gather_now(self, unit: _Unit) -> None:
+        for work in self._start(unit):
+            work.wait()
+
+    def _issue(self, key: int) -> None:
+        """Starts the gathers of unit ``key`` (-1: the root) unless they are under way."""
+        if key in self._pending or key >= len(self.units) or (key < 0 and self.root_kept):
+            return
+        self._pending[key] = self._start(self.root if key < 0 else self.units[key])
 
     def _wait(self, key: int) -> None:
         """Makes the current stream wait for unit ``key``'s gathers, issuing them first if needed."""
         self._issue(key)
-        for work in self._pending.pop(key):
+        for work in self._pending.pop(key, ()):
             work.wait()
 
     def _drain(self) -> None:
@@ -254,11 +277,13 @@ class InPlaceUnits:
         for key in range(self.prefetch):
             self._issue(key)
         self._wait(-1)
-        self.root.swap("gathered")
+        if not self.root_kept:
+            self.root.swap("gathered")
 
     @torch.compiler.disable
     def _after_root(self, module, args, output) -> None:
-        self.root.swap("sharded")
+        if not self.root_kept:
+            self.root.swap("sharded")
 
     @torch.compiler.disable
     def _before_unit(self, module, args) -> None:
@@ -279,6 +304,18 @@ class InPlaceUnits:
         self._wait(-1)
         for key in range(len(self.units)):
             self._wait(key)
+
+
+def kept_units(count: int, share: float) -> set[int]:
+    """Which of ``count`` units (forward order) stay gathered: ``round(share * count)`` of them,
+    spread evenly, so that the units still gathered per forward have kept units' compute between
+    them to hide behind.
+
+    >>> sorted(kept_units(8, 0.5)), sorted(kept_units(8, 0.25)), sorted(kept_units(4, 1.0))
+    ([1, 3, 5, 7], [3, 7], [0, 1, 2, 3])
+    """
+    keep = round(share * count)
+    return {(i + 1) * count // keep - 1 for i in range(keep)} if keep else set()
 
 
 def _aligned(nbytes: int) -> int:

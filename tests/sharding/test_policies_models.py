@@ -3,6 +3,7 @@
 import pytest
 import torch
 from gloo import GlooGroup
+from torch.distributed.tensor import DTensor
 
 
 def _flux():
@@ -225,7 +226,7 @@ CASES = {
 }
 
 
-def shard_and_compare(mesh, rank, case, gather):
+def shard_and_compare(mesh, rank, case, gather, keep_gathered=0.0):
     """On each rank: the same seeded model and input, forward unsharded, shard, forward again."""
     from ray_hsdp.memory import unit_memory
     from ray_hsdp.sharding import resolve_plan, shard_module
@@ -242,7 +243,9 @@ def shard_and_compare(mesh, rank, case, gather):
     with torch.no_grad():
         reference = output(model)
     plan = resolve_plan(model, min_num_params=10**9)
-    sharded = shard_module(model, plan, mesh, gather=gather, reshard_after_forward=True, forward_prefetch=1)
+    sharded = shard_module(
+        model, plan, mesh, gather=gather, reshard_after_forward=True, forward_prefetch=1, keep_gathered=keep_gathered
+    )
     sharded.activate()
     with torch.no_grad():
         sharded_output = output(model)
@@ -256,6 +259,11 @@ def shard_and_compare(mesh, rank, case, gather):
         "max_abs_diff": float((sharded_output - reference).abs().max()),
         "repeat_equal": bool(torch.equal(again, sharded_output)),
         "finite": bool(torch.isfinite(reference).all()),
+        "whole_units": {
+            name or "<root>"
+            for name, m in sharded.unit_modules
+            if not any(isinstance(p, DTensor) for p in m.parameters(recurse=not name))
+        },
     }
 
 
@@ -275,4 +283,15 @@ def test_policy_units_and_forward_parity(gloo_pair, case, gather):
         assert result["root_sharded"] and result["units_hold_their_share"], result
         assert result["repeat_equal"]
         assert result["finite"]
+        assert result["max_abs_diff"] <= 1e-5, result
+
+
+@pytest.mark.parametrize("gather", ["fsdp2", "in_place"])
+@pytest.mark.parametrize(
+    "keep, whole", [(0.5, {"blocks.0", "blocks.2"}), (1.0, {"blocks.0", "blocks.1", "blocks.2", "<root>"})]
+)
+def test_units_kept_gathered_are_whole_and_the_forward_unchanged(gloo_pair, gather, keep, whole):
+    for result in gloo_pair.run(shard_and_compare, "WanTransformer3DModel", gather, keep):
+        assert result["whole_units"] == whole
+        assert result["repeat_equal"]
         assert result["max_abs_diff"] <= 1e-5, result
