@@ -30,6 +30,7 @@ def test_defaults_are_a_usable_group():
         ({"requests_per_rank": 9}, "less than or equal to 8"),
         ({"ulysses_degree": 2, "shard_components": ("transformer", "vae")}, "leave 'vae' out"),
         ({"cpus_per_rank": 0}, "greater than 0"),
+        ({"keep_gathered": 1.5}, "keep_gathered\n.*less than or equal to 1"),
     ],
 )
 def test_bad_group_config_names_the_problem(fields, message):
