@@ -79,7 +79,10 @@ class GpuSampler:
     def __exit__(self, *exc) -> None:
         if self._proc is not None:
             self._proc.terminate()
-            self._proc.wait(timeout=10)
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
             self._reader.join(timeout=10)
 
     def write_csv(self, path: Path) -> None:
