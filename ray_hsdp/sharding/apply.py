@@ -58,11 +58,10 @@ class FsdpUnits:
     ):
         reshard = plan.reshard_after_forward if plan.reshard_after_forward is not None else reshard_after_forward
         self.reshard_after_forward = reshard
-        # Module order is forward order within the block stacks of DiTs and text encoders; where it
-        # is not (a unit outside the stack), a prefetch only gathers early: FSDP2 still waits for it.
-        in_plan = {id(m) for _, m in plan.units}
-        ordered = [m for _, m in root.named_modules() if id(m) in in_plan]
-        kept = {id(ordered[i]) for i in kept_units(len(ordered), keep_gathered)}
+        # Where module order is not forward order (a unit outside the block stack), a prefetch only
+        # gathers early: FSDP2 still waits for it.
+        ordered = plan.units_in_forward_order(root)
+        kept = {id(ordered[i][1]) for i in kept_units(len(ordered), keep_gathered)}
         for _, unit in plan.units:
             fully_shard(
                 unit,
@@ -83,6 +82,7 @@ class FsdpUnits:
         self.root = root
         #: The units gathered for each forward, in module order.
         self.units = [m for _, m in named if id(m) not in kept]
+        self._root_reshard = root_reshard
         self._kept = [m for _, m in named if id(m) in kept] + ([] if root_reshard else [root])
         if forward_prefetch > 0:
             for i, unit in enumerate(self.units[:-1]):
@@ -103,7 +103,7 @@ class FsdpUnits:
             unit.unshard()
             if self.reshard_after_forward:
                 unit.reshard()
-        if self.reshard_after_forward and self.root not in self._kept:
+        if self._root_reshard:
             self.root.reshard()
 
 

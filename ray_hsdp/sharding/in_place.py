@@ -123,8 +123,7 @@ class InPlaceUnits:
                 if inner_name and id(inner) in in_plan:
                     raise ValueError(f"in-place gathers need units that do not nest: {name} holds {in_plan[id(inner)]}")
         replicated = {id(p) for _, m in plan.replicated for p in m.parameters()}
-        # Registration order is forward order in the block stacks of DiTs and text encoders.
-        ordered = [(name, m) for name, m in root.named_modules() if id(m) in in_plan]
+        ordered = plan.units_in_forward_order(root)
         kept = kept_units(len(ordered), keep_gathered)
         #: Every unit in forward order: those gathered per forward and those kept whole.
         self.all_units = [_Unit(name, m, self._shard(_shardable(m, replicated))) for name, m in ordered]

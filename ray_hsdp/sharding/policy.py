@@ -72,6 +72,12 @@ class ShardPlan:
     source: str = ""
     reshard_after_forward: bool | None = None
 
+    def units_in_forward_order(self, root: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The units as ``root`` registers them: forward order in the block stacks of DiTs and
+        text encoders (where a unit sits outside the stack, the order is only the module tree's)."""
+        in_plan = {id(m) for _, m in self.units}
+        return [(name, m) for name, m in root.named_modules() if id(m) in in_plan]
+
 
 def minority_dtype(params: list[torch.Tensor]) -> set[torch.Tensor]:
     """The parameters whose dtype differs from that of most of ``params``' elements.
