@@ -12,13 +12,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ray_hsdp.pairs import refuse_config
 from ray_hsdp.request import DEFAULT_GUIDANCE_SCALE, StepCache
 from ray_hsdp.topology import ParallelDims
 
 #: The model name that stands for the embedded tiny Wan pipeline (written on first use).
 TINY_MODEL = "tiny"
 #: The embedded tiny pipelines, written on first use: model name -> the name clients use (and the
-#: folder under ``cache_dir()``). ``tiny-i2v`` is the image-to-video Wan2.1 one.
+#: folder under ``cache_dir()``, with ``loading.EMBEDDED_VERSION``). ``tiny-i2v`` is the image-to-video Wan2.1 one.
 EMBEDDED_MODELS = {TINY_MODEL: "tiny-wan", "tiny-i2v": "tiny-wan-i2v"}
 #: The embedded tiny model's LoRA adapters, written on first use (random, seeded): name -> seed.
 EMBEDDED_LORAS = {"tiny-style": 1, "tiny-detail": 2}
@@ -39,12 +40,6 @@ DEFAULT_SHARD_COMPONENTS = ("transformer", "transformer_2", "text_encoder", "tex
 def cache_dir() -> Path:
     """Folder for files ray_hsdp writes for itself (the embedded tiny model); ``RAY_HSDP_HOME`` moves it."""
     return Path(os.environ.get("RAY_HSDP_HOME", Path.home() / ".cache" / "ray_hsdp"))
-
-
-FP8_ON_CPU = (
-    "quantization 'fp8' needs a CUDA GPU with FP8 tensor cores (compute capability 8.9 or above: H100, L40S); "
-    "this group runs on CPU, where FP8 matmuls are emulated and slower than float32: use quantization 'none'"
-)
 
 
 def check_attention_backend_name(name: str) -> None:
@@ -401,18 +396,7 @@ class GroupConfig(BaseModel):
             raise ValueError("shard_components must name at least one pipeline component")
         if self.attention_backend != "auto":
             check_attention_backend_name(self.attention_backend)
-        lane_size = self.parallel_dims().lane_size  # its errors name the fields
-        if lane_size > 1 and "vae" in self.shard_components:
-            raise ValueError(
-                f"shard_components names 'vae' with lanes of {lane_size} ranks: only a lane's leader decodes, so a "
-                "sharded VAE's gathers would wait for ranks that never join them; leave 'vae' out (VAEs stay "
-                "replicated) or use lanes of one rank"
-            )
-        if self.gather == "in_place" and not self.reshard_after_forward:
-            raise ValueError(
-                "gather='in_place' frees each unit's gathered weights after its forward (its buffers take turns); "
-                "with reshard_after_forward=False use gather='fsdp2', or mode='replicated' to keep whole weights"
-            )
+        self.parallel_dims()  # its errors name the fields
         if len(self.loras) > self.max_loras:
             raise ValueError(f"loras registers {len(self.loras)} adapters; max_loras={self.max_loras}")
         for name, source in self.loras.items():
@@ -427,36 +411,7 @@ class GroupConfig(BaseModel):
                 raise ValueError(f"fuse_loras names {name!r}, which loras does not register")
             if scale != scale or abs(scale) == float("inf"):
                 raise ValueError(f"fuse_loras {name!r}: the scale must be finite, got {scale}")
-        switched = set(self.loras) - set(self.fuse_loras)
-        if switched and self.compile:
-            raise ValueError(
-                f"loras {sorted(switched)} with compile: an adapter switch between two forwards would recompile the "
-                "blocks; serve them uncompiled, or merge them into the weights with fuse_loras"
-            )
-        if switched and self.resolved_shard_size == 1 and self.requests_per_rank > 1:
-            raise ValueError(
-                "loras with shard_size 1 and requests_per_rank > 1: an unsharded rank runs its requests' forwards "
-                "on their own threads, so two requests could not hold different adapters; use requests_per_rank 1"
-            )
-        if self.quantization == "fp8":
-            if self.device == "cpu":
-                raise ValueError(FP8_ON_CPU)
-            if self.gather == "fsdp2" or not self.reshard_after_forward or self.resolved_shard_size == 1:
-                raise ValueError(
-                    "quantization 'fp8' quantizes each rank's rows of the weights and gathers them in place: use "
-                    "gather 'auto' or 'in_place' (with reshard_after_forward) and shard_size >= 2"
-                )
-        if self.cache.kind != "none" and self.resolved_shard_size == 1:
-            raise ValueError(
-                f"cache kind {self.cache.kind!r} with shard_size 1: a step cache keeps each request's state apart on "
-                "the tick thread of a sharded rank, which an unsharded rank does not have; use shard_size >= 2"
-            )
-        if lane_size > 1 and self.max_forward_batch > 1:
-            raise ValueError(
-                f"max_forward_batch={self.max_forward_batch} with lanes of {lane_size} ranks (mode {self.mode!r}, "
-                "ulysses_degree, ring_degree, cfg_parallel): the ranks of a lane must run the very same call at "
-                "every tick, so they run one call per forward (set 1)"
-            )
+        refuse_config(self)
         return self
 
     def parallel_dims(self) -> ParallelDims:
@@ -509,6 +464,9 @@ class GroupConfig(BaseModel):
 
         Args:
             cluster_has_gpus: Whether the Ray cluster offers GPUs (decides ``device='auto'``).
+
+        Raises:
+            ValueError: The resolved device meets a setting of the table of refusals (``pairs``).
         """
         device = self.device if self.device != "auto" else ("cuda" if cluster_has_gpus else "cpu")
         dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
@@ -516,12 +474,12 @@ class GroupConfig(BaseModel):
         gather = self.gather
         if gather == "auto":
             gather = "in_place" if device == "cuda" and self.reshard_after_forward else "fsdp2"
-        if self.quantization == "fp8" and device == "cpu":
-            raise ValueError(FP8_ON_CPU)
         tick = self.tick_exchange if self.tick_exchange != "auto" else "host"
-        return self.model_copy(
+        resolved = self.model_copy(
             update={"device": device, "dtype": dtype, "cpus_per_rank": cpus, "gather": gather, "tick_exchange": tick}
         )
+        refuse_config(resolved)  # 'auto' may have resolved into a pair of the table
+        return resolved
 
 
 def parse_size(size: str) -> tuple[int, int]:

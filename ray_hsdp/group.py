@@ -24,6 +24,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_hsdp.config import GroupConfig
+from ray_hsdp.pairs import refuse_request
 from ray_hsdp.phases import Phases
 from ray_hsdp.rank import CONCURRENCY_GROUPS, Rank
 from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
@@ -435,53 +436,31 @@ class ShardGroup:
                 logger.exception("A request listener failed")
 
     def check(self, request: GenerationRequest) -> None:
-        """Refuses a request this pipeline cannot run: one whose tokens do not split evenly over a
-        lane's ``ring x ulysses`` ranks, that asks a single-expert pipeline for ``guidance_scale_2``,
-        or that lacks the image an image-to-video pipeline needs (or brings one to another), or names
-        LoRA adapters the group did not load (or more than ``max_loras_per_request``), or a step
-        cache of a kind the group did not load.
+        """Refuses a request this pipeline cannot run: a pair of the table of refusals (``pairs``:
+        ``guidance_scale_2`` for one expert, an image for a text model, a shift the scheduler would
+        ignore, a fused adapter named, a cache of another kind); more adapters than
+        ``max_loras_per_request`` or unknown ones; no image for an image-to-video pipeline; tokens
+        that do not split evenly over a lane's ``ring x ulysses`` ranks.
 
         Raises:
             UnsplittableRequestError: With the token count, the degree and what to change.
-            ValueError: ``guidance_scale_2`` for a pipeline without a second expert; an image
-                missing or not taken; an unknown adapter (the message lists the known ones).
+            ValueError: The others, each naming the field and what to send instead.
         """
         if len(request.lora) > self.config.max_loras_per_request:
             raise ValueError(
                 f"{len(request.lora)} adapters in one request; max_loras_per_request="
                 f"{self.config.max_loras_per_request}"
             )
-        fused = [name for name, _ in request.lora if name in self.config.fuse_loras]
-        if fused:
-            raise ValueError(
-                f"lora {', '.join(map(repr, fused))} is merged into this deployment's weights (fuse_loras): every "
-                "request runs with it; leave it out of lora"
-            )
+        refuse_request(self.config, self.pipeline_facts, request)
         unknown = [name for name, _ in request.lora if name not in self.config.loras]
         if unknown:
             switched = sorted(self.config.lora_sources(fused=False))
             known = ", ".join(switched) or "none (the deployment registers no loras)"
             raise ValueError(f"unknown lora {', '.join(map(repr, unknown))}; this deployment's adapters: {known}")
-        if request.cache is not None and request.cache.kind != self.config.cache.kind:
-            kind = self.config.cache.kind
-            loaded = "no step cache" if kind == "none" else f"the {kind!r} step cache"
-            raise ValueError(f"the request asks for the {request.cache.kind!r} step cache; this group loads {loaded}")
         wants_image = bool(self.pipeline_facts.get("image_input"))
         if wants_image and request.image is None:
             raise ValueError(
                 f"{self.config.served_model_name} makes a video from an image: send the first frame (input_reference)"
-            )
-        if request.image is not None and not wants_image:
-            raise ValueError(
-                f"{self.config.served_model_name} makes its output from text alone: it takes no image "
-                "(input_reference is for image-to-video models)"
-            )
-        if request.flow_shift is not None and not self.pipeline_facts.get("flow_shift"):
-            raise ValueError(f"flow_shift: the scheduler of {self.config.served_model_name} takes no shift")
-        if request.guidance_scale_2 is not None and not self.pipeline_facts.get("guidance_scale_2"):
-            raise ValueError(
-                "guidance_scale_2 is the low-noise expert's guidance of a two-expert pipeline (Wan2.2 A14B); "
-                f"{self.config.served_model_name} has one expert: use guidance_scale"
             )
         sequence = self.pipeline_facts.get("sequence")
         if not sequence:

@@ -43,6 +43,10 @@ class CheckpointError(ValueError):
 
 #: How each embedded model is written (``make_tiny``'s arguments).
 EMBEDDED_WRITERS = {TINY_MODEL: {}, "tiny-i2v": {"image_to_video": True}}
+#: Part of the embedded models' cache folder names. An embedded model is written only when its
+#: folder is missing, so a writer that makes different weights must bump it, or caches written
+#: earlier keep serving the old ones (2: a VAE whose images vary, not flat gray).
+EMBEDDED_VERSION = 2
 
 
 def resolve_model_path(model: str) -> Path:
@@ -58,7 +62,7 @@ def resolve_model_path(model: str) -> Path:
         FileNotFoundError: ``model`` is not a diffusers pipeline folder.
     """
     if model in EMBEDDED_MODELS:
-        path = cache_dir() / EMBEDDED_MODELS[model]
+        path = cache_dir() / f"{EMBEDDED_MODELS[model]}-v{EMBEDDED_VERSION}"
         path.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(path) + ".lock"):
             if not is_pipeline_folder(path):

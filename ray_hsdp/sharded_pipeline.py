@@ -44,8 +44,12 @@ SHIFT_KEYS = ("flow_shift", "shift")
 
 
 def shift_key(scheduler) -> str | None:
-    """The config key a request's ``flow_shift`` sets on ``scheduler``; ``None``: it has none."""
+    """The config key a request's ``flow_shift`` sets on ``scheduler``; ``None``: it has none, or
+    its shift is dynamic (``use_dynamic_shifting``, FLUX.1's: it follows the image size and ignores
+    the static one)."""
     config = getattr(scheduler, "config", {}) or {}
+    if config.get("use_dynamic_shifting"):
+        return None
     return next((key for key in SHIFT_KEYS if key in config), None)
 
 

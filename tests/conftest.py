@@ -57,3 +57,20 @@ def reference_pipe(tiny_model):
     return pipe
 
 
+
+@pytest.fixture(scope="session")
+def tiny_i2v_model(tmp_path_factory) -> str:
+    """The tiny image-to-video Wan2.1 pipeline folder (``make-tiny --image-to-video``)."""
+    from ray_hsdp.checkpoints.tiny import make_tiny
+
+    return str(make_tiny(tmp_path_factory.mktemp("models") / "tiny-wan-i2v", image_to_video=True))
+
+
+@pytest.fixture(scope="session")
+def tiny_i2v_pipe(tiny_i2v_model):
+    """The unsharded image-to-video pipeline: the reference of image-to-video requests."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(tiny_i2v_model)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

@@ -62,7 +62,7 @@ def test_auto_gather_is_in_place_on_cuda_and_fsdp2_on_cpu():
     assert GroupConfig().resolve_device(cluster_has_gpus=False).gather == "fsdp2"
     assert GroupConfig(reshard_after_forward=False).resolve_device(True).gather == "fsdp2"
     assert GroupConfig(device="cpu", gather="in_place").resolve_device(False).gather == "in_place"
-    with pytest.raises(ValueError, match="gather='in_place' frees each unit's gathered weights"):
+    with pytest.raises(ValueError, match="gather 'in_place' with reshard_after_forward False: in-place gathers free"):
         GroupConfig(gather="in_place", reshard_after_forward=False)
 
 

@@ -73,7 +73,7 @@ def test_the_forms_a_client_sends_read_as_name_scale_pairs():
         ({"loras": {"a": "x"}, "shard_size": 1, "requests_per_rank": 2}, "use requests_per_rank 1"),
         ({"loras": {"a": "x"}, "fuse_loras": {"b": 1.0}}, "fuse_loras names 'b', which loras does not register"),
         ({"loras": {"a": "x"}, "fuse_loras": {"a": float("nan")}}, "must be finite"),
-        ({"loras": {"a": "x", "b": "y"}, "fuse_loras": {"a": 1.0}, "compile": True}, r"loras \['b'\] with compile"),
+        ({"loras": {"a": "x", "b": "y"}, "fuse_loras": {"a": 1.0}, "compile": True}, "not in fuse_loras) with compile"),
         ({"loras": {"a": "x"}, "lora_defaults": {"b": {"num_inference_steps": 4}}}, "lora_defaults names"),
         ({"loras": {"a": "x"}, "lora_defaults": {"a": {"num_inference_steps": 999}}}, "exceeds max_steps=200"),
     ],
@@ -191,7 +191,7 @@ def test_pairs_merged_at_load_and_switched_per_request_on_two_experts(ray_cluste
         model=str(folder), device="cpu", shard_size=2, gather="in_place", loras=loras, fuse_loras={"fast": 0.6}
     )
     with ShardGroup(config) as group:
-        with pytest.raises(ValueError, match="lora 'fast' is merged into this deployment's weights"):
+        with pytest.raises(ValueError, match=r"fuse_loras with a request naming a fused adapter \(lora\)"):
             group.submit(request("named", "fast"))
         results = group.generate(requests)
     for req, result in zip(requests, results):

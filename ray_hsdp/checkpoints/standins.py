@@ -33,6 +33,7 @@ def train_tokenizer(vocab_size: int = 160, model_max_length: int = 512):
         vocab_size=vocab_size, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>"
     )
     tok.train_from_iterator(_CORPUS, trainer=trainer)
+    tok.model = _in_a_fixed_order(tok.model)
     # T5-style: every sequence ends with </s>, as the UMT5 tokenizer of real Wan checkpoints does.
     tok.post_processor = processors.TemplateProcessing(
         single="$A </s>", special_tokens=[("</s>", tok.token_to_id("</s>"))]
@@ -44,6 +45,27 @@ def train_tokenizer(vocab_size: int = 160, model_max_length: int = 512):
         unk_token="<unk>",
         model_max_length=model_max_length,
     )
+
+
+def _in_a_fixed_order(trained):
+    """The trained Unigram model with the same ids and scores on every run and every node.
+
+    The trainer hands its single characters out in hash order, with scores that step down by a
+    small epsilon in that order, and the other scores differ in their last bits from run to run:
+    two processes that wrote the same embedded model gave digits different token ids, so a prompt
+    with a digit got another embedding on each. The pieces themselves are the same on every run;
+    here the single characters share the lowest score, the others are rounded far above the
+    noise, and ids follow the score, then the piece."""
+    import json
+
+    from tokenizers import models
+
+    state = json.loads(trained.__getstate__())  # the model's own JSON: its pieces and scores
+    specials, pieces = state["vocab"][:3], state["vocab"][3:]  # <pad>, </s>, <unk>: ids 0-2
+    lowest = round(min(score for _, score in pieces), 1) - 0.1
+    scored = [(piece, lowest if len(piece) == 1 else round(score, 9)) for piece, score in pieces]
+    scored.sort(key=lambda p: (-p[1], p[0]))
+    return models.Unigram([tuple(p) for p in specials] + scored, unk_id=state["unk_id"], byte_fallback=False)
 
 
 def t5_encoder(cls_name: str, tokenizer, d_model: int):
@@ -75,9 +97,17 @@ def wan_standins(transformer_kwargs: dict) -> dict:
 
     tokenizer = train_tokenizer(model_max_length=512)
     text_encoder = t5_encoder("UMT5EncoderModel", tokenizer, transformer_kwargs["text_dim"])
+    # Latent statistics of its own (the real Wan mean / std would bury a random encoder's output).
     vae = AutoencoderKLWan(
-        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+        base_dim=8,
+        z_dim=16,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * 16,
+        latents_std=[1.0] * 16,
     )
+    keep_variation(vae)
     parts = {
         "tokenizer": tokenizer,
         "text_encoder": text_encoder,
@@ -87,6 +117,27 @@ def wan_standins(transformer_kwargs: dict) -> dict:
     if transformer_kwargs.get("image_dim"):
         parts.update(clip_vision_standin(transformer_kwargs["image_dim"]))
     return parts
+
+
+#: Gain of a stand-in VAE's convolutions (weights N(0, gain^2 / fan_in), biases 0). PyTorch's
+#: default init shrinks a signal at each of the ~20 convolutions, so every latent decoded to a flat
+#: gray frame (std ~0.04 of the range) and no input could change an image; at 0.7 a tiny Wan image
+#: spans the pixel range and two seeds differ by a mean of ~29/255 (tests/checkpoints/test_tiny.py).
+VAE_CONV_GAIN = 0.7
+
+
+def keep_variation(vae) -> None:
+    """Redraws every convolution of ``vae`` from the global RNG (seeded by the writer) so that
+    the encoder keeps what differs between images and the decoder what differs between latents."""
+    import torch
+
+    with torch.no_grad():
+        for module in vae.modules():
+            if isinstance(module, (torch.nn.Conv2d, torch.nn.Conv3d)):
+                fan_in = module.weight[0].numel()
+                module.weight.normal_(0.0, VAE_CONV_GAIN / fan_in**0.5)
+                if module.bias is not None:
+                    module.bias.zero_()
 
 
 def clip_vision_standin(width: int) -> dict:

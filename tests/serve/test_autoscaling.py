@@ -177,10 +177,12 @@ def test_a_burst_adds_a_group_and_a_removed_group_hands_its_job_over(server):
 
 
 def test_a_job_queued_behind_a_long_one_moves_to_the_group_that_frees_first(server):
-    """Two groups of one lane each, one request at a time. A long job runs on one, a shorter one on
-    the other (the router prefers the least loaded); two more jobs, a routing period apart while both
-    run, queue one behind each. The shorter job's group runs its queued job, then, with a free lane, takes
-    over the one still queued behind the long job: both end on that group, while the long one runs."""
+    """Two groups of one lane each, one request at a time, each busy with a long job (one queued
+    behind the other is taken over by the idle group). Two more jobs, a routing period apart, wait
+    queued. The test then frees one group (it deletes that group's long job): that group runs what
+    queued behind it and, with a free lane, takes over what still waits behind the other long job:
+    both end on the group that freed first, while the other long job runs on. The test decides
+    when a group frees, so no job's speed can change the outcome."""
     from ray import serve
 
     args = {
@@ -199,23 +201,26 @@ def test_a_job_queued_behind_a_long_one_moves_to_the_group_that_frees_first(serv
         body = {"prompt": f"job {seed}", "num_frames": 5, "num_inference_steps": steps, "seed": seed}
         return requests.post(f"{base}/v1/videos", json=body, timeout=60).json()["id"]
 
+    def status(video_id: str) -> str:
+        return requests.get(f"{base}/v1/videos/{video_id}", timeout=30).json()["status"]
+
     try:
         time.sleep(1.5)  # the router has seen both groups' load (routing stats come every second)
-        ids = {}
-        for name, steps in (("long", 8000), ("shorter", 500), ("queued", 5), ("queued 2", 5)):
-            ids[name] = post(steps, len(ids))
-            if name in ("long", "shorter"):
-                assert wait_running(base, ids[name], 30) is not None
-            if name != "queued 2":
-                time.sleep(1.5)  # the next one sees this one's load (routing stats come every second)
-        # Both groups were busy when the two queued jobs came: each waited behind one of them.
-        assert requests.get(f"{base}/v1/videos/{ids['shorter']}", timeout=30).json()["status"] == "in_progress"
-        done = wait_all(base, [ids["queued"], ids["queued 2"]], 120)
-        long = requests.get(f"{base}/v1/videos/{ids['long']}", timeout=30).json()
-        shorter = requests.get(f"{base}/v1/videos/{ids['shorter']}", timeout=30).json()
+        # 8000 steps outlast the test many times over (500 take 25 s or more here); one of them is
+        # stopped by the test, the other by the app's deletion.
+        running = [wait_running(base, post(8000, seed), 30) for seed in (0, 1)]
+        assert None not in running, running
+        kept, freed = running
+        assert kept["replica"] != freed["replica"], running  # the second ran on the idle group
+        queued = [post(5, 2)]
+        time.sleep(1.5)  # the next one sees this one's load (routing stats come every second)
+        queued.append(post(5, 3))
+        assert [status(i) for i in queued] == ["queued", "queued"]  # no lane is free
+        assert requests.delete(f"{base}/v1/videos/{freed['id']}", timeout=30).status_code == 200
+        done = wait_all(base, queued, 120)
         assert [j["status"] for j in done] == ["completed", "completed"], [j["error"] for j in done]
-        assert long["status"] == "in_progress" and shorter["status"] == "completed", (long, shorter)
-        assert long["replica"] != shorter["replica"]
-        assert [j["replica"] for j in done] == [shorter["replica"]] * 2, done  # one of them moved
+        assert [j["replica"] for j in done] == [freed["replica"]] * 2, done  # whichever group each waited on
+        long = requests.get(f"{base}/v1/videos/{kept['id']}", timeout=30).json()
+        assert long["status"] == "in_progress" and long["replica"] == kept["replica"], long
     finally:
         serve.delete("takeover")

@@ -19,13 +19,12 @@ from .served import deploy, png_pixels
 #: How far (mean absolute difference, 0-255) an MP4's decoded frames may be from the unsharded
 #: run's frames encoded by the same encoder. Sharded frames equal the unsharded ones to 1e-5 in
 #: float, so their uint8 differ only where a value sits at a rounding edge, and the encoder is the
-#: same: measured 0.055 (a flipped value changes the prediction of what follows it). The tiny
-#: model's frames hardly depend on the seed (another seed's differ by about 0.5 on average, less
-#: than H.264's own error of about 1.5 on them), so only this codec-to-codec comparison can tell
-#: seeds apart: another seed measured 0.57, outside the bound; the test prints both.
+#: same. Another seed's frames, encoded alike, differ by about 35 (the test prints it).
 SAME_MP4_MAE = 0.2
-#: The codec's own error against the uncompressed frames, on this noise-like content (measured 1.5).
-CODEC_MAE = 3.0
+#: The codec's own error against the uncompressed frames, as a share of the distance to another
+#: seed's frames: the tiny model's frames vary from pixel to pixel, colour included, and yuv420p
+#: keeps one colour per 2 x 2 pixels (measured 17 against 40 for another seed).
+CODEC_SHARE = 0.6
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +82,7 @@ def test_the_openai_client_creates_polls_and_downloads_a_video_equal_to_unsharde
         f"(other seed); vs the uncompressed frames {raw:.2f} (same seed), {mae(frames, other):.2f} (other seed)"
     )
     assert same <= SAME_MP4_MAE < different
-    assert raw <= CODEC_MAE
+    assert raw <= CODEC_SHARE * mae(frames, other)
     thumbnail = client.videos.download_content(job.id, variant="thumbnail").read()
     assert thumbnail[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -131,7 +131,7 @@ BAD_IMAGES = [
     ("huge dimensions", "/i2v", as_file(png_header_only(100_000, 100_000)), 400, "max_image_pixels"),
     ("over max_image_bytes", "/i2v", as_file(b"\x89PNG\r\n\x1a\n" + bytes(11 * 2**20)), 413, "max_image_bytes"),
     ("wrong field name", "/i2v", as_file(PNG, field="image"), 400, "only input_reference takes one"),
-    ("an image to a text-to-video model", "", as_file(PNG), 400, "takes no image"),
+    ("an image to a text-to-video model", "", as_file(PNG), 400, "makes its output from text alone"),
     ("no image to an image-to-video model", "/i2v", {"json": VIDEO}, 400, "send the first frame"),
     ("bad base64", "/i2v", as_json("!!not base64!!"), 400, "not valid base64"),
     ("a data URL of another type", "/i2v", as_json("data:text/plain;base64,aGVsbG8="), 400, "'text/plain'"),

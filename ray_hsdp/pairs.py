@@ -1,0 +1,209 @@
+"""Which features may meet: the one table of the pairs a deployment or a request is refused for.
+
+Every pair of a group-level setting and another setting, or a request-level choice, either runs
+and equals its reference (``tests/test_pairs.py`` runs them by the dozen) or is listed here and
+refused before any rank runs, with a message that names both and what to do instead.
+``docs/pairs.md`` prints this table (``python -m ray_hsdp.pairs`` writes it).
+
+Config rows are checked when a ``GroupConfig`` is built and again once its device is resolved;
+request rows when a request reaches its group, which knows the pipeline's facts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One pair that cannot meet.
+
+    Attributes:
+        first: The group-level setting, as a user writes it.
+        second: The setting or request-level choice it cannot meet.
+        reason: Why not.
+        instead: What to do instead.
+        refuses: Whether a config (config rows) or a ``(config, facts, request)`` (request rows)
+            holds the pair.
+        scope: ``"config"``: refused at start; ``"request"``: the request is refused (HTTP 400).
+    """
+
+    first: str
+    second: str
+    reason: str
+    instead: str
+    refuses: Callable[..., bool]
+    scope: str = "config"
+
+    @property
+    def message(self) -> str:
+        return f"{self.first} with {self.second}: {self.reason}; {self.instead}"
+
+
+def _lane_size(config) -> int:
+    return config.parallel_dims().lane_size
+
+
+def _switched(config) -> bool:
+    return bool(set(config.loras) - set(config.fuse_loras))
+
+
+REFUSALS: tuple[Refusal, ...] = (
+    Refusal(
+        "lanes of several ranks (ulysses_degree, ring_degree, cfg_parallel)",
+        "a sharded VAE (shard_components names 'vae')",
+        "only a lane's leader decodes, so a sharded VAE's gathers would wait for ranks that never join them",
+        "leave 'vae' out of shard_components (VAEs stay replicated) or use lanes of one rank",
+        lambda c: _lane_size(c) > 1 and "vae" in c.shard_components,
+    ),
+    Refusal(
+        "lanes of several ranks (ulysses_degree, ring_degree, cfg_parallel, or mode 'replicated')",
+        "max_forward_batch > 1",
+        "the ranks of a lane must run the very same call at every tick, so they run one call per forward",
+        "set max_forward_batch 1",
+        lambda c: _lane_size(c) > 1 and c.max_forward_batch > 1,
+    ),
+    Refusal(
+        "ring_degree > 1",
+        "device 'cpu'",
+        "ring attention merges partial results by their log-sum-exp, which only the CUDA attention backends "
+        "return (_native_cudnn, _native_flash)",
+        "use ulysses_degree on CPU, or run on CUDA GPUs",
+        lambda c: c.ring_degree > 1 and c.device == "cpu",
+    ),
+    Refusal(
+        "gather 'in_place'",
+        "reshard_after_forward False",
+        "in-place gathers free each unit's gathered weights after its forward (its buffers take turns)",
+        "use gather 'fsdp2', or mode 'replicated' to keep whole weights",
+        lambda c: c.gather == "in_place" and not c.reshard_after_forward,
+    ),
+    Refusal(
+        "switched loras (loras not in fuse_loras)",
+        "compile",
+        "an adapter switch between two forwards would recompile the blocks",
+        "serve them uncompiled, or merge them into the weights with fuse_loras",
+        lambda c: _switched(c) and c.compile,
+    ),
+    Refusal(
+        "switched loras (loras not in fuse_loras)",
+        "shard_size 1 with requests_per_rank > 1",
+        "an unsharded rank runs its requests' forwards on their own threads, so two requests could not hold "
+        "different adapters",
+        "use requests_per_rank 1, or shard_size >= 2",
+        lambda c: _switched(c) and c.resolved_shard_size == 1 and c.requests_per_rank > 1,
+    ),
+    Refusal(
+        "switched loras (loras not in fuse_loras)",
+        "quantization 'fp8'",
+        "an adapter added after the FP8 swap takes the FP8 weight's dtype (PEFT casts it), loses its small "
+        "values and has no FP8 matmul to run",
+        "merge the adapters into the weights with fuse_loras (merged before the quantization), or use "
+        "quantization 'none'",
+        lambda c: _switched(c) and c.quantization == "fp8",
+    ),
+    Refusal(
+        "quantization 'fp8'",
+        "device 'cpu'",
+        "FP8 needs a CUDA GPU with FP8 tensor cores (compute capability 8.9 or above: H100, L40S); on CPU FP8 "
+        "matmuls are emulated and slower than float32",
+        "use quantization 'none'",
+        lambda c: c.quantization == "fp8" and c.device == "cpu",
+    ),
+    Refusal(
+        "quantization 'fp8'",
+        "gather 'fsdp2', reshard_after_forward False or shard_size 1",
+        "FP8 quantizes each rank's rows of the weights and gathers them in place",
+        "use gather 'auto' or 'in_place' (with reshard_after_forward) and shard_size >= 2",
+        lambda c: (
+            c.quantization == "fp8"
+            and (c.gather == "fsdp2" or not c.reshard_after_forward or c.resolved_shard_size == 1)
+        ),
+    ),
+    Refusal(
+        "a step cache (cache.kind)",
+        "shard_size 1",
+        "a step cache keeps each request's state apart on the tick thread of a sharded rank, which an unsharded "
+        "rank does not have",
+        "use shard_size >= 2",
+        lambda c: c.cache.kind != "none" and c.resolved_shard_size == 1,
+    ),
+    Refusal(
+        "a one-expert model",
+        "guidance_scale_2",
+        "guidance_scale_2 is the low-noise expert's guidance of a two-expert pipeline (Wan2.2 A14B)",
+        "use guidance_scale",
+        lambda c, facts, r: r.guidance_scale_2 is not None and not facts.get("guidance_scale_2"),
+        scope="request",
+    ),
+    Refusal(
+        "a text-to-video or text-to-image model",
+        "a conditioning image (input_reference)",
+        "the model makes its output from text alone",
+        "send no image, or serve an image-to-video model",
+        lambda c, facts, r: r.image is not None and not facts.get("image_input"),
+        scope="request",
+    ),
+    Refusal(
+        "a scheduler without a static shift (none, or use_dynamic_shifting as FLUX.1's)",
+        "flow_shift",
+        "the scheduler would ignore it (a dynamic shift follows the image size)",
+        "leave flow_shift out",
+        lambda c, facts, r: r.flow_shift is not None and not facts.get("flow_shift"),
+        scope="request",
+    ),
+    Refusal(
+        "fuse_loras",
+        "a request naming a fused adapter (lora)",
+        "a merged adapter runs in every request at its fused scale",
+        "leave it out of lora",
+        lambda c, facts, r: any(name in c.fuse_loras for name, _ in r.lora),
+        scope="request",
+    ),
+    Refusal(
+        "a group's cache kind (or none)",
+        "a request's step cache of another kind",
+        "a group loads the hooks of one cache kind at start",
+        "send cache 'off', or settings of the group's kind",
+        lambda c, facts, r: r.cache is not None and r.cache.kind != c.cache.kind,
+        scope="request",
+    ),
+)
+
+
+def refuse_config(config) -> None:
+    """Raises for the first config row that ``config`` holds.
+
+    Raises:
+        ValueError: Its message names both settings, why, and what to do instead.
+    """
+    for row in REFUSALS:
+        if row.scope == "config" and row.refuses(config):
+            raise ValueError(row.message)
+
+
+def refuse_request(config, facts: dict[str, Any], request) -> None:
+    """Raises for the first request row that ``request`` on a group of ``config`` and
+    ``facts`` (its pipeline's) holds.
+
+    Raises:
+        ValueError: Its message names both, why, and what to do instead (an HTTP 400).
+    """
+    for row in REFUSALS:
+        if row.scope == "request" and row.refuses(config, facts, request):
+            raise ValueError(row.message)
+
+
+def markdown() -> str:
+    """The table as ``docs/pairs.md`` prints it."""
+    lines = ["| refused when | meets | why | instead | checked |", "| --- | --- | --- | --- | --- |"]
+    for row in REFUSALS:
+        checked = "at start" if row.scope == "config" else "per request (HTTP 400)"
+        lines.append(f"| {row.first} | {row.second} | {row.reason} | {row.instead} | {checked} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")
