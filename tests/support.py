@@ -5,55 +5,23 @@ the name ``conftest``.)"""
 
 from __future__ import annotations
 
-import inspect
 import random
 import socket
 import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from ray_hsdp.request import GenerationRequest
+from bench.reference import (  # noqa: F401 (shared with the benches)
+    pipeline_with_adapters,
+    random_png,
+    reference_frames,
+    reference_with,
+)
 
 NODE_CPUS = 4
 #: How often the session's cluster exports metrics (``RAY_metrics_report_interval_ms``).
 METRICS_EXPORT_S = 1.0
-
-
-def reference_frames(pipe, request: GenerationRequest) -> np.ndarray:
-    """Runs ``request`` through the unsharded pipeline, written out the way a diffusers user would.
-
-    Returns:
-        ``(n, frames, height, width, 3)``; an image pipeline's output gets a frame axis of 1.
-    """
-    if "num_frames" in inspect.signature(pipe.__call__).parameters:
-        video = {"num_frames": request.num_frames, "num_videos_per_prompt": request.n}
-    else:
-        video = {"num_images_per_prompt": request.n}
-    if request.guidance_scale_2 is not None:
-        video["guidance_scale_2"] = request.guidance_scale_2
-    if request.image is not None:  # already fitted to the request's size (request.fit_image)
-        video["image"] = request.first_frame()
-    scheduler = pipe.scheduler
-    if request.flow_shift is not None:  # Wan's UniPC calls it flow_shift, a flow-match Euler shift
-        key = "flow_shift" if "flow_shift" in scheduler.config else "shift"
-        pipe.scheduler = type(scheduler).from_config(scheduler.config, **{key: request.flow_shift})
-    try:
-        out = pipe(
-            prompt=request.prompt,
-            negative_prompt=request.negative_prompt,
-            height=request.height,
-            width=request.width,
-            num_inference_steps=request.num_inference_steps,
-            guidance_scale=request.guidance_scale,
-            generator=torch.Generator("cpu").manual_seed(request.seed),
-            output_type="np",
-            **video,
-        )
-    finally:
-        pipe.scheduler = scheduler
-    return out.frames if hasattr(out, "frames") else out.images[:, None]
 
 
 def wait_until_healthy(base: str, proc, deadline_s: float = 180) -> None:

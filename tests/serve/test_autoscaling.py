@@ -3,10 +3,15 @@ included) calls for it, and a group it removes hands its running seeded video jo
 
 from __future__ import annotations
 
+import base64
+import io
 import time
 
+import numpy as np
 import pytest
 import requests
+from PIL import Image
+from support import pipeline_with_adapters, random_png, reference_with
 
 from ray_hsdp.config import AppConfig, AutoscalingSpec
 from ray_hsdp.serve.autoscaling import LOAD_METRIC, autoscaling_config, group_load_policy
@@ -176,51 +181,96 @@ def test_a_burst_adds_a_group_and_a_removed_group_hands_its_job_over(server):
         serve.delete(APP)
 
 
-def test_a_job_queued_behind_a_long_one_moves_to_the_group_that_frees_first(server):
-    """Two groups of one lane each, one request at a time, each busy with a long job (one queued
-    behind the other is taken over by the idle group). Two more jobs, a routing period apart, wait
-    queued. The test then frees one group (it deletes that group's long job): that group runs what
-    queued behind it and, with a free lane, takes over what still waits behind the other long job:
-    both end on the group that freed first, while the other long job runs on. The test decides
-    when a group frees, so no job's speed can change the outcome."""
+#: The takeover test's adapters and the defaults a request naming ``detail`` gets.
+LORAS = {"style": "tiny-style", "detail": "tiny-detail"}
+LORA_DEFAULTS = {"detail": {"flow_shift": 3.0}}
+
+
+@pytest.fixture(scope="module")
+def two_expert_i2v(tmp_path_factory):
+    """The tiny two-expert image-to-video folder and its unsharded pipeline with the adapters."""
+    from ray_hsdp.checkpoints.tiny import make_tiny
+
+    folder = str(make_tiny(tmp_path_factory.mktemp("models") / "wan22-i2v", two_experts=True, image_to_video=True))
+    return folder, pipeline_with_adapters(folder, LORAS)
+
+
+def test_a_job_queued_behind_a_long_one_moves_to_the_group_that_frees_first(server, two_expert_i2v):
+    """Two groups of one lane each (Ulysses 2), one request at a time, each busy with a long job (one
+    queued behind the other is taken over by the idle group). Three jobs, a routing period apart,
+    wait queued. The test then frees one group (it deletes that group's long job): that group runs
+    what queued behind it and, with a free lane, takes over what still waits behind the other long
+    job: all end on the group that freed first, while the other long job runs on. The test decides
+    when a group frees, so no job's speed can change the outcome. The queued jobs carry request-level
+    choices (adapters, an adapter's defaults, a step cache, flow_shift, guidance_scale_2, their
+    image), and each one's first frame equals the unsharded pipeline's with the same choices
+    whichever group ran it: a job moves whole."""
     from ray import serve
 
+    from ray_hsdp.serve.schema import VideoCreateRequest, to_video_request
+
+    folder, pipe = two_expert_i2v
     args = {
-        "model": "tiny",
+        "model": folder,
         "device": "cpu",
-        "shard_size": 1,
+        "shard_size": 2,
+        "ulysses_degree": 2,
         "replicate_size": 2,
         "requests_per_rank": 1,
         "default_size": "64x64",
+        "default_steps": 4,
         "max_steps": 8000,
         "video_takeover_after_s": 1,
+        "loras": LORAS,
+        "lora_defaults": LORA_DEFAULTS,
+        "cache": {"kind": "taylorseer", "every_request": False},
     }
     base = deploy(server, "takeover", args)
 
-    def post(steps: int, seed: int) -> str:
-        body = {"prompt": f"job {seed}", "num_frames": 5, "num_inference_steps": steps, "seed": seed}
-        return requests.post(f"{base}/v1/videos", json=body, timeout=60).json()["id"]
+    def body(seed: int, **choices) -> dict:
+        image = base64.b64encode(random_png(64, 48, seed)).decode()
+        return {"prompt": f"job {seed}", "num_frames": 5, "seed": seed, "input_reference": image, **choices}
+
+    def post(video: dict) -> str:
+        return requests.post(f"{base}/v1/videos", json=video, timeout=60).json()["id"]
 
     def status(video_id: str) -> str:
         return requests.get(f"{base}/v1/videos/{video_id}", timeout=30).json()["status"]
 
+    queued_bodies = [
+        body(2, lora="style:0.8", cache="on", guidance_scale_2=2.0, flow_shift=2.0),
+        body(3, lora="style:0.5,detail", cache={"interval": 3}),
+        body(4),  # no cache, no adapter
+    ]
     try:
         time.sleep(1.5)  # the router has seen both groups' load (routing stats come every second)
         # 8000 steps outlast the test many times over (500 take 25 s or more here); one of them is
         # stopped by the test, the other by the app's deletion.
-        running = [wait_running(base, post(8000, seed), 30) for seed in (0, 1)]
+        running = [wait_running(base, post(body(seed, num_inference_steps=8000)), 30) for seed in (0, 1)]
         assert None not in running, running
         kept, freed = running
         assert kept["replica"] != freed["replica"], running  # the second ran on the idle group
-        queued = [post(5, 2)]
-        time.sleep(1.5)  # the next one sees this one's load (routing stats come every second)
-        queued.append(post(5, 3))
-        assert [status(i) for i in queued] == ["queued", "queued"]  # no lane is free
+        queued = []
+        for video in queued_bodies:
+            if queued:
+                time.sleep(1.5)  # the next one sees this one's load (routing stats come every second)
+            queued.append(post(video))
+        assert [status(i) for i in queued] == ["queued"] * 3  # no lane is free
         assert requests.delete(f"{base}/v1/videos/{freed['id']}", timeout=30).status_code == 200
         done = wait_all(base, queued, 120)
-        assert [j["status"] for j in done] == ["completed", "completed"], [j["error"] for j in done]
-        assert [j["replica"] for j in done] == [freed["replica"]] * 2, done  # whichever group each waited on
+        assert [j["status"] for j in done] == ["completed"] * 3, [j["error"] for j in done]
+        assert [j["replica"] for j in done] == [freed["replica"]] * 3, done  # whichever group each waited on
         long = requests.get(f"{base}/v1/videos/{kept['id']}", timeout=30).json()
         assert long["status"] == "in_progress" and long["replica"] == kept["replica"], long
+        thumbnails = [
+            requests.get(f"{base}/v1/videos/{i}/content", params={"variant": "thumbnail"}, timeout=30).content
+            for i in queued
+        ]
     finally:
         serve.delete("takeover")
+    config = AppConfig(**args)
+    for video, thumbnail in zip(queued_bodies, thumbnails):
+        request, _ = to_video_request(VideoCreateRequest(**video), config, 4, "reference")
+        expected = np.round(np.clip(reference_with(pipe, request)[0, 0], 0, 1) * 255)
+        served = np.asarray(Image.open(io.BytesIO(thumbnail)), dtype=np.float64)
+        assert np.abs(served - expected).max() <= 1, video["seed"]

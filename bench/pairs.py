@@ -1,0 +1,320 @@
+"""Features meet in pairs: a group-level shape runs many requests at once, each with its own mix of
+request-level choices, and each result is compared with its reference.
+
+The CPU shapes run in ``tests/test_pairs.py`` against the unsharded diffusers pipeline at the
+float level. The shapes a CPU cannot run (ring lanes, FP8, compile) run here on GPUs, where each
+request is compared with the same request run alone on the same group (lock step with other
+requests must not change a result) and, for the drift, with the unsharded pipeline in the same
+dtype:
+
+    python -m bench.pairs --out bench/results          # 2 GPUs: one group of 2 ranks per shape
+
+Results: ``pairs-<gpu>.json`` / ``.md``, with the pairs (group-level setting, request-level choice)
+each shape showed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from ray_hsdp.request import GenerationRequest, RequestCancelledError
+
+GROUP_SETTINGS = (
+    "batch",
+    "ulysses lane",
+    "ring lane",
+    "cfg lane",
+    "keep_gathered",
+    "vae_parallel",
+    "compile",
+    "fp8",
+    "several groups (autoscaling, takeover)",
+    "cache kind",
+    "fused adapters",
+    "image-to-video model",
+)
+REQUEST_CHOICES = (
+    "adapter",
+    "several adapters",
+    "adapter defaults",
+    "cache on",
+    "cache settings",
+    "cache off",
+    "flow_shift",
+    "guidance_scale_2",
+    "conditioning image",
+    "timeout",
+    "DELETE",
+)
+
+#: ``fused`` (the same file as ``detail``) is merged at load where a shape fuses it, else unused.
+LORAS = {"style": "tiny-style", "detail": "tiny-detail", "fused": "tiny-detail"}
+#: What a request naming an adapter gets for the fields it leaves out (a distilled adapter's); the
+#: fused adapter's apply to every request of its group.
+LORA_DEFAULTS = {"detail": {"num_inference_steps": 3, "flow_shift": 3.0}, "fused": {"flow_shift": 2.5}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Mix:
+    """One request: the body a client sends and the request-level choices it makes."""
+
+    name: str
+    body: dict
+    choices: tuple[str, ...]
+
+
+BASE = {"num_frames": 5, "size": "64x64"}  # 4 steps: the app's default_steps
+#: The mixes every shape runs at once. Every request brings an image (the model needs one).
+MIXES = (
+    Mix("plain", {"prompt": "a cat on a roof", "seed": 1}, ("conditioning image", "cache off")),
+    Mix("adapter", {"prompt": "a cat on a roof", "seed": 1, "lora": "style"}, ("adapter",)),
+    Mix("two adapters", {"prompt": "rain", "seed": 2, "lora": "style:0.5,detail", "num_inference_steps": 4},
+        ("several adapters",)),
+    Mix("defaults", {"prompt": "a harbour", "seed": 3, "lora": "detail"}, ("adapter defaults",)),
+    Mix("cache", {"prompt": "a cat on a roof", "seed": 1, "cache": "on"}, ("cache on",)),
+    Mix("flow_shift", {"prompt": "waves", "seed": 4, "flow_shift": 2.0}, ("flow_shift",)),
+    Mix("guidance_scale_2", {"prompt": "waves", "seed": 4, "guidance_scale_2": 2.0}, ("guidance_scale_2",)),
+    Mix(
+        "all",
+        {"prompt": "a fox", "seed": 5, "lora": "style:0.7", "flow_shift": 3.0, "guidance_scale_2": 1.5},
+        ("adapter", "flow_shift", "guidance_scale_2", "cache settings"),
+    ),
+)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One group-level shape: the group's fields and the settings it stands for."""
+
+    name: str
+    fields: dict
+    settings: tuple[str, ...]
+    #: The cache settings the "all" mix sends (of the group's kind).
+    cache_settings: dict
+    #: Requests at this size also run (vae_parallel: frames of several VAE tiles).
+    large: str | None = None
+
+
+CPU_SHAPES = (
+    Shape(
+        "batch",
+        {"shard_size": 2, "requests_per_rank": 2, "keep_gathered": 0.5,
+         "cache": {"kind": "taylorseer", "every_request": False}},
+        ("batch", "keep_gathered", "cache kind", "image-to-video model"),
+        {"interval": 3, "warmup_steps": 2},
+    ),
+    Shape(
+        "cfg-ulysses",
+        {"shard_size": 4, "ulysses_degree": 2, "cfg_parallel": True, "requests_per_rank": 2, "vae_parallel": "on",
+         "fuse_loras": {"fused": 0.5}, "cache": {"kind": "first_block", "every_request": False}},
+        ("ulysses lane", "cfg lane", "vae_parallel", "fused adapters", "cache kind", "image-to-video model"),
+        {"threshold": 1e9},  # no change reaches it: every step after the first reuses the cache
+        large="320x288",
+    ),
+)  # fmt: skip
+#: Two ranks each, bfloat16 (ring attention needs cuDNN's, which takes no float32).
+GPU_SHAPES = (
+    Shape(
+        "ring",
+        {"shard_size": 2, "ring_degree": 2, "requests_per_rank": 2,
+         "cache": {"kind": "taylorseer", "every_request": False}},
+        ("ring lane", "cache kind", "image-to-video model"),
+        {"interval": 3, "warmup_steps": 2},
+    ),
+    Shape(
+        "fp8",
+        {"shard_size": 2, "quantization": "fp8", "requests_per_rank": 2, "fuse_loras": {"fused": 0.5},
+         "loras": {"fused": "tiny-detail"}, "cache": {"kind": "first_block", "every_request": False}},
+        ("fp8", "fused adapters", "cache kind", "image-to-video model"),
+        {"threshold": 1e9},
+    ),
+    Shape(
+        "compile",
+        {"shard_size": 2, "compile": True, "requests_per_rank": 2, "fuse_loras": {"fused": 0.5},
+         "loras": {"fused": "tiny-detail"}, "cache": {"kind": "taylorseer", "every_request": False}},
+        ("compile", "fused adapters", "cache kind", "image-to-video model"),
+        {"interval": 3, "warmup_steps": 2},
+    ),
+)  # fmt: skip
+
+
+def app_config(folder: str, shape: Shape, device: str = "cpu", dtype: str = "auto"):
+    """The shape's app config: the shared adapters and their defaults unless the shape names its own."""
+    from ray_hsdp.config import AppConfig
+
+    fields = {"loras": LORAS, **shape.fields}
+    defaults = {name: d for name, d in LORA_DEFAULTS.items() if name in fields["loras"]}
+    return AppConfig(
+        model=folder, device=device, dtype=dtype, lora_defaults=defaults, default_steps=4, **fields
+    )
+
+
+def mixes_for(shape: Shape, config) -> list[Mix]:
+    """The shape's mixes: the common ones with its cache settings, less those naming an adapter the
+    group does not switch, plus the large ones."""
+    switched = set(config.lora_sources(fused=False))
+    out = []
+    for mix in MIXES:
+        body = dict(mix.body)
+        if mix.name == "all":
+            body["cache"] = shape.cache_settings
+        named = {part.split(":")[0] for part in str(body.get("lora", "")).split(",") if part}
+        if named - switched:
+            continue
+        out.append(Mix(mix.name, body, mix.choices))
+    if shape.large:
+        out += [
+            Mix(f"{m.name} {shape.large}", {**m.body, "size": shape.large, "num_frames": 1, "num_inference_steps": 2},
+                m.choices)
+            for m in out
+            if m.name in ("adapter", "cache")
+        ]  # fmt: skip
+    return out
+
+
+def build(config, mix: Mix, index: int, **fields) -> GenerationRequest:
+    """The request a client's body makes on this app (defaults and limits applied), with float frames."""
+    from bench.reference import random_png
+    from ray_hsdp.serve.schema import VideoCreateRequest, to_video_request
+
+    body = VideoCreateRequest(**{**BASE, **mix.body, **fields})
+    body = body.model_copy(update={"input_reference": random_png(64, 48, index)})
+    request, _ = to_video_request(body, config, 4, f"{mix.name}#{index}")
+    return dataclasses.replace(request, uint8_frames=False)  # compared at the float level
+
+
+def wait_until(condition: Callable[[], object], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout_s:g}s")
+        time.sleep(0.02)
+
+
+def cut_and_cancelled(group, config) -> list[tuple[Mix, GenerationRequest]]:
+    """A request cut off by its deadline and one cancelled (a DELETE's path) while running, each with
+    an adapter where the group switches one and a cache; then a request under each one's id, which
+    must start clean.
+
+    Raises:
+        AssertionError: Either did not end as it should.
+    """
+    lora = {"lora": "style"} if "style" in config.lora_sources(fused=False) else {}
+    mix = Mix("long", {"prompt": "a long one", "seed": 9, "cache": "on", **lora}, ())
+    # (timeout_s is an image request's field; a video job has the group's request_timeout_s.)
+    cut = dataclasses.replace(build(config, mix, 90, num_inference_steps=200), timeout_s=1.0)
+    try:
+        group.submit(cut).result(timeout=120)
+        raise AssertionError("a request past its deadline completed")
+    except TimeoutError as err:
+        assert "missed its deadline" in str(err), err
+    cancelled = build(config, mix, 91, num_inference_steps=200)
+    future = group.submit(cancelled)
+    wait_until(lambda: group.progress().get(cancelled.request_id, {}).get("step", 0) >= 1, 120, "the request runs")
+    assert group.cancel(cancelled.request_id)
+    try:
+        future.result(timeout=120)
+        raise AssertionError("a cancelled request completed")
+    except RequestCancelledError:
+        pass
+    after = []
+    choices = ("adapter",) if lora else ()
+    for choice, gone in (("timeout", cut), ("DELETE", cancelled)):
+        follow = Mix(f"after {choice}", mix.body, (choice, "cache on", *choices))
+        after.append((follow, dataclasses.replace(build(config, follow, 92), request_id=gone.request_id)))
+    return after
+
+
+def run_shape(config, shape: Shape, alone: bool = False) -> list[tuple[Mix, GenerationRequest, np.ndarray, object]]:
+    """One group of ``config`` runs the shape's mixes at once, then a cut and a cancelled request and
+    a request under each one's id; with ``alone``, each request once more on its own.
+
+    Returns:
+        ``(mix, request, frames, frames alone or None)`` per request.
+    """
+    from ray_hsdp.group import ShardGroup
+
+    mixes = mixes_for(shape, config)
+    requests = [build(config, mix, i) for i, mix in enumerate(mixes)]
+    started = time.monotonic()
+    with ShardGroup(config) as group:
+        results = group.generate(requests)
+        after = cut_and_cancelled(group, config)
+        after_results = group.generate([request for _, request in after])
+        pairs = [*zip(mixes, requests), *after]
+        frames = [r.frames for r in (*results, *after_results)]
+        single = [group.generate([request])[0].frames if alone else None for _, request in pairs]
+    print(f"{shape.name}: {len(pairs) + 2} requests in {time.monotonic() - started:.1f}s", flush=True)
+    return [(mix, request, f, s) for (mix, request), f, s in zip(pairs, frames, single)]
+
+
+def diff(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)).max())
+
+
+def gpu_run(out_dir: Path, shapes: list[str]) -> dict:
+    """The GPU shapes on the tiny two-expert image-to-video model, bfloat16, two ranks each."""
+    import torch
+
+    from bench.common import environment, write_results
+    from bench.reference import pipeline_with_adapters, reference_with
+    from ray_hsdp.checkpoints.tiny import make_tiny
+
+    folder = str(make_tiny(out_dir / "model-wan22-i2v", two_experts=True, image_to_video=True, overwrite=True))
+    rows, covered = [], set()
+    for shape in (s for s in GPU_SHAPES if s.name in shapes):
+        config = app_config(folder, shape, device="cuda", dtype="bfloat16")
+        ran = run_shape(config, shape, alone=True)
+        pipe = pipeline_with_adapters(folder, dict(config.loras), dict(config.fuse_loras)).to("cuda", torch.bfloat16)
+        for mix, request, frames, single in ran:
+            row = {
+                "shape": shape.name,
+                "mix": mix.name,
+                "choices": list(mix.choices),
+                "vs_alone": diff(frames, single),
+                "vs_unsharded_bf16": diff(frames, reference_with(pipe, request)),
+            }
+            # Lock step with other requests must not change a result: at most one 8-bit level.
+            row["equal"] = row["vs_alone"] <= 1 / 255
+            rows.append(row)
+            if row["equal"]:
+                covered |= {(setting, choice) for setting in shape.settings for choice in mix.choices}
+        del pipe
+    payload = {
+        "environment": environment(),
+        "command": "python -m bench.pairs --out bench/results",
+        "rows": rows,
+        "pairs": sorted(covered),
+    }
+    lines = ["| shape | mix | choices | vs alone | vs unsharded (bf16) | equal |", "| --- " * 6 + "|"]
+    lines += [
+        f"| {r['shape']} | {r['mix']} | {', '.join(r['choices'])} | {r['vs_alone']:.2e} | {r['vs_unsharded_bf16']:.3f} "
+        f"| {r['equal']} |"
+        for r in rows
+    ]
+    gpu = torch.cuda.get_device_name(0).replace(" ", "-")
+    write_results(out_dir, f"pairs-{torch.cuda.device_count()}x{gpu}", payload, "\n".join(lines) + "\n")
+    return payload
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--shapes", nargs="+", default=[s.name for s in GPU_SHAPES])
+    args = parser.parse_args()
+    from bench.common import start_ray
+
+    start_ray()
+    payload = gpu_run(args.out, args.shapes)
+    failed = [r for r in payload["rows"] if not r["equal"]]
+    print(f"{len(payload['rows'])} requests, {len(failed)} not equal to themselves alone: {failed}")
+
+
+if __name__ == "__main__":
+    main()
