@@ -258,7 +258,7 @@ def diff(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)).max())
 
 
-def gpu_run(out_dir: Path, shapes: list[str]) -> dict:
+def gpu_run(out_dir: Path, shapes: list[str], model_dir: Path) -> dict:
     """The GPU shapes on the tiny two-expert image-to-video model, bfloat16, two ranks each."""
     import torch
 
@@ -266,8 +266,10 @@ def gpu_run(out_dir: Path, shapes: list[str]) -> dict:
     from bench.reference import pipeline_with_adapters, reference_with
     from ray_hsdp.checkpoints.tiny import make_tiny
 
-    folder = str(make_tiny(out_dir / "model-wan22-i2v", two_experts=True, image_to_video=True, overwrite=True))
+    folder = str(make_tiny(model_dir, two_experts=True, image_to_video=True, overwrite=True))
     rows, covered = [], set()
+    gpu = torch.cuda.get_device_name(0).replace(" ", "-")
+    payload = {"environment": environment(), "command": "python -m bench.pairs --out bench/results"}
     for shape in (s for s in GPU_SHAPES if s.name in shapes):
         config = app_config(folder, shape, device="cuda", dtype="bfloat16")
         ran = run_shape(config, shape, alone=True)
@@ -286,20 +288,15 @@ def gpu_run(out_dir: Path, shapes: list[str]) -> dict:
             if row["equal"]:
                 covered |= {(setting, choice) for setting in shape.settings for choice in mix.choices}
         del pipe
-    payload = {
-        "environment": environment(),
-        "command": "python -m bench.pairs --out bench/results",
-        "rows": rows,
-        "pairs": sorted(covered),
-    }
-    lines = ["| shape | mix | choices | vs alone | vs unsharded (bf16) | equal |", "| --- " * 6 + "|"]
-    lines += [
-        f"| {r['shape']} | {r['mix']} | {', '.join(r['choices'])} | {r['vs_alone']:.2e} | {r['vs_unsharded_bf16']:.3f} "
-        f"| {r['equal']} |"
-        for r in rows
-    ]
-    gpu = torch.cuda.get_device_name(0).replace(" ", "-")
-    write_results(out_dir, f"pairs-{torch.cuda.device_count()}x{gpu}", payload, "\n".join(lines) + "\n")
+        # Written after each shape: a later shape's failure keeps what the earlier ones showed.
+        payload.update(rows=rows, pairs=sorted(covered))
+        lines = ["| shape | mix | choices | vs alone | vs unsharded (bf16) | equal |", "| --- " * 6 + "|"]
+        lines += [
+            f"| {r['shape']} | {r['mix']} | {', '.join(r['choices'])} | {r['vs_alone']:.2e} "
+            f"| {r['vs_unsharded_bf16']:.3f} | {r['equal']} |"
+            for r in rows
+        ]
+        write_results(out_dir, f"pairs-{torch.cuda.device_count()}x{gpu}", payload, "\n".join(lines) + "\n")
     return payload
 
 
@@ -307,11 +304,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--shapes", nargs="+", default=[s.name for s in GPU_SHAPES])
+    parser.add_argument("--model-dir", type=Path, default=Path("/tmp/pairs-wan22-i2v"))
     args = parser.parse_args()
     from bench.common import start_ray
 
     start_ray()
-    payload = gpu_run(args.out, args.shapes)
+    payload = gpu_run(args.out, args.shapes, args.model_dir)
     failed = [r for r in payload["rows"] if not r["equal"]]
     print(f"{len(payload['rows'])} requests, {len(failed)} not equal to themselves alone: {failed}")
 

@@ -69,6 +69,17 @@ def _resolve(future: Future, result: object = None, error: BaseException | None 
         pass
 
 
+def _gray_png(width: int, height: int) -> bytes:
+    """A plain gray PNG: the first frame of an image-to-video warm-up request."""
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (128, 128, 128)).save(out, format="PNG")
+    return out.getvalue()
+
+
 class GroupFailedError(RuntimeError):
     """The group can no longer run requests (a rank died, missed its deadline, or the group shut down)."""
 
@@ -282,8 +293,10 @@ class ShardGroup:
         self._scheduler.start()
         if self.config.compile:
             # The first forwards compile: here, one small request per lane, not in a user's request.
+            # An image-to-video pipeline takes no request without its first frame.
+            image = _gray_png(64, 64) if self.pipeline_facts.get("image_input") else None
             warm = [
-                GenerationRequest(prompt="warm up", num_inference_steps=1, request_id=f"warm-up-{lane}")
+                GenerationRequest(prompt="warm up", num_inference_steps=1, request_id=f"warm-up-{lane}", image=image)
                 for lane in range(self.dims.num_lanes)
             ]
             try:
