@@ -11,10 +11,14 @@ can set guidance_scale_2. ``test_every_pair_is_run_or_refused`` then accounts fo
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import pytest
 from support import max_abs_diff, pipeline_with_adapters, reference_with
 
-from bench.pairs import CPU_SHAPES, GROUP_SETTINGS, LORAS, REQUEST_CHOICES, app_config, run_shape
+from bench.pairs import CPU_SHAPES, GROUP_SETTINGS, LORAS, REQUEST_CHOICES, app_config, pairs_doc, run_shape
 from ray_hsdp.checkpoints.tiny import make_tiny
 from ray_hsdp.config import GroupConfig
 
@@ -50,8 +54,28 @@ def test_each_mix_equals_the_unsharded_pipeline_with_the_same_choices(shape, run
         assert (request.num_inference_steps, request.flow_shift) == (3, 3.0)
 
 
-#: Pairs other tests run, and pairs a GPU run showed (results committed): cell -> where.
-ELSEWHERE: dict[tuple[str, str], str] = {}
+ROOT = Path(__file__).resolve().parents[1]
+#: The GPU run of the shapes a CPU cannot run (``python -m bench.pairs``: ring lanes, FP8, compile),
+#: committed: the pairs each of whose requests equalled itself run alone on the same group.
+GPU_RESULTS = ROOT / "bench" / "results" / "pairs-2xNVIDIA-H200.json"
+TAKEOVER = "tests/serve/test_autoscaling.py::test_a_job_queued_behind_a_long_one_moves_to_the_group_that_frees_first"
+#: Pairs other tests run: cell -> the test.
+ELSEWHERE: dict[tuple[str, str], str] = {
+    ("several groups (autoscaling, takeover)", choice): TAKEOVER
+    for choice in (
+        "adapter",
+        "several adapters",
+        "adapter defaults",
+        "cache on",
+        "cache settings",
+        "cache off",
+        "flow_shift",
+        "guidance_scale_2",
+        "conditioning image",
+    )
+}
+#: Pairs with an open defect: cell -> the issue that mends it.
+DEFECTS: dict[tuple[str, str], str] = {}
 #: Pairs the table refuses: cell -> a config holding the pair, and the start of its message.
 REFUSED: dict[tuple[str, str], tuple[dict, str]] = {
     ("compile", "adapter"): (
@@ -69,19 +93,31 @@ REFUSED[("fp8", "several adapters")] = REFUSED[("fp8", "adapter")]
 
 def test_every_pair_is_run_or_refused(runs):
     """Every cell of group-level settings x request-level choices ran above and equalled its
-    reference, runs in another test or ran on a GPU (``ELSEWHERE``), or is refused by the table
-    with a message that names both."""
-    ran = {
-        (setting, choice)
+    reference, runs in another test or ran on a GPU, or is refused by the table with a message that
+    names both. ``docs/pairs.md`` prints the matrix and the table (``RAY_HSDP_WRITE_DOCS=1`` writes
+    it)."""
+    where = {
+        (setting, choice): "CPU"
         for shape in CPU_SHAPES
         for setting in shape.settings
         for mix, _, _, _ in runs[shape.name]
         for choice in mix.choices
     }
-    for fields, message in REFUSED.values():
+    for cell in json.loads(GPU_RESULTS.read_text())["pairs"]:
+        where.setdefault(tuple(cell), "GPU")
+    for cell in ELSEWHERE:
+        where.setdefault(cell, "HTTP")
+    for cell, (fields, message) in REFUSED.items():
         with pytest.raises(ValueError) as refused:
             GroupConfig(**fields)
         assert message in str(refused.value), (message, str(refused.value))
-    cells = {(s, c) for s in GROUP_SETTINGS for c in REQUEST_CHOICES}
-    missing = sorted(cells - ran - set(ELSEWHERE) - set(REFUSED))
+        where.setdefault(cell, "refused")
+    for cell, issue in DEFECTS.items():
+        where.setdefault(cell, f"defect ({issue})")
+    missing = sorted({(s, c) for s in GROUP_SETTINGS for c in REQUEST_CHOICES} - set(where))
     assert not missing, f"{len(missing)} pairs neither run nor refused: {missing}"
+    doc = ROOT / "docs" / "pairs.md"
+    text = pairs_doc(where)
+    if os.environ.get("RAY_HSDP_WRITE_DOCS"):
+        doc.write_text(text)
+    assert doc.read_text() == text, "docs/pairs.md is stale: run this test with RAY_HSDP_WRITE_DOCS=1"

@@ -1,6 +1,7 @@
 """The Serve deployment: one replica owns one shard group and answers HTTP and handle calls."""
 
 import asyncio
+import collections
 import dataclasses
 import hmac
 import logging
@@ -281,6 +282,8 @@ class HSDPServer:
         self.jobs = jobs
         #: Video id -> the job this replica runs (a drain hands the seeded ones over).
         self._videos: dict[str, _VideoRun] = {}
+        #: Ids this replica cancelled lately (ids are unique: a bounded memory is enough).
+        self._cancelled: collections.deque[str] = collections.deque(maxlen=4096)
         self._draining = False
         self._stopping = threading.Event()
         self.keeper: GroupKeeper | None = None  # while None, the group is starting
@@ -343,11 +346,17 @@ class HSDPServer:
             group = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self.keeper.current())), wait_s)
         except asyncio.TimeoutError:
             raise GroupFailedError(f"the shard group was still being rebuilt after {wait_s:g}s") from None
+        if job.request_id in self._cancelled:
+            # Cancelled while it waited for the rebuild (the failed group held no record of it).
+            raise RequestCancelledError(f"request {job.request_id!r} was cancelled before its group took it")
         return group.submit(job)
 
     def _cancel(self, request_id: str) -> None:
-        """The one cancel path of a request this replica runs (DELETE, or its client gone):
-        ``ShardGroup.cancel``, which drops it from the queue or stops it on its lane."""
+        """The one cancel path of a request this replica runs (DELETE, its client gone, a job taken
+        over): ``ShardGroup.cancel``, which drops it from the queue or stops it on its lane. The id
+        is remembered too, so that a request waiting for its group's rebuild is never handed to the
+        rebuilt group."""
+        self._cancelled.append(request_id)
         try:
             self.group.cancel(request_id)
         except Exception as err:  # noqa: BLE001 - a failed group answers the request itself
@@ -571,7 +580,7 @@ class HSDPServer:
             await self.jobs.update.remote(video_id, self._replica, progress=DECODED)
             frames = result.frames[0]
             mp4 = await asyncio.to_thread(encode_mp4, frames, fps)  # off the event loop, far from any tick
-            await self.jobs.complete.remote(video_id, mp4, encode_png(frames[0]))
+            await self.jobs.complete.remote(video_id, mp4, encode_png(frames[0]), self._replica)
             return None
         except RequestCancelledError as err:
             return err  # deleted: nothing is kept

@@ -75,6 +75,8 @@ class JobTable:
         for video_id, job in list(self.jobs.items()):
             if job["expires_at"] is not None and job["expires_at"] <= now:
                 self._drop(video_id)
+            elif job["status"] == "queued" and not job["_owner"]:
+                continue  # released by a group that filled up: it waits for the next taker, not for a report
             elif job["status"] in ("queued", "in_progress") and now - job["_heartbeat"] > self.stale_after_s:
                 message = f"the replica running this job stopped reporting for {self.stale_after_s:g}s"
                 self._move(video_id, "failed", error={"code": "replica_lost", "message": message})
@@ -204,7 +206,8 @@ class JobTable:
 
     def release(self, video_id: str, replica: str) -> None:
         """``replica`` took the job (``take_waiting``) but its group filled up meanwhile: the job
-        waits for the next group with a free lane. (Its first replica may have stopped its copy.)"""
+        waits, owned by none, for the next group with a free lane (its first replica may have
+        stopped its copy); the sweep leaves it be, as no replica reports for it."""
         with self._lock:
             job = self.jobs.get(video_id)
             if job is not None and job["status"] == "queued" and job["_owner"] == replica:
@@ -212,11 +215,13 @@ class JobTable:
                 job["_heartbeat"] = time.time()
                 job["_waiting_since"] = 0.0  # the next asker takes it at once
 
-    def complete(self, video_id: str, mp4: bytes, thumbnail: bytes) -> bool:
-        """Stores the MP4 and its first frame; False (and nothing stored) when the job is gone or
-        has failed meanwhile."""
+    def complete(self, video_id: str, mp4: bytes, thumbnail: bytes, replica: str) -> bool:
+        """Stores the MP4 and its first frame from the ``replica`` that runs the job; False (and
+        nothing stored) when the job is gone, has failed meanwhile, or another replica took it over
+        (that replica's video is the job's)."""
         with self._lock:
-            if not self._move(video_id, "completed"):
+            job = self.jobs.get(video_id)
+            if job is None or job["_owner"] != replica or not self._move(video_id, "completed"):
                 return False
             self.media[video_id] = {"video": mp4, "thumbnail": thumbnail}
             self.jobs[video_id]["progress"] = 100

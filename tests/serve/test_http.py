@@ -374,6 +374,11 @@ def test_a_killed_rank_fails_its_request_with_503_and_the_group_heals(server):
     create_s = time.monotonic() - posted
     assert created.status_code == 200 and created.json()["status"] == "queued", created.text
     assert create_s < 5, create_s
+    # One deleted while it waits for the rebuild never runs on the rebuilt group (issue 37: it ran in
+    # full, as the failed group it was cancelled on held no record of it).
+    long = {"prompt": "deleted during", "num_frames": 5, "seed": 4, "num_inference_steps": 200}
+    deleted = requests.post(f"{server}/v1/videos", json=long, timeout=60).json()["id"]
+    assert requests.delete(f"{server}/v1/videos/{deleted}", timeout=60).status_code == 200
     healed = None
     while time.monotonic() - killed_at < 240:
         # A request that arrives while the group is rebuilt waits for it.
@@ -393,6 +398,9 @@ def test_a_killed_rank_fails_its_request_with_503_and_the_group_heals(server):
     )
     assert video["status"] == "completed", video
     pool_after = requests.get(f"{server}/v1/pool", timeout=60).json()
+    # Both waited for the same rebuild; had the deleted one (200 steps) been handed over, it would
+    # still run now that the other (4 steps) is done.
+    assert deleted not in pool_after["requests"], pool_after["requests"]
     assert victim not in [r["pid"] for r in pool_after["ranks"]] and len(pool_after["ranks"]) == 2
     message = response.json()["error"]["message"]
     print(

@@ -124,7 +124,10 @@ def test_json_bodies_sync_and_the_handle(server, reference_pipe):
     handle = serve.get_app_handle("ray_hsdp")
     out = handle.generate_video.remote({"prompt": "waves", "num_frames": 5, "num_inference_steps": 2, "seed": 3})
     out = out.result(timeout_s=300)
-    assert out["video"]["status"] == "completed" and out["mp4"] == sync.content  # same seed, same bytes
+    assert out["video"]["status"] == "completed"
+    # The same seed, the same video: frames equal to float rounding (parity is <= 1e-5, so a value at a
+    # rounding edge may land on either side; the bytes of two MP4s then differ after it).
+    assert mae(decode_mp4(out["mp4"])[0], decode_mp4(sync.content)[0]) <= SAME_MP4_MAE
 
 
 def test_deleting_a_running_job_stops_it_and_the_group_keeps_serving(server, reference_pipe):
@@ -300,7 +303,7 @@ def test_a_job_whose_replica_stops_reporting_reads_failed_and_stays_failed():
     assert failed["progress"] == 30 and failed["completed_at"] is not None
     # Its replica comes back to life too late: the job stays failed, nothing is stored.
     assert table.update(video["id"], "a", progress=60) is False
-    assert table.complete(video["id"], b"mp4", b"png") is False
+    assert table.complete(video["id"], b"mp4", b"png", "a") is False
     assert table.get(video["id"])["status"] == "failed" and table.content(video["id"], "video") == (
         "not_ready",
         "failed",
@@ -315,7 +318,7 @@ def test_the_job_table_moves_only_forward():
     table = JobTable(max_jobs=4, max_bytes=2**20, ttl_s=60, stale_after_s=60)
     _, video = table.create({"prompt": "p"}, "a")
     assert table.update(video["id"], "a", running=True) and table.get(video["id"])["status"] == "in_progress"
-    assert table.complete(video["id"], b"mp4", b"png") and table.get(video["id"])["progress"] == 100
+    assert table.complete(video["id"], b"mp4", b"png", "a") and table.get(video["id"])["progress"] == 100
     assert table.fail(video["id"], "late", "too late") is False and table.get(video["id"])["status"] == "completed"
     assert all(not TRANSITIONS[state] for state in ("completed", "failed"))
 
@@ -342,9 +345,19 @@ def test_a_job_waiting_on_a_busy_group_moves_once_to_a_group_with_a_free_lane():
     assert table.take_waiting("b", waited_s=0.01) is None  # the running job and b's own stay
     assert table.take_waiting("c", waited_s=0.01) == (own["id"], ("spec own", 16, True))
     assert "_spec" not in moved and "_owner" not in moved
+    # The first replica's copy of the moved job ran to the end anyway: its video is not the job's.
+    assert table.complete(waiting["id"], b"a's mp4", b"png", "a") is False
+    assert table.complete(waiting["id"], b"b's mp4", b"png", "b") and table.content(waiting["id"], "video") == (
+        "ok",
+        b"b's mp4",
+    )
     # c's group filled up meanwhile: the job goes to the next asker at once, its first replica included.
     table.release(own["id"], "c")
     assert table.update(own["id"], "b") is False
+    # Owned by none, nobody reports for it: the sweep must not fail it while it waits for a taker.
+    table.stale_after_s = 0.01
+    time.sleep(0.05)
+    assert table.get(own["id"])["status"] == "queued"
     assert table.take_waiting("b", waited_s=60) == (own["id"], ("spec own", 16, True))
 
 
