@@ -156,8 +156,8 @@ def app_config(folder: str, shape: Shape, device: str = "cpu", dtype: str = "aut
 
 
 def mixes_for(shape: Shape, config) -> list[Mix]:
-    """The shape's mixes: the common ones with its cache settings, less those naming an adapter the
-    group does not switch, plus the large ones."""
+    """The shape's mixes: the common ones with its cache settings (without the adapters the group
+    does not switch), plus the large ones."""
     switched = set(config.lora_sources(fused=False))
     # A fused adapter's defaults apply to every request of the group.
     fused_defaults = ("adapter defaults",) if set(config.fuse_loras) & set(config.lora_defaults) else ()
@@ -166,10 +166,14 @@ def mixes_for(shape: Shape, config) -> list[Mix]:
         body = dict(mix.body)
         if mix.name == "all":
             body["cache"] = shape.cache_settings
+        choices = mix.choices
         named = {part.split(":")[0] for part in str(body.get("lora", "")).split(",") if part}
-        if named - switched:
-            continue
-        out.append(Mix(mix.name, body, tuple(dict.fromkeys(mix.choices + fused_defaults))))
+        if named - switched:  # the group refuses switched adapters (compile, fp8): the rest of the mix runs
+            body.pop("lora")
+            choices = tuple(c for c in choices if c not in ("adapter", "several adapters", "adapter defaults"))
+            if not choices:
+                continue
+        out.append(Mix(mix.name, body, tuple(dict.fromkeys(choices + fused_defaults))))
     if shape.large:
         out += [
             Mix(f"{m.name} {shape.large}", {**m.body, "size": shape.large, "num_frames": 1, "num_inference_steps": 2},

@@ -346,8 +346,9 @@ class GroupConfig(BaseModel):
     queue_timeout_s: float = Field(
         1800.0,
         gt=0,
-        description="Longest a request waits before a rank takes it: in the group's queue, or for a failed group's "
-        "rebuild (HTTP 504 past it). Long enough for a full queue of long videos ahead of it.",
+        description="Longest a request waits before a rank takes it, counted from its arrival: for a failed group's "
+        "rebuild, in the group's queue and on another group that retries or takes it over, all together (HTTP 504 "
+        "past it). Long enough for a full queue of long videos ahead of it.",
     )
     allow_pickle: bool = Field(False, description="Also load pickle (.bin) checkpoints; only safetensors otherwise.")
     loras: dict[str, str | dict[str, str]] = Field(

@@ -81,7 +81,16 @@ def _gray_png(width: int, height: int) -> bytes:
 
 
 class GroupFailedError(RuntimeError):
-    """The group can no longer run requests (a rank died, missed its deadline, or the group shut down)."""
+    """The group can no longer run requests (a rank died, missed its deadline, or the group shut down).
+
+    Attributes:
+        ran: Whether a rank had taken the request it fails: a retry elsewhere of one that had not
+            goes on waiting against its arrival's ``queue_deadline``; one that had ran its wait.
+    """
+
+    def __init__(self, message: str, ran: bool = True):
+        super().__init__(message)
+        self.ran = ran
 
 
 class GroupOverloadedError(RuntimeError):
@@ -141,6 +150,7 @@ class _Job:
     request: GenerationRequest
     future: Future
     enqueued: float
+    deadline: float  # time.time() by which a lane must take it (its queue_deadline)
     ticket: int = -1  # given when a lane takes it: the same on all the lane's ranks
     taken: float | None = None  # when a lane took it
     lane: int | None = None
@@ -411,7 +421,8 @@ class ShardGroup:
                     f"the shard group's queue is full: {running} requests running, {len(self._pending)} waiting "
                     f"(max_queue={self.config.max_queue}); retry later"
                 )
-            job = _Job(request, future, time.monotonic())
+            deadline = request.queue_deadline or time.time() + self.config.queue_timeout_s
+            job = _Job(request, future, time.monotonic(), deadline)
             self._pending.append(job)
             self._wake = True
             self._cond.notify_all()
@@ -586,21 +597,23 @@ class ShardGroup:
             self._fail(f"shard group failed: its scheduler crashed: {type(err).__name__}: {err}")
 
     def _until_queue_timeout(self) -> float | None:
-        """Seconds until the oldest queued request's ``queue_timeout_s`` ends (lock held)."""
+        """Seconds until the first queued request's deadline passes (lock held)."""
         if not self._pending:
             return None
-        return max(0.0, self._pending[0].enqueued + self.config.queue_timeout_s - time.monotonic())
+        return max(0.0, min(job.deadline for job in self._pending) - time.time())
 
     def _expire_queued(self) -> None:
-        """Answers the queued requests no lane took within ``queue_timeout_s`` (504)."""
-        now = time.monotonic()
+        """Answers the queued requests no lane took by their deadline (504): ``queue_timeout_s``
+        from their arrival, however long of it they spent waiting elsewhere first."""
+        now = time.time()
         with self._cond:
-            expired = [j for j in self._pending if now - j.enqueued >= self.config.queue_timeout_s]
+            expired = [j for j in self._pending if now >= j.deadline]
             self._pending = [j for j in self._pending if j not in expired]
         for job in expired:
+            waited = time.monotonic() - job.enqueued
             error = QueueTimeoutError(
-                f"request {job.request.request_id!r} waited {now - job.enqueued:.0f}s in the queue, and no rank took "
-                f"it within queue_timeout_s={self.config.queue_timeout_s:g}"
+                f"request {job.request.request_id!r} waited {waited:.0f}s in this group's queue, and no rank took "
+                f"it by its deadline (queue_timeout_s={self.config.queue_timeout_s:g} from its arrival)"
             )
             _resolve(job.future, error=error)
 
@@ -661,12 +674,13 @@ class ShardGroup:
         with self._cond:
             first = self._failure is None
             self._failure = self._failure or reason
+            queued = {id(j) for j in self._pending}
             jobs = [*self._pending, *(j for _, j in self._inflight.values()), *([also] if also else [])]
             self._pending, self._inflight = [], {}
             self._sessions, self._sessions_done = None, set()
             self._cond.notify_all()
         for job in jobs:
-            _resolve(job.future, error=GroupFailedError(self._failure))
+            _resolve(job.future, error=GroupFailedError(self._failure, ran=id(job) not in queued))
         if first:
             logger.error("Shard group failed: %s", self._failure)
             self._kill_ranks()

@@ -77,6 +77,10 @@ class GenerationRequest:
             ``flow_shift``, a flow-match scheduler's ``shift``; distilled LoRAs ask for their own);
             ``None``: the pipeline's.
         cache: The request's step cache; ``None``: every step computed in full.
+        queue_deadline: When (``time.time()``) a rank must have taken the request, set once where
+            it arrived (the server: arrival plus ``queue_timeout_s``) and kept through a rebuild's
+            wait, the queue, a retry on another group and a takeover; ``None``: the group that
+            queues it sets its own (``queue_timeout_s`` from then).
     """
 
     prompt: str
@@ -96,6 +100,7 @@ class GenerationRequest:
     lora: tuple[tuple[str, float], ...] = ()
     flow_shift: float | None = None
     cache: StepCache | None = None
+    queue_deadline: float | None = None
 
     def first_frame(self):
         """The image of an image-to-video request as the pipeline takes it (an RGB PIL image)."""

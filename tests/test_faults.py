@@ -105,12 +105,15 @@ def test_killing_a_rank_answers_every_request_at_once(ray_cluster, tiny_model, r
         names = [f"busy{i}" for i in range(3)]  # one per rank: least loaded first
         futures = [group.submit(long_request(n, i)) for i, n in enumerate(names)]
         placed = wait_running(group, names)
+        waiting = group.submit(long_request("queued", 3))  # no rank free: it waits in the queue
         holder = next(n for n, rank in placed.items() if rank == victim)
         killed_at = time.monotonic()
         os.kill(group.placement[victim]["pid"], signal.SIGKILL)
-        for future in futures:
-            with pytest.raises(GroupFailedError, match=f"rank {victim} died"):
+        for future in [*futures, waiting]:
+            with pytest.raises(GroupFailedError, match=f"rank {victim} died") as failed:
                 future.result(timeout=ANSWER_WITHIN_S)
+            # A retry elsewhere of the one that never ran goes on counting from its arrival.
+            assert failed.value.ran is (future is not waiting)
         answered_s = time.monotonic() - killed_at
         assert answered_s < ANSWER_WITHIN_S
         # Every caller that notices the failure gets the same rebuild.

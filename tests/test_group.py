@@ -151,3 +151,27 @@ def test_a_cancelled_request_stops_at_its_next_step_without_decoding(batch_group
     assert len(record["steps"]) <= step + 2  # it stopped within two steps of the cancel
     assert max_abs_diff(result.frames, reference_frames(reference_pipe, beside)) <= TOL
     assert not batch_group.cancel("cancel-me")  # gone
+
+
+def test_a_queued_request_keeps_the_deadline_it_arrived_with(batch_group):
+    """Issue 37: one deadline from arrival. A request that already waited elsewhere (a rebuild, a
+    queue on another group) comes with its ``queue_deadline``; this group's queue ends its wait
+    there, not ``queue_timeout_s`` (30 minutes) after it was queued here. (A retry elsewhere of a
+    request that never ran keeps it: test_faults' killed rank.)"""
+    import time
+
+    from ray_hsdp.group import QueueTimeoutError
+
+    running = [
+        batch_group.submit(request(f"busy {i}", i, num_inference_steps=200, request_id=f"busy-{i}")) for i in range(4)
+    ]
+    wait_until(lambda: sum(p["state"] == "running" for p in batch_group.progress().values()) == 4, 60, "4 running")
+    late = request("late", 9, request_id="late", queue_deadline=time.time() + 1.0)
+    queued_at = time.monotonic()
+    with pytest.raises(QueueTimeoutError, match="by its deadline .queue_timeout_s=1800 from its arrival"):
+        batch_group.submit(late).result(timeout=30)
+    assert time.monotonic() - queued_at < 10
+    for i, future in enumerate(running):
+        batch_group.cancel(f"busy-{i}")
+        with pytest.raises(Exception):  # noqa: B017 - cancelled, whichever step it was at
+            future.result(timeout=60)

@@ -7,6 +7,7 @@ import hmac
 import logging
 import os
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import NamedTuple
@@ -25,6 +26,7 @@ from ray_hsdp.group import (
     GroupFailedError,
     GroupOverloadedError,
     GroupUnplaceableError,
+    QueueTimeoutError,
     ShardGroup,
     UnsplittableRequestError,
     remote_cause,
@@ -336,16 +338,20 @@ class HSDPServer:
 
     async def _submit(self, job: GenerationRequest):
         """Hands ``job`` to the group; a group being rebuilt is waited for, as a queued request
-        waits, up to ``queue_timeout_s``.
+        waits, until the job's ``queue_deadline`` (what is left of it is the group queue's).
 
         Returns:
             The group's future of the result.
         """
-        wait_s = self.config.queue_timeout_s
+        deadline = job.queue_deadline or time.time() + self.config.queue_timeout_s
+        wait_s = max(0.0, deadline - time.time())
         try:
             group = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self.keeper.current())), wait_s)
         except asyncio.TimeoutError:
-            raise GroupFailedError(f"the shard group was still being rebuilt after {wait_s:g}s") from None
+            raise QueueTimeoutError(
+                "the shard group was still being rebuilt at the request's deadline "
+                f"(queue_timeout_s={self.config.queue_timeout_s:g} from its arrival)"
+            ) from None
         if job.request_id in self._cancelled:
             # Cancelled while it waited for the rebuild (the failed group held no record of it).
             raise RequestCancelledError(f"request {job.request_id!r} was cancelled before its group took it")
@@ -381,6 +387,8 @@ class HSDPServer:
 
     async def _retry_elsewhere(self, job: GenerationRequest, error: GroupFailedError) -> GenerationResult:
         logger.warning("Retrying a seeded request on another shard group after: %s", error)
+        if error.ran:  # it had waited its turn: the retry gets a wait of its own
+            job = dataclasses.replace(job, queue_deadline=time.time() + self.config.queue_timeout_s)
         context = serve.get_replica_context()
         handle = serve.get_deployment_handle(context.deployment, context.app_name)
         try:
@@ -509,6 +517,8 @@ class HSDPServer:
             raise GroupFailedError("this shard group is being removed too; it cannot take the job over")
         if not await self.jobs.update.remote(video_id, self._replica, retried=True):
             return False  # deleted or expired meanwhile: nothing to take over
+        # It ran on the removed group: here it gets a wait of its own.
+        job = dataclasses.replace(job, queue_deadline=time.time() + self.config.queue_timeout_s)
         self._start_video(video_id, job, fps, seeded=True)
         return True
 

@@ -248,6 +248,7 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
         timeout_s=float(body.timeout_s) if body.timeout_s is not None else None,
         lora=lora,
         cache=cache,
+        queue_deadline=time.time() + config.queue_timeout_s,  # one deadline from arrival, wherever it waits
     )
 
 
