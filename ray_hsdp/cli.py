@@ -34,6 +34,7 @@ def memory_table(ranks: list[dict], component: str = "transformer") -> str:
             "share",
             "sharded local (all)",
             "replicated",
+            "kept whole",
             "buffers",
             "peak last request",
         ),
@@ -53,6 +54,7 @@ def memory_table(ranks: list[dict], component: str = "transformer") -> str:
                 f"{share:.1%}",
                 _format_bytes(total["sharded_local"]),
                 _format_bytes(total["replicated"]),
+                _format_bytes(total.get("kept_whole", 0)),
                 _format_bytes(total["buffers"]),
                 _format_bytes(r["last_request_peak_device_bytes"]) if r["device"] == "cuda" else "n/a (cpu)",
             )

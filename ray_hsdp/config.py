@@ -611,7 +611,8 @@ class AppConfig(GroupConfig):
         600.0,
         ge=0,
         description="A group Serve removes (downscale, redeploy) first finishes its video jobs for this long; then "
-        "a seeded job is handed to another group, any other job fails with the reason.",
+        "each is handed to another group (its seed makes the same video there); one that none takes fails with the "
+        "reason.",
     )
     lora_defaults: dict[str, LoraDefaults] = Field(
         default_factory=dict,

@@ -27,7 +27,7 @@ from ray_hsdp.config import GroupConfig
 from ray_hsdp.pairs import refuse_request
 from ray_hsdp.phases import Phases
 from ray_hsdp.rank import CONCURRENCY_GROUPS, Rank
-from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
+from ray_hsdp.request import GenerationRequest, GenerationResult, InvalidRequestError, RequestCancelledError
 from ray_hsdp.runtime import SessionFailedError
 from ray_hsdp.topology import PLACEMENT_STRATEGY, ParallelDims
 
@@ -134,7 +134,7 @@ def check_placeable(bundles: list[dict[str, float]]) -> None:
     )
 
 
-class UnsplittableRequestError(ValueError):
+class UnsplittableRequestError(InvalidRequestError):
     """The request's tokens cannot be split evenly over its lane (HTTP 400)."""
 
 
@@ -468,10 +468,10 @@ class ShardGroup:
 
         Raises:
             UnsplittableRequestError: With the token count, the degree and what to change.
-            ValueError: The others, each naming the field and what to send instead.
+            InvalidRequestError: The others, each naming the field and what to send instead.
         """
         if len(request.lora) > self.config.max_loras_per_request:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"{len(request.lora)} adapters in one request; max_loras_per_request="
                 f"{self.config.max_loras_per_request}"
             )
@@ -480,10 +480,11 @@ class ShardGroup:
         if unknown:
             switched = sorted(self.config.lora_sources(fused=False))
             known = ", ".join(switched) or "none (the deployment registers no loras)"
-            raise ValueError(f"unknown lora {', '.join(map(repr, unknown))}; this deployment's adapters: {known}")
+            names = ", ".join(map(repr, unknown))
+            raise InvalidRequestError(f"unknown lora {names}; this deployment's adapters: {known}")
         wants_image = bool(self.pipeline_facts.get("image_input"))
         if wants_image and request.image is None:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"{self.config.served_model_name} makes a video from an image: send the first frame (input_reference)"
             )
         sequence = self.pipeline_facts.get("sequence")

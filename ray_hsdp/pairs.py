@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ray_hsdp.request import InvalidRequestError
+
 
 @dataclass(frozen=True)
 class Refusal:
@@ -189,11 +191,11 @@ def refuse_request(config, facts: dict[str, Any], request) -> None:
     ``facts`` (its pipeline's) holds.
 
     Raises:
-        ValueError: Its message names both, why, and what to do instead (an HTTP 400).
+        InvalidRequestError: Its message names both, why, and what to do instead (an HTTP 400).
     """
     for row in REFUSALS:
         if row.scope == "request" and row.refuses(config, facts, request):
-            raise ValueError(row.message)
+            raise InvalidRequestError(row.message)
 
 
 def markdown() -> str:

@@ -10,6 +10,12 @@ import numpy as np
 DEFAULT_GUIDANCE_SCALE = 5.0
 
 
+class InvalidRequestError(ValueError):
+    """A request refused for what it asks (HTTP 400): a field out of range, a pair of the table of
+    refusals, an input the model does not take. Other errors, ``ValueError`` included, are ours
+    (HTTP 500)."""
+
+
 class RequestCancelledError(RuntimeError):
     """The request was cancelled (its video job deleted, or its client gone): it stopped at the end
     of a denoising step, before its decode. A missed deadline is a ``TimeoutError`` instead."""

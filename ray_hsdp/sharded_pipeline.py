@@ -28,7 +28,13 @@ from ray_hsdp.loading import (
 )
 from ray_hsdp.memory import module_memory, peak_device_bytes, unit_memory
 from ray_hsdp.phases import Phases
-from ray_hsdp.request import GenerationRequest, GenerationResult, LaneCollectiveError, RequestCancelledError
+from ray_hsdp.request import (
+    GenerationRequest,
+    GenerationResult,
+    InvalidRequestError,
+    LaneCollectiveError,
+    RequestCancelledError,
+)
 from ray_hsdp.sharding import compile_units, resolve_plan, shard_module
 from ray_hsdp.sharding.context_parallel import attention_backend_for, enable_context_parallel
 from ray_hsdp.sharding.fp8 import check_fp8_device, fp8_linears, quantize_fp8
@@ -355,14 +361,14 @@ class ShardedPipeline:
         if "num_frames" in self._call_params:
             kwargs["num_frames"] = request.num_frames
         elif request.num_frames != 1:
-            raise ValueError(f"{type(self.pipe).__name__} makes images; num_frames must be 1")
+            raise InvalidRequestError(f"{type(self.pipe).__name__} makes images; num_frames must be 1")
         per_prompt = next(
             (k for k in ("num_videos_per_prompt", "num_images_per_prompt") if k in self._call_params), None
         )
         if per_prompt:
             kwargs[per_prompt] = request.n
         elif request.n != 1:
-            raise ValueError(f"{type(self.pipe).__name__} makes one output per prompt; n must be 1")
+            raise InvalidRequestError(f"{type(self.pipe).__name__} makes one output per prompt; n must be 1")
         return {k: v for k, v in kwargs.items() if k in self._call_params}
 
     def set_request_slots(self, slots: int, shared: tuple[str, ...]) -> None:
@@ -530,6 +536,10 @@ class ShardedPipeline:
         total["replicated"] += self.slot_copy_bytes  # the other request slots' own VAE, tokenizers...
         # In-place gathers hold their buffers at all times (FSDP2 allocates per forward: 0 here).
         total["gather_buffers"] = sum(s.buffer_bytes for s in self.shardings.values())
+        # Units kept gathered: whole weights in buffers of their own, which the modules hold as plain
+        # tensors (counted once, here, not also as replicated).
+        total["kept_whole"] = sum(s.kept_bytes for s in self.shardings.values())
+        total["replicated"] -= total["kept_whole"]
         out = {
             "components": per_component,
             "total": total,

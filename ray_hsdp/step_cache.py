@@ -74,6 +74,11 @@ def _hooks(module: nn.Module) -> list:
     return found
 
 
+#: The context of a forward without a cache: its state lives for that forward only (the tick thread
+#: runs one forward at a time).
+UNCACHED = "uncached"
+
+
 class StepCaches:
     """The step-cache hooks of a rank's sharded modules, set per request at each forward.
 
@@ -119,19 +124,29 @@ class StepCaches:
             return
         settings = request.cache if request is not None else None
         name, kwargs = context or ("default", {})
+        self._configure(hooks, settings)
+        if settings is None:
+            # The hooks still run (they are on the module) and need a context; without a cache every
+            # step computes in full, so what they keep is dropped after the forward, not kept until
+            # the request ends.
+            try:
+                with module.cache_context(UNCACHED, **kwargs):
+                    yield
+            finally:
+                for manager in self._managers[id(module)]:
+                    manager._state_cache.pop(UNCACHED, None)
+            return
         key = id(request)
         context_name = f"{key}/{name}"
-        self._configure(hooks, settings)
         with self._lock:
             self._contexts.setdefault(key, set()).add((id(module), context_name))
         with module.cache_context(context_name, **kwargs):
             yield
-            reused = settings is not None and self._reused(hooks)
-        if settings is not None:
-            with self._lock:
-                self.forwards += 1
-                self.reused += reused
-                self._reused_by[key] = self._reused_by.get(key, 0) + reused
+            reused = self._reused(hooks)
+        with self._lock:
+            self.forwards += 1
+            self.reused += reused
+            self._reused_by[key] = self._reused_by.get(key, 0) + reused
 
     def release(self, request) -> int | None:
         """Drops the cache state of ``request`` once it ended (on its own thread: none of its

@@ -175,3 +175,21 @@ def test_a_queued_request_keeps_the_deadline_it_arrived_with(batch_group):
         batch_group.cancel(f"busy-{i}")
         with pytest.raises(Exception):  # noqa: B017 - cancelled, whichever step it was at
             future.result(timeout=60)
+
+
+def test_units_kept_gathered_are_counted_once(ray_cluster, tiny_model):
+    """Issue 37: with in-place gathers, a kept unit's whole weights were counted as replicated
+    parameters and again as gather buffers. Now they are ``kept_whole`` alone: the replicated bytes
+    are those of a group that keeps nothing, and the kept bytes are the transformer's full size."""
+    totals = {}
+    for keep in (0.0, 1.0):
+        config = GroupConfig(model=tiny_model, device="cpu", shard_size=2, gather="in_place", keep_gathered=keep)
+        with ShardGroup(config) as group:
+            (rank0, _) = group.memory()
+        totals[keep] = rank0
+    plain, kept = totals[0.0], totals[1.0]
+    assert kept["total"]["replicated"] == plain["total"]["replicated"]
+    assert kept["total"]["kept_whole"] == plain["components"]["transformer"]["sharded_full"] > 0
+    assert plain["total"]["kept_whole"] == 0
+    # Every unit and the root are kept: the transformer gathers nothing per forward.
+    assert kept["total"]["gather_buffers"] < plain["total"]["gather_buffers"]

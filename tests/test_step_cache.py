@@ -165,3 +165,36 @@ def test_requests_choose_their_cache_and_bad_ones_are_refused():
     assert optional.resolve(None) is None and optional.resolve("on") == StepCache("first_block")
     with pytest.raises(ValueError, match=r"a step cache \(cache.kind\) with shard_size 1"):
         GroupConfig(model="tiny", shard_size=1, cache={"kind": "first_block"})
+
+
+@pytest.mark.parametrize("kind", sorted(SCHEDULES))
+def test_a_request_without_a_cache_keeps_no_cache_state(kind, tiny_model):
+    """Issue 37: on a group with a cache kind, a request without a cache used to keep the hooks'
+    state (First Block Cache: head output and residuals of cond and uncond, GBs for a video) until it
+    ended. Now its forwards leave nothing behind; a cached request's state lives until it ends."""
+    from diffusers import WanTransformer3DModel
+
+    from ray_hsdp import step_cache
+
+    model = WanTransformer3DModel.from_pretrained(f"{tiny_model}/transformer").eval()
+    assert step_cache.enable(model, kind)
+    caches = step_cache.StepCaches([model])
+    managers = caches._managers[id(model)]
+    generator = torch.Generator().manual_seed(0)
+    inputs = {
+        "hidden_states": torch.randn(1, 16, 2, 8, 8, generator=generator),
+        "encoder_hidden_states": torch.randn(1, 8, 32, generator=generator),
+        "return_dict": False,
+    }
+    plain = GenerationRequest(prompt="plain")
+    cached = GenerationRequest(prompt="cached", cache=SCHEDULES[kind])
+    with torch.no_grad():
+        for step, context in enumerate(["cond", "uncond"] * 2):
+            with caches.forward(model, plain, (context, {})):
+                model(timestep=torch.tensor([900 - 100 * step]), **inputs)
+            assert not any(m._state_cache for m in managers), step
+        with caches.forward(model, cached, ("cond", {})):
+            model(timestep=torch.tensor([900]), **inputs)
+    assert any(m._state_cache for m in managers)
+    assert caches.release(plain) is None and caches.release(cached) == 0
+    assert not any(m._state_cache for m in managers)

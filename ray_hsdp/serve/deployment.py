@@ -31,7 +31,7 @@ from ray_hsdp.group import (
     UnsplittableRequestError,
     remote_cause,
 )
-from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
+from ray_hsdp.request import GenerationRequest, GenerationResult, InvalidRequestError, RequestCancelledError
 from ray_hsdp.serve.jobs import DECODED, DENOISED
 from ray_hsdp.serve.keeper import GroupKeeper
 from ray_hsdp.serve.media import encode_mp4, encode_png
@@ -105,19 +105,36 @@ ERRORS: list[tuple[type[BaseException], int, str, str | None, bool]] = [
     (GroupFailedError, 503, "server_error", None, True),
     (GroupUnplaceableError, 503, "server_error", None, False),
     (TimeoutError, 504, "server_error", None, False),  # deadline or queue_timeout_s missed
-    (ValueError, 400, "invalid_request_error", None, False),  # the pipeline refused the input
+    (InvalidRequestError, 400, "invalid_request_error", None, False),  # the group or the pipeline refused it
+    (ValidationError, 400, "invalid_request_error", None, False),  # a body the schema refused (handle, form)
 ]
+#: A failed video job's error code, by the status its error would answer with.
+JOB_ERROR_CODES = {400: "invalid_request", 413: "invalid_request", 409: "cancelled", 429: "overloaded",
+                   503: "group_failed", 504: "timeout"}  # fmt: skip
+
+
+def _error_row(exc: BaseException) -> tuple[type[BaseException], int, str, str | None, bool] | None:
+    """The row of ``ERRORS`` that answers ``exc`` (its remote cause), or None: a 500."""
+    exc = remote_cause(exc)
+    return next((row for row in ERRORS if isinstance(exc, row[0])), None)
+
+
+def job_error_code(exc: BaseException) -> str:
+    """The ``error.code`` of a video job that ``exc`` failed (by the one error table)."""
+    row = _error_row(exc)
+    return JOB_ERROR_CODES.get(row[1], "internal_error") if row else "internal_error"
 
 
 def error_response(exc: BaseException, retry_after_s: int) -> JSONResponse:
     """The JSON error answer of ``exc`` by ``ERRORS``; the message keeps its cause."""
     exc = remote_cause(exc)
-    for cls, status, kind, param, retry in ERRORS:
-        if isinstance(exc, cls):
-            response = _error(status, str(exc), kind, param)
-            if retry:
-                response.headers["Retry-After"] = str(retry_after_s)
-            return response
+    row = _error_row(exc)
+    if row is not None:
+        _, status, kind, param, retry = row
+        response = _error(status, str(exc), kind, param)
+        if retry:
+            response.headers["Retry-After"] = str(retry_after_s)
+        return response
     logger.error("Unexpected error answered with 500: %s: %s", type(exc).__name__, exc)
     return _error(500, f"{type(exc).__name__}: {exc}", "server_error")
 
@@ -256,7 +273,6 @@ class _VideoRun(NamedTuple):
     task: asyncio.Task
     job: GenerationRequest
     fps: int
-    seeded: bool
 
 
 @serve.deployment
@@ -282,7 +298,7 @@ class HSDPServer:
         self._replica = serve.get_replica_context().replica_id.unique_id
         self.metrics = ReplicaMetrics(self.model_name)
         self.jobs = jobs
-        #: Video id -> the job this replica runs (a drain hands the seeded ones over).
+        #: Video id -> the job this replica runs (a drain hands them over).
         self._videos: dict[str, _VideoRun] = {}
         #: Ids this replica cancelled lately (ids are unique: a bounded memory is enough).
         self._cancelled: collections.deque[str] = collections.deque(maxlen=4096)
@@ -368,10 +384,11 @@ class HSDPServer:
         except Exception as err:  # noqa: BLE001 - a failed group answers the request itself
             logger.warning("Cancelling %s failed: %s", request_id, err)
 
-    async def _result(self, job: GenerationRequest, seeded: bool, future=None) -> tuple[GenerationResult, str | None]:
+    async def _result(self, job: GenerationRequest, future=None) -> tuple[GenerationResult, str | None]:
         """The result of ``job`` (awaiting ``future``, or submitting it), and the failure it was
-        retried after, if any: a seeded job whose group fails under it is retried once on another
-        replica's group (the same seed gives the same output). A caller that goes away (its HTTP
+        retried after, if any: a job whose group fails under it is retried once on another replica's
+        group (every request has a seed, drawn on arrival if the client sent none: the same seed
+        gives the same output). A caller that goes away (its HTTP
         client disconnects) cancels it."""
         try:
             if future is None:
@@ -381,12 +398,12 @@ class HSDPServer:
             self._cancel(job.request_id)
             raise
         except GroupFailedError as err:
-            if not seeded or serve.get_replica_context().world_size < 2:
+            if serve.get_replica_context().world_size < 2:
                 raise
             return await self._retry_elsewhere(job, err), str(err)
 
     async def _retry_elsewhere(self, job: GenerationRequest, error: GroupFailedError) -> GenerationResult:
-        logger.warning("Retrying a seeded request on another shard group after: %s", error)
+        logger.warning("Retrying a request on another shard group after: %s", error)
         if error.ran:  # it had waited its turn: the retry gets a wait of its own
             job = dataclasses.replace(job, queue_deadline=time.time() + self.config.queue_timeout_s)
         context = serve.get_replica_context()
@@ -421,7 +438,7 @@ class HSDPServer:
     async def generate(self, request: dict | ImageGenerationRequest) -> dict:
         """Generates images for one request (the handle's entry point; HTTP uses the same path).
 
-        A request with a seed whose shard group fails under it is retried once on another
+        A request whose shard group fails under it is retried once on another
         replica's group; the response then says ``"retried": true`` and carries the first failure
         in ``first_error``.
 
@@ -440,7 +457,7 @@ class HSDPServer:
             )
         job = to_generation_request(body, self.config, request_id=uuid.uuid4().hex)
         self.group.check(job)
-        result, first_error = await self._result(job, seeded=body.seed is not None)
+        result, first_error = await self._result(job)
         response = {
             **image_response(result, self.model_name),
             "id": job.request_id,
@@ -448,6 +465,8 @@ class HSDPServer:
             # What ran: the request's defaults may come from the app or from an adapter (lora_defaults).
             "num_inference_steps": job.num_inference_steps,
             "guidance_scale": job.guidance_scale,
+            # None: the low-noise expert ran at guidance_scale (or the model has one expert).
+            "guidance_scale_2": job.guidance_scale_2,
             "flow_shift": job.flow_shift,
         }
         return {**response, "first_error": first_error} if first_error else response
@@ -479,10 +498,10 @@ class HSDPServer:
             "seed": job.seed,
             "num_inference_steps": job.num_inference_steps,
             "guidance_scale": job.guidance_scale,
+            "guidance_scale_2": job.guidance_scale_2,
             "flow_shift": job.flow_shift,
         }
-        seeded = body.seed is not None
-        spec = (job, fps, seeded) if movable else None
+        spec = (job, fps) if movable else None
         status, created = await self.jobs.create.remote(fields, self._replica, spec)
         if status == "full":
             raise JobTableFullError(created)
@@ -497,18 +516,18 @@ class HSDPServer:
                 raise
             except GroupFailedError:
                 pass  # it failed just now: the job's task waits for the rebuild, or retries elsewhere
-        self._start_video(created["id"], job, fps, seeded, future)
+        self._start_video(created["id"], job, fps, future)
         return created
 
-    def _start_video(self, video_id: str, job: GenerationRequest, fps: int, seeded: bool, future=None) -> None:
+    def _start_video(self, video_id: str, job: GenerationRequest, fps: int, future=None) -> None:
         """Runs a video job in the background on this replica's group, to its MP4 in the table."""
-        task = asyncio.create_task(self._run_video(video_id, job, fps, seeded, future))
-        self._videos[video_id] = _VideoRun(task, job, fps, seeded)
+        task = asyncio.create_task(self._run_video(video_id, job, fps, future))
+        self._videos[video_id] = _VideoRun(task, job, fps)
         task.add_done_callback(lambda _: self._videos.pop(video_id, None))
 
     async def adopt_video(self, video_id: str, job: GenerationRequest, fps: int, avoid_replica: str) -> bool:
-        """Takes over a seeded video job from a replica being removed (its drain timed out): the
-        same seed makes the same video here. Returns once the job runs here (False: the job is gone).
+        """Takes over a video job from a replica being removed (its drain timed out): its seed
+        makes the same video here. Returns once the job runs here (False: the job is gone).
 
         Raises:
             GroupFailedError: This is the replica to avoid, or it is being removed too.
@@ -519,7 +538,7 @@ class HSDPServer:
             return False  # deleted or expired meanwhile: nothing to take over
         # It ran on the removed group: here it gets a wait of its own.
         job = dataclasses.replace(job, queue_deadline=time.time() + self.config.queue_timeout_s)
-        self._start_video(video_id, job, fps, seeded=True)
+        self._start_video(video_id, job, fps)
         return True
 
     async def _take_waiting_jobs(self, waited_s: float) -> None:
@@ -541,7 +560,7 @@ class HSDPServer:
                     break
                 if taken is None:
                     break
-                video_id, (job, fps, seeded) = taken
+                video_id, (job, fps) = taken
                 if video_id in self._videos:
                     continue  # released back to its first replica before it had stopped its copy: it runs on
                 job = dataclasses.replace(job, request_id=video_id)
@@ -552,7 +571,7 @@ class HSDPServer:
                     await self.jobs.release.remote(video_id, self._replica)
                     break
                 logger.info("Took over video job %s, which waited queued on a busy shard group", video_id)
-                self._start_video(video_id, job, fps, seeded, future)
+                self._start_video(video_id, job, fps, future)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """The load Serve's autoscaling policy sizes the pool on (``ray_hsdp.serve.autoscaling``):
@@ -581,12 +600,12 @@ class HSDPServer:
         return load
 
     async def _run_video(
-        self, video_id: str, job: GenerationRequest, fps: int, seeded: bool, future
+        self, video_id: str, job: GenerationRequest, fps: int, future
     ) -> BaseException | None:
         """Runs a job to its MP4 in the table; returns the error that failed it, if any."""
         reporter = asyncio.create_task(self._report_progress(video_id, job.request_id))
         try:
-            result, _ = await self._result(job, seeded, future)
+            result, _ = await self._result(job, future)
             await self.jobs.update.remote(video_id, self._replica, progress=DECODED)
             frames = result.frames[0]
             mp4 = await asyncio.to_thread(encode_mp4, frames, fps)  # off the event loop, far from any tick
@@ -596,9 +615,8 @@ class HSDPServer:
             return err  # deleted: nothing is kept
         except Exception as err:  # noqa: BLE001 - the job says why it failed
             err = remote_cause(err)
-            code = "group_failed" if isinstance(err, GroupFailedError) else type(err).__name__
             logger.warning("Video job %s failed: %s", video_id, err)
-            await self.jobs.fail.remote(video_id, code, str(err), self._replica)
+            await self.jobs.fail.remote(video_id, job_error_code(err), str(err), self._replica)
             return err
         finally:
             reporter.cancel()
@@ -700,8 +718,8 @@ class HSDPServer:
 
     async def __del__(self) -> None:
         """Serve removes this replica (a downscale, a redeploy): its video jobs get
-        ``drain_timeout_s`` to finish; then a seeded job is handed to another replica and any other
-        job fails with the reason. Only then does the group shut down. (Serve has stopped routing
+        ``drain_timeout_s`` to finish; then each is handed to another replica (one that none takes
+        fails with the reason). Only then does the group shut down. (Serve has stopped routing
         requests here and waited for the ongoing ones before it calls this.) When the whole
         application goes, the group shuts down at once."""
         if getattr(self, "_draining", False):  # once: Serve calls it, the garbage collector may again
@@ -724,22 +742,21 @@ class HSDPServer:
             keeper.shutdown()
 
     async def _hand_over(self, video_id: str, task: asyncio.Task) -> None:
-        """A job still running when this replica's drain ends: another replica takes a seeded one
-        over; any other is failed with the reason. Its run here stops either way."""
+        """A job still running when this replica's drain ends: another replica takes it over (its
+        seed makes the same video there), or it fails with the reason. Its run here stops either way."""
         run = self._videos.get(video_id)
         if run is None:  # it ended meanwhile
             return
-        _, job, fps, seeded = run
+        _, job, fps = run
         handed = False
-        reason = "it has no seed, so another group would make a different video"
-        if seeded:
-            # (The replica context's world size already counts this replica out.)
-            context = serve.get_replica_context()
-            handle = serve.get_deployment_handle(context.deployment, context.app_name)
-            try:
-                handed = await handle.adopt_video.remote(video_id, job, fps, self._replica)
-            except Exception as err:  # noqa: BLE001 - the job then fails here with the reason
-                reason = f"no other shard group could take it over ({remote_cause(err)})"
+        reason = "no other shard group took it over"
+        # (The replica context's world size already counts this replica out.)
+        context = serve.get_replica_context()
+        handle = serve.get_deployment_handle(context.deployment, context.app_name)
+        try:
+            handed = await handle.adopt_video.remote(video_id, job, fps, self._replica)
+        except Exception as err:  # noqa: BLE001 - the job then fails here with the reason
+            reason = f"no other shard group could take it over ({remote_cause(err)})"
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         if handed:

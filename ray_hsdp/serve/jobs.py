@@ -20,8 +20,10 @@ from ray import serve
 DENOISED = 90
 DECODED = 95
 
-#: The only moves a job makes. A cancel (deadline, client gone) is ``failed`` with error code
-#: ``cancelled``, as OpenAI's status set has no other; terminal states never change.
+#: The only moves a job makes; terminal states never change. A failed job's error code says why
+#: (``deployment.JOB_ERROR_CODES``: ``timeout``, ``group_failed``, ``drained``, ``replica_lost``,
+#: ``internal_error``, ...); a deleted job is gone (404), and a run another replica took over is
+#: not the job's to fail.
 TRANSITIONS = {
     "queued": {"in_progress", "completed", "failed"},
     "in_progress": {"completed", "failed"},
@@ -116,8 +118,7 @@ class JobTable:
             fields: The video object's fields.
             owner: The replica whose group will run it.
             spec: What another replica needs to run it instead (``take_waiting``): the prepared
-                request, its fps and whether it was seeded; None: it never moves (a caller waits
-                for it on its replica).
+                request and its fps; None: it never moves (a caller waits for it on its replica).
 
         Returns:
             ``("ok", video object)``, or ``("full", why)`` when a limit is reached.

@@ -12,7 +12,7 @@ import numpy as np
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
 
 from ray_hsdp.config import AppConfig, parse_size
-from ray_hsdp.request import GenerationRequest, GenerationResult, fit_image, parse_lora
+from ray_hsdp.request import GenerationRequest, GenerationResult, InvalidRequestError, fit_image, parse_lora
 from ray_hsdp.serve.media import encode_png as png_bytes
 from ray_hsdp.serve.media import frames_for_seconds
 
@@ -93,7 +93,7 @@ class ImageGenerationRequest(BaseModel):
     cache: Cache = Field(None, description=CACHE_DESCRIPTION)
 
 
-class RequestLimitError(ValueError):
+class RequestLimitError(InvalidRequestError):
     """A request exceeds one of the server's configured limits."""
 
 
@@ -208,8 +208,8 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
         raise RequestLimitError(f"size {width}x{height} exceeds the limit of {config.max_pixels} pixels")
     if body.n > config.max_n:
         raise RequestLimitError(f"n={body.n} exceeds the limit max_n={config.max_n}")
-    lora = parse_lora(body.lora)
     try:
+        lora = parse_lora(body.lora)
         cache = config.cache.resolve(body.cache)
     except ValueError as err:
         raise RequestLimitError(str(err)) from None
@@ -230,7 +230,12 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
             f"timeout_s={body.timeout_s} exceeds the limit request_timeout_s={config.request_timeout_s}"
         )
     guidance = body.guidance_scale if body.guidance_scale is not None else defaults["guidance_scale"]
-    guidance_2 = body.guidance_scale_2 if body.guidance_scale_2 is not None else defaults.get("guidance_scale_2")
+    # An omitted guidance_scale_2 follows guidance_scale: an adapter's default for it comes with its
+    # default for guidance_scale, and yields to a request's own guidance_scale.
+    if body.guidance_scale_2 is not None:
+        guidance_2 = body.guidance_scale_2
+    else:
+        guidance_2 = defaults.get("guidance_scale_2") if body.guidance_scale is None else None
     shift = body.flow_shift if body.flow_shift is not None else defaults.get("flow_shift")
     return GenerationRequest(
         prompt=body.prompt,

@@ -46,6 +46,7 @@ class FsdpUnits:
     """
 
     buffer_bytes = 0  # FSDP2 allocates its gathered weights per forward
+    kept_bytes = 0  # kept units hold their unsharded weights as FSDP2's own parameters
 
     def __init__(
         self,

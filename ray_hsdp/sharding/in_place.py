@@ -138,6 +138,7 @@ class InPlaceUnits:
         self.root = _Unit("", root, self._shard(_shardable(root, replicated | in_units)))
         self.root_kept = keep_gathered >= 1
         self._slots: list[torch.Tensor] = []
+        self._kept_weight_bytes = 0
         self._coalesce = False  # set by activate: NCCL coalesces, gloo has no coalesced all-gather
         self._pending: dict[int, list] = {}
         self._index = {id(u.module): i for i, u in enumerate(self.units)}
@@ -168,8 +169,16 @@ class InPlaceUnits:
 
     @property
     def buffer_bytes(self) -> int:
-        """Device bytes of the persistent gather buffers (slots and the root's)."""
-        return sum(b.numel() for b in self._slots)
+        """Device bytes of the gather buffers the units take in turn (slots and the root's) and the
+        padding of the kept units' own; their whole weights are ``kept_bytes``."""
+        return sum(b.numel() for b in self._slots) - self._kept_weight_bytes
+
+    @property
+    def kept_bytes(self) -> int:
+        """Device bytes of the kept units' whole weights (in buffers of their own, held at all
+        times). The modules see them as plain tensors, so a count of parameters takes them for
+        replicated ones."""
+        return self._kept_weight_bytes
 
     def activate(self) -> None:
         """Allocates the gather buffers, gathers the kept units and hooks the forwards; call once
@@ -195,7 +204,9 @@ class InPlaceUnits:
             for param in unit.params:
                 self._place(param, buffers[unit.slot], offset)
                 offset += _aligned(param.receive_bytes(self.world))
-        for unit in self.kept + ([self.root] if self.root_kept else []):
+        kept = self.kept + ([self.root] if self.root_kept else [])
+        self._kept_weight_bytes = sum(p.gathered.numel() * p.gathered.element_size() for u in kept for p in u.params)
+        for unit in kept:
             self._gather_now(unit)
             unit.swap("gathered")
             for param in unit.params:  # the whole weight holds this rank's rows: the shard goes
