@@ -177,7 +177,7 @@ def fit_image(data: bytes, width: int, height: int) -> bytes:
     sharded result and the unsharded pipeline's see the same pixels.
 
     Raises:
-        ValueError: ``data`` is not an image PIL can decode.
+        InvalidRequestError: ``data`` is not an image PIL can decode.
     """
     import io
 
@@ -187,7 +187,7 @@ def fit_image(data: bytes, width: int, height: int) -> bytes:
         with Image.open(io.BytesIO(data)) as opened:
             image = opened.convert("RGB")
     except (UnidentifiedImageError, OSError, SyntaxError) as err:
-        raise ValueError(f"the image could not be decoded ({err})") from None
+        raise InvalidRequestError(f"the image could not be decoded ({err})") from None
     scale = max(width / image.width, height / image.height)
     covered = (max(width, round(image.width * scale)), max(height, round(image.height * scale)))
     if covered != image.size:

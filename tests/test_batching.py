@@ -61,5 +61,7 @@ def test_a_group_batches_same_shape_requests_and_matches_unsharded(ray_cluster, 
         results = [f.result(timeout=240) for f in futures]
         stats = group.tick_stats()
     for request, result in zip(requests, results):
-        assert max_abs_diff(result.frames, reference_frames(reference_pipe, request)) <= 1e-5
+        # A batched forward sums in another order; the tiny VAE keeps the latents' variation, and
+        # with it differences of a few 1e-6 (the images of two inputs differ by 1e-2 and more).
+        assert max_abs_diff(result.frames, reference_frames(reference_pipe, request)) <= 3e-5
     assert sum(s["batched"] for s in stats) > 0, stats

@@ -19,7 +19,9 @@ from ray_hsdp.group import ShardGroup
 from ray_hsdp.loading import load_pipeline
 from ray_hsdp.request import GenerationRequest, fit_image
 
-TOLERANCE = 1e-5
+#: Lanes sum in other orders; the tiny VAE keeps the latents' variation, and with it differences of
+#: a few 1e-6 (measured up to 1.1e-5 on 9 frames; the images of two inputs differ by 1e-2 and more).
+TOLERANCE = 3e-5
 
 
 def png(width: int, height: int, seed: int) -> bytes:

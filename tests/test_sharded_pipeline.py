@@ -70,3 +70,23 @@ def test_a_request_s_flow_shift_sets_its_timesteps_and_no_other_s(tiny_model):
         assert seen == pytest.approx(timesteps(shift)), shift
         assert pipeline.pipe.scheduler is own
     assert timesteps(2.0) != pytest.approx(timesteps(None))
+
+
+def test_a_scheduler_whose_shift_is_dynamic_takes_no_flow_shift():
+    """Issue 37: FLUX.1's scheduler follows the image size (use_dynamic_shifting) and ignores a
+    static shift, so shifts 3 and 1.5 gave the same sigmas while the response said the shift ran.
+    Its pipeline now says it takes none, and the table of refusals turns such a request away."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+    from ray_hsdp.config import GroupConfig
+    from ray_hsdp.pairs import refuse_request
+    from ray_hsdp.request import InvalidRequestError
+    from ray_hsdp.sharded_pipeline import shift_key
+
+    dynamic = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
+    assert shift_key(dynamic) is None
+    assert shift_key(FlowMatchEulerDiscreteScheduler(shift=3.0)) == "shift"
+    assert shift_key(UniPCMultistepScheduler(use_flow_sigmas=True, flow_shift=3.0)) == "flow_shift"
+    request = GenerationRequest(prompt="a fox", flow_shift=1.5)
+    with pytest.raises(InvalidRequestError, match=r"without a static shift .* with flow_shift: the scheduler would"):
+        refuse_request(GroupConfig(), {"flow_shift": shift_key(dynamic)}, request)
