@@ -33,7 +33,7 @@ def model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def runs(ray_cluster, model):
-    """Each shape's group runs its mixes at once; returns shape -> [(mix, request, frames)]."""
+    """Each shape's group runs its mixes at once; returns shape -> [(mix, request, frames, None)]."""
     return {shape.name: run_shape(app_config(model, shape), shape) for shape in CPU_SHAPES}
 
 
@@ -43,7 +43,7 @@ def test_each_mix_equals_the_unsharded_pipeline_with_the_same_choices(shape, run
     pipe = pipeline_with_adapters(model, LORAS, config.fuse_loras)
     far = {}
     for mix, request, frames, _ in runs[shape.name]:
-        tiled = request.width * request.height > 256 * 256  # the lane tiles where diffusers' default would
+        tiled = request.width * request.height > 256 * 256  # several VAE tiles: the lane splits the tiled decode
         diff = max_abs_diff(frames, reference_with(pipe, request, tiled=tiled))
         if diff > TOLERANCE:
             far[mix.name] = diff
