@@ -121,3 +121,14 @@ def test_a_group_no_node_can_hold_fails_at_once_with_what_it_needs_and_the_fix(r
     check_placeable(ParallelDims(1, 8).bundles("cpu", 0.5))  # fits one node of 4 CPUs
     with pytest.raises(GroupUnplaceableError, match="cpus_per_rank"):
         build_app({"model": "tiny", "device": "cpu", "shard_size": 8, "cpus_per_rank": 1})
+
+
+def test_the_configuration_page_is_generated_from_the_models():
+    """docs/configuration.md is what ``python -m ray_hsdp.config_docs`` writes: every field, its
+    default and its description, so the page cannot drift from the code."""
+    from pathlib import Path
+
+    from ray_hsdp.config_docs import markdown
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+    assert page.read_text() == markdown(), "docs/configuration.md is stale: python -m ray_hsdp.config_docs > it"
