@@ -1,6 +1,6 @@
 """Sharding policies: which submodules of a model become FSDP units, and how they are resolved.
 
-Resolution order (DESIGN section 4): a policy registered for the model's class or its nearest
+Resolution order (`docs/design.md`, Sharding and loading): a policy registered for the model's class or its nearest
 registered base class (by class name: FSDP2 renames the classes it wraps); the model's
 own ``_hsdp_shard_conditions``; its ``_repeated_blocks`` / ``_no_split_modules`` class names; a size
 rule. Nothing matching is an error, never a silent unsharded run. This module names no model
