@@ -143,8 +143,6 @@ class Rank:
         """
         from ray_hsdp.memory import RssSampler
         from ray_hsdp.runtime.cfg import CfgSplit
-        from ray_hsdp.runtime.modules import ProcessGroupExchange, ShardedModules
-        from ray_hsdp.sharded_pipeline import ShardedPipeline
 
         if self.model_path is None:
             raise RuntimeError("prepare() must run before load()")
@@ -160,69 +158,15 @@ class Rank:
             )
         with RssSampler() as rss:
             start = time.perf_counter()
-            self.pipeline = ShardedPipeline.load(
-                self.model_path,
-                dtype=self.config.dtype,
-                device=self.config.device,
-                rank=self.rank,
-                mesh=self.mesh,
-                shard_components=self.config.shard_components,
-                min_num_params=self.config.min_num_params,
-                reshard_after_forward=self.config.reshard_after_forward,
-                forward_prefetch=self.config.forward_prefetch,
-                keep_gathered=self.config.keep_gathered,
-                gather=self.config.gather,
-                allow_pickle=self.config.allow_pickle,
-                dims=self.dims,
-                lane_mesh=self.lane_mesh,
-                attention_backend=self.config.attention_backend,
-                compile=self.config.compile,
-                fuse_loras={name: (scale, self.lora_paths[name]) for name, scale in self.config.fuse_loras.items()},
-                cache_hooks=self._cache_hooks(),
-                quantization=self.config.quantization,
-                phases=self.phases,
-            )
-            adapters = None
-            switched = {name: parts for name, parts in self.lora_paths.items() if name not in self.config.fuse_loras}
-            if switched:
-                from ray_hsdp.adapters import Adapters
-
-                # After fully_shard: the adapters stay plain replicated parameters beside the units.
-                with self.phases.phase("adapters"):
-                    adapters = Adapters.load(self.pipeline.pipe, switched)
-            modules = exchange = step_caches = None
-            if self.pipeline.sharded:
-                if self.config.cache.kind != "none":
-                    step_caches = self._step_caches()
-                    self.pipeline.step_caches = step_caches
-                modules = ShardedModules(
-                    self.pipeline.sharded_modules,
-                    self.config.device,
-                    self.pipeline.shardings,
-                    cfg_group=self.lane_mesh.get_group("cfg") if self.dims.cfg == 2 else None,
-                    adapters=adapters,
-                    step_caches=step_caches,
-                )
-                on_host = self.config.tick_exchange == "host"
-                exchange = ProcessGroupExchange("cpu" if on_host else self.config.device, self.tick_group)
+            self.pipeline = self._load_pipeline()
+            adapters = self._load_adapters()
+            modules, exchange = self._sharded_modules(adapters)
             if self.decode_group is not None:
                 from ray_hsdp.lane_tiles import LaneTiles
 
                 index = self.rank % self.dims.lane_size
                 self.pipeline.lane_tiles = LaneTiles(self.decode_group, index, self.dims.lane_size, self.config.device)
-            self.runtime = RankRuntime(
-                self.pipeline.run,
-                rank=self.rank,
-                slots=self.config.requests_per_rank,
-                modules=modules,
-                exchange=exchange,
-                max_batch=self.config.max_forward_batch,
-                lane_size=self.dims.lane_size,
-                leads=self.dims.leads(self.rank),
-                # A cached request's state is its own: its forwards never batch with another's.
-                variant_of=lambda request: (request.lora, id(request) if request.cache is not None else None),
-                lane_decodes=self.pipeline.splits_decode if self.decode_group is not None else None,
-            )
+            self.runtime = self._runtime(modules, exchange)
             if modules is not None:
                 split = CfgSplit(self.runtime.call, self.dims.cfg_index(self.rank), self.pipeline.guided)
                 # Before the request slots are copied from the pipeline: every slot must call the
@@ -241,6 +185,82 @@ class Rank:
             self.load_s = time.perf_counter() - start
         self.load_peak_rss_bytes = rss.peak_above_start
         return {**self.memory(), "pipeline": self.pipeline.facts, "start_phases_s": dict(self.phases.seconds)}
+
+    def _load_pipeline(self):
+        """The pipeline, its sharded components read slice by slice (``ShardedPipeline.load``)."""
+        from ray_hsdp.sharded_pipeline import ShardedPipeline
+
+        return ShardedPipeline.load(
+            self.model_path,
+            dtype=self.config.dtype,
+            device=self.config.device,
+            rank=self.rank,
+            mesh=self.mesh,
+            shard_components=self.config.shard_components,
+            min_num_params=self.config.min_num_params,
+            reshard_after_forward=self.config.reshard_after_forward,
+            forward_prefetch=self.config.forward_prefetch,
+            keep_gathered=self.config.keep_gathered,
+            gather=self.config.gather,
+            allow_pickle=self.config.allow_pickle,
+            dims=self.dims,
+            lane_mesh=self.lane_mesh,
+            attention_backend=self.config.attention_backend,
+            compile=self.config.compile,
+            fuse_loras={name: (scale, self.lora_paths[name]) for name, scale in self.config.fuse_loras.items()},
+            cache_hooks=self._cache_hooks(),
+            quantization=self.config.quantization,
+            phases=self.phases,
+        )
+
+    def _load_adapters(self):
+        """The switched adapters (all but the fused ones), or None."""
+        switched = {name: parts for name, parts in self.lora_paths.items() if name not in self.config.fuse_loras}
+        if not switched:
+            return None
+        from ray_hsdp.adapters import Adapters
+
+        # After fully_shard: the adapters stay plain replicated parameters beside the units.
+        with self.phases.phase("adapters"):
+            return Adapters.load(self.pipeline.pipe, switched)
+
+    def _sharded_modules(self, adapters):
+        """The sharded modules the tick thread runs (with the adapters and step caches it sets per
+        call) and the tick's exchange; ``(None, None)`` on an unsharded rank."""
+        from ray_hsdp.runtime.modules import ProcessGroupExchange, ShardedModules
+
+        if not self.pipeline.sharded:
+            return None, None
+        step_caches = None
+        if self.config.cache.kind != "none":
+            step_caches = self._step_caches()
+            self.pipeline.step_caches = step_caches
+        modules = ShardedModules(
+            self.pipeline.sharded_modules,
+            self.config.device,
+            self.pipeline.shardings,
+            cfg_group=self.lane_mesh.get_group("cfg") if self.dims.cfg == 2 else None,
+            adapters=adapters,
+            step_caches=step_caches,
+        )
+        on_host = self.config.tick_exchange == "host"
+        return modules, ProcessGroupExchange("cpu" if on_host else self.config.device, self.tick_group)
+
+    def _runtime(self, modules, exchange) -> RankRuntime:
+        """The rank's execution: its request threads, and its tick thread when sharded."""
+        return RankRuntime(
+            self.pipeline.run,
+            rank=self.rank,
+            slots=self.config.requests_per_rank,
+            modules=modules,
+            exchange=exchange,
+            max_batch=self.config.max_forward_batch,
+            lane_size=self.dims.lane_size,
+            leads=self.dims.leads(self.rank),
+            # A cached request's state is its own: its forwards never batch with another's.
+            variant_of=lambda request: (request.lora, id(request) if request.cache is not None else None),
+            lane_decodes=self.pipeline.splits_decode if self.decode_group is not None else None,
+        )
 
     def _cache_hooks(self) -> dict | None:
         """The step cache's hooks the sharded models take at load (``step_cache.enable``)."""

@@ -10,20 +10,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ray_hsdp import step_cache
+from ray_hsdp.load_steps import FusedLoras, LoadFacts, load_parts
 from ray_hsdp.loading import (
-    build_on_meta,
-    fill_from_checkpoint,
-    load_pipeline,
-    materialize,
-    model_index,
     pipeline_class,
 )
 from ray_hsdp.memory import module_memory, peak_device_bytes, unit_memory
@@ -35,10 +29,9 @@ from ray_hsdp.request import (
     LaneCollectiveError,
     RequestCancelledError,
 )
-from ray_hsdp.sharding import compile_units, resolve_plan, shard_module
-from ray_hsdp.sharding.context_parallel import attention_backend_for, enable_context_parallel
-from ray_hsdp.sharding.fp8 import check_fp8_device, fp8_linears, quantize_fp8
-from ray_hsdp.sharding.policy import decode_split_for, registered_policy
+from ray_hsdp.sharding.context_parallel import attention_backend_for
+from ray_hsdp.sharding.fp8 import check_fp8_device
+from ray_hsdp.sharding.policy import decode_split_for
 from ray_hsdp.topology import ParallelDims
 
 logger = logging.getLogger("ray_hsdp")
@@ -62,64 +55,6 @@ def shift_key(scheduler) -> str | None:
 def components(pipe) -> dict[str, nn.Module]:
     """The ``nn.Module`` components of a diffusers pipeline, by name."""
     return {name: c for name, c in pipe.components.items() if isinstance(c, nn.Module)}
-
-
-#: Adapters merged at load: name -> (scale, component -> LoRA file or folder).
-FusedLoras = Mapping[str, tuple[float, Mapping[str, Path]]]
-
-
-def _fuse(pipeline_cls: type, module: nn.Module, component: str, fused: FusedLoras) -> None:
-    """Merges into ``module`` (component ``component``, sharded or whole) the halves of the
-    adapters in ``fused`` that name it."""
-    from ray_hsdp.adapters import fuse_lora, read_lora
-
-    for name, (scale, parts) in fused.items():
-        if component in parts:
-            where = f"fused lora {name!r} ({parts[component]}) for {component} of {pipeline_cls.__name__}"
-            state, alpha = read_lora(pipeline_cls, parts[component], where)
-            merged = fuse_lora(module, state, alpha, scale, where)
-            logger.info("Fused lora %r into %d linears of %s at scale %s", name, merged, component, scale)
-
-
-def _split_sequences(pipe, models: dict, policies: dict, dims: ParallelDims, lane_mesh, device: str, backend):
-    """Enables context parallel on every (sharded) diffusers model of the pipeline.
-
-    Returns:
-        The facts callers check request sizes with: the degree and the token grid.
-
-    Raises:
-        ValueError: No model can be split, or one's policy gives no token grid.
-    """
-    if not models:
-        raise ValueError(
-            f"ulysses_degree x ring_degree = {dims.sequence_degree}, but no sharded component of "
-            f"{type(pipe).__name__} is a diffusers model that context parallel can split"
-        )
-    sequence = None
-    for name, module in models.items():
-        policy = policies.get(name)
-        enable_context_parallel(
-            module,
-            lane_mesh,
-            ring=dims.ring,
-            ulysses=dims.ulysses,
-            device=device,
-            attention_backend=backend,
-            cp_plan=policy.cp_plan if policy else None,
-        )
-        if policy is None or policy.token_grid is None:
-            raise ValueError(
-                f"{name} ({type(module).__name__.removeprefix('FSDP')}) has no token grid in its sharding policy, "
-                "so request sizes cannot be checked against ulysses_degree x ring_degree"
-            )
-        temporal_stride, temporal_patch, spatial_stride = policy.token_grid(pipe, module)
-        sequence = {
-            "degree": dims.sequence_degree,
-            "temporal_stride": temporal_stride,
-            "temporal_patch": temporal_patch,
-            "spatial_stride": spatial_stride,
-        }
-    return sequence
 
 
 class ShardedPipeline:
@@ -205,7 +140,8 @@ class ShardedPipeline:
         quantization: str = "none",
         phases: Phases | None = None,
     ) -> ShardedPipeline:
-        """Loads a pipeline folder, sharding the named components over ``mesh``.
+        """Loads a pipeline folder, sharding the named components over ``mesh``, by the steps of
+        ``ray_hsdp.load_steps``.
 
         A sharded component is built on the meta device, sharded, materialised on ``device`` and
         filled with this rank's slices only. Without a mesh (one rank) nothing is sharded. With
@@ -228,83 +164,37 @@ class ShardedPipeline:
         """
         dims = dims or ParallelDims(1, 1)
         phases = phases or Phases("pipeline")
-        backend = attention_backend_for(attention_backend, device, dims.ring)
-        prebuilt, shardings, stats, policies = {}, {}, {}, {}
-        fused = dict(fuse_loras or {})
-        pipeline_cls = pipeline_class(path) if fused else None
         if quantization == "fp8":
             check_fp8_device(device)
-        if mesh is not None:
-            index = model_index(path)
-            for name in shard_components:
-                if name not in index:
-                    continue
-                with phases.phase(f"shards of {name}"):
-                    module = build_on_meta(path / name, *index[name], dtype)
-                    if cache_hooks:  # before fully_shard renames the block classes the hooks look for
-                        step_cache.enable(module, **cache_hooks)
-                    plan = resolve_plan(module, min_num_params)
-                    denoiser = hasattr(module, "enable_parallelism")  # diffusers models, not text encoders
-                    fp8 = quantization == "fp8" and denoiser
-                    if fp8:
-                        fp8_linears(plan)
-                    shardings[name] = shard_module(
-                        module,
-                        plan,
-                        mesh,
-                        gather=gather,
-                        reshard_after_forward=reshard_after_forward,
-                        forward_prefetch=forward_prefetch,
-                        # A text encoder runs once per request: its gathers are not worth the memory.
-                        keep_gathered=keep_gathered if denoiser else 0.0,
-                    )
-                    materialize(module, device)
-                    stats[name] = fill_from_checkpoint(module, path / name, allow_pickle)
-                    if fused:  # before activate: the in-place gathers take over the shards there
-                        _fuse(pipeline_cls, module, name, fused)
-                    if fp8:  # each rank its own rows, before the gathers take over the shards
-                        quantize_fp8(module)
-                    shardings[name].activate()
-                prebuilt[name] = module
-                policies[name] = registered_policy(module)
-            if not shardings:
-                raise ValueError(
-                    f"None of shard_components={list(shard_components)} is a component of this pipeline "
-                    f"(its components: {sorted(index)}); nothing would be sharded"
-                )
-        with phases.phase("other components"):
-            pipe = load_pipeline(path, dtype, allow_pickle, **prebuilt)
-            for component in sorted({c for _, parts in fused.values() for c in parts} - set(shardings)):
-                module = getattr(pipe, component, None)
-                if not isinstance(module, nn.Module):
-                    raise ValueError(f"fuse_loras: {type(pipe).__name__} has no component {component!r}")
-                _fuse(pipeline_cls, module, component, fused)
-        # Only diffusers models have attention backends, context parallel and repeated blocks.
-        candidates = {name: getattr(pipe, name, None) for name in shard_components}
-        models = {name: m for name, m in candidates.items() if hasattr(m, "enable_parallelism")}
-        sequence = None
-        with phases.phase("parallel setup"):
-            if dims.sequence_degree > 1:
-                sequence = _split_sequences(pipe, models, policies, dims, lane_mesh, device, backend)
-            elif backend is not None:
-                for module in models.values():
-                    module.set_attention_backend(backend)
-            if compile:
-                for name, module in models.items():
-                    if name in shardings:
-                        compile_units(shardings[name])
-                    else:  # a group of one rank: diffusers' own regional compile
-                        module.compile_repeated_blocks()
-        cfg_split: tuple[str, ...] = ()
-        if dims.cfg == 2:
-            cfg_split = tuple(name for name in shardings if policies[name] is not None and policies[name].cfg_split)
-            if not cfg_split:
-                raise ValueError(
-                    f"cfg_parallel: no sharded component of {type(pipe).__name__} declares in its sharding policy "
-                    "that the pipeline calls it for the conditional, then the unconditional prediction (cfg_split)"
-                )
+        fused = dict(fuse_loras or {})
+        facts = LoadFacts(
+            dtype=dtype,
+            device=device,
+            mesh=mesh,
+            min_num_params=min_num_params,
+            gather=gather,
+            reshard_after_forward=reshard_after_forward,
+            forward_prefetch=forward_prefetch,
+            keep_gathered=keep_gathered,
+            allow_pickle=allow_pickle,
+            cache_hooks=cache_hooks,
+            quantization=quantization,
+            fused=fused,
+            pipeline_cls=pipeline_class(path) if fused else None,
+        )
+        backend = attention_backend_for(attention_backend, device, dims.ring)
+        parts = load_parts(
+            path,
+            facts,
+            shard_components,
+            dims=dims,
+            lane_mesh=lane_mesh,
+            backend=backend,
+            compile=compile,
+            phases=phases,
+        )
         with phases.phase("replicated components to device"):
-            return cls(pipe, device, rank, shardings, stats, sequence, cfg_split)
+            return cls(parts.pipe, device, rank, parts.shardings, parts.stats, parts.sequence, parts.cfg_split)
 
     @property
     def facts(self) -> dict:

@@ -1,0 +1,244 @@
+"""Loading a pipeline as a short list of named steps, each a function of the facts it needs (as
+torchtitan's ``parallelize`` applies its steps to a model).
+
+Each sharded component, in this order (``shard_component``): build on the meta device, put the
+step cache's hooks on, plan its units (FP8 linears swapped in), shard, materialise and read this
+rank's slices, fuse adapters into its rows, quantize them, activate the gathers. Then the pipeline
+(``load_parts``): the other components (and the adapters fused into them), the attention backend or
+context parallel, compile, the CFG split.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ray_hsdp import step_cache
+from ray_hsdp.loading import build_on_meta, fill_from_checkpoint, load_pipeline, materialize, model_index
+from ray_hsdp.phases import Phases
+from ray_hsdp.sharding import compile_units, resolve_plan, shard_module
+from ray_hsdp.sharding.context_parallel import enable_context_parallel
+from ray_hsdp.sharding.fp8 import fp8_linears, quantize_fp8
+from ray_hsdp.sharding.policy import registered_policy
+from ray_hsdp.topology import ParallelDims
+
+logger = logging.getLogger("ray_hsdp")
+
+#: Adapters merged at load: name -> (scale, component -> LoRA file or folder).
+FusedLoras = Mapping[str, tuple[float, Mapping[str, Path]]]
+
+
+@dataclass(frozen=True)
+class LoadFacts:
+    """What the steps read, fixed once for the load.
+
+    Attributes:
+        dtype: Parameter dtype name.
+        device: The rank's device kind.
+        mesh: The group's FSDP mesh; None: one rank, nothing sharded.
+        min_num_params: The size rule of the policy's last fallback.
+        gather: ``"fsdp2"`` or ``"in_place"``.
+        reshard_after_forward: Free a unit's gathered weights after its forward.
+        forward_prefetch: Units gathered ahead.
+        keep_gathered: Share of a diffusers model's units kept gathered (text encoders keep none).
+        allow_pickle: Also read pickle checkpoints.
+        cache_hooks: ``step_cache.enable``'s arguments, or None: no step cache.
+        quantization: ``"none"`` or ``"fp8"`` (a diffusers model's unit linears).
+        fused: Adapters merged into the weights as they load.
+        pipeline_cls: The pipeline's class (its LoRA loader reads the fused adapters); None without.
+    """
+
+    dtype: str
+    device: str
+    mesh: DeviceMesh | None
+    min_num_params: int
+    gather: str
+    reshard_after_forward: bool
+    forward_prefetch: int
+    keep_gathered: float
+    allow_pickle: bool
+    cache_hooks: Mapping | None
+    quantization: str
+    fused: FusedLoras
+    pipeline_cls: type | None
+
+
+@dataclass
+class LoadedParts:
+    """What the steps made: the pipeline, each sharded component's sharding, load stats and
+    policy, the sequence split's facts (None: no split) and the components CFG parallel splits."""
+
+    pipe: object
+    shardings: dict
+    stats: dict
+    policies: dict
+    sequence: dict | None
+    cfg_split: tuple[str, ...]
+
+
+def fuse_adapters(pipeline_cls: type, module: nn.Module, component: str, fused: FusedLoras) -> None:
+    """Merges into ``module`` (component ``component``, sharded or whole) the halves of the
+    adapters in ``fused`` that name it."""
+    from ray_hsdp.adapters import fuse_lora, read_lora
+
+    for name, (scale, parts) in fused.items():
+        if component in parts:
+            where = f"fused lora {name!r} ({parts[component]}) for {component} of {pipeline_cls.__name__}"
+            state, alpha = read_lora(pipeline_cls, parts[component], where)
+            merged = fuse_lora(module, state, alpha, scale, where)
+            logger.info("Fused lora %r into %d linears of %s at scale %s", name, merged, component, scale)
+
+
+def shard_component(folder: Path, class_info: tuple[str, str], facts: LoadFacts, name: str):
+    """One sharded component, through its steps.
+
+    Returns:
+        ``(module, sharding, load stats)``.
+    """
+    module = build_on_meta(folder, *class_info, facts.dtype)
+    if facts.cache_hooks:  # before fully_shard renames the block classes the hooks look for
+        step_cache.enable(module, **facts.cache_hooks)
+    plan = resolve_plan(module, facts.min_num_params)
+    denoiser = hasattr(module, "enable_parallelism")  # diffusers models, not text encoders
+    fp8 = facts.quantization == "fp8" and denoiser
+    if fp8:
+        fp8_linears(plan)
+    sharding = shard_module(
+        module,
+        plan,
+        facts.mesh,
+        gather=facts.gather,
+        reshard_after_forward=facts.reshard_after_forward,
+        forward_prefetch=facts.forward_prefetch,
+        # A text encoder runs once per request: its gathers are not worth the memory.
+        keep_gathered=facts.keep_gathered if denoiser else 0.0,
+    )
+    materialize(module, facts.device)
+    stats = fill_from_checkpoint(module, folder, facts.allow_pickle)
+    if facts.fused:  # before activate: the in-place gathers take over the shards there
+        fuse_adapters(facts.pipeline_cls, module, name, facts.fused)
+    if fp8:  # each rank its own rows, before the gathers take over the shards
+        quantize_fp8(module)
+    sharding.activate()
+    return module, sharding, stats
+
+
+def split_sequences(pipe, models: dict, policies: dict, dims: ParallelDims, lane_mesh, device: str, backend):
+    """Enables context parallel on every (sharded) diffusers model of the pipeline.
+
+    Returns:
+        The facts callers check request sizes with: the degree and the token grid.
+
+    Raises:
+        ValueError: No model can be split, or one's policy gives no token grid.
+    """
+    if not models:
+        raise ValueError(
+            f"ulysses_degree x ring_degree = {dims.sequence_degree}, but no sharded component of "
+            f"{type(pipe).__name__} is a diffusers model that context parallel can split"
+        )
+    sequence = None
+    for name, module in models.items():
+        policy = policies.get(name)
+        enable_context_parallel(
+            module,
+            lane_mesh,
+            ring=dims.ring,
+            ulysses=dims.ulysses,
+            device=device,
+            attention_backend=backend,
+            cp_plan=policy.cp_plan if policy else None,
+        )
+        if policy is None or policy.token_grid is None:
+            raise ValueError(
+                f"{name} ({type(module).__name__.removeprefix('FSDP')}) has no token grid in its sharding policy, "
+                "so request sizes cannot be checked against ulysses_degree x ring_degree"
+            )
+        temporal_stride, temporal_patch, spatial_stride = policy.token_grid(pipe, module)
+        sequence = {
+            "degree": dims.sequence_degree,
+            "temporal_stride": temporal_stride,
+            "temporal_patch": temporal_patch,
+            "spatial_stride": spatial_stride,
+        }
+    return sequence
+
+
+def cfg_split_of(pipe, dims: ParallelDims, shardings: dict, policies: dict) -> tuple[str, ...]:
+    """The sharded components whose policies say the pipeline calls them for the conditional, then
+    the unconditional prediction; none without CFG parallel.
+
+    Raises:
+        ValueError: CFG parallel, and no component declares it.
+    """
+    if dims.cfg != 2:
+        return ()
+    split = tuple(name for name in shardings if policies[name] is not None and policies[name].cfg_split)
+    if not split:
+        raise ValueError(
+            f"cfg_parallel: no sharded component of {type(pipe).__name__} declares in its sharding policy "
+            "that the pipeline calls it for the conditional, then the unconditional prediction (cfg_split)"
+        )
+    return split
+
+
+def load_parts(
+    path: Path,
+    facts: LoadFacts,
+    shard_components: tuple[str, ...],
+    *,
+    dims: ParallelDims,
+    lane_mesh: DeviceMesh | None,
+    backend: str | None,
+    compile: bool,
+    phases: Phases,
+) -> LoadedParts:
+    """The load, step by step: the sharded components (none without a mesh: one rank), the
+    others, the attention backend or context parallel, compile, the CFG split.
+
+    Raises:
+        ValueError: None of ``shard_components`` is a component of the pipeline, or the lanes ask
+            for a split (sequence, CFG) that no component supports.
+    """
+    prebuilt, shardings, stats, policies = {}, {}, {}, {}
+    if facts.mesh is not None:
+        index = model_index(path)
+        for name in (n for n in shard_components if n in index):
+            with phases.phase(f"shards of {name}"):
+                prebuilt[name], shardings[name], stats[name] = shard_component(path / name, index[name], facts, name)
+            policies[name] = registered_policy(prebuilt[name])
+        if not shardings:
+            raise ValueError(
+                f"None of shard_components={list(shard_components)} is a component of this pipeline "
+                f"(its components: {sorted(index)}); nothing would be sharded"
+            )
+    fused = facts.fused
+    with phases.phase("other components"):
+        pipe = load_pipeline(path, facts.dtype, facts.allow_pickle, **prebuilt)
+        for component in sorted({c for _, parts in fused.values() for c in parts} - set(shardings)):
+            module = getattr(pipe, component, None)
+            if not isinstance(module, nn.Module):
+                raise ValueError(f"fuse_loras: {type(pipe).__name__} has no component {component!r}")
+            fuse_adapters(facts.pipeline_cls, module, component, fused)
+    # Only diffusers models have attention backends, context parallel and repeated blocks.
+    candidates = {name: getattr(pipe, name, None) for name in shard_components}
+    models = {name: m for name, m in candidates.items() if hasattr(m, "enable_parallelism")}
+    sequence = None
+    with phases.phase("parallel setup"):
+        if dims.sequence_degree > 1:
+            sequence = split_sequences(pipe, models, policies, dims, lane_mesh, facts.device, backend)
+        elif backend is not None:
+            for module in models.values():
+                module.set_attention_backend(backend)
+        if compile:
+            for name, module in models.items():
+                if name in shardings:
+                    compile_units(shardings[name])
+                else:  # a group of one rank: diffusers' own regional compile
+                    module.compile_repeated_blocks()
+    return LoadedParts(pipe, shardings, stats, policies, sequence, cfg_split_of(pipe, dims, shardings, policies))
