@@ -213,8 +213,8 @@ class GroupConfig(BaseModel):
     compile: bool = Field(
         False,
         description="torch.compile the transformers' repeated blocks on every rank (regional compile, in place, "
-        "the gathers left eager); the group compiles with a warm-up request per lane before it serves. "
-        "Off until measured on GPUs: each new request shape compiles again once.",
+        "the gathers left eager); the group compiles with a warm-up request per lane before it serves, and each "
+        "new request shape compiles again once.",
     )
     shard_components: tuple[str, ...] = Field(
         DEFAULT_SHARD_COMPONENTS, description="Pipeline components to shard when present; all others stay replicated."
@@ -233,9 +233,8 @@ class GroupConfig(BaseModel):
         description="How a unit's sharded weights are gathered for its forward. 'fsdp2': FSDP2's flat all-gather, "
         "copied into and out of a buffer each forward; 'in_place': each weight gathered straight into buffers its "
         "module reads (no copies; forward_prefetch + 1 units' buffers held at all times). 'auto': in_place on CUDA "
-        "(NCCL sends a unit's gathers as one group; Wan-14B on 2 x H100: 0.936 of plain diffusers against 0.877, "
-        "bench/results), fsdp2 on CPU (gloo sends each weight's gather on its own), fsdp2 with "
-        "reshard_after_forward=False.",
+        "(NCCL sends a unit's gathers as one group), fsdp2 on CPU (gloo sends each weight's gather on its own), "
+        "fsdp2 with reshard_after_forward=False.",
     )
     nccl_max_ctas: int | None = Field(
         None,
@@ -255,8 +254,7 @@ class GroupConfig(BaseModel):
         1,
         ge=0,
         description="Units whose weights a unit's forward starts gathering ahead (explicit prefetch); "
-        "0: FSDP2's implicit behaviour, or each unit gathered in place when its forward starts. 1 measured faster "
-        "on 2 x H200 (bench/results).",
+        "0: FSDP2's implicit behaviour, or each unit gathered in place when its forward starts.",
     )
     keep_gathered: float = Field(
         0.0,
@@ -265,8 +263,7 @@ class GroupConfig(BaseModel):
         description="Share of the sharded diffusers models' units (the transformers' blocks; text encoders run once "
         "per request and stay as they are) that every rank gathers once, after the load, and keeps whole, spread "
         "evenly over the stack: fewer bytes gathered per forward for more weights per GPU. 1 keeps the root too: "
-        "no gathers in a forward, a transformer's whole weights on every GPU. Wan-14B, S=4 on 4 x H100, 21 "
-        "frames: 0.938 of plain diffusers at 0, 0.962 at 0.5 (+9.8 GiB per GPU), 0.995 at 1 (bench/results).",
+        "no gathers in a forward, a transformer's whole weights on every GPU.",
     )
     max_forward_batch: int = Field(
         1,
@@ -281,16 +278,14 @@ class GroupConfig(BaseModel):
         "multiply their weights in FP8 (e4m3, one scale per output row, activations scaled per token): half the "
         "weights per GPU and per gather, FP8 matmuls, outputs that drift from bfloat16. CUDA GPUs of compute "
         "capability 8.9 or above (H100, L40S) with gather 'in_place' and shard_size >= 2 only; the group's start "
-        "compiles the activations' scaling. Pays most with compile: Wan-14B, S=4 on 4 x H100, 21 frames: 1.53x "
-        "plain diffusers; a forward on one H100 1.05x bfloat16 uncompiled, 1.29x compiled (bench/results).",
+        "compiles the activations' scaling.",
     )
     tick_exchange: Literal["auto", "host", "device"] = Field(
         "auto",
         description="Where the tick's all-gather (which forward each rank runs next) travels. 'host': gloo over "
         "TCP, so a rank agrees on and queues its next forward while its GPU still runs the last one; 'device': "
         "NCCL on the GPU's stream, so every tick waits for the rank's queued kernels to finish and the GPU "
-        "idles while the next forward is launched. 'auto': host (Wan-14B, S=4 on 4 x H100, 21 frames: 0.932 and "
-        "0.933 of plain diffusers over host, 0.680 and 0.874 over device, bench/results).",
+        "idles while the next forward is launched. 'auto': host.",
     )
     request_streams: bool = Field(
         False,
@@ -307,16 +302,12 @@ class GroupConfig(BaseModel):
         description="Lanes of several ranks share the VAE's tiled decode: each rank decodes some of the tiles of "
         "diffusers' tiled decode and the leader blends them (frames equal to the one-rank tiled decode). 'on': for "
         "every request whose frames make more than one tile; 'auto': on lanes of 4 or more ranks, and on smaller "
-        "lanes where the decode is tiled anyway (vae_tiling); 'off': the leader decodes alone. Measured on 4 x "
-        "H100 (Wan2.1 VAE, 81 frames, 1280x720, bench.decode, tiles exchanged over gloo as served): one GPU whole "
-        "4.75 s, tiled 9.45 s, split over 2 6.35 s, over 4 3.84 s; served end to end (Wan-14B, s4-u4) the split made "
-        "a request 1.5 s slower than the leader's whole decode, so it is off by default.",
+        "lanes where the decode is tiled anyway (vae_tiling); 'off' (the default): the leader decodes alone.",
     )
     vae_tiling_above_pixels: int = Field(
         1280 * 720,
         ge=1,
-        description="'auto' tiles the decode of frames larger than this (width x height). Measured on H100: an "
-        "81-frame Wan decode at 1280x720 untiled peaks at 29.5 GiB beside a 14B shard at S=2 (bench/results).",
+        description="'auto' tiles the decode of frames larger than this (width x height).",
     )
     queue_lookahead: int = Field(
         16, ge=1, description="Queued requests the scheduler looks through to find one of similar cost."
