@@ -9,7 +9,7 @@ import inspect
 import numpy as np
 import torch
 
-from ray_hsdp.request import GenerationRequest
+from ray_hsdp.request import GenerationRequest, StepCache
 
 
 def reference_frames(pipe, request: GenerationRequest) -> np.ndarray:
@@ -68,12 +68,25 @@ def pipeline_with_adapters(folder: str, loras: dict[str, str], fused: dict[str, 
     return pipe
 
 
+def diffusers_cache_config(cache: StepCache):
+    """The same step cache as diffusers' own config."""
+    from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
+
+    if cache.kind == "first_block":
+        return FirstBlockCacheConfig(threshold=cache.threshold)
+    return TaylorSeerCacheConfig(
+        cache_interval=cache.interval,
+        disable_cache_before_step=cache.warmup_steps,
+        disable_cache_after_step=cache.full_after_step,
+        taylor_factors_dtype=torch.float32,
+        use_lite_mode=True,
+    )
+
+
 def reference_with(pipe, request: GenerationRequest, tiled: bool = False) -> np.ndarray:
     """The unsharded run of ``request`` with its choices set the diffusers way: its adapters
     (``set_adapters``), its step cache as diffusers' own hook on every expert, and the VAE's tiling
     where the sharded run tiles."""
-    from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
-
     if request.lora:
         pipe.enable_lora()
         pipe.set_adapters([name for name, _ in request.lora], [scale for _, scale in request.lora])
@@ -82,17 +95,7 @@ def reference_with(pipe, request: GenerationRequest, tiled: bool = False) -> np.
     experts = [m for m in (pipe.transformer, getattr(pipe, "transformer_2", None)) if m is not None]
     cache = request.cache
     for expert in experts if cache is not None else ():
-        expert.enable_cache(
-            FirstBlockCacheConfig(threshold=cache.threshold)
-            if cache.kind == "first_block"
-            else TaylorSeerCacheConfig(
-                cache_interval=cache.interval,
-                disable_cache_before_step=cache.warmup_steps,
-                disable_cache_after_step=cache.full_after_step,
-                taylor_factors_dtype=torch.float32,
-                use_lite_mode=True,
-            )
-        )
+        expert.enable_cache(diffusers_cache_config(cache))
     if tiled:
         pipe.vae.enable_tiling()
     try:

@@ -59,25 +59,13 @@ ROOT = Path(__file__).resolve().parents[1]
 #: committed: the pairs each of whose requests equalled itself run alone on the same group.
 GPU_RESULTS = ROOT / "bench" / "results" / "pairs-2xNVIDIA-H200.json"
 TAKEOVER = "tests/serve/test_autoscaling.py::test_a_job_queued_behind_a_long_one_moves_to_the_group_that_frees_first"
+GROUPS = "several groups (autoscaling, takeover)"
 #: Pairs other tests run: cell -> the test.
 ELSEWHERE: dict[tuple[str, str], str] = {
-    **{
-        ("several groups (autoscaling, takeover)", choice): TAKEOVER
-        for choice in (
-            "adapter",
-            "several adapters",
-            "adapter defaults",
-            "cache on",
-            "cache settings",
-            "cache off",
-            "flow_shift",
-            "guidance_scale_2",
-            "conditioning image",
-            "DELETE",
-        )
-    },
+    # A job moves whole: every choice but the timeout (a video job has none of its own).
+    **{(GROUPS, choice): TAKEOVER for choice in REQUEST_CHOICES if choice != "timeout"},
     # One queue deadline from arrival, kept by a retry on another group of a request that never ran.
-    ("several groups (autoscaling, takeover)", "timeout"): (
+    (GROUPS, "timeout"): (
         "tests/test_group.py::test_a_queued_request_keeps_the_deadline_it_arrived_with, "
         "tests/test_faults.py::test_killing_a_rank_answers_every_request_at_once"
     ),

@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 import torch
-from support import max_abs_diff, reference_frames
+from support import max_abs_diff, reference_with
 
 from ray_hsdp.config import AppConfig, GroupConfig, StepCacheConfig
 from ray_hsdp.group import ShardGroup
@@ -22,32 +22,6 @@ SCHEDULES = {
     "first_block": StepCache("first_block", threshold=1e9),
     "taylorseer": StepCache("taylorseer", interval=2, warmup_steps=1),
 }
-
-
-def diffusers_config(cache: StepCache):
-    """The same cache as diffusers' own config, for the unsharded reference."""
-    from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
-
-    if cache.kind == "first_block":
-        return FirstBlockCacheConfig(threshold=cache.threshold)
-    return TaylorSeerCacheConfig(
-        cache_interval=cache.interval,
-        disable_cache_before_step=cache.warmup_steps,
-        disable_cache_after_step=cache.full_after_step,
-        taylor_factors_dtype=torch.float32,
-        use_lite_mode=True,
-    )
-
-
-def reference(pipe, request: GenerationRequest):
-    """The unsharded run of ``request``, with diffusers' hook of its cache enabled on the transformer."""
-    if request.cache is not None:
-        pipe.transformer.enable_cache(diffusers_config(request.cache))
-    try:
-        return reference_frames(pipe, request)
-    finally:
-        if request.cache is not None:
-            pipe.transformer.disable_cache()
 
 
 def reused_forwards(cache: StepCache, steps: int) -> int:
@@ -95,16 +69,16 @@ def test_cached_and_uncached_requests_of_different_steps_share_a_batch_group(
             group.submit(cut).result(timeout=60)
         following = dataclasses.replace(cut, num_inference_steps=4, timeout_s=None)
         (again,) = group.generate([following])
-    assert max_abs_diff(again.frames, reference(reference_pipe, following)) <= 1e-5
+    assert max_abs_diff(again.frames, reference_with(reference_pipe, following)) <= 1e-5
     for req, result in zip(requests, results):
-        assert max_abs_diff(result.frames, reference(reference_pipe, req)) <= 1e-5, req.request_id
+        assert max_abs_diff(result.frames, reference_with(reference_pipe, req)) <= 1e-5, req.request_id
         expected = reused_forwards(cache, req.num_inference_steps) if req.cache else None
         assert result.cached_forwards == expected, req.request_id
     cached = [r for r in requests if r.cache is not None]
     expected = sum(reused_forwards(cache, r.num_inference_steps) for r in cached)
     assert sum(s["step_cache_reused"] for s in stats) == expected
     # The cache changes what a cached request computes (else this test would show nothing).
-    uncached = reference(reference_pipe, dataclasses.replace(requests[0], cache=None))
+    uncached = reference_with(reference_pipe, dataclasses.replace(requests[0], cache=None))
     assert max_abs_diff(results[0].frames, uncached) > 1e-3
     placed = {rid: p["rank"] for p in profiles for rid in p["requests"]}
     assert sorted(placed.values()) == [0, 0, 1, 1]  # two requests on each rank, at once
@@ -124,7 +98,7 @@ def test_a_lane_of_ulysses_2_takes_the_same_first_block_decisions_on_both_ranks(
         results = group.generate(requests)
         stats = group.tick_stats()
     for req, result in zip(requests, results):
-        assert max_abs_diff(result.frames, reference(reference_pipe, req)) <= 1e-5, req.request_id
+        assert max_abs_diff(result.frames, reference_with(reference_pipe, req)) <= 1e-5, req.request_id
     reused = results[0].cached_forwards
     assert 0 < reused < 10, reused
     assert [s["step_cache_reused"] for s in stats] == [reused, reused]
