@@ -22,10 +22,11 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 from filelock import FileLock
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ray_hsdp.checkpoints.tiny import is_pipeline_folder, make_tiny
 from ray_hsdp.config import EMBEDDED_LORAS, EMBEDDED_MODELS, TINY_MODEL, cache_dir
+from ray_hsdp.sharding.layout import rows_of
 
 logger = logging.getLogger("ray_hsdp")
 
@@ -347,14 +348,15 @@ def local_rows(param: torch.Tensor) -> slice | None:
     Raises:
         CheckpointError: The parameter is sharded on another dimension than the first.
     """
-    if not isinstance(param, DTensor):
+    if not isinstance(param, DTensor) or not param.dim():
         return None
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    if any(offset[1:]) or tuple(shape[1:]) != tuple(param.shape[1:]):
+    placements = tuple(param.placements)
+    if all(isinstance(p, Replicate) for p in placements):
+        return slice(0, param.shape[0])
+    if placements != (Shard(0),):
         raise CheckpointError(f"only dim-0 sharding is supported by the loader, got {param.placements}")
-    return slice(offset[0], offset[0] + shape[0]) if param.dim() else None
+    mesh = param.device_mesh
+    return rows_of(param.shape[0], mesh.size(), mesh.get_local_rank())
 
 
 def fill_from_checkpoint(model: nn.Module, folder: Path, allow_pickle: bool = False) -> dict:

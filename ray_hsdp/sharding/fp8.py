@@ -12,7 +12,6 @@ recipe as a private enum). FP8 matmuls need tensor cores of compute capability 8
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 
 import torch
@@ -20,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
+from ray_hsdp.sharding.layout import rows_per_rank
 from ray_hsdp.sharding.policy import ShardPlan
 
 #: The FP8 format of weights and activations: e4m3 (more mantissa; forward passes need no e5m2 range).
@@ -98,7 +98,7 @@ class Fp8Linear(nn.Linear):
         if isinstance(weight, DTensor):
             mesh = weight.device_mesh
             world = mesh.size()
-            rows = math.ceil(weight.shape[0] / world)
+            rows = rows_per_rank(weight.shape[0], world)
             padded = torch.ones(rows, 1, dtype=torch.float32, device=scale.device)
             padded[: scale.shape[0]] = scale
             everyone = torch.empty(rows * world, 1, dtype=torch.float32, device=scale.device)

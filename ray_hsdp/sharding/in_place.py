@@ -31,6 +31,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from ray_hsdp.sharding.layout import rows_of, rows_per_rank
 from ray_hsdp.sharding.policy import ShardPlan, minority_dtype
 
 #: Bytes every gathered parameter's view is aligned to inside its slot.
@@ -59,7 +60,7 @@ class _Param:
         return self.sharded.shape[0]
 
     def receive_bytes(self, world: int) -> int:
-        padded = math.ceil(self.rows / world) * world
+        padded = rows_per_rank(self.rows, world) * world
         return padded * math.prod(self.sharded.shape[1:]) * self.sharded.element_size()
 
 
@@ -146,13 +147,11 @@ class InPlaceUnits:
     def _shard(self, params) -> list[_Param]:
         out = []
         for p, owners in params:
-            rows = math.ceil(p.shape[0] / self.world)
-            first = self.mesh.get_local_rank() * rows
-            mine = max(0, min(rows, p.shape[0] - first))
+            mine = rows_of(p.shape[0], self.world, self.mesh.get_local_rank())
             if p.is_meta:
-                local = torch.empty((mine, *p.shape[1:]), dtype=p.dtype, device="meta")
+                local = torch.empty((mine.stop - mine.start, *p.shape[1:]), dtype=p.dtype, device="meta")
             else:  # a model built for real: keep this rank's rows
-                local = p.detach()[first : first + mine].clone()
+                local = p.detach()[mine].clone()
             sharded = nn.Parameter(
                 DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride()),
                 requires_grad=False,
@@ -219,7 +218,7 @@ class InPlaceUnits:
 
     def _place(self, param: _Param, buffer: torch.Tensor, offset: int) -> None:
         shape = param.sharded.shape
-        padded_rows = math.ceil(shape[0] / self.world)
+        padded_rows = rows_per_rank(shape[0], self.world)
         nbytes = param.receive_bytes(self.world)
         param.receive = (
             buffer[offset : offset + nbytes].view(param.sharded.dtype).view(padded_rows * self.world, *shape[1:])
