@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 
@@ -256,3 +257,16 @@ def first_frame_png(width: int, height: int) -> bytes:
     out = io.BytesIO()
     Image.fromarray((rgb * 255).astype(np.uint8)).save(out, format="PNG")
     return out.getvalue()
+
+
+def wait_until(condition, timeout_s: float = 60, what: str = "the condition", interval_s: float = 0.02):
+    """Polls ``condition()`` until it returns something truthy, which it returns; fails the test
+    with ``what`` once ``timeout_s`` has passed (a regression fails, never hangs a test or a bench)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout_s:g}s")
+        time.sleep(interval_s)

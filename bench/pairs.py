@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
+from bench.common import wait_until
 from ray_hsdp.request import GenerationRequest, RequestCancelledError
 
 GROUP_SETTINGS = (
@@ -193,14 +193,6 @@ def build(config, mix: Mix, index: int, **fields) -> GenerationRequest:
     body = body.model_copy(update={"input_reference": random_png(64, 48, index)})
     request, _ = to_video_request(body, config, 4, f"{mix.name}#{index}")
     return dataclasses.replace(request, uint8_frames=False)  # compared at the float level
-
-
-def wait_until(condition: Callable[[], object], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen within {timeout_s:g}s")
-        time.sleep(0.02)
 
 
 def cut_and_cancelled(group, config) -> list[tuple[Mix, GenerationRequest]]:

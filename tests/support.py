@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common import wait_until  # noqa: F401 (shared with the benches)
 from bench.reference import (  # noqa: F401 (shared with the benches)
     pipeline_with_adapters,
     random_png,
@@ -80,16 +81,3 @@ def free_port() -> int:
         _HANDED_OUT.add(port)
         return port
     raise RuntimeError(f"no free TCP port between {low} and {high}")
-
-
-def wait_until(condition, timeout_s: float = 60, what: str = "the condition", interval_s: float = 0.02):
-    """Polls ``condition()`` until it returns something truthy, which it returns; fails the test
-    with ``what`` once ``timeout_s`` has passed (a regression fails, never hangs the suite)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen within {timeout_s:g}s")
-        time.sleep(interval_s)
