@@ -199,6 +199,7 @@ def offload_baseline(model_dir: str, requests, device: str) -> dict:
 
         from ray_hsdp.loading import load_pipeline
         from ray_hsdp.sharded_pipeline import ShardedPipeline
+        from ray_hsdp.variant import RequestVariant
 
         pipe = load_pipeline(Path(model_dir), "bfloat16" if device == "cuda" else "float32")
         if device == "cuda":
@@ -213,12 +214,12 @@ def offload_baseline(model_dir: str, requests, device: str) -> dict:
                         use_stream=True,
                     )
         runner = ShardedPipeline(pipe, device, rank=0, sharded={n: 0 for n in ("transformer", "transformer_2")})
-        runner.run(requests[0])  # warm-up
+        runner.run(RequestVariant.unchecked(requests[0]))  # warm-up
         start = time.perf_counter()
         latencies = []
         for r in requests:
             t = time.perf_counter()
-            runner.run(r)
+            runner.run(RequestVariant.unchecked(r))
             latencies.append(time.perf_counter() - t)
         wall = time.perf_counter() - start
         peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0

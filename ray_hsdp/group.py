@@ -24,12 +24,12 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_hsdp.config import GroupConfig
-from ray_hsdp.pairs import refuse_request
 from ray_hsdp.phases import Phases
 from ray_hsdp.rank import CONCURRENCY_GROUPS, Rank
-from ray_hsdp.request import GenerationRequest, GenerationResult, InvalidRequestError, RequestCancelledError
+from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
 from ray_hsdp.runtime import SessionFailedError
 from ray_hsdp.topology import PLACEMENT_STRATEGY, ParallelDims
+from ray_hsdp.variant import RequestVariant
 
 logger = logging.getLogger("ray_hsdp")
 
@@ -134,26 +134,18 @@ def check_placeable(bundles: list[dict[str, float]]) -> None:
     )
 
 
-class UnsplittableRequestError(InvalidRequestError):
-    """The request's tokens cannot be split evenly over its lane (HTTP 400)."""
-
-
-def sequence_tokens(sequence: dict, height: int, width: int, frames: int) -> int:
-    """Tokens of one request in a pipeline whose token grid is ``sequence`` (``ShardedPipeline.facts``)."""
-    latent_frames = (frames - 1) // sequence["temporal_stride"] + 1
-    spatial = sequence["spatial_stride"]
-    return latent_frames // sequence["temporal_patch"] * (height // spatial) * (width // spatial)
-
-
 @dataclass
 class _Job:
-    request: GenerationRequest
+    variant: RequestVariant  # takes its ticket when a lane takes it
     future: Future
     enqueued: float
     deadline: float  # time.time() by which a lane must take it (its queue_deadline)
-    ticket: int = -1  # given when a lane takes it: the same on all the lane's ranks
     taken: float | None = None  # when a lane took it
     lane: int | None = None
+
+    @property
+    def request(self) -> GenerationRequest:
+        return self.variant.request
 
 
 @dataclass(frozen=True)
@@ -408,9 +400,9 @@ class ShardGroup:
         Raises:
             GroupFailedError: The group is shut down or broken.
             GroupOverloadedError: Every rank is busy and ``max_queue`` requests are already waiting.
-            UnsplittableRequestError: The request cannot be split over a lane (see ``check``).
+            InvalidRequestError: The group cannot run what the request asks (see ``check``).
         """
-        self.check(request)
+        variant = self.check(request)
         future: Future = Future()
         with self._cond:
             if self._closed or self._failure:
@@ -422,7 +414,7 @@ class ShardGroup:
                     f"(max_queue={self.config.max_queue}); retry later"
                 )
             deadline = request.queue_deadline or time.time() + self.config.queue_timeout_s
-            job = _Job(request, future, time.monotonic(), deadline)
+            job = _Job(variant, future, time.monotonic(), deadline)
             self._pending.append(job)
             self._wake = True
             self._cond.notify_all()
@@ -459,45 +451,16 @@ class ShardGroup:
             except Exception:  # noqa: BLE001 - a listener's bug must not break the answer path
                 logger.exception("A request listener failed")
 
-    def check(self, request: GenerationRequest) -> None:
-        """Refuses a request this pipeline cannot run: a pair of the table of refusals (``pairs``:
-        ``guidance_scale_2`` for one expert, an image for a text model, a shift the scheduler would
-        ignore, a fused adapter named, a cache of another kind); more adapters than
-        ``max_loras_per_request`` or unknown ones; no image for an image-to-video pipeline; tokens
-        that do not split evenly over a lane's ``ring x ulysses`` ranks.
+    def check(self, request: GenerationRequest) -> RequestVariant:
+        """The request's variant: every per-request choice read and checked once
+        (``RequestVariant.build``: the pairs of the table of refusals, each feature's field, the
+        split of its tokens over a lane).
 
         Raises:
-            UnsplittableRequestError: With the token count, the degree and what to change.
-            InvalidRequestError: The others, each naming the field and what to send instead.
+            InvalidRequestError: Naming the field and what to send instead
+                (``UnsplittableRequestError`` for tokens that do not split over a lane).
         """
-        if len(request.lora) > self.config.max_loras_per_request:
-            raise InvalidRequestError(
-                f"{len(request.lora)} adapters in one request; max_loras_per_request="
-                f"{self.config.max_loras_per_request}"
-            )
-        refuse_request(self.config, self.pipeline_facts, request)
-        unknown = [name for name, _ in request.lora if name not in self.config.loras]
-        if unknown:
-            switched = sorted(self.config.lora_sources(fused=False))
-            known = ", ".join(switched) or "none (the deployment registers no loras)"
-            names = ", ".join(map(repr, unknown))
-            raise InvalidRequestError(f"unknown lora {names}; this deployment's adapters: {known}")
-        wants_image = bool(self.pipeline_facts.get("image_input"))
-        if wants_image and request.image is None:
-            raise InvalidRequestError(
-                f"{self.config.served_model_name} makes a video from an image: send the first frame (input_reference)"
-            )
-        sequence = self.pipeline_facts.get("sequence")
-        if not sequence:
-            return
-        tokens = sequence_tokens(sequence, request.height, request.width, request.num_frames)
-        if tokens % sequence["degree"]:
-            raise UnsplittableRequestError(
-                f"{request.width}x{request.height} with {request.num_frames} frames is {tokens} tokens, which do not "
-                f"split over ulysses_degree x ring_degree = {sequence['degree']} ranks; choose a size whose "
-                f"width / {sequence['spatial_stride']} x height / {sequence['spatial_stride']} x latent frames is "
-                f"a multiple of {sequence['degree']}"
-            )
+        return RequestVariant.build(request, self.config, self.pipeline_facts)
 
     @property
     def running_capacity(self) -> int:
@@ -515,10 +478,10 @@ class ShardGroup:
 
     def _offer(self, lane: int, job: _Job) -> None:
         """Hands ``job`` to every rank of ``lane`` under one ticket (called with the lock held)."""
-        job.ticket = next(self._tickets)
+        job.variant = job.variant.with_ticket(next(self._tickets))
         job.taken, job.lane = time.monotonic(), lane
         for rank_index in self.dims.lane_ranks(lane):
-            ref = self.ranks[rank_index].offer.remote(job.request, job.ticket)
+            ref = self.ranks[rank_index].offer.remote(job.variant)
             self._inflight[ref] = (rank_index, job)
             self._watch("offer", ref)
 

@@ -18,10 +18,11 @@ import ray
 
 from ray_hsdp.config import MAX_REQUESTS_PER_RANK, GroupConfig
 from ray_hsdp.phases import Phases
-from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
+from ray_hsdp.request import GenerationResult, RequestCancelledError
 from ray_hsdp.runtime import RankRuntime, SessionFailedError
 from ray_hsdp.runtime.core import RequestStoppedError
 from ray_hsdp.topology import ParallelDims
+from ray_hsdp.variant import RankFeatures, RequestVariant
 
 logger = logging.getLogger("ray_hsdp")
 
@@ -159,8 +160,9 @@ class Rank:
         with RssSampler() as rss:
             start = time.perf_counter()
             self.pipeline = self._load_pipeline()
-            adapters = self._load_adapters()
-            modules, exchange = self._sharded_modules(adapters)
+            features = RankFeatures(self._load_adapters(), adapters_per_forward=bool(self.pipeline.sharded))
+            modules, exchange = self._sharded_modules(features)
+            self.pipeline.features = features
             if self.decode_group is not None:
                 from ray_hsdp.lane_tiles import LaneTiles
 
@@ -174,9 +176,6 @@ class Rank:
                 self.pipeline.route_calls(
                     modules.proxies(self.runtime.call, {name: split for name in self.pipeline.cfg_split})
                 )
-            if adapters is not None and modules is None:
-                # Unsharded: no tick thread; its one request slot selects its request's adapters.
-                self.pipeline.adapters = adapters
             with self.phases.phase("request slots"):  # each slot's own VAE and scheduler
                 self.pipeline.set_request_slots(self.config.requests_per_rank, self.config.shard_components)
             self.pipeline.request_streams = self.config.request_streams
@@ -224,24 +223,22 @@ class Rank:
         with self.phases.phase("adapters"):
             return Adapters.load(self.pipeline.pipe, switched)
 
-    def _sharded_modules(self, adapters):
-        """The sharded modules the tick thread runs (with the adapters and step caches it sets per
-        call) and the tick's exchange; ``(None, None)`` on an unsharded rank."""
+    def _sharded_modules(self, features: RankFeatures):
+        """The sharded modules the tick thread runs (each forward in its request's variant, with
+        the rank's ``features``, whose step caches are made here) and the tick's exchange;
+        ``(None, None)`` on an unsharded rank."""
         from ray_hsdp.runtime.modules import ProcessGroupExchange, ShardedModules
 
         if not self.pipeline.sharded:
             return None, None
-        step_caches = None
         if self.config.cache.kind != "none":
-            step_caches = self._step_caches()
-            self.pipeline.step_caches = step_caches
+            features.step_caches = self._step_caches()
         modules = ShardedModules(
             self.pipeline.sharded_modules,
             self.config.device,
             self.pipeline.shardings,
             cfg_group=self.lane_mesh.get_group("cfg") if self.dims.cfg == 2 else None,
-            adapters=adapters,
-            step_caches=step_caches,
+            features=features,
         )
         on_host = self.config.tick_exchange == "host"
         return modules, ProcessGroupExchange("cpu" if on_host else self.config.device, self.tick_group)
@@ -257,8 +254,6 @@ class Rank:
             max_batch=self.config.max_forward_batch,
             lane_size=self.dims.lane_size,
             leads=self.dims.leads(self.rank),
-            # A cached request's state is its own: its forwards never batch with another's.
-            variant_of=lambda request: (request.lora, id(request) if request.cache is not None else None),
             lane_decodes=self.pipeline.splits_decode if self.decode_group is not None else None,
         )
 
@@ -284,14 +279,14 @@ class Rank:
         return self.runtime
 
     @ray.method(concurrency_group="intake")
-    def offer(self, request: GenerationRequest, ticket: int = 0) -> GenerationResult | None:
+    def offer(self, variant: RequestVariant) -> GenerationResult | None:
         """Hands a request to this rank's running or next session and waits for its result.
 
         Runs on the intake threads, so the group can hand over work while a session computes.
 
         Args:
-            request: The request.
-            ticket: The group's number for it, the same on every rank of the lane that runs it.
+            variant: The request and its choices, under the ticket the group gave it (the same on
+                every rank of the lane that runs it).
 
         Returns:
             The result on a lane's leader; ``None`` on the other ranks of a lane, which only
@@ -304,7 +299,8 @@ class Rank:
                 made it stop its lane.
         """
         runtime = self._loaded()
-        job = runtime.submit(request, ticket)
+        request = variant.request
+        job = runtime.submit(variant, variant.ticket)
         if not runtime.leads:
             try:
                 job.get()
@@ -344,7 +340,7 @@ class Rank:
 
         runtime = self.runtime
         counts = ("ticks", "idle_ticks", "forwards", "ghosts", "batched")
-        caches = self.pipeline.step_caches if self.pipeline is not None else None
+        caches = self.pipeline.features.step_caches if self.pipeline is not None else None
         return {
             "rank": self.rank,
             **{name: getattr(runtime, name) if runtime is not None else 0 for name in counts},

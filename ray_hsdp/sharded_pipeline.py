@@ -33,23 +33,10 @@ from ray_hsdp.sharding.context_parallel import attention_backend_for
 from ray_hsdp.sharding.fp8 import check_fp8_device
 from ray_hsdp.sharding.policy import decode_split_for
 from ray_hsdp.topology import ParallelDims
+from ray_hsdp.variant import RankFeatures, RequestVariant
+from ray_hsdp.variant.shift import shift_key
 
 logger = logging.getLogger("ray_hsdp")
-
-
-#: Scheduler config keys that shift the timesteps of a flow-matching schedule (UniPC's, then
-#: FlowMatchEulerDiscrete's); a request's ``flow_shift`` sets the first one the scheduler has.
-SHIFT_KEYS = ("flow_shift", "shift")
-
-
-def shift_key(scheduler) -> str | None:
-    """The config key a request's ``flow_shift`` sets on ``scheduler``; ``None``: it has none, or
-    its shift is dynamic (``use_dynamic_shifting``, FLUX.1's: it follows the image size and ignores
-    the static one)."""
-    config = getattr(scheduler, "config", {}) or {}
-    if config.get("use_dynamic_shifting"):
-        return None
-    return next((key for key in SHIFT_KEYS if key in config), None)
 
 
 def components(pipe) -> dict[str, nn.Module]:
@@ -99,14 +86,11 @@ class ShardedPipeline:
         #: ``"auto" | "on" | "off"``: when a lane shares a request's decode (with ``lane_tiles``).
         self.vae_parallel = "off"
         self._streams: dict[int, torch.cuda.Stream] = {}
-        #: LoRA adapters a request selects at its start: an unsharded rank's (one request at a
-        #: time); a sharded rank's tick thread selects them per forward instead.
-        self.adapters = None
+        #: What the rank loaded for per-request features (adapters, step caches), which each
+        #: request's variant applies its choices to.
+        self.features = RankFeatures()
         #: This rank's side of its lane's split decodes (``LaneTiles``); ``None``: no split.
         self.lane_tiles = None
-        #: The step caches of the sharded modules (``StepCaches``); a request's state is dropped
-        #: when it ends. ``None``: no step cache.
-        self.step_caches = None
         self._call_params = set(inspect.signature(pipe.__call__).parameters)
         pipe.set_progress_bar_config(disable=True)
         self.modules = components(pipe)  # the real modules, also once proxies stand in for sharded ones
@@ -232,7 +216,8 @@ class ShardedPipeline:
             # Plain attribute: DiffusionPipeline.__setattr__ would register the proxy in its config.
             object.__setattr__(self.pipe, name, stand_in)
 
-    def _kwargs(self, request: GenerationRequest) -> dict:
+    def _kwargs(self, variant: RequestVariant) -> dict:
+        request = variant.request
         kwargs = {
             "prompt": request.prompt,
             "negative_prompt": request.negative_prompt,
@@ -243,10 +228,7 @@ class ShardedPipeline:
             "generator": torch.Generator("cpu").manual_seed(request.seed),
             "output_type": "np",
         }
-        if request.guidance_scale_2 is not None:
-            kwargs["guidance_scale_2"] = request.guidance_scale_2
-        if request.image is not None:  # the group's check refused it for a pipeline without image input
-            kwargs["image"] = request.first_frame()
+        kwargs.update(variant.pipeline_kwargs())  # its group checked them against this pipeline
         # Video pipelines take frames and "videos per prompt"; image pipelines take neither.
         if "num_frames" in self._call_params:
             kwargs["num_frames"] = request.num_frames
@@ -288,11 +270,12 @@ class ShardedPipeline:
         )
 
     @torch.no_grad()
-    def run(self, request: GenerationRequest, on_step: Callable[[int, int], bool] | None = None) -> GenerationResult:
-        """Runs one request through the pipeline.
+    def run(self, variant: RequestVariant, on_step: Callable[[int, int], bool] | None = None) -> GenerationResult:
+        """Runs one request through the pipeline, inside its variant (``RequestVariant.run``).
 
         Args:
-            request: The request.
+            variant: The request and its choices (``RequestVariant.unchecked(request)`` for a
+                request run without a group).
             on_step: Called with (steps done, steps in all) after each denoising step; when it
                 returns True the request stops there, without decoding.
 
@@ -300,7 +283,8 @@ class ShardedPipeline:
             RequestCancelledError: ``on_step`` asked to stop. Raised from the step callback rather
                 than through diffusers' interrupt flag, which still decodes every frame (in Wan).
         """
-        kwargs = self._kwargs(request)
+        request = variant.request
+        kwargs = self._kwargs(variant)
         step_ends: list[float] = []
         if on_step is not None and "callback_on_step_end" in self._call_params:
             total = request.num_inference_steps
@@ -319,24 +303,14 @@ class ShardedPipeline:
         start = time.perf_counter()
         pipe = self._slots.get()
         self._running_slot.pipe = pipe
-        scheduler = pipe.scheduler if request.flow_shift is not None else None
-        cached_forwards = None
         try:
-            if self.adapters is not None:
-                self.adapters.select(request.lora)
-            self._set_tiling(pipe, request)
-            if scheduler is not None:  # the slot's own scheduler, with this request's shift
-                shifted = type(scheduler).from_config(scheduler.config, **{shift_key(scheduler): request.flow_shift})
-                pipe.scheduler = shifted
-            with torch.cuda.stream(self._slot_stream(pipe)):
+            self._set_tiling(pipe, variant)
+            with variant.run(pipe, self.features), torch.cuda.stream(self._slot_stream(pipe)):
                 output = pipe(**kwargs)
         finally:
-            if scheduler is not None:
-                pipe.scheduler = scheduler
             self._running_slot.pipe = None
             self._slots.put(pipe)
-            if self.step_caches is not None:
-                cached_forwards = self.step_caches.release(request)
+            released = variant.release(self.features)
         frames = output.frames if hasattr(output, "frames") else output.images
         frames = np.asarray(frames, dtype=np.float32)
         if frames.ndim == 4:  # images: (n, H, W, C) -> (n, 1, H, W, C)
@@ -351,14 +325,15 @@ class ShardedPipeline:
             request_id=request.request_id,
             peak_device_bytes=peak_device_bytes(self.device),
             step_s=(step_ends[-1] - step_ends[0]) / (len(step_ends) - 1) if len(step_ends) > 1 else None,
-            cached_forwards=cached_forwards,
+            cached_forwards=released.get("cached_forwards"),
         )
 
-    def splits_decode(self, request: GenerationRequest) -> bool:
+    def splits_decode(self, variant: RequestVariant) -> bool:
         """Whether the ranks of this rank's lane share the decode of ``request``: a lane of several
         ranks, a VAE whose tiled decode has a registered split, frames of more than one tile, and
         ``vae_parallel`` "on", or "auto" where it measured faster than the leader alone: lanes of 4
         or more, or a decode the leader would tile anyway. The same answer on every rank of the lane."""
+        request = variant.request
         vae = getattr(self.pipe, "vae", None)
         split = decode_split_for(vae) if self.lane_tiles is not None and vae is not None else None
         if split is None or not split.tiled(vae, request.width, request.height):
@@ -370,7 +345,7 @@ class ShardedPipeline:
         mode, above_pixels = self.vae_tiling
         return mode == "on" or (mode == "auto" and request.width * request.height > above_pixels)
 
-    def _set_tiling(self, pipe, request: GenerationRequest) -> None:
+    def _set_tiling(self, pipe, variant: RequestVariant) -> None:
         """Tiles the slot's VAE decode for this request or not (each slot has a VAE of its own),
         and shares its tiles over the lane when the lane splits the decode."""
         vae = getattr(pipe, "vae", None)
@@ -379,11 +354,11 @@ class ShardedPipeline:
         # The instance attribute stands in for the class's tiled_decode: AutoencoderKL*._decode
         # calls self.tiled_decode when the frames exceed one tile.
         vars(vae).pop("tiled_decode", None)
-        if self.splits_decode(request):
+        if self.splits_decode(variant):
             vae.enable_tiling()
             vae.tiled_decode = functools.partial(self._lane_tiled_decode, vae, decode_split_for(vae))
             return
-        if self._tiles(request):
+        if self._tiles(variant.request):
             vae.enable_tiling()
         else:
             vae.disable_tiling()

@@ -110,19 +110,21 @@ class StepCaches:
                     hook._should_compute_remaining_blocks = functools.partial(self._first_block_decision, hook)
 
     @contextmanager
-    def forward(self, module: nn.Module, request, context: tuple[str, dict] | None) -> Iterator[None]:
-        """On the tick thread, around one forward of ``module`` for ``request``.
+    def forward(
+        self, module: nn.Module, key: int, settings: StepCache | None, context: tuple[str, dict] | None
+    ) -> Iterator[None]:
+        """On the tick thread, around one forward of ``module`` for one request.
 
         Args:
             module: The sharded module about to run.
-            request: The request whose call runs (``GenerationRequest``); ``None``: no request.
+            key: The request's key on this rank (its ticket), under which its state is kept.
+            settings: The request's step cache; ``None``: every step computed in full.
             context: The ``(name, kwargs)`` of the pipeline's ``cache_context`` around the call.
         """
         hooks = self._hooks.get(id(module))
         if hooks is None:
             yield
             return
-        settings = request.cache if request is not None else None
         name, kwargs = context or ("default", {})
         self._configure(hooks, settings)
         if settings is None:
@@ -136,7 +138,6 @@ class StepCaches:
                 for manager in self._managers[id(module)]:
                     manager._state_cache.pop(UNCACHED, None)
             return
-        key = id(request)
         context_name = f"{key}/{name}"
         with self._lock:
             self._contexts.setdefault(key, set()).add((id(module), context_name))
@@ -148,14 +149,13 @@ class StepCaches:
             self.reused += reused
             self._reused_by[key] = self._reused_by.get(key, 0) + reused
 
-    def release(self, request) -> int | None:
-        """Drops the cache state of ``request`` once it ended (on its own thread: none of its
-        forwards runs any more).
+    def release(self, key: int) -> int:
+        """Drops the cache state of the request of ``key`` once it ended (on its own thread: none
+        of its forwards runs any more).
 
         Returns:
-            Its forwards that reused the cache; ``None`` when it ran without one.
+            Its forwards that reused the cache.
         """
-        key = id(request)
         with self._lock:
             contexts = self._contexts.pop(key, set())
             reused = self._reused_by.pop(key, 0)
@@ -164,7 +164,7 @@ class StepCaches:
                 # diffusers frees states only all at once (reset), which would drop the states of
                 # the requests still running; each request's state is its own entry.
                 manager._state_cache.pop(name, None)
-        return reused if getattr(request, "cache", None) is not None else None
+        return reused
 
     def _configure(self, hooks, settings: StepCache | None) -> None:
         self._settings = settings

@@ -7,6 +7,7 @@ import pytest
 
 from ray_hsdp.request import GenerationRequest, RequestCancelledError
 from ray_hsdp.sharded_pipeline import ShardedPipeline
+from ray_hsdp.variant import RequestVariant
 
 
 def one_rank(tiny_model) -> ShardedPipeline:
@@ -33,9 +34,9 @@ def test_a_stopped_request_raises_at_its_step_and_skips_the_decode(tiny_model):
     request = GenerationRequest(prompt="stop me", num_inference_steps=10, num_frames=5, request_id="r")
     steps = []
     with pytest.raises(RequestCancelledError, match="stopped after step 3 of 10, not decoded"):
-        pipeline.run(request, on_step=lambda done, total: steps.append(done) or done == 3)
+        pipeline.run(RequestVariant.unchecked(request), on_step=lambda done, total: steps.append(done) or done == 3)
     assert steps == [1, 2, 3] and decodes == []
-    result = pipeline.run(request, on_step=lambda done, total: False)
+    result = pipeline.run(RequestVariant.unchecked(request), on_step=lambda done, total: False)
     assert decodes == [1] and result.frames.shape == (1, 5, 64, 64, 3)
     assert pipeline.facts == {
         "video": True,
@@ -66,7 +67,7 @@ def test_a_request_s_flow_shift_sets_its_timesteps_and_no_other_s(tiny_model):
     for shift in (2.0, None):
         seen.clear()
         request = GenerationRequest(prompt="shift", num_inference_steps=3, guidance_scale=1.0, flow_shift=shift)
-        pipeline.run(request)
+        pipeline.run(RequestVariant.unchecked(request))
         assert seen == pytest.approx(timesteps(shift)), shift
         assert pipeline.pipe.scheduler is own
     assert timesteps(2.0) != pytest.approx(timesteps(None))
@@ -81,7 +82,7 @@ def test_a_scheduler_whose_shift_is_dynamic_takes_no_flow_shift():
     from ray_hsdp.config import GroupConfig
     from ray_hsdp.pairs import refuse_request
     from ray_hsdp.request import InvalidRequestError
-    from ray_hsdp.sharded_pipeline import shift_key
+    from ray_hsdp.variant.shift import shift_key
 
     dynamic = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
     assert shift_key(dynamic) is None

@@ -160,15 +160,14 @@ def test_a_request_without_a_cache_keeps_no_cache_state(kind, tiny_model):
         "encoder_hidden_states": torch.randn(1, 8, 32, generator=generator),
         "return_dict": False,
     }
-    plain = GenerationRequest(prompt="plain")
-    cached = GenerationRequest(prompt="cached", cache=SCHEDULES[kind])
+    plain, cached = 1, 2  # the requests' tickets
     with torch.no_grad():
         for step, context in enumerate(["cond", "uncond"] * 2):
-            with caches.forward(model, plain, (context, {})):
+            with caches.forward(model, plain, None, (context, {})):
                 model(timestep=torch.tensor([900 - 100 * step]), **inputs)
             assert not any(m._state_cache for m in managers), step
-        with caches.forward(model, cached, ("cond", {})):
+        with caches.forward(model, cached, SCHEDULES[kind], ("cond", {})):
             model(timestep=torch.tensor([900]), **inputs)
     assert any(m._state_cache for m in managers)
-    assert caches.release(plain) is None and caches.release(cached) == 0
+    assert caches.release(plain) == 0 and caches.release(cached) == 0
     assert not any(m._state_cache for m in managers)

@@ -13,6 +13,7 @@ from ray_hsdp.config import GroupConfig
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.loading import load_pipeline
 from ray_hsdp.request import GenerationRequest
+from ray_hsdp.variant import RequestVariant
 
 DEADLINE_S = 240  # the whole mix; a hang fails the test instead of blocking the suite
 
@@ -124,7 +125,7 @@ def count_collectives(mesh, rank, model_dir, forward_prefetch, gather, keep_gath
     pipe.route_calls(modules.proxies(runtime.call))
     try:
         if rank == 0:
-            job = runtime.submit(GenerationRequest(prompt="two forwards", request_id="r"))
+            job = runtime.submit(RequestVariant.unchecked(GenerationRequest(prompt="two forwards", request_id="r")))
         runtime.session()
         if rank == 0:
             job.get()

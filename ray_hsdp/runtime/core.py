@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from ray_hsdp.request import LaneCollectiveError
@@ -148,16 +148,16 @@ class ForwardCall(Completion):
         kwargs: dict,
         ticket: int = 0,
         context: dict | None = None,
-        variant: Hashable = None,
         request: Any = None,
     ):
         super().__init__()
         self.module_id = module_id
-        #: The request whose thread made the call (its adapters, its step cache); ``None`` outside one.
+        #: The request whose thread made the call (its variant: adapters, step cache); ``None``
+        #: outside one.
         self.request = request
-        #: What the forward runs with besides its inputs (its request's adapters, a step cache of
-        #: its own): calls batch only with calls of the same variant.
-        self.variant = variant
+        #: What the forward runs with besides its inputs (the request's ``batch_key``: its
+        #: adapters, a step cache of its own): calls batch only with calls of the same key.
+        self.batch_key = request.batch_key if request is not None else None
         self.args = args
         self.kwargs = kwargs
         self.ticket = ticket
@@ -215,7 +215,9 @@ class RankRuntime:
 
     Args:
         run_request: ``run_request(request, on_step)`` computes a request on a request thread;
-            ``on_step(done, total)`` after each denoising step returns True to interrupt it.
+            ``on_step(done, total)`` after each denoising step returns True to interrupt it. A
+            request has a ``request_id``, ``num_inference_steps`` and a ``batch_key`` (what its
+            forwards run with besides their inputs: a forward batches only calls of one key).
         rank: This rank's index in its group (for names and messages).
         slots: Requests that run at once (each in a thread of its own).
         modules: The sharded root modules; ``None`` for an unsharded rank, which has no ticks.
@@ -229,9 +231,6 @@ class RankRuntime:
             rank of the lane offers it, and stops act at one tick on all of them.
         leads: Whether this rank leads its lane: only a leader decodes and answers; the others
             end each request after its last denoising step.
-        variant_of: ``variant_of(request)``: what a request's forwards run with besides their
-            inputs (its adapters, a step cache of its own); a forward batches only calls of one
-            variant.
         lane_decodes: ``lane_decodes(request)``: whether all ranks of the lane decode the request
             together after its last step (a split decode, whose collectives run on the lane's own
             process group from the request threads). The ranks then go on past the last step, and
@@ -251,7 +250,6 @@ class RankRuntime:
         max_batch: int = 1,
         lane_size: int = 1,
         leads: bool = True,
-        variant_of: Callable[[Any], Hashable] | None = None,
         lane_decodes: Callable[[Any], bool] | None = None,
     ) -> None:
         if (modules is None) != (exchange is None):
@@ -268,7 +266,6 @@ class RankRuntime:
         self.max_batch = max_batch
         self.lane_size = lane_size
         self.leads = leads
-        self.variant_of = variant_of
         self.lane_decodes = lane_decodes
         self.ticks = 0
         self.idle_ticks = 0  # ticks at which this rank had nothing to do
@@ -329,14 +326,12 @@ class RankRuntime:
             context: Handed to the modules with the call (for example the CFG exchange's part).
         """
         job: Job | None = getattr(self._local, "job", None)
-        variant = self.variant_of(job.request) if job is not None and self.variant_of is not None else None
         call = ForwardCall(
             module_id,
             args,
             kwargs,
             job.ticket if job is not None else 0,
             context,
-            variant,
             job.request if job is not None else None,
         )
         modules = self.modules
@@ -623,7 +618,7 @@ class RankRuntime:
             batch.append(first)
             self._waiting.remove(first)
             for call in list(self._waiting):
-                if call.module_id != module_id or len(batch) == self.max_batch or call.variant != first.variant:
+                if call.module_id != module_id or len(batch) == self.max_batch or call.batch_key != first.batch_key:
                     continue
                 if batch and not compatible((batch[0].args, batch[0].kwargs), (call.args, call.kwargs)):
                     continue
@@ -665,7 +660,7 @@ class RankRuntime:
         self._local.job = job
         lane = self.lane_size > 1
         follower_done = [False]
-        decodes_together = lane and self.lane_decodes is not None and self.lane_decodes(job.request)
+        decodes_together = False
 
         def stop_expecting() -> None:
             if expecting[0]:
@@ -695,6 +690,7 @@ class RankRuntime:
         self._progress[request_id] = (0, job.request.num_inference_steps)
         self.observer.request(request_id, "start")
         try:
+            decodes_together = lane and self.lane_decodes is not None and self.lane_decodes(job.request)
             job.complete(self._run_request(job.request, on_step))
         except LaneCollectiveError as err:
             # Its lane's other ranks may wait in the decode's collectives for this one: the

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from ray_hsdp.batching import concatenate, split
 from ray_hsdp.runtime.core import ForwardCall
+from ray_hsdp.variant import NO_REQUEST, RankFeatures
 
 
 def _tensors(obj):
@@ -76,10 +77,9 @@ class ShardedModules:
             order, leaving the module as a real forward leaves it).
         cfg_group: The process group of this rank's two CFG halves (the lane mesh's ``cfg`` dim),
             over which a call marked ``cfg`` exchanges its output; ``None`` without CFG parallel.
-        adapters: The LoRA adapters loaded into the modules (``ray_hsdp.adapters.Adapters``):
-            each forward first selects its request's adapters.
-        step_caches: The modules' step caches (``ray_hsdp.step_cache.StepCaches``): each forward
-            runs in its request's own cache context and settings.
+        features: What the rank loaded for per-request features (``ray_hsdp.variant.RankFeatures``:
+            adapters, step caches): each forward runs inside its request's variant
+            (``RequestVariant.forward``), which applies the request's choices to them.
     """
 
     def __init__(
@@ -88,12 +88,10 @@ class ShardedModules:
         device: str,
         shardings: dict,
         cfg_group=None,
-        adapters=None,
-        step_caches=None,
+        features: RankFeatures | None = None,
     ):
         self.cfg_group = cfg_group
-        self.adapters = adapters
-        self.step_caches = step_caches
+        self.features = features or RankFeatures()
         # Parameter counts are global (DTensor), so every rank gets the same order.
         self.names = sorted(modules, key=lambda n: (sum(p.numel() for p in modules[n].parameters()), n))
         self.modules = [modules[name] for name in self.names]
@@ -130,15 +128,10 @@ class ShardedModules:
             if "ready" in call.context:
                 torch.cuda.current_stream().wait_event(call.context["ready"])
         module = self.modules[calls[0].module_id]
-        request = calls[0].request  # a batch's calls share their variant: adapters, step cache
-        if self.adapters is not None and self.adapters.adapts(module):
-            self.adapters.select(request.lora if request is not None else ())
-        cache = (
-            self.step_caches.forward(module, request, calls[0].context.get("cache"))
-            if self.step_caches is not None
-            else nullcontext()
-        )
-        with cache:
+        # A batch's calls share their batch key (adapters, step cache): the first one's variant
+        # stands for all.
+        variant = calls[0].request or NO_REQUEST
+        with variant.forward(module, calls[0].context.get("cache"), self.features):
             if len(calls) == 1:
                 results = [module(*calls[0].args, **calls[0].kwargs)]
             else:

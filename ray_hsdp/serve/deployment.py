@@ -28,7 +28,6 @@ from ray_hsdp.group import (
     GroupUnplaceableError,
     QueueTimeoutError,
     ShardGroup,
-    UnsplittableRequestError,
     remote_cause,
 )
 from ray_hsdp.request import GenerationRequest, GenerationResult, InvalidRequestError, RequestCancelledError
@@ -47,6 +46,7 @@ from ray_hsdp.serve.schema import (
     to_video_request,
 )
 from ray_hsdp.topology import ParallelDims
+from ray_hsdp.variant.lane import UnsplittableRequestError
 
 logger = logging.getLogger("ray_hsdp")
 
@@ -599,9 +599,7 @@ class HSDPServer:
             load = max(load, sum(self.keeper.group.load()))
         return load
 
-    async def _run_video(
-        self, video_id: str, job: GenerationRequest, fps: int, future
-    ) -> BaseException | None:
+    async def _run_video(self, video_id: str, job: GenerationRequest, fps: int, future) -> BaseException | None:
         """Runs a job to its MP4 in the table; returns the error that failed it, if any."""
         reporter = asyncio.create_task(self._report_progress(video_id, job.request_id))
         try:

@@ -41,6 +41,7 @@ class FakeRequest:
     calls: tuple[tuple[int, float], ...]  # (module id, input) per denoising step
     own_error_at: int | None = None  # the request raises its own error before this step
     num_inference_steps: int = field(init=False, default=0)
+    batch_key = None  # no per-request choices: any of its calls may batch with any other
 
     def __post_init__(self):
         object.__setattr__(self, "num_inference_steps", len(self.calls))

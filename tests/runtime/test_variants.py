@@ -1,5 +1,6 @@
-"""A forward batches only calls of one variant (their requests' LoRA adapters): requests with
-different adapters on one rank never share a forward, and requests with the same ones still do."""
+"""A forward batches only calls of one batch key (their requests' LoRA adapters, from their
+variants): requests with different adapters on one rank never share a forward, and requests with
+the same ones still do."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ class Request:
     request_id: str
     lora: tuple
     num_inference_steps: int = 4
+
+    @property
+    def batch_key(self):
+        return self.lora
 
 
 class RecordingModules:
@@ -32,7 +37,7 @@ class RecordingModules:
         pass
 
     def forward(self, calls: list[ForwardCall]) -> list:
-        self.batches.append([c.variant for c in calls])
+        self.batches.append([c.batch_key for c in calls])
         return [c.args[0] + 1 for c in calls]
 
     def ghost(self, module_id: int) -> None:
@@ -56,7 +61,6 @@ def test_calls_of_different_adapters_never_share_a_forward():
         exchange=lambda state: [state],
         patience_s=0.05,  # time for all four threads' calls to wait together
         max_batch=4,
-        variant_of=lambda request: request.lora,
     )
     holder["runtime"] = runtime
     style, detail = (("style", 1.0),), (("detail", 0.5),)
