@@ -152,10 +152,8 @@ class StepCacheConfig(BaseModel):
         return merged.settings()
 
 
-class GroupConfig(BaseModel):
-    """How one shard group loads, shards and runs a diffusers pipeline."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class ServedModel(BaseModel):
+    """What a group serves: the pipeline's folder, its name, device and dtype."""
 
     model: str = Field(
         TINY_MODEL,
@@ -171,6 +169,12 @@ class GroupConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Parameter dtype; 'auto' is bfloat16 on cuda and float32 on cpu."
     )
+    allow_pickle: bool = Field(False, description="Also load pickle (.bin) checkpoints; only safetensors otherwise.")
+
+
+class GroupLayout(BaseModel):
+    """How a group's ranks hold and run the pipeline: sizes, lanes, sharding, gathers, ticks."""
+
     world_size: int | None = Field(
         None, ge=1, description="Total ranks of the pool (replicate_size x shard_size); checked when given."
     )
@@ -204,17 +208,6 @@ class GroupConfig(BaseModel):
         False,
         description="Run the conditional and unconditional forwards of each denoising step on two different "
         "ranks of a lane at once (lanes of 2 x ring x ulysses ranks).",
-    )
-    attention_backend: str = Field(
-        "auto",
-        description="diffusers attention backend of the transformers ('native', '_native_cudnn', 'flash', ...); "
-        "'auto' keeps diffusers' default, or '_native_cudnn' on CUDA when ring_degree > 1.",
-    )
-    compile: bool = Field(
-        False,
-        description="torch.compile the transformers' repeated blocks on every rank (regional compile, in place, "
-        "the gathers left eager); the group compiles with a warm-up request per lane before it serves, and each "
-        "new request shape compiles again once.",
     )
     shard_components: tuple[str, ...] = Field(
         DEFAULT_SHARD_COMPONENTS, description="Pipeline components to shard when present; all others stay replicated."
@@ -272,6 +265,36 @@ class GroupConfig(BaseModel):
         "shape) that run as one batched forward, which gathers the weights once for all of them; 1: one call "
         "per forward.",
     )
+    tick_exchange: Literal["auto", "host", "device"] = Field(
+        "auto",
+        description="Where the tick's all-gather (which forward each rank runs next) travels. 'host': gloo over "
+        "TCP, so a rank agrees on and queues its next forward while its GPU still runs the last one; 'device': "
+        "NCCL on the GPU's stream, so every tick waits for the rank's queued kernels to finish and the GPU "
+        "idles while the next forward is launched. 'auto': host.",
+    )
+    cpus_per_rank: float | None = Field(
+        None,
+        gt=0,
+        description="CPUs reserved per rank in its placement-group bundle; None: 1 on cuda, "
+        f"{CPU_RANK_CPUS} on cpu (a gloo rank computes little between collectives, and 4 of them must fit a "
+        "2-core laptop).",
+    )
+
+
+class GroupKernels(BaseModel):
+    """What speeds a forward and a decode up: attention backend, compile, FP8, streams, VAE tiling."""
+
+    attention_backend: str = Field(
+        "auto",
+        description="diffusers attention backend of the transformers ('native', '_native_cudnn', 'flash', ...); "
+        "'auto' keeps diffusers' default, or '_native_cudnn' on CUDA when ring_degree > 1.",
+    )
+    compile: bool = Field(
+        False,
+        description="torch.compile the transformers' repeated blocks on every rank (regional compile, in place, "
+        "the gathers left eager); the group compiles with a warm-up request per lane before it serves, and each "
+        "new request shape compiles again once.",
+    )
     quantization: Literal["none", "fp8"] = Field(
         "none",
         description="'fp8': the sharded diffusers models' linear layers inside their units keep, gather and "
@@ -279,13 +302,6 @@ class GroupConfig(BaseModel):
         "weights per GPU and per gather, FP8 matmuls, outputs that drift from bfloat16. CUDA GPUs of compute "
         "capability 8.9 or above (H100, L40S) with gather 'in_place' and shard_size >= 2 only; the group's start "
         "compiles the activations' scaling.",
-    )
-    tick_exchange: Literal["auto", "host", "device"] = Field(
-        "auto",
-        description="Where the tick's all-gather (which forward each rank runs next) travels. 'host': gloo over "
-        "TCP, so a rank agrees on and queues its next forward while its GPU still runs the last one; 'device': "
-        "NCCL on the GPU's stream, so every tick waits for the rank's queued kernels to finish and the GPU "
-        "idles while the next forward is launched. 'auto': host.",
     )
     request_streams: bool = Field(
         False,
@@ -309,6 +325,11 @@ class GroupConfig(BaseModel):
         ge=1,
         description="'auto' tiles the decode of frames larger than this (width x height).",
     )
+
+
+class GroupQueue(BaseModel):
+    """How a group queues requests and how long each step of a request's life may take."""
+
     queue_lookahead: int = Field(
         16, ge=1, description="Queued requests the scheduler looks through to find one of similar cost."
     )
@@ -320,13 +341,6 @@ class GroupConfig(BaseModel):
         ge=0,
         description="Requests a group holds queued beyond those its ranks run at once; more are refused "
         "(HTTP 429). 0: no queue, only what the ranks can run.",
-    )
-    cpus_per_rank: float | None = Field(
-        None,
-        gt=0,
-        description="CPUs reserved per rank in its placement-group bundle; None: 1 on cuda, "
-        f"{CPU_RANK_CPUS} on cpu (a gloo rank computes little between collectives, and 4 of them must fit a "
-        "2-core laptop).",
     )
     rendezvous_timeout_s: float = Field(120.0, gt=0, description="Deadline for the ranks to form their process group.")
     collective_timeout_s: float = Field(600.0, gt=0, description="Timeout of every collective of the process group.")
@@ -341,7 +355,11 @@ class GroupConfig(BaseModel):
         "rebuild, in the group's queue and on another group that retries or takes it over, all together (HTTP 504 "
         "past it). Long enough for a full queue of long videos ahead of it.",
     )
-    allow_pickle: bool = Field(False, description="Also load pickle (.bin) checkpoints; only safetensors otherwise.")
+
+
+class RequestFeatures(BaseModel):
+    """What requests may choose per request: LoRA adapters and step caches."""
+
     loras: dict[str, str | dict[str, str]] = Field(
         default_factory=dict,
         description="LoRA adapters every rank loads at start, under the names requests choose them by: a LoRA file "
@@ -367,6 +385,14 @@ class GroupConfig(BaseModel):
         description="Step caching (an opt-in approximation): the kind whose hooks every rank loads, and the settings "
         "requests get; a request may turn it off or set its own (its 'cache' field).",
     )
+
+
+class GroupConfig(RequestFeatures, GroupQueue, GroupKernels, GroupLayout, ServedModel):
+    """How one shard group loads, shards and runs a diffusers pipeline: the fields of its concerns
+    (the bases, listed last first: pydantic orders the fields of the last base first) and the
+    checks and facts that need several of them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     @model_validator(mode="after")
     def _check_sizes(self) -> GroupConfig:

@@ -9,15 +9,29 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from ray_hsdp.config import AppConfig, AutoscalingSpec, GroupConfig, LoraDefaults, StepCacheConfig
+from ray_hsdp.config import (
+    AppConfig,
+    AutoscalingSpec,
+    GroupKernels,
+    GroupLayout,
+    GroupQueue,
+    LoraDefaults,
+    RequestFeatures,
+    ServedModel,
+    StepCacheConfig,
+)
 
 #: The models the page describes, with what each section says of where its fields go.
 SECTIONS: tuple[tuple[str, type[BaseModel], str], ...] = (
-    ("Group (`GroupConfig`)", GroupConfig, "How one shard group loads, shards and runs a pipeline; the YAML's `args`."),
+    *(
+        (f"Group: {part.__doc__.split(':')[0].rstrip('.')} (`{part.__name__}`)", part, part.__doc__)
+        for part in (ServedModel, GroupLayout, GroupKernels, GroupQueue, RequestFeatures)
+    ),
     (
         "Application (`AppConfig`)",
         AppConfig,
-        "The Serve application: the group's fields above, plus request defaults and limits.",
+        "The Serve application (the YAML's `args`): the group's fields above (`GroupConfig`), plus request "
+        "defaults and limits.",
     ),
     ("`cache`", StepCacheConfig, "A group's step cache and the settings a request gets."),
     ("`autoscaling`", AutoscalingSpec, "Shard groups that Serve adds and removes with their load."),
@@ -53,8 +67,7 @@ def markdown() -> str:
         lines += ["", f"## {title}", "", summary, "", "| field | default | what it does |", "| --- | --- | --- |"]
         # AppConfig repeats GroupConfig's fields: each field is listed once, where it is declared.
         lines += _rows(model, described if model is AppConfig else set())
-        if model is GroupConfig:
-            described = set(model.model_fields)
+        described |= set(model.model_fields) if model is not AppConfig else set()
     return "\n".join(lines) + "\n"
 
 

@@ -8,21 +8,20 @@ builder, the job table's replica, a notebook) then start without importing torch
 
 from __future__ import annotations
 
-import importlib
 import logging
-import os
 import threading
-import time
 
 import ray
 
 from ray_hsdp.config import MAX_REQUESTS_PER_RANK, GroupConfig
+from ray_hsdp.deadlines import run_timeout
 from ray_hsdp.phases import Phases
+from ray_hsdp.rank_start import RankStart
 from ray_hsdp.request import GenerationResult, RequestCancelledError
 from ray_hsdp.runtime import RankRuntime, SessionFailedError
 from ray_hsdp.runtime.core import RequestStoppedError
 from ray_hsdp.topology import ParallelDims
-from ray_hsdp.variant import RankFeatures, RequestVariant
+from ray_hsdp.variant import RequestVariant
 
 logger = logging.getLogger("ray_hsdp")
 
@@ -39,7 +38,7 @@ CONCURRENCY_GROUPS = {"control": 2, "intake": MAX_REQUESTS_PER_RANK, "profile": 
 FAULTS = ("stall", "forward", "decode")
 
 
-class Rank:
+class Rank(RankStart):
     """One rank of a shard group; the group turns this class into a Ray actor.
 
     Args:
@@ -75,203 +74,6 @@ class Rank:
     def __repr__(self) -> str:
         # Ray prefixes the actor's log lines with this: "(Rank(group=..., rank=...) pid=...)".
         return f"Rank(group={self.group_id}, rank={self.rank})"
-
-    def prepare(self) -> str:
-        """Finds the model folder on this node (writing the embedded tiny model if needed) and
-        imports the classes of its components.
-
-        Runs before the process group exists: model writers save only on distributed rank 0.
-        """
-        from ray_hsdp.loading import import_component_classes, resolve_lora_path, resolve_model_path
-
-        with self.phases.phase("model files"):
-            self.model_path = resolve_model_path(self.config.model)
-            self.lora_paths = {
-                name: {component: resolve_lora_path(source) for component, source in parts.items()}
-                for name, parts in self.config.lora_sources().items()
-            }
-        # Code first, weights later: the load's memory report then counts weights only, and its
-        # time is the weights' (the sharding code took another second of imports on CPU there).
-        with self.phases.phase("imports"):
-            import_component_classes(self.model_path)
-            importlib.import_module("ray_hsdp.sharded_pipeline")
-        return str(self.model_path)
-
-    def address(self) -> tuple[str, int]:
-        """This node's IP and a port free on it: rank 0's answer is the group's rendezvous address."""
-        from ray_hsdp import distributed
-
-        ip = distributed.node_ip()
-        return ip, distributed.free_port(ip)
-
-    def join(self, master: str, port: int) -> dict:
-        """Joins the process group and builds the mesh.
-
-        Returns:
-            Where this rank runs: rank, node id and IP, pid, device.
-        """
-        from ray_hsdp import distributed
-
-        if self.dims.shard_size > 1:
-            with self.phases.phase("process group"):
-                distributed.init_process_group(
-                    self.config.device, master, port, self.rank, self.dims.shard_size, self.config.collective_timeout_s
-                )
-            with self.phases.phase("meshes"):
-                self.mesh, self.lane_mesh = distributed.build_meshes(self.config.device, self.dims)
-                if self.config.tick_exchange == "host":  # on CPUs too: the path GPUs take, tested here
-                    self.tick_group = distributed.host_tick_group(self.config.collective_timeout_s)
-                if self.config.vae_parallel != "off" and self.dims.lane_size > 1:
-                    self.decode_group = distributed.lane_decode_group(self.dims, self.config.collective_timeout_s)
-        else:
-            self.mesh = self.lane_mesh = None
-        return {
-            "rank": self.rank,
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "namespace": ray.get_runtime_context().namespace,
-            "node_ip": distributed.node_ip(),
-            "pid": os.getpid(),
-            "device": self.config.device,
-            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-        }
-
-    def load(self) -> dict:
-        """Loads the pipeline, its sharded components slice by slice, and builds the runtime;
-        returns the memory report, with the pipeline's facts under ``pipeline``.
-
-        The report adds ``load_s`` and ``load_peak_rss_bytes``: the most host memory this process
-        held above its level before loading, sampled while loading.
-        """
-        from ray_hsdp.memory import RssSampler
-        from ray_hsdp.runtime.cfg import CfgSplit
-
-        if self.model_path is None:
-            raise RuntimeError("prepare() must run before load()")
-        if self.rank == 0:
-            logger.info(
-                "HSDP Inference: replicate_size=%d, shard_size=%d, lanes=%d x (cfg %d x ring %d x ulysses %d)",
-                self.dims.replicate_size,
-                self.dims.shard_size,
-                self.dims.num_lanes,
-                self.dims.cfg,
-                self.dims.ring,
-                self.dims.ulysses,
-            )
-        with RssSampler() as rss:
-            start = time.perf_counter()
-            self.pipeline = self._load_pipeline()
-            features = RankFeatures(self._load_adapters(), adapters_per_forward=bool(self.pipeline.sharded))
-            modules, exchange = self._sharded_modules(features)
-            self.pipeline.features = features
-            if self.decode_group is not None:
-                from ray_hsdp.lane_tiles import LaneTiles
-
-                index = self.rank % self.dims.lane_size
-                self.pipeline.lane_tiles = LaneTiles(self.decode_group, index, self.dims.lane_size, self.config.device)
-            self.runtime = self._runtime(modules, exchange)
-            if modules is not None:
-                split = CfgSplit(self.runtime.call, self.dims.cfg_index(self.rank), self.pipeline.guided)
-                # Before the request slots are copied from the pipeline: every slot must call the
-                # stand-ins, or a request thread would issue collectives of its own.
-                self.pipeline.route_calls(
-                    modules.proxies(self.runtime.call, {name: split for name in self.pipeline.cfg_split})
-                )
-            with self.phases.phase("request slots"):  # each slot's own VAE and scheduler
-                self.pipeline.set_request_slots(self.config.requests_per_rank, self.config.shard_components)
-            self.pipeline.request_streams = self.config.request_streams
-            self.pipeline.vae_tiling = (self.config.vae_tiling, self.config.vae_tiling_above_pixels)
-            self.pipeline.vae_parallel = self.config.vae_parallel
-            self.load_s = time.perf_counter() - start
-        self.load_peak_rss_bytes = rss.peak_above_start
-        return {**self.memory(), "pipeline": self.pipeline.facts, "start_phases_s": dict(self.phases.seconds)}
-
-    def _load_pipeline(self):
-        """The pipeline, its sharded components read slice by slice (``ShardedPipeline.load``)."""
-        from ray_hsdp.sharded_pipeline import ShardedPipeline
-
-        return ShardedPipeline.load(
-            self.model_path,
-            dtype=self.config.dtype,
-            device=self.config.device,
-            rank=self.rank,
-            mesh=self.mesh,
-            shard_components=self.config.shard_components,
-            min_num_params=self.config.min_num_params,
-            reshard_after_forward=self.config.reshard_after_forward,
-            forward_prefetch=self.config.forward_prefetch,
-            keep_gathered=self.config.keep_gathered,
-            gather=self.config.gather,
-            allow_pickle=self.config.allow_pickle,
-            dims=self.dims,
-            lane_mesh=self.lane_mesh,
-            attention_backend=self.config.attention_backend,
-            compile=self.config.compile,
-            fuse_loras={name: (scale, self.lora_paths[name]) for name, scale in self.config.fuse_loras.items()},
-            cache_hooks=self._cache_hooks(),
-            quantization=self.config.quantization,
-            phases=self.phases,
-        )
-
-    def _load_adapters(self):
-        """The switched adapters (all but the fused ones), or None."""
-        switched = {name: parts for name, parts in self.lora_paths.items() if name not in self.config.fuse_loras}
-        if not switched:
-            return None
-        from ray_hsdp.adapters import Adapters
-
-        # After fully_shard: the adapters stay plain replicated parameters beside the units.
-        with self.phases.phase("adapters"):
-            return Adapters.load(self.pipeline.pipe, switched)
-
-    def _sharded_modules(self, features: RankFeatures):
-        """The sharded modules the tick thread runs (each forward in its request's variant, with
-        the rank's ``features``, whose step caches are made here) and the tick's exchange;
-        ``(None, None)`` on an unsharded rank."""
-        from ray_hsdp.runtime.modules import ProcessGroupExchange, ShardedModules
-
-        if not self.pipeline.sharded:
-            return None, None
-        if self.config.cache.kind != "none":
-            features.step_caches = self._step_caches()
-        modules = ShardedModules(
-            self.pipeline.sharded_modules,
-            self.config.device,
-            self.pipeline.shardings,
-            cfg_group=self.lane_mesh.get_group("cfg") if self.dims.cfg == 2 else None,
-            features=features,
-        )
-        on_host = self.config.tick_exchange == "host"
-        return modules, ProcessGroupExchange("cpu" if on_host else self.config.device, self.tick_group)
-
-    def _runtime(self, modules, exchange) -> RankRuntime:
-        """The rank's execution: its request threads, and its tick thread when sharded."""
-        return RankRuntime(
-            self.pipeline.run,
-            rank=self.rank,
-            slots=self.config.requests_per_rank,
-            modules=modules,
-            exchange=exchange,
-            max_batch=self.config.max_forward_batch,
-            lane_size=self.dims.lane_size,
-            leads=self.dims.leads(self.rank),
-            lane_decodes=self.pipeline.splits_decode if self.decode_group is not None else None,
-        )
-
-    def _cache_hooks(self) -> dict | None:
-        """The step cache's hooks the sharded models take at load (``step_cache.enable``)."""
-        cache = self.config.cache
-        if cache.kind == "none":
-            return None
-        return {"kind": cache.kind, "max_order": cache.max_order, "lite": cache.lite}
-
-    def _step_caches(self):
-        """The step caches of the loaded sharded modules; a lane that splits the sequence sums
-        First Block Cache's measure over its ``ring`` and ``ulysses`` ranks."""
-        from ray_hsdp.step_cache import StepCaches
-
-        dims = {"ring": self.dims.ring, "ulysses": self.dims.ulysses}
-        groups = [self.lane_mesh.get_group(name) for name, size in dims.items() if size > 1]
-        return StepCaches(list(self.pipeline.sharded_modules.values()), groups)
 
     def _loaded(self) -> RankRuntime:
         if self.runtime is None:
@@ -313,7 +115,7 @@ class Rank:
                 logger.warning("Request %r failed on rank %d of its lane: %s", request.request_id, self.rank, err)
                 raise
             return None
-        deadline = request.timeout_s or self.config.request_timeout_s
+        deadline = run_timeout(request, self.config)
         if not job.wait(deadline):
             # Interrupting is safe: the tick protocol takes any number of forwards per request.
             error = TimeoutError(f"request {request.request_id!r} missed its deadline of {deadline:g}s")

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import copy
-import functools
 import inspect
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -23,15 +20,13 @@ from ray_hsdp.loading import (
 from ray_hsdp.memory import module_memory, peak_device_bytes, unit_memory
 from ray_hsdp.phases import Phases
 from ray_hsdp.request import (
-    GenerationRequest,
     GenerationResult,
     InvalidRequestError,
-    LaneCollectiveError,
     RequestCancelledError,
 )
+from ray_hsdp.request_slots import RequestSlots
 from ray_hsdp.sharding.context_parallel import attention_backend_for
 from ray_hsdp.sharding.fp8 import check_fp8_device
-from ray_hsdp.sharding.policy import decode_split_for
 from ray_hsdp.topology import ParallelDims
 from ray_hsdp.variant import RankFeatures, RequestVariant
 from ray_hsdp.variant.shift import shift_key
@@ -44,7 +39,7 @@ def components(pipe) -> dict[str, nn.Module]:
     return {name: c for name, c in pipe.components.items() if isinstance(c, nn.Module)}
 
 
-class ShardedPipeline:
+class ShardedPipeline(RequestSlots):
     """Owns one rank's copy of a pipeline: its sharded and replicated components.
 
     Args:
@@ -243,32 +238,6 @@ class ShardedPipeline:
             raise InvalidRequestError(f"{type(self.pipe).__name__} makes one output per prompt; n must be 1")
         return {k: v for k, v in kwargs.items() if k in self._call_params}
 
-    def set_request_slots(self, slots: int, shared: tuple[str, ...]) -> None:
-        """Prepares ``slots`` pipelines that can run requests at the same time on this rank.
-
-        A diffusers pipeline keeps per-call state on itself, its scheduler, its tokenizers and
-        its VAE (decode caches), so each concurrent request needs its own copies of those. The
-        large modules named in ``shared`` (the shard components, sharded or not) are shared:
-        their forwards keep no state, and sharded ones are serialised through the tick thread.
-        The first slot is the loaded pipeline itself.
-        """
-        copies = []
-        for _ in range(slots - 1):
-            clone = copy.copy(self.pipe)
-            for name, component in self.pipe.components.items():
-                if name not in shared and component is not None:
-                    object.__setattr__(clone, name, copy.deepcopy(component))
-            copies.append(clone)
-        self.request_slots = slots
-        self._slots: queue.Queue = queue.Queue()
-        for pipe in [self.pipe, *copies]:
-            self._slots.put(pipe)
-        self.slot_copy_bytes = (slots - 1) * sum(
-            module_memory(m)["replicated"] + module_memory(m)["buffers"]
-            for name, m in self.modules.items()
-            if name not in shared
-        )
-
     @torch.no_grad()
     def run(self, variant: RequestVariant, on_step: Callable[[int, int], bool] | None = None) -> GenerationResult:
         """Runs one request through the pipeline, inside its variant (``RequestVariant.run``).
@@ -327,68 +296,6 @@ class ShardedPipeline:
             step_s=(step_ends[-1] - step_ends[0]) / (len(step_ends) - 1) if len(step_ends) > 1 else None,
             cached_forwards=released.get("cached_forwards"),
         )
-
-    def splits_decode(self, variant: RequestVariant) -> bool:
-        """Whether the ranks of this rank's lane share the decode of ``request``: a lane of several
-        ranks, a VAE whose tiled decode has a registered split, frames of more than one tile, and
-        ``vae_parallel`` "on", or "auto" where it measured faster than the leader alone: lanes of 4
-        or more, or a decode the leader would tile anyway. The same answer on every rank of the lane."""
-        request = variant.request
-        vae = getattr(self.pipe, "vae", None)
-        split = decode_split_for(vae) if self.lane_tiles is not None and vae is not None else None
-        if split is None or not split.tiled(vae, request.width, request.height):
-            return False
-        return self.vae_parallel == "on" or self.lane_tiles.size >= 4 or self._tiles(request)
-
-    def _tiles(self, request: GenerationRequest) -> bool:
-        """Whether ``vae_tiling`` tiles the decode of ``request`` on a rank decoding alone."""
-        mode, above_pixels = self.vae_tiling
-        return mode == "on" or (mode == "auto" and request.width * request.height > above_pixels)
-
-    def _set_tiling(self, pipe, variant: RequestVariant) -> None:
-        """Tiles the slot's VAE decode for this request or not (each slot has a VAE of its own),
-        and shares its tiles over the lane when the lane splits the decode."""
-        vae = getattr(pipe, "vae", None)
-        if vae is None or not hasattr(vae, "enable_tiling"):
-            return
-        # The instance attribute stands in for the class's tiled_decode: AutoencoderKL*._decode
-        # calls self.tiled_decode when the frames exceed one tile.
-        vars(vae).pop("tiled_decode", None)
-        if self.splits_decode(variant):
-            vae.enable_tiling()
-            vae.tiled_decode = functools.partial(self._lane_tiled_decode, vae, decode_split_for(vae))
-            return
-        if self._tiles(variant.request):
-            vae.enable_tiling()
-        else:
-            vae.disable_tiling()
-
-    def _lane_tiled_decode(self, vae, split, z: torch.Tensor, return_dict: bool = True):
-        """The slot VAE's ``tiled_decode`` while its lane splits the decode: the leader returns
-        what ``tiled_decode`` returns; another rank, once its tiles are handed over, ends its part
-        of the request (``RequestCancelledError``, as at its last step without a split).
-
-        Raises:
-            LaneCollectiveError: The decode failed: the lane's other ranks may wait in its
-                gather, so this rank's session must fail.
-        """
-        from diffusers.models.autoencoders.vae import DecoderOutput
-
-        try:
-            sample = self.lane_tiles.run(lambda: split.decode(vae, z, self.lane_tiles))
-        except Exception as err:
-            raise LaneCollectiveError(f"the lane's split decode failed on rank {self.rank}: {err}") from err
-        if sample is None:
-            raise RequestCancelledError(f"rank {self.rank} handed its decoded tiles to its lane's leader")
-        return DecoderOutput(sample=sample) if return_dict else (sample,)
-
-    def _slot_stream(self, pipe) -> torch.cuda.Stream | None:
-        """The slot's own CUDA stream, or ``None`` (the current stream) when slots share it."""
-        if self.device != "cuda" or not self.request_streams:
-            return None
-        if id(pipe) not in self._streams:
-            self._streams[id(pipe)] = torch.cuda.Stream()
-        return self._streams[id(pipe)]
 
     def memory(self, units: bool = False) -> dict:
         """Bytes held on this rank, per component and in total.

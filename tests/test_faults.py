@@ -168,7 +168,7 @@ def test_a_crashed_scheduler_fails_the_group_and_its_requests(ray_cluster, tiny_
         raise ZeroDivisionError("a bug in the queue")
 
     with ShardGroup(GroupConfig(model=tiny_model, device="cpu", shard_size=2)) as group:
-        monkeypatch.setattr(ray_hsdp.group, "pick_next", crash)
+        monkeypatch.setattr(ray_hsdp.group.scheduler, "pick_next", crash)
         future = group.submit(GenerationRequest(prompt="queued"))
         with pytest.raises(GroupFailedError, match="scheduler crashed: ZeroDivisionError: a bug in the queue"):
             future.result(timeout=10)

@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
 
+from ray_hsdp import deadlines
 from ray_hsdp.config import AppConfig, parse_size
 from ray_hsdp.request import GenerationRequest, GenerationResult, InvalidRequestError, fit_image, parse_lora
 from ray_hsdp.serve.media import encode_png as png_bytes
@@ -253,7 +254,7 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
         timeout_s=float(body.timeout_s) if body.timeout_s is not None else None,
         lora=lora,
         cache=cache,
-        queue_deadline=time.time() + config.queue_timeout_s,  # one deadline from arrival, wherever it waits
+        queue_deadline=deadlines.from_arrival(config),  # one deadline from arrival, wherever it waits
     )
 
 

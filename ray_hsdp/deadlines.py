@@ -1,0 +1,37 @@
+"""Every deadline of a request, in one place.
+
+A request has two: the **queue deadline**, by which a rank must have taken it (``queue_timeout_s``
+from its arrival, kept through a rebuild's wait, the queue, a retry of one that never ran and a
+takeover; a 504 when missed), and the **run deadline**, from the moment a rank takes it
+(``timeout_s``, or the group's ``request_timeout_s``; the request is interrupted at its next step
+and answered with a 504). A request that ran and is run again elsewhere (a retry after its group
+failed under it, a video job taken over from a removed replica) waits its turn anew.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from ray_hsdp.request import GenerationRequest
+
+
+def from_arrival(config) -> float:
+    """The queue deadline (``time.time()``) of a request arriving now."""
+    return time.time() + config.queue_timeout_s
+
+
+def queue_deadline(request: GenerationRequest, config) -> float:
+    """When a rank must have taken ``request``: the deadline set at its arrival, or, for a request
+    that never passed a server, ``queue_timeout_s`` from now."""
+    return request.queue_deadline or from_arrival(config)
+
+
+def waits_anew(request: GenerationRequest, config) -> GenerationRequest:
+    """``request`` with a queue deadline from now: it ran once, and is run again elsewhere."""
+    return dataclasses.replace(request, queue_deadline=from_arrival(config))
+
+
+def run_timeout(request: GenerationRequest, config) -> float:
+    """Seconds ``request`` may run once a rank took it."""
+    return request.timeout_s or config.request_timeout_s

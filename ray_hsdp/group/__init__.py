@@ -1,0 +1,29 @@
+"""One shard group: S rank actors on one placement group, a cost-aware queue, teardown
+(``core.ShardGroup``); its scheduler (``scheduler``), what it tells about itself
+(``inspection``), its errors (``errors``).
+
+Plain Python, not Serve code: a notebook or a script can own a group directly, and the Serve
+deployment wraps one group per replica.
+"""
+
+from ray_hsdp.group.core import ShardGroup, check_placeable
+from ray_hsdp.group.errors import (
+    GroupFailedError,
+    GroupOverloadedError,
+    GroupUnplaceableError,
+    QueueTimeoutError,
+    remote_cause,
+)
+from ray_hsdp.group.scheduler import RequestRecord, pick_next
+
+__all__ = [
+    "GroupFailedError",
+    "GroupOverloadedError",
+    "GroupUnplaceableError",
+    "QueueTimeoutError",
+    "RequestRecord",
+    "ShardGroup",
+    "check_placeable",
+    "pick_next",
+    "remote_cause",
+]

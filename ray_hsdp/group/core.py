@@ -1,0 +1,369 @@
+"""One shard group: S rank actors on one placement group, a cost-aware queue, teardown.
+
+Plain Python, not Serve code: a notebook or a script can own a group directly, and the Serve
+deployment wraps one group per replica.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ray_hsdp import deadlines
+from ray_hsdp.config import GroupConfig
+from ray_hsdp.group.errors import GroupFailedError, GroupOverloadedError, GroupUnplaceableError, describe_error
+from ray_hsdp.group.inspection import GroupInspection
+from ray_hsdp.group.scheduler import GroupScheduler, QueuedJob, RequestRecord, resolve
+from ray_hsdp.phases import Phases
+from ray_hsdp.rank import CONCURRENCY_GROUPS, Rank
+from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
+from ray_hsdp.topology import PLACEMENT_STRATEGY, ParallelDims
+from ray_hsdp.variant import RequestVariant
+
+logger = logging.getLogger("ray_hsdp")
+
+_RENDEZVOUS_TRIES = 3
+
+
+def _gray_png(width: int, height: int) -> bytes:
+    """A plain gray PNG: the first frame of an image-to-video warm-up request."""
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (128, 128, 128)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def check_placeable(bundles: list[dict[str, float]]) -> None:
+    """Fails at once when no alive node of the cluster has the resources of all of a group's
+    bundles together, instead of leaving Ray to wait for a node that will never come.
+
+    Raises:
+        GroupUnplaceableError: With what a group needs, what the largest node has, and the fix.
+    """
+    need: dict[str, float] = {}
+    for bundle in bundles:
+        for name, amount in bundle.items():
+            need[name] = need.get(name, 0.0) + amount
+    nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+    if any(all(node.get(name, 0.0) >= amount for name, amount in need.items()) for node in nodes):
+        return
+    largest = max(nodes, key=lambda node: tuple(node.get(name, 0.0) for name in need), default={})
+    have = ", ".join(f"{name}: {largest.get(name, 0.0):g}" for name in need)
+    fixes = []
+    if "GPU" in need and largest.get("GPU", 0.0) < need["GPU"]:
+        fixes.append(f"a smaller shard_size (at most {int(largest.get('GPU', 0.0))})")
+    elif largest.get("CPU", 0.0) < need.get("CPU", 0.0):
+        fits = int(100 * largest.get("CPU", 0.0) / len(bundles)) / 100
+        fixes.append(f"cpus_per_rank: {fits:g}" if fits > 0 else "a smaller shard_size")
+    raise GroupUnplaceableError(
+        f"a shard group needs {len(bundles)} x {bundles[0]} on one node; the largest node has {{{have}}} "
+        f"(cluster: {ray.cluster_resources()}); set {' or '.join(fixes) or 'smaller bundles'}, or add a node "
+        "that large"
+    )
+
+
+class ShardGroup(GroupScheduler, GroupInspection):
+    """S ranks that together hold one copy of the pipeline and run requests from one queue.
+
+    The ranks form lanes (``ParallelDims``): a lane runs each of its requests on all its ranks
+    (split by sequence and CFG parallel in combined mode; the whole request on every rank when
+    replicated), its leader answers, and it takes the next queued request as soon as it has room.
+    In ``batch`` mode without splits a lane is one rank. The tick protocol keeps any mix of
+    requests on the lanes in lock step.
+
+    Args:
+        config: Group configuration.
+        placement_group: A placement group of S bundles to place the ranks in (a Serve replica's
+            own); when ``None`` the group creates one and removes it at shutdown.
+        dims: The pool's mesh arithmetic; built from ``config`` when not given.
+        labels: Said in each request's log line and in ``describe`` (a Serve replica passes its id).
+
+    Use ``start()`` (or a ``with`` block), then ``generate`` (blocking) or ``submit`` (a future).
+    """
+
+    def __init__(
+        self,
+        config: GroupConfig,
+        placement_group: PlacementGroup | None = None,
+        dims: ParallelDims | None = None,
+        labels: dict[str, str] | None = None,
+    ):
+        self.config = config
+        self.dims = dims or config.parallel_dims()
+        #: This group's id: in its ranks' actor names, their log prefixes and every request's log line.
+        self.group_id = uuid.uuid4().hex[:8]
+        self.labels = dict(labels or {})
+        #: Called with a ``RequestRecord`` once per accepted request, when it is answered (metrics).
+        self.listeners: list[Callable[[RequestRecord], None]] = []
+        self._tickets = itertools.count()
+        self._pg = placement_group
+        self._owns_pg = placement_group is None
+        self.ranks: list = []
+        self.placement: list[dict] = []
+        #: What the loaded pipeline tells its callers (``ShardedPipeline.facts``).
+        self.pipeline_facts: dict = {}
+        self._pending: list[QueuedJob] = []
+        self._inflight: dict[ray.ObjectRef, tuple[int, QueuedJob]] = {}  # offer -> (rank index, job)
+        self._sessions: dict[ray.ObjectRef, int] | None = None  # running session -> rank index
+        self._sessions_done: set[ray.ObjectRef] = set()
+        self._watchers: dict[ray.ObjectRef, int] = {}  # each rank's open ``watch`` call -> rank index
+        # Offers and sessions that completed, as Ray reports them; the scheduler handles them.
+        self._events: deque[tuple[str, ray.ObjectRef, Future]] = deque()
+        self._wake = False  # a request was submitted
+        self._cond = threading.Condition()
+        self._scheduler: threading.Thread | None = None
+        self._failure: str | None = None
+        self._closed = False
+        self.phases = Phases(f"group {self.group_id}")
+        self.rank_phases: list[dict[str, float]] = []
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> ShardGroup:
+        """Places the ranks, forms the process group, loads and shards the pipeline, starts intake."""
+        if not ray.is_initialized():
+            ray.init()
+        started = time.perf_counter()
+        self.config = self.config.resolve_device(ray.cluster_resources().get("GPU", 0) > 0)
+        bundles = self.dims.bundles(self.config.device, self.config.cpus_per_rank)
+        try:
+            with self.phases.phase("placement"):
+                if self._pg is None:
+                    check_placeable(bundles)
+                    self._pg = placement_group(bundles, strategy=PLACEMENT_STRATEGY)
+                if not self._pg.wait(timeout_seconds=self.config.rendezvous_timeout_s):
+                    raise GroupFailedError(
+                        f"could not place {self.dims.shard_size} ranks of {bundles[0]} on one node within "
+                        f"{self.config.rendezvous_timeout_s:.0f}s (cluster resources: {ray.available_resources()})"
+                    )
+            self._spawn_and_join()
+            with self.phases.phase("load"):
+                reports = ray.get([r.load.remote() for r in self.ranks], timeout=self.config.load_timeout_s)
+            self.pipeline_facts = reports[0]["pipeline"]
+            self.rank_phases = [r["start_phases_s"] for r in reports]
+        except BaseException:
+            self.shutdown()
+            raise
+        for rank_index, rank in enumerate(self.ranks):
+            watch = rank.watch.remote()
+            self._watchers[watch] = rank_index
+            self._watch("rank", watch)
+        self._scheduler = threading.Thread(target=self._schedule, name="ray_hsdp-scheduler", daemon=True)
+        self._scheduler.start()
+        if self.config.compile:
+            # The first forwards compile: here, one small request per lane, not in a user's request.
+            # An image-to-video pipeline takes no request without its first frame.
+            image = _gray_png(64, 64) if self.pipeline_facts.get("image_input") else None
+            warm = [
+                GenerationRequest(prompt="warm up", num_inference_steps=1, request_id=f"warm-up-{lane}", image=image)
+                for lane in range(self.dims.num_lanes)
+            ]
+            try:
+                with self.phases.phase("warm-up"):
+                    self.generate(warm)
+            except BaseException:
+                self.shutdown()
+                raise
+        self.phases.seconds["total"] = round(time.perf_counter() - started, 3)
+        logger.info(
+            "Shard group ready in %.1f s: %d ranks on %s, mode=%s",
+            self.phases.seconds["total"],
+            self.dims.shard_size,
+            sorted({p["node_ip"] for p in self.placement}),
+            self.config.mode,
+        )
+        return self
+
+    def _spawn_and_join(self) -> None:
+        bundle = self.dims.bundles(self.config.device, self.config.cpus_per_rank)[0]
+        actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(Rank)
+        for attempt in range(1, _RENDEZVOUS_TRIES + 1):
+            # Named, so that `ray list actors` and operators can tell the ranks of each group apart.
+            names = [f"ray_hsdp-{self.group_id}-{attempt}-rank{i}" for i in range(self.dims.shard_size)]
+            self.ranks = [
+                actor.options(
+                    name=names[i],
+                    num_cpus=bundle["CPU"],
+                    num_gpus=bundle.get("GPU", 0),
+                    max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self._pg, placement_group_bundle_index=i
+                    ),
+                ).remote(i, self.config, self.dims, self.group_id)
+                for i in range(self.dims.shard_size)
+            ]
+            with self.phases.phase("rank processes and imports"):
+                ray.get([r.prepare.remote() for r in self.ranks], timeout=self.config.load_timeout_s)
+            master, port = ray.get(self.ranks[0].address.remote(), timeout=self.config.rendezvous_timeout_s)
+            try:
+                with self.phases.phase("rendezvous"):
+                    joined = ray.get(
+                        [r.join.remote(master, port) for r in self.ranks], timeout=self.config.rendezvous_timeout_s
+                    )
+                self.placement = [{**place, "actor_name": name} for place, name in zip(joined, names)]
+                return
+            except (ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError) as err:
+                # The port was free when rank 0 picked it; another process may have taken it since.
+                if "address already in use" not in str(err).lower() or attempt == _RENDEZVOUS_TRIES:
+                    raise
+                logger.warning("Rendezvous port %d taken (try %d), retrying on a new port", port, attempt)
+                self._kill_ranks()
+
+    def _kill_ranks(self) -> None:
+        ranks, self.ranks = self.ranks, []
+        for r in ranks:
+            ray.kill(r, no_restart=True)
+
+    def shutdown(self) -> None:
+        """Fails queued and running requests, destroys the process group, kills the ranks,
+        removes an owned placement group. Safe to call more than once."""
+        with self._cond:
+            self._closed = True
+            jobs = self._pending + [j for _, j in self._inflight.values()]
+            self._pending, self._inflight = [], {}
+            self._cond.notify_all()
+        for job in jobs:
+            resolve(job.future, error=GroupFailedError("the shard group was shut down before the request finished"))
+        if self._scheduler is not None and self._scheduler is not threading.current_thread():
+            self._scheduler.join(timeout=30)
+        if self.ranks:
+            if self._failure is None:
+                try:
+                    ray.get([r.leave.remote() for r in self.ranks], timeout=30)
+                except Exception as err:  # noqa: BLE001 - a dead rank cannot leave; it is killed below anyway
+                    logger.warning("Ranks did not leave cleanly: %s", err)
+            self._kill_ranks()
+        if self._pg is not None and self._owns_pg:
+            remove_placement_group(self._pg)
+            self._pg = None
+
+    @property
+    def failure(self) -> str | None:
+        """Why the group failed, or ``None`` while it is healthy."""
+        return self._failure
+
+    def __enter__(self) -> ShardGroup:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest) -> Future:
+        """Queues a request; the future resolves to its ``GenerationResult``, or to the error that
+        ended it (``GroupFailedError`` when the group failed under it), exactly once.
+
+        Raises:
+            GroupFailedError: The group is shut down or broken.
+            GroupOverloadedError: Every rank is busy and ``max_queue`` requests are already waiting.
+            InvalidRequestError: The group cannot run what the request asks (see ``check``).
+        """
+        variant = self.check(request)
+        future: Future = Future()
+        with self._cond:
+            if self._closed or self._failure:
+                raise GroupFailedError(self._failure or "the shard group is shut down")
+            running = len({id(job) for _, job in self._inflight.values()})
+            if len(self._pending) + running >= self.running_capacity + self.config.max_queue:
+                raise GroupOverloadedError(
+                    f"the shard group's queue is full: {running} requests running, {len(self._pending)} waiting "
+                    f"(max_queue={self.config.max_queue}); retry later"
+                )
+            deadline = deadlines.queue_deadline(request, self.config)
+            job = QueuedJob(variant, future, time.monotonic(), deadline)
+            self._pending.append(job)
+            self._wake = True
+            self._cond.notify_all()
+        future.add_done_callback(lambda done: self._record(job, done))
+        return future
+
+    def _record(self, job: QueuedJob, future: Future) -> None:
+        """Logs the request's one structured line and tells the listeners."""
+        now = time.monotonic()
+        error = None if future.cancelled() else future.exception()
+        result = future.result() if not future.cancelled() and error is None else None
+        if result is not None:
+            status = "ok"
+        elif future.cancelled() or isinstance(error, RequestCancelledError):
+            status = "cancelled"
+        else:
+            status = "failed" if isinstance(error, GroupFailedError) else "error"
+        record = RequestRecord(
+            request_id=job.request.request_id,
+            status=status,
+            steps=job.request.num_inference_steps,
+            queued_s=round((job.taken or now) - job.enqueued, 4),
+            run_s=round(now - job.taken, 4) if job.taken is not None else None,
+            lane=job.lane,
+            rank=result.rank if result is not None else None,
+            step_s=result.step_s if result is not None else None,
+            error=describe_error(error) if error is not None else None,
+        )
+        line = {"event": "request", "group": self.group_id, **self.labels, **dataclasses.asdict(record)}
+        logger.info("request %s", json.dumps(line))
+        for listener in list(self.listeners):
+            try:
+                listener(record)
+            except Exception:  # noqa: BLE001 - a listener's bug must not break the answer path
+                logger.exception("A request listener failed")
+
+    def check(self, request: GenerationRequest) -> RequestVariant:
+        """The request's variant: every per-request choice read and checked once
+        (``RequestVariant.build``: the pairs of the table of refusals, each feature's field, the
+        split of its tokens over a lane).
+
+        Raises:
+            InvalidRequestError: Naming the field and what to send instead
+                (``UnsplittableRequestError`` for tokens that do not split over a lane).
+        """
+        return RequestVariant.build(request, self.config, self.pipeline_facts)
+
+    @property
+    def running_capacity(self) -> int:
+        """Requests the ranks run at once: ``requests_per_rank`` per lane."""
+        return self.dims.num_lanes * self.config.requests_per_rank
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Runs requests through the queue and waits for all of them, in the order given."""
+        futures = [self.submit(r) for r in requests]
+        return [f.result() for f in futures]
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancels a request: a queued one is dropped, a running one stops at the end of its
+        current denoising step without decoding (its lock step is not broken: the other ranks
+        just stop seeing its forwards). Its future fails with ``RequestCancelledError``.
+
+        Returns:
+            Whether the group held the request.
+        """
+        with self._cond:
+            queued = [j for j in self._pending if j.request.request_id == request_id]
+            self._pending = [j for j in self._pending if j.request.request_id != request_id]
+            # The leader decides for its lane: it stops the request on all the lane's ranks at one tick.
+            holders = {
+                i for i, j in self._inflight.values() if j.request.request_id == request_id and self.dims.leads(i)
+            }
+            ranks = list(self.ranks)
+        for job in queued:
+            resolve(job.future, error=RequestCancelledError(f"request {request_id!r} was cancelled while queued"))
+        for rank_index in holders:
+            ranks[rank_index].cancel.remote(request_id)  # the offer then fails with RequestCancelledError
+        return bool(queued or holders)
+
+    # ---- inspection ------------------------------------------------------------------------

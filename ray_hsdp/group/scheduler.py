@@ -1,0 +1,288 @@
+"""The group's scheduler (``ShardGroup``, whose state it runs on): its queue of jobs, the choice
+of the next one for a free lane, the hand-over to the lane's ranks, and every way a job is
+answered (a result, its own error, a queue deadline, the group's failure)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
+
+import ray
+
+from ray_hsdp.group.errors import GroupFailedError, QueueTimeoutError, died, remote_cause
+from ray_hsdp.request import GenerationRequest
+from ray_hsdp.runtime import SessionFailedError
+from ray_hsdp.variant import RequestVariant
+
+logger = logging.getLogger("ray_hsdp")
+
+# A survivor's collective breaks the moment a peer dies, often before Ray reports the death;
+# this long a failed session waits for that report so that the reason names the dead rank.
+_DEATH_REPORT_GRACE_S = 2.0
+
+
+def resolve(future: Future, result: object = None, error: BaseException | None = None) -> None:
+    """Answers ``future`` unless it was answered already (every path may try; the first wins)."""
+    try:
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    except InvalidStateError:
+        pass
+
+
+@dataclass
+class QueuedJob:
+    variant: RequestVariant  # takes its ticket when a lane takes it
+    future: Future
+    enqueued: float
+    deadline: float  # time.time() by which a lane must take it (its queue_deadline)
+    taken: float | None = None  # when a lane took it
+    lane: int | None = None
+
+    @property
+    def request(self) -> GenerationRequest:
+        return self.variant.request
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """What happened to one accepted request: one per request, on every path.
+
+    Attributes:
+        request_id: The request's id.
+        status: ``ok``, ``cancelled``, ``error`` (its own: bad input, deadline) or ``failed`` (its
+            group failed under it).
+        steps: Denoising steps it asked for.
+        queued_s: Seconds in the group's queue (to its end when it never left the queue).
+        run_s: Seconds from a lane taking it to its answer; ``None`` when it never ran.
+        lane: The lane that ran it, and ``rank`` its leader (the rank that answered).
+        step_s: Mean seconds per denoising step, as the rank measured them.
+        error: The error's type and first line, when it did not succeed.
+    """
+
+    request_id: str
+    status: str
+    steps: int
+    queued_s: float
+    run_s: float | None = None
+    lane: int | None = None
+    rank: int | None = None
+    step_s: float | None = None
+    error: str | None = None
+
+
+def pick_next(
+    pending: Sequence[GenerationRequest],
+    waited_s: float,
+    running: Sequence[GenerationRequest],
+    lookahead: int,
+    max_skip_s: float,
+) -> int | None:
+    """Index of the queued request a free rank should take next.
+
+    Ranks in lock step wait for the slowest forward of each tick, so a free rank takes, among the
+    first ``lookahead`` queued requests, the one whose per-forward cost is closest to what the
+    other ranks are running (ties: the oldest). The oldest request is taken regardless once it
+    has waited ``max_skip_s``, so nothing starves.
+
+    Args:
+        pending: Queued requests, oldest first.
+        waited_s: How long the oldest has waited.
+        running: Requests the other ranks are running.
+        lookahead: How many queued requests to consider.
+        max_skip_s: Longest the oldest request may be passed over.
+    """
+    if not pending:
+        return None
+    if not running or waited_s >= max_skip_s:
+        return 0
+    target = sum(r.forward_cost for r in running) / len(running)
+    window = range(min(lookahead, len(pending)))
+    return min(window, key=lambda i: (abs(math.log(pending[i].forward_cost / target)), i))
+
+
+class GroupScheduler:
+    """The scheduling side of ``ShardGroup``: runs on its scheduler thread, under its lock."""
+
+    def _take(self, index: int) -> QueuedJob | None:
+        job = self._pending.pop(index)
+        return job if job.future.set_running_or_notify_cancel() else None
+
+    def _offer(self, lane: int, job: QueuedJob) -> None:
+        """Hands ``job`` to every rank of ``lane`` under one ticket (called with the lock held)."""
+        job.variant = job.variant.with_ticket(next(self._tickets))
+        job.taken, job.lane = time.monotonic(), lane
+        for rank_index in self.dims.lane_ranks(lane):
+            ref = self.ranks[rank_index].offer.remote(job.variant)
+            self._inflight[ref] = (rank_index, job)
+            self._watch("offer", ref)
+
+    def _watch(self, kind: str, ref: ray.ObjectRef) -> None:
+        """Hands ``ref``'s completion to the scheduler thread (Ray calls back; nothing polls)."""
+
+        def completed(future: Future) -> None:
+            with self._cond:
+                self._events.append((kind, ref, future))
+                self._cond.notify_all()
+
+        ref.future().add_done_callback(completed)
+
+    def _assign(self) -> None:
+        """Hands queued requests to lanes with room (called with the lock held)."""
+        while self._pending:
+            # The least loaded lane first, so that every lane has work before any has two.
+            lane = min(range(self.dims.num_lanes), key=self._load)
+            if self._load(lane) >= self.config.requests_per_rank:
+                return
+            others = list(
+                {id(job): job.request for i, job in self._inflight.values() if self.dims.lane_of(i) != lane}.values()
+            )
+            index = pick_next(
+                [j.request for j in self._pending],
+                time.monotonic() - self._pending[0].enqueued,
+                others,
+                self.config.queue_lookahead,
+                self.config.queue_max_skip_s,
+            )
+            job = self._take(index)
+            if job is not None:
+                self._offer(lane, job)
+
+    def _load(self, lane: int) -> int:
+        """Requests on ``lane``: its busiest rank's (a leader still decodes after its lane moved on)."""
+        ranks = self.dims.lane_ranks(lane)
+        return max(sum(1 for i, _ in self._inflight.values() if i == r) for r in ranks)
+
+    def _schedule(self) -> None:
+        """The scheduler thread: hands requests to ranks, answers them, starts sessions.
+
+        Wakes on a submitted request, a completed offer or session, or a rank's death. If it
+        crashes, the group fails (and so answers every request it holds) rather than go quiet.
+        """
+        try:
+            while True:
+                with self._cond:
+                    while not (self._closed or self._events or self._wake):
+                        if not self._cond.wait(self._until_queue_timeout()):
+                            break  # the oldest queued request's time is up
+                    if self._closed:
+                        return
+                    self._wake = False
+                    events = list(self._events)
+                    self._events.clear()
+                for kind, ref, future in events:
+                    if kind == "offer":
+                        self._offer_done(ref, future)
+                    elif kind == "session":
+                        self._session_done(ref, future)
+                    elif isinstance(future.exception(), ray.exceptions.RayActorError):  # a rank, idle or not
+                        rank_index = self._watchers[ref]
+                        self._fail(died(rank_index, future.exception()))
+                self._expire_queued()
+                with self._cond:
+                    if self._failure or self._closed:
+                        continue
+                    self._assign()
+                    if self._inflight and self._sessions is None:
+                        # Every rank ticks, with work or without, until all are idle.
+                        self._sessions = {r.session.remote(): i for i, r in enumerate(self.ranks)}
+                        for ref in self._sessions:
+                            self._watch("session", ref)
+        except BaseException as err:
+            logger.exception("The shard group's scheduler crashed")
+            self._fail(f"shard group failed: its scheduler crashed: {type(err).__name__}: {err}")
+
+    def _until_queue_timeout(self) -> float | None:
+        """Seconds until the first queued request's deadline passes (lock held)."""
+        if not self._pending:
+            return None
+        return max(0.0, min(job.deadline for job in self._pending) - time.time())
+
+    def _expire_queued(self) -> None:
+        """Answers the queued requests no lane took by their deadline (504): ``queue_timeout_s``
+        from their arrival, however long of it they spent waiting elsewhere first."""
+        now = time.time()
+        with self._cond:
+            expired = [j for j in self._pending if now >= j.deadline]
+            self._pending = [j for j in self._pending if j not in expired]
+        for job in expired:
+            waited = time.monotonic() - job.enqueued
+            error = QueueTimeoutError(
+                f"request {job.request.request_id!r} waited {waited:.0f}s in this group's queue, and no rank took "
+                f"it by its deadline (queue_timeout_s={self.config.queue_timeout_s:g} from its arrival)"
+            )
+            resolve(job.future, error=error)
+
+    def _offer_done(self, ref: ray.ObjectRef, future: Future) -> None:
+        with self._cond:
+            entry = self._inflight.pop(ref, None)
+        if entry is None:
+            return  # the group failed or shut down meanwhile, and answered the request then
+        rank_index, job = entry
+        error = future.exception()
+        if isinstance(error, ray.exceptions.RayActorError):
+            self._fail(died(rank_index, error), also=job)
+        elif error is not None and isinstance(remote_cause(error), SessionFailedError):
+            self._fail(self._session_failure(error), also=job)
+        elif not self.dims.leads(rank_index):
+            if error is not None:  # its own error, which stopped the lane: the cause, not the leader's stop
+                resolve(job.future, error=remote_cause(error))
+        elif error is None:
+            resolve(job.future, result=future.result())
+        else:  # the request's own error (bad input, deadline): the group is fine
+            resolve(job.future, error=remote_cause(error))
+
+    def _session_done(self, ref: ray.ObjectRef, future: Future) -> None:
+        error = future.exception()
+        with self._cond:
+            if self._sessions is None or ref not in self._sessions:
+                return  # a session of a group that failed already
+            rank_index = self._sessions[ref]
+            if error is None:
+                self._sessions_done.add(ref)
+                if len(self._sessions_done) == len(self._sessions):
+                    self._sessions, self._sessions_done = None, set()
+                return
+        if isinstance(error, ray.exceptions.RayActorError):
+            self._fail(died(rank_index, error))
+        else:
+            self._fail(self._session_failure(error))
+
+    def _session_failure(self, error: BaseException) -> str:
+        """The reason for a failed session: a dead peer's, if Ray reports one within a short grace.
+
+        Without the grace, a survivor's broken all-gather would name the survivor, and the
+        operator would look for the fault on the wrong rank.
+        """
+        if self._failure is None:
+            ready, _ = ray.wait(list(self._watchers), num_returns=1, timeout=_DEATH_REPORT_GRACE_S)
+            for ref in ready:
+                try:
+                    ray.get(ref, timeout=0)
+                except ray.exceptions.RayActorError as err:
+                    return died(self._watchers[ref], err)
+        return f"shard group failed: {remote_cause(error)}"
+
+    def _fail(self, reason: str, also: QueuedJob | None = None) -> None:
+        """Marks the group broken, fails every queued and running request (and ``also``) with
+        ``reason`` and kills every rank at once: survivors would otherwise sit in a collective
+        with a dead or out-of-step peer until its timeout."""
+        with self._cond:
+            first = self._failure is None
+            self._failure = self._failure or reason
+            queued = {id(j) for j in self._pending}
+            jobs = [*self._pending, *(j for _, j in self._inflight.values()), *([also] if also else [])]
+            self._pending, self._inflight = [], {}
+            self._sessions, self._sessions_done = None, set()
+            self._cond.notify_all()
+        for job in jobs:
+            resolve(job.future, error=GroupFailedError(self._failure, ran=id(job) not in queued))
+        if first:
+            logger.error("Shard group failed: %s", self._failure)
+            self._kill_ranks()

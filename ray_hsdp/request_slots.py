@@ -1,0 +1,108 @@
+"""The request slots of a ``ShardedPipeline`` (whose state they use): each slot's own copies of the
+components that keep per-call state, and how a slot decodes: tiled or not, alone or split over the
+lane, on the slot's own CUDA stream or not."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import queue
+
+import torch
+
+from ray_hsdp.memory import module_memory
+from ray_hsdp.request import GenerationRequest, LaneCollectiveError, RequestCancelledError
+from ray_hsdp.sharding.policy import decode_split_for
+from ray_hsdp.variant import RequestVariant
+
+
+class RequestSlots:
+    """The request slots of ``ShardedPipeline``."""
+
+    def splits_decode(self, variant: RequestVariant) -> bool:
+        """Whether the ranks of this rank's lane share the decode of ``request``: a lane of several
+        ranks, a VAE whose tiled decode has a registered split, frames of more than one tile, and
+        ``vae_parallel`` "on", or "auto" where it measured faster than the leader alone: lanes of 4
+        or more, or a decode the leader would tile anyway. The same answer on every rank of the lane."""
+        request = variant.request
+        vae = getattr(self.pipe, "vae", None)
+        split = decode_split_for(vae) if self.lane_tiles is not None and vae is not None else None
+        if split is None or not split.tiled(vae, request.width, request.height):
+            return False
+        return self.vae_parallel == "on" or self.lane_tiles.size >= 4 or self._tiles(request)
+
+    def _tiles(self, request: GenerationRequest) -> bool:
+        """Whether ``vae_tiling`` tiles the decode of ``request`` on a rank decoding alone."""
+        mode, above_pixels = self.vae_tiling
+        return mode == "on" or (mode == "auto" and request.width * request.height > above_pixels)
+
+    def _set_tiling(self, pipe, variant: RequestVariant) -> None:
+        """Tiles the slot's VAE decode for this request or not (each slot has a VAE of its own),
+        and shares its tiles over the lane when the lane splits the decode."""
+        vae = getattr(pipe, "vae", None)
+        if vae is None or not hasattr(vae, "enable_tiling"):
+            return
+        # The instance attribute stands in for the class's tiled_decode: AutoencoderKL*._decode
+        # calls self.tiled_decode when the frames exceed one tile.
+        vars(vae).pop("tiled_decode", None)
+        if self.splits_decode(variant):
+            vae.enable_tiling()
+            vae.tiled_decode = functools.partial(self._lane_tiled_decode, vae, decode_split_for(vae))
+            return
+        if self._tiles(variant.request):
+            vae.enable_tiling()
+        else:
+            vae.disable_tiling()
+
+    def _lane_tiled_decode(self, vae, split, z: torch.Tensor, return_dict: bool = True):
+        """The slot VAE's ``tiled_decode`` while its lane splits the decode: the leader returns
+        what ``tiled_decode`` returns; another rank, once its tiles are handed over, ends its part
+        of the request (``RequestCancelledError``, as at its last step without a split).
+
+        Raises:
+            LaneCollectiveError: The decode failed: the lane's other ranks may wait in its
+                gather, so this rank's session must fail.
+        """
+        from diffusers.models.autoencoders.vae import DecoderOutput
+
+        try:
+            sample = self.lane_tiles.run(lambda: split.decode(vae, z, self.lane_tiles))
+        except Exception as err:
+            raise LaneCollectiveError(f"the lane's split decode failed on rank {self.rank}: {err}") from err
+        if sample is None:
+            raise RequestCancelledError(f"rank {self.rank} handed its decoded tiles to its lane's leader")
+        return DecoderOutput(sample=sample) if return_dict else (sample,)
+
+    def _slot_stream(self, pipe) -> torch.cuda.Stream | None:
+        """The slot's own CUDA stream, or ``None`` (the current stream) when slots share it."""
+        if self.device != "cuda" or not self.request_streams:
+            return None
+        if id(pipe) not in self._streams:
+            self._streams[id(pipe)] = torch.cuda.Stream()
+        return self._streams[id(pipe)]
+
+    def set_request_slots(self, slots: int, shared: tuple[str, ...]) -> None:
+        """Prepares ``slots`` pipelines that can run requests at the same time on this rank.
+
+        A diffusers pipeline keeps per-call state on itself, its scheduler, its tokenizers and
+        its VAE (decode caches), so each concurrent request needs its own copies of those. The
+        large modules named in ``shared`` (the shard components, sharded or not) are shared:
+        their forwards keep no state, and sharded ones are serialised through the tick thread.
+        The first slot is the loaded pipeline itself.
+        """
+        copies = []
+        for _ in range(slots - 1):
+            clone = copy.copy(self.pipe)
+            for name, component in self.pipe.components.items():
+                if name not in shared and component is not None:
+                    object.__setattr__(clone, name, copy.deepcopy(component))
+            copies.append(clone)
+        self.request_slots = slots
+        self._slots: queue.Queue = queue.Queue()
+        for pipe in [self.pipe, *copies]:
+            self._slots.put(pipe)
+        self.slot_copy_bytes = (slots - 1) * sum(
+            module_memory(m)["replicated"] + module_memory(m)["buffers"]
+            for name, m in self.modules.items()
+            if name not in shared
+        )

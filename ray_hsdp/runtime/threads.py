@@ -1,0 +1,97 @@
+"""The request threads of a rank runtime (``RankRuntime``, whose state they share): each runs one
+request's pipeline call, reports its steps, and ends it exactly once."""
+
+from __future__ import annotations
+
+import threading
+
+from ray_hsdp.request import LaneCollectiveError
+from ray_hsdp.runtime.protocol import Job, SessionFailedError
+
+
+class RequestThreads:
+    """The request threads' side of ``RankRuntime``."""
+
+    def _start(self, job: Job) -> None:
+        """Starts ``job``'s request thread (called with the lock held)."""
+        if self.modules is not None:
+            # Before the thread starts: the next tick must already wait for its first call.
+            self._expecting += 1
+        thread = threading.Thread(
+            target=self._run_job, args=(job,), name=f"rank{self.rank}-request-{self._threads_started}", daemon=True
+        )
+        self._running[job] = thread
+        self._threads_started += 1
+        thread.start()
+
+    def _await_decode_turn(self, job: Job) -> None:
+        """Waits until no request this rank started before ``job`` (a smaller ticket) still runs:
+        the ranks of a lane run the same requests, so they enter its split decodes in one order.
+
+        Raises:
+            SessionFailedError: The session failed meanwhile.
+        """
+        with self._cond:
+            while self._failure is None and any(other.ticket < job.ticket for other in self._running):
+                self._cond.wait()
+            if self._failure is not None:
+                raise SessionFailedError(str(self._failure))
+
+    def _run_job(self, job: Job) -> None:
+        request_id = job.request.request_id
+        expecting = [self.modules is not None]
+        self._local.job = job
+        lane = self.lane_size > 1
+        follower_done = [False]
+        decodes_together = False
+
+        def stop_expecting() -> None:
+            if expecting[0]:
+                expecting[0] = False
+                with self._cond:
+                    self._expecting -= 1
+                    self._cond.notify_all()
+
+        def on_step(done: int, total: int) -> bool:
+            self._progress[request_id] = (done, total)
+            self.observer.request(request_id, "step")
+            # A lane acts on its stops, decided at a tick; a lone rank on its own cancellation.
+            halt = job.stopped if lane else job.cancelled
+            if done >= total and not self.leads:
+                follower_done[0] = True  # the leader answers; this rank is done once it decoded its part
+                halt = not decodes_together
+            if done >= total or halt:
+                stop_expecting()  # decoding (or interrupted) from here: no more sharded forwards
+            if done >= total and decodes_together:
+                # Past the last step the lane decodes whatever stop comes: its ranks may read a
+                # stop at different moments, and a decode all of them must join cannot be skipped
+                # by some of them.
+                self._await_decode_turn(job)
+                return False
+            return halt
+
+        self._progress[request_id] = (0, job.request.num_inference_steps)
+        self.observer.request(request_id, "start")
+        try:
+            decodes_together = lane and self.lane_decodes is not None and self.lane_decodes(job.request)
+            job.complete(self._run_request(job.request, on_step))
+        except LaneCollectiveError as err:
+            # Its lane's other ranks may wait in the decode's collectives for this one: the
+            # session fails (the tick thread raises it), and with it every request held here.
+            self.fail(SessionFailedError(f"rank {self.rank}: {err}"[:400]))
+        except BaseException as err:  # noqa: BLE001 - the request's own error belongs to its caller
+            if follower_done[0]:
+                job.complete(None)
+            else:
+                job.complete(error=err)
+                if lane and not job.stopped:
+                    # The other ranks of the lane may wait on a call this one will never make.
+                    self._ask_stop(job.ticket)
+        finally:
+            self._local.job = None
+            stop_expecting()
+            self._progress.pop(request_id, None)
+            self.observer.request(request_id, "end")
+            with self._cond:
+                self._running.pop(job, None)
+                self._cond.notify_all()

@@ -1,0 +1,219 @@
+"""The HTTP side of a replica, as Ray Serve LLM splits it: the FastAPI app, its guard (API key,
+body size), the error answers (``errors``), how a video body is read, and the OpenAI-shaped
+routes (``OpenAIRoutes``, which the deployment class takes on).
+
+No ``from __future__ import annotations`` here: FastAPI reads the routes' annotations as types."""
+
+import hmac
+import logging
+import os
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from ray import serve
+
+from ray_hsdp.config import AppConfig
+from ray_hsdp.serve.errors import RequestLimitError, VideoNotFoundError, error_json, error_response
+from ray_hsdp.serve.schema import ImageGenerationRequest, VideoCreateRequest
+
+logger = logging.getLogger("ray_hsdp")
+
+api = FastAPI(title="ray_hsdp", description="FSDP2-sharded diffusion serving on Ray")
+
+
+@api.exception_handler(RequestValidationError)
+async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+    problems = []
+    for err in exc.errors():
+        where = ".".join(str(part) for part in err.get("loc", ()) if part != "body")
+        problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    first = next((e.get("loc") for e in exc.errors()), ())
+    param = str(first[-1]) if first and first[-1] != "body" else None
+    return error_json(400, "; ".join(problems) or "invalid request", "invalid_request_error", param)
+
+
+@api.exception_handler(ValidationError)
+async def _invalid_model(request: Request, exc: ValidationError) -> JSONResponse:
+    return await _invalid_request(request, RequestValidationError(exc.errors()))
+
+
+#: The routes that take an input_reference image.
+VIDEO_CREATE_ROUTES = ("/v1/videos", "/v1/videos/sync")
+
+
+@api.middleware("http")
+async def _guard(request: Request, call_next):
+    """API key and body size, before any route runs; an error no handler took still answers JSON."""
+    config: AppConfig = request.app.state.config
+    key: str | None = request.app.state.api_key
+    path = request.url.path.removeprefix(request.scope.get("root_path", ""))  # route prefix of the app
+    if key and path != "/health":
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
+            response = error_json(
+                401, "missing or wrong API key (send 'Authorization: Bearer <key>')", "authentication_error"
+            )
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
+    if request.method in ("POST", "PUT", "PATCH"):
+        length = request.headers.get("content-length")
+        if length is None:
+            return error_json(411, "a request body needs a Content-Length header", "invalid_request_error")
+        limit = config.max_body_bytes
+        if path in VIDEO_CREATE_ROUTES:  # room for one input_reference, base64 taking 4/3 of its bytes
+            limit += -(-config.max_image_bytes // 3) * 4
+        if not length.isdigit() or int(length) > limit:
+            what = " (max_body_bytes, plus max_image_bytes as base64 on the video routes)"
+            return error_json(413, f"request body larger than {limit} bytes{what}", "invalid_request_error")
+    try:
+        response = await call_next(request)
+    except Exception as exc:  # noqa: BLE001 - every route error is answered here, by ERRORS
+        response = error_response(exc, config.retry_after_s)
+    # Which replica answered: jobs live in a table every replica reaches, so any may answer.
+    response.headers["X-Ray-Hsdp-Replica"] = serve.get_replica_context().replica_id.unique_id
+    return response
+
+
+def read_api_key(config: AppConfig) -> str | None:
+    """The API key from ``api_key_file`` or the ``api_key_env`` variable; ``None`` when neither is set."""
+    if config.api_key_file:
+        key = (
+            Path(config.api_key_file).read_text().splitlines()[0].strip() if Path(config.api_key_file).exists() else ""
+        )
+        if not key:
+            raise ValueError(f"api_key_file {config.api_key_file} is missing or empty")
+        return key
+    return os.environ.get(config.api_key_env) or None
+
+
+async def video_body(request: Request) -> VideoCreateRequest:
+    """The body of ``POST /v1/videos``: a multipart or urlencoded form (what the OpenAI client
+    sends, ``input_reference`` as a file part) or JSON. Form values are strings; the schema reads
+    numbers out of them."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        try:
+            form = await request.form()
+        except Exception as err:  # noqa: BLE001 - a malformed form is the client's error
+            raise RequestLimitError(f"could not read the form: {err}") from None
+        fields: dict = {}
+        # A list in a form: the OpenAI client sends extra_body={"lora": [{"name", "scale"}, ...]} as
+        # lora[][name] and lora[][scale] fields (all names, then all scales: it groups a form's
+        # fields by key), and a list of names as repeated lora[]. The i-th scale is the i-th name's.
+        listed: dict[str, list[str]] = {"lora[]": [], "lora[][name]": [], "lora[][scale]": []}
+        for key, value in form.multi_items():
+            if key in listed and isinstance(value, str):
+                listed[key].append(value)
+                continue
+            if key in fields:
+                raise RequestLimitError(f"{key} is given more than once")
+            if not isinstance(value, str):  # a file part: the OpenAI client sends input_reference so
+                if key != "input_reference":
+                    raise RequestLimitError(f"{key} is a file; only input_reference takes one")
+                value = await value.read()
+            fields[key] = value
+        names, scales = listed["lora[][name]"], listed["lora[][scale]"]
+        if scales and len(scales) != len(names):
+            raise RequestLimitError(
+                f"lora[][scale] is given {len(scales)} times for {len(names)} lora[][name]: give every adapter a "
+                "scale, or none"
+            )
+        adapters = listed["lora[]"] + [
+            {"name": name, **({"scale": scales[i]} if scales else {})} for i, name in enumerate(names)
+        ]
+        if adapters:
+            if "lora" in fields:
+                raise RequestLimitError("lora is given both as a field and as a list (lora[])")
+            fields["lora"] = adapters
+    elif kind == "application/json":
+        try:
+            fields = await request.json()
+        except ValueError as err:
+            raise RequestLimitError(f"the body is not valid JSON: {err}") from None
+        if not isinstance(fields, dict):
+            raise RequestLimitError("the body must be a JSON object")
+    else:
+        raise RequestLimitError(
+            f"unsupported content type {kind or '(none)'!r}: send multipart/form-data, a urlencoded form or JSON"
+        )
+    return VideoCreateRequest.model_validate(fields)
+
+
+class OpenAIRoutes:
+    """The routes of the HTTP API; each calls the replica's method of the same concern."""
+
+    @api.post("/v1/images/generations")
+    async def images_generations(self, body: ImageGenerationRequest) -> dict:
+        return await self.generate(body)
+
+    @api.post("/v1/videos")
+    async def videos_create(self, request: Request) -> dict:
+        return await self.create_video(await video_body(request))
+
+    @api.post("/v1/videos/sync")
+    async def videos_create_sync(self, request: Request) -> Response:
+        out = await self.generate_video(await video_body(request))
+        return Response(out["mp4"], media_type="video/mp4", headers={"X-Video-Id": out["video"]["id"]})
+
+    @api.get("/v1/videos")
+    async def videos_list(self, limit: int = 20, after: str | None = None, order: str = "desc") -> dict:
+        if not 1 <= limit <= 100:
+            raise RequestLimitError(f"limit must be between 1 and 100, got {limit}")
+        if order not in ("asc", "desc"):
+            raise RequestLimitError(f"order must be 'asc' or 'desc', got {order!r}")
+        page = await self.jobs.list.remote(limit, after, order)
+        if page is None:
+            raise VideoNotFoundError(f"after={after!r} names no video")
+        return page
+
+    @api.get("/v1/videos/{video_id}")
+    async def videos_retrieve(self, video_id: str) -> dict:
+        return await self.video(video_id)
+
+    @api.get("/v1/videos/{video_id}/content")
+    async def videos_content(self, video_id: str, variant: str = "video") -> Response:
+        content = await self.video_content(video_id, variant)
+        return Response(content, media_type="video/mp4" if variant == "video" else "image/png")
+
+    @api.delete("/v1/videos/{video_id}")
+    async def videos_delete(self, video_id: str) -> dict:
+        return await self.delete_video(video_id)
+
+    @api.get("/v1/models")
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "ray_hsdp"}]}
+
+    @api.get("/v1/loras")
+    def loras(self) -> dict:
+        """The LoRA adapters: those requests may name (``lora``) and those merged into the weights
+        (``fused``: the scale every request runs them at), with the components each adapts and the
+        defaults a request gets from it."""
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "lora",
+                    "components": sorted(parts),
+                    "fused": self.config.fuse_loras.get(name),
+                    "defaults": self.config.lora_defaults[name].model_dump(exclude_none=True)
+                    if name in self.config.lora_defaults
+                    else {},
+                }
+                for name, parts in sorted(self.config.lora_sources().items())
+            ],
+            "max_loras_per_request": self.config.max_loras_per_request,
+        }
+
+    @api.get("/health")
+    def health(self) -> dict:
+        self._ready_group().check_health()
+        return {"status": "ok"}
+
+    @api.get("/v1/pool")
+    def pool_route(self) -> dict:
+        return self.pool()

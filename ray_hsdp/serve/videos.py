@@ -1,0 +1,285 @@
+"""The video jobs of a replica (``HSDPServer``, whose group runs them): create, run to an MP4 in
+the application's job table, report progress (one poller per replica), delete, take over jobs
+waiting on busy groups, and hand them over when the replica is drained."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import NamedTuple
+
+from ray import serve
+
+from ray_hsdp import deadlines
+from ray_hsdp.group import GroupFailedError, GroupOverloadedError, remote_cause
+from ray_hsdp.request import GenerationRequest, RequestCancelledError
+from ray_hsdp.serve.errors import (
+    JobTableFullError,
+    RequestLimitError,
+    VideoNotFoundError,
+    VideoNotReadyError,
+    job_error_code,
+)
+from ray_hsdp.serve.jobs import DECODED, DENOISED
+from ray_hsdp.serve.media import encode_mp4, encode_png
+from ray_hsdp.serve.schema import VideoCreateRequest, to_video_request
+
+logger = logging.getLogger("ray_hsdp")
+
+#: How often a replica reports its video jobs' progress to the table (also their heartbeat).
+PROGRESS_INTERVAL_S = 0.25
+
+
+def _application_going() -> bool:
+    """Whether this replica's whole application is being deleted (or Serve shut down)."""
+    try:
+        app = serve.status().applications.get(serve.get_replica_context().app_name)
+    except Exception:  # noqa: BLE001 - no controller to ask: Serve itself is going
+        return True
+    return app is None or app.status == "DELETING"
+
+
+class VideoRun(NamedTuple):
+    """A video job this replica runs: its task, and what another replica needs to take it over."""
+
+    task: asyncio.Task
+    job: GenerationRequest
+    fps: int
+
+
+class VideoJobs:
+    """The video-job side of ``HSDPServer``."""
+
+    def _start_video_tasks(self) -> None:
+        """Starts the replica's progress poller and, with ``video_takeover_after_s``, its takeover
+        of waiting jobs. Serve runs the constructor on the replica's event loop: the tasks start
+        once it returns (held here: the loop keeps only a weak reference to its tasks)."""
+        loop = asyncio.get_running_loop()
+        self._poller = loop.create_task(self._poll_progress())
+        if self.config.video_takeover_after_s is not None:
+            self._takeover = loop.create_task(self._take_waiting_jobs(self.config.video_takeover_after_s))
+
+    async def _drain_videos(self) -> None:
+        """The replica is removed: its video jobs get ``drain_timeout_s`` to finish; then each is
+        handed to another replica (one that none takes fails with the reason). When the whole
+        application goes (serve.delete, shutdown), its job table goes with it: nothing would keep
+        a drained job's video, and nothing is drained."""
+        tasks = {video_id: run.task for video_id, run in getattr(self, "_videos", {}).items()}
+        if tasks and not await asyncio.to_thread(_application_going):
+            logger.info("Draining %d video jobs (drain_timeout_s=%g)", len(tasks), self.config.drain_timeout_s)
+            await asyncio.wait(tasks.values(), timeout=self.config.drain_timeout_s)
+            for video_id, task in tasks.items():
+                if not task.done():
+                    await self._hand_over(video_id, task)
+
+    async def create_video(self, request: dict | VideoCreateRequest) -> dict:
+        """Creates a video job (``POST /v1/videos``) and starts it; returns the video object at
+        once, in every state of the group: while the group is rebuilt, the job waits queued (and
+        another group with a free lane may take it over: ``video_takeover_after_s``)."""
+        return await self._create_video(request, movable=True)
+
+    async def _create_video(self, request: dict | VideoCreateRequest, movable: bool) -> dict:
+        """``create_video``; a job that is not ``movable`` (a caller waits for it here) stays on this group."""
+        body = VideoCreateRequest.model_validate(request)
+        self._check_model(body.model)
+        facts = self.group.pipeline_facts
+        if not facts.get("video"):
+            raise RequestLimitError(f"{self.model_name} makes images, not videos; use /v1/images/generations")
+        job, fps = to_video_request(body, self.config, facts["temporal_compression"], request_id="")
+        self.group.check(job)
+        fields = {
+            "model": self.model_name,
+            "prompt": job.prompt,
+            "size": f"{job.width}x{job.height}",
+            "seconds": f"{job.num_frames / fps:g}",
+            "num_frames": job.num_frames,
+            "fps": fps,
+            "seed": job.seed,
+            "num_inference_steps": job.num_inference_steps,
+            "guidance_scale": job.guidance_scale,
+            "guidance_scale_2": job.guidance_scale_2,
+            "flow_shift": job.flow_shift,
+        }
+        spec = (job, fps) if movable else None
+        status, created = await self.jobs.create.remote(fields, self._replica, spec)
+        if status == "full":
+            raise JobTableFullError(created)
+        job = dataclasses.replace(job, request_id=created["id"])
+        future = None
+        current = self.keeper.current()
+        if current.done() and current.exception() is None:
+            try:
+                future = current.result().submit(job)
+            except GroupOverloadedError:
+                await self.jobs.delete.remote(created["id"])
+                raise
+            except GroupFailedError:
+                pass  # it failed just now: the job's task waits for the rebuild, or retries elsewhere
+        self._start_video(created["id"], job, fps, future)
+        return created
+
+    def _start_video(self, video_id: str, job: GenerationRequest, fps: int, future=None) -> None:
+        """Runs a video job in the background on this replica's group, to its MP4 in the table."""
+        task = asyncio.create_task(self._run_video(video_id, job, fps, future))
+        self._videos[video_id] = VideoRun(task, job, fps)
+        task.add_done_callback(lambda _: self._videos.pop(video_id, None))
+
+    async def adopt_video(self, video_id: str, job: GenerationRequest, fps: int, avoid_replica: str) -> bool:
+        """Takes over a video job from a replica being removed (its drain timed out): its seed
+        makes the same video here. Returns once the job runs here (False: the job is gone).
+
+        Raises:
+            GroupFailedError: This is the replica to avoid, or it is being removed too.
+        """
+        if avoid_replica == self._replica or self._draining:
+            raise GroupFailedError("this shard group is being removed too; it cannot take the job over")
+        if not await self.jobs.update.remote(video_id, self._replica, retried=True):
+            return False  # deleted or expired meanwhile: nothing to take over
+        # It ran on the removed group: here it gets a wait of its own.
+        job = deadlines.waits_anew(job, self.config)
+        self._start_video(video_id, job, fps)
+        return True
+
+    async def _take_waiting_jobs(self, waited_s: float) -> None:
+        """While this group has free lanes and nothing queued: takes over the video jobs that have
+        waited queued for ``waited_s`` on other, busy groups, one per free lane (the job table
+        picks the oldest; their first replicas stop their copies at their next report)."""
+        while not self._stopping.is_set():
+            await asyncio.sleep(waited_s / 2)
+            if self._draining or self.keeper is None or not self.keeper.ready:
+                continue
+            group = self.keeper.group
+            queued, running = group.load()
+            # The group's requests, and this replica's jobs not handed to it yet.
+            for _ in range(group.running_capacity - max(queued + running, len(self._videos))):
+                try:
+                    taken = await self.jobs.take_waiting.remote(self._replica, waited_s)
+                except Exception as err:  # noqa: BLE001 - the table answers again at the next round
+                    logger.warning("Asking the job table for waiting video jobs failed: %s", err)
+                    break
+                if taken is None:
+                    break
+                video_id, (job, fps) = taken
+                if video_id in self._videos:
+                    continue  # released back to its first replica before it had stopped its copy: it runs on
+                job = dataclasses.replace(job, request_id=video_id)
+                try:  # requests that came in while the table answered may have filled the group
+                    future = group.submit(job)
+                except (GroupOverloadedError, GroupFailedError) as err:
+                    logger.info("Could not take over video job %s: %s", video_id, err)
+                    await self.jobs.release.remote(video_id, self._replica)
+                    break
+                logger.info("Took over video job %s, which waited queued on a busy shard group", video_id)
+                self._start_video(video_id, job, fps, future)
+
+    async def _run_video(self, video_id: str, job: GenerationRequest, fps: int, future) -> BaseException | None:
+        """Runs a job to its MP4 in the table; returns the error that failed it, if any."""
+        try:
+            result, _ = await self._result(job, future)
+            await self.jobs.update.remote(video_id, self._replica, progress=DECODED)
+            frames = result.frames[0]
+            mp4 = await asyncio.to_thread(encode_mp4, frames, fps)  # off the event loop, far from any tick
+            await self.jobs.complete.remote(video_id, mp4, encode_png(frames[0]), self._replica)
+            return None
+        except RequestCancelledError as err:
+            return err  # deleted: nothing is kept
+        except Exception as err:  # noqa: BLE001 - the job says why it failed
+            err = remote_cause(err)
+            logger.warning("Video job %s failed: %s", video_id, err)
+            await self.jobs.fail.remote(video_id, job_error_code(err), str(err), self._replica)
+            return err
+
+    async def _poll_progress(self) -> None:
+        """The replica's one progress poller: every ``PROGRESS_INTERVAL_S``, one look at the
+        group's progress, and a report of each of this replica's video jobs to the table (also
+        its heartbeat, queued or running). A job the table answers is gone (deleted, failed by its
+        sweep, taken over by another replica) is cancelled here."""
+        while not self._stopping.is_set():
+            await asyncio.sleep(PROGRESS_INTERVAL_S)
+            videos = list(self._videos)
+            if not videos or self.keeper is None:
+                continue
+            try:
+                states = await asyncio.to_thread(self.group.progress)
+            except Exception:  # noqa: BLE001 - a failed group answers its jobs itself
+                states = {}
+            reports = []
+            for video_id in videos:  # a job's request id is its video id
+                state = states.get(video_id)
+                running = state is not None and state["state"] == "running"
+                progress = DENOISED * state["step"] // max(state["total"], 1) if running else None
+                reports.append(self.jobs.update.remote(video_id, self._replica, progress=progress, running=running))
+            kept = await asyncio.gather(*reports, return_exceptions=True)
+            for video_id, still in zip(videos, kept):
+                if still is False and video_id in self._videos:
+                    self._cancel(video_id)
+
+    async def video(self, video_id: str) -> dict:
+        """The video object of a job."""
+        found = await self.jobs.get.remote(video_id)
+        if found is None:
+            raise VideoNotFoundError(f"no video {video_id!r} (never created, deleted, or expired)")
+        return found
+
+    async def video_content(self, video_id: str, variant: str = "video") -> bytes:
+        """The MP4 of a completed job, or its first frame as PNG (``variant="thumbnail"``)."""
+        if variant not in ("video", "thumbnail"):
+            raise RequestLimitError(f"variant must be 'video' or 'thumbnail', got {variant!r}")
+        status, content = await self.jobs.content.remote(video_id, variant)
+        if status == "missing":
+            raise VideoNotFoundError(f"no video {video_id!r} (never created, deleted, or expired)")
+        if status == "not_ready":
+            raise VideoNotReadyError(f"video {video_id!r} is {content}; its content exists once it is completed")
+        return content
+
+    async def delete_video(self, video_id: str) -> dict:
+        """Deletes a job: a queued one is dropped, a running one stops at its next step without
+        decoding; afterwards the id is 404. The replica that runs it stops it: at once when that
+        is this one, else at its next report to the table (every 0.25 s)."""
+        if not await self.jobs.delete.remote(video_id):
+            raise VideoNotFoundError(f"no video {video_id!r} (never created, deleted, or expired)")
+        if video_id in self._videos:
+            self._cancel(video_id)  # a job's request id is its video id
+        return {"id": video_id, "object": "video.deleted", "deleted": True}
+
+    async def generate_video(self, request: dict | VideoCreateRequest) -> dict:
+        """Creates a video job and waits for it (the handle's entry point); it runs on this
+        replica's group.
+
+        Returns:
+            ``{"video": the video object, "mp4": the MP4's bytes}``; raises if the job failed.
+        """
+        created = await self._create_video(request, movable=False)
+        error = await asyncio.shield(self._videos[created["id"]].task)
+        if error is not None:
+            raise error  # answered by its own class: bad input 400, deadline 504, broken group 503
+        video = await self.video(created["id"])
+        return {"video": video, "mp4": await self.video_content(created["id"])}
+
+    async def _hand_over(self, video_id: str, task: asyncio.Task) -> None:
+        """A job still running when this replica's drain ends: another replica takes it over (its
+        seed makes the same video there), or it fails with the reason. Its run here stops either way."""
+        run = self._videos.get(video_id)
+        if run is None:  # it ended meanwhile
+            return
+        _, job, fps = run
+        handed = False
+        reason = "no other shard group took it over"
+        # (The replica context's world size already counts this replica out.)
+        context = serve.get_replica_context()
+        handle = serve.get_deployment_handle(context.deployment, context.app_name)
+        try:
+            handed = await handle.adopt_video.remote(video_id, job, fps, self._replica)
+        except Exception as err:  # noqa: BLE001 - the job then fails here with the reason
+            reason = f"no other shard group could take it over ({remote_cause(err)})"
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        if handed:
+            logger.info("Video job %s handed to another shard group", video_id)
+            return
+        message = (
+            f"the shard group running it was removed and drain_timeout_s={self.config.drain_timeout_s:g} passed; "
+            f"{reason}"
+        )
+        await self.jobs.fail.remote(video_id, "drained", message, self._replica)
