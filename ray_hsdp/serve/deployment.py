@@ -61,9 +61,8 @@ class HSDPServer(OpenAIRoutes, VideoJobs):
         self.config = AppConfig(**config)
         self.dims = dims
         self.model_name = self.config.served_model_name
-        # One replica per process: the middleware reads this process's settings from the app state.
-        api.state.config = self.config
-        api.state.api_key = read_api_key(self.config)
+        #: The key every route but /health asks for (the ingress' guard reads it); None: none.
+        self.api_key = read_api_key(self.config)
         self._placement = ray.util.get_current_placement_group()
         self._replica = serve.get_replica_context().replica_id.unique_id
         self.metrics = ReplicaMetrics(self.model_name)

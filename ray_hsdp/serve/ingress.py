@@ -47,8 +47,10 @@ VIDEO_CREATE_ROUTES = ("/v1/videos", "/v1/videos/sync")
 @api.middleware("http")
 async def _guard(request: Request, call_next):
     """API key and body size, before any route runs; an error no handler took still answers JSON."""
-    config: AppConfig = request.app.state.config
-    key: str | None = request.app.state.api_key
+    # The replica this process serves (its constructor has run: Serve routes nothing here before).
+    server = serve.get_replica_context().servable_object
+    config: AppConfig = server.config
+    key: str | None = server.api_key
     path = request.url.path.removeprefix(request.scope.get("root_path", ""))  # route prefix of the app
     if key and path != "/health":
         given = request.headers.get("authorization", "")
