@@ -270,3 +270,15 @@ def wait_until(condition, timeout_s: float = 60, what: str = "the condition", in
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} did not happen within {timeout_s:g}s")
         time.sleep(interval_s)
+
+
+def stop_server(proc) -> None:
+    """Stops a ``serve run`` process as Ctrl-C does (it shuts down Serve and the Ray it started),
+    killing it if it has not gone within a minute."""
+    import signal
+
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()

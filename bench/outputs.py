@@ -17,9 +17,6 @@ import hashlib
 import io
 import json
 import os
-import random
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +25,9 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+
+from bench.common import stop_server
+from ray_hsdp.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -58,21 +58,9 @@ def png_pixels(data: bytes) -> np.ndarray:
 
 
 def mp4_frames(data: bytes) -> np.ndarray:
-    import av
+    from ray_hsdp.serve.media import decode_mp4
 
-    with av.open(io.BytesIO(data)) as container:
-        return np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)])
-
-
-def _free_port() -> int:
-    for port in random.sample(range(20000, 30000), 200):
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port")
+    return decode_mp4(data)[0]
 
 
 def _ask(base: str, endpoint: str, body: dict) -> np.ndarray:
@@ -98,7 +86,7 @@ def yaml_outputs(name: str, workdir: Path) -> dict:
     import requests
 
     config = yaml.safe_load((ROOT / "serve_configs" / name).read_text())
-    port = _free_port()
+    port = free_port("127.0.0.1")
     config["http_options"]["port"] = port
     path = workdir / name
     path.write_text(yaml.safe_dump(config))
@@ -128,11 +116,7 @@ def yaml_outputs(name: str, workdir: Path) -> dict:
                 )
             return out
         finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
 
 
 def demo_outputs(workdir: Path) -> dict:

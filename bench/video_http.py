@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import environment, first_frame_png, write_results
+from bench.common import environment, first_frame_png, stop_server, write_results
 
 
 def main() -> None:
@@ -89,11 +88,7 @@ def main() -> None:
         # Written before the server stops: its shutdown can take a minute.
         report(args, ready_s, video, job_s, progress, mp4, frames, fps)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
         log.close()
 
 
