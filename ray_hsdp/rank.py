@@ -103,7 +103,7 @@ class Rank(RankStart):
         runtime = self._loaded()
         request = variant.request
         job = runtime.submit(variant, variant.ticket)
-        if not runtime.leads:
+        if not job.leads(self.rank):
             try:
                 job.get()
             except SessionFailedError:

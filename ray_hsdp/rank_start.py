@@ -196,8 +196,6 @@ class RankStart:
             modules=modules,
             exchange=exchange,
             max_batch=self.config.max_forward_batch,
-            lane_size=self.dims.lane_size,
-            leads=self.dims.leads(self.rank),
             lane_decodes=self.pipeline.splits_decode if self.decode_group is not None else None,
         )
 

@@ -16,6 +16,7 @@ import ray
 from ray_hsdp.group.errors import GroupFailedError, QueueTimeoutError, died, remote_cause
 from ray_hsdp.request import GenerationRequest
 from ray_hsdp.runtime import SessionFailedError
+from ray_hsdp.runtime.protocol import lane_ticket
 from ray_hsdp.variant import RequestVariant
 
 logger = logging.getLogger("ray_hsdp")
@@ -115,10 +116,12 @@ class GroupScheduler:
         return job if job.future.set_running_or_notify_cancel() else None
 
     def _offer(self, lane: int, job: QueuedJob) -> None:
-        """Hands ``job`` to every rank of ``lane`` under one ticket (called with the lock held)."""
-        job.variant = job.variant.with_ticket(next(self._tickets))
+        """Hands ``job`` to every rank of ``lane`` under one ticket, which names the lane (called
+        with the lock held)."""
+        ranks = self.dims.lane_ranks(lane)
+        job.variant = job.variant.with_ticket(lane_ticket(next(self._tickets), ranks.start, len(ranks)))
         job.taken, job.lane = time.monotonic(), lane
-        for rank_index in self.dims.lane_ranks(lane):
+        for rank_index in ranks:
             ref = self.ranks[rank_index].offer.remote(job.variant)
             self._inflight[ref] = (rank_index, job)
             self._watch("offer", ref)

@@ -34,12 +34,17 @@ from ray_hsdp.runtime.ticks import TickLoop
 class RankRuntime(TickLoop, RequestThreads):
     """One rank's execution (see the package docstring for the contract).
 
+    A request runs on the lane its ticket names (``lane_ticket``): its rank alone, or a block of
+    consecutive ranks that runs it on all of them: a call runs only at a tick where every rank of
+    the lane offers it, stops act at one tick on all of them, and only the lane's first rank
+    decodes and answers. Requests on lanes of different sizes run side by side.
+
     Args:
         run_request: ``run_request(request, on_step)`` computes a request on a request thread;
             ``on_step(done, total)`` after each denoising step returns True to interrupt it. A
             request has a ``request_id``, ``num_inference_steps`` and a ``batch_key`` (what its
             forwards run with besides their inputs: a forward batches only calls of one key).
-        rank: This rank's index in its group (for names and messages).
+        rank: This rank's index in its group (where it sits in every tick's gathered list).
         slots: Requests that run at once (each in a thread of its own).
         modules: The sharded root modules; ``None`` for an unsharded rank, which has no ticks.
         exchange: The tick's all-gather; given exactly when ``modules`` is.
@@ -47,11 +52,6 @@ class RankRuntime(TickLoop, RequestThreads):
             before it ticks without it (a request thread needs a few milliseconds between two
             forwards, and a forward ghosted for want of them is lost).
         max_batch: Most waiting calls of one module run as one batched forward (lanes of one rank).
-        lane_size: Ranks of this rank's lane (consecutive in the gathered list). A lane of several
-            ranks runs each of its requests on all of them: a call runs only at a tick where every
-            rank of the lane offers it, and stops act at one tick on all of them.
-        leads: Whether this rank leads its lane: only a leader decodes and answers; the others
-            end each request after its last denoising step.
         lane_decodes: ``lane_decodes(request)``: whether all ranks of the lane decode the request
             together after its last step (a split decode, whose collectives run on the lane's own
             process group from the request threads). The ranks then go on past the last step, and
@@ -69,14 +69,10 @@ class RankRuntime(TickLoop, RequestThreads):
         exchange: Exchange | None = None,
         patience_s: float = 0.1,
         max_batch: int = 1,
-        lane_size: int = 1,
-        leads: bool = True,
         lane_decodes: Callable[[Any], bool] | None = None,
     ) -> None:
         if (modules is None) != (exchange is None):
             raise ValueError("modules and exchange go together: both for a sharded rank, neither otherwise")
-        if lane_size > 1 and (modules is None or max_batch != 1):
-            raise ValueError("a lane of several ranks needs sharded modules and one call per forward")
         self._run_request = run_request
         self.rank = rank
         self.slots = slots
@@ -85,8 +81,6 @@ class RankRuntime(TickLoop, RequestThreads):
         self.observer = Observer()
         self.patience_s = patience_s
         self.max_batch = max_batch
-        self.lane_size = lane_size
-        self.leads = leads
         self.lane_decodes = lane_decodes
         self.ticks = 0
         self.idle_ticks = 0  # ticks at which this rank had nothing to do
@@ -191,7 +185,7 @@ class RankRuntime(TickLoop, RequestThreads):
     def cancel_job(self, job: Job, error: BaseException) -> bool:
         """Answers ``job`` with ``error`` and stops it (see ``cancel``); False when it had an answer already."""
         answered = job.cancel(error)
-        if self.lane_size > 1:
+        if job.lane_size > 1:
             self._ask_stop(job.ticket)
         return answered
 
@@ -246,8 +240,7 @@ class RankRuntime(TickLoop, RequestThreads):
             while True:
                 if self._failure is not None:  # a request thread failed it (a split decode's error)
                     raise self._failure
-                if self.lane_size == 1:  # a lane of several ranks starts requests at a tick
-                    self._start_requests()
+                self._start_requests()  # a lane of several ranks starts its requests at a tick
                 if self.modules is None:
                     if self._wait_for_requests():
                         return self._threads_started - before

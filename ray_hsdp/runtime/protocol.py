@@ -16,7 +16,10 @@ BUSY = -2
 #: A rank offers at each tick a key: ``(module_id + 1) * KEY_SPACE + ticket`` for a waiting call,
 #: or ``ticket`` to start a queued request (lanes of several ranks). A lane acts on a key only when
 #: all its ranks offer it, so its ranks start the same requests and run the same calls together.
-KEY_SPACE = 1 << 40
+KEY_SPACE = 1 << 48
+#: A ticket carries its request's lane in its low bits (``lane_ticket``), so that every rank reads
+#: from a key alone which ranks must offer it: lanes need not be fixed for a group's life.
+LANE_BITS = 16
 #: A rank that offers ``STOP - ticket`` (a negative state below ``STOP``) asks its lane to stop
 #: that request at this tick; every rank that sees it applies it at the same tick.
 STOP = -3
@@ -50,20 +53,51 @@ def module_of(key: int) -> int:
     return key // KEY_SPACE - 1
 
 
-def agreed_keys(gathered: Sequence[int], lane_size: int) -> dict[int, int]:
-    """Lane index -> the key all ranks of the lane offered at this tick, for the lanes that agree.
+def lane_ticket(sequence: int, first: int = 0, size: int = 1) -> int:
+    """The ticket of the group's ``sequence``-th request, run by the lane of ``size`` ranks from
+    group rank ``first`` on. A lane of one rank is its rank's own: its ticket names no rank (a
+    ticket of a runtime driven directly, ``0`` included, is one)."""
+    if size == 1:
+        return (sequence % (KEY_SPACE >> LANE_BITS)) << LANE_BITS
+    if not (0 <= first < 256 and 1 < size < 256):
+        raise ValueError(f"a lane of {size} ranks from rank {first} does not fit a ticket")
+    return (sequence % (KEY_SPACE >> LANE_BITS)) << LANE_BITS | first << 8 | size
 
-    A lane agrees when all its ranks offer the same call key and none of the gathered states asks
-    to stop that call's request. Every rank computes this from the same gathered list.
+
+def lane_of(ticket: int) -> tuple[int | None, int]:
+    """``(first rank, size)`` of a ticket's lane; ``(None, 1)`` for a lane of one rank (its own)."""
+    size = ticket & 0xFF
+    return (None, 1) if size == 0 else ((ticket >> 8) & 0xFF, size)
+
+
+def agreed_keys(gathered: Sequence[int]) -> dict[int, int]:
+    """First rank of a lane -> the key all ranks of the lane offered at this tick, for the lanes
+    that agree.
+
+    A key's lane is its ticket's (``lane_of``). A lane agrees when all its ranks offer the same key
+    and none of the gathered states asks to stop that key's request; a lane of one rank agrees
+    with itself. Lanes that agree never overlap: a rank offers one key. Every rank computes this
+    from the same gathered list.
     """
     stopped = {STOP - state for state in gathered if state <= STOP}
     agreed = {}
-    for lane in range(len(gathered) // lane_size):
-        row = gathered[lane * lane_size : (lane + 1) * lane_size]
-        key = row[0]
-        if key >= 0 and all(state == key for state in row) and key % KEY_SPACE not in stopped:
-            agreed[lane] = key
+    for rank, key in enumerate(gathered):
+        if key < 0 or key % KEY_SPACE in stopped:
+            continue
+        first, size = lane_of(key % KEY_SPACE)
+        if first is None:
+            agreed[rank] = key
+        elif rank == first and all(state == key for state in gathered[first : first + size]):
+            agreed[first] = key
     return agreed
+
+
+def agreed_mine(agreed: dict[int, int], state: int, rank: int) -> int | None:
+    """The key this rank offered (``state``) when its lane agreed on it, else ``None``."""
+    if state < 0:
+        return None
+    first, _ = lane_of(state % KEY_SPACE)
+    return state if agreed.get(rank if first is None else first) == state else None
 
 
 class Completion:
@@ -124,10 +158,17 @@ class Job(Completion):
         super().__init__()
         self.request = request
         self.ticket = ticket
+        #: The first rank and the size of its lane (``lane_of``: ``None`` for a lane of one rank).
+        self.lane_first, self.lane_size = lane_of(ticket)
         #: Set when the caller gave up (deadline): the request's next step interrupts it.
         self.cancelled = False
         #: Set when its lane stopped it (lanes of several ranks): its next call raises.
         self.stopped = False
+
+    def leads(self, rank: int) -> bool:
+        """Whether ``rank`` leads the job's lane: only a leader decodes and answers; the others end
+        the request after its last denoising step."""
+        return self.lane_first is None or rank == self.lane_first
 
     def cancel(self, error: BaseException) -> bool:
         """Answers the request with ``error`` and asks its run to stop at its next step."""

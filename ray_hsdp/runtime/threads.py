@@ -41,7 +41,7 @@ class RequestThreads:
         request_id = job.request.request_id
         expecting = [self.modules is not None]
         self._local.job = job
-        lane = self.lane_size > 1
+        lane = job.lane_size > 1
         follower_done = [False]
         decodes_together = False
 
@@ -57,7 +57,7 @@ class RequestThreads:
             self.observer.request(request_id, "step")
             # A lane acts on its stops, decided at a tick; a lone rank on its own cancellation.
             halt = job.stopped if lane else job.cancelled
-            if done >= total and not self.leads:
+            if done >= total and not job.leads(self.rank):
                 follower_done[0] = True  # the leader answers; this rank is done once it decoded its part
                 halt = not decodes_together
             if done >= total or halt:

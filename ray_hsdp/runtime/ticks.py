@@ -17,6 +17,8 @@ from ray_hsdp.runtime.protocol import (
     Job,
     RequestStoppedError,
     agreed_keys,
+    agreed_mine,
+    lane_of,
     module_of,
 )
 
@@ -25,9 +27,15 @@ class TickLoop:
     """The tick thread's side of ``RankRuntime``."""
 
     def _start_requests(self) -> None:
+        """Starts queued requests of this rank's own lane (of one rank) while it has room; a lane of
+        several ranks starts its requests at a tick all of them agree on."""
         with self._cond:
-            while len(self._running) < self.slots and self._inbox:
-                job = self._inbox.popleft()
+            for job in list(self._inbox):
+                if len(self._running) >= self.slots:
+                    return
+                if job.lane_size > 1:
+                    continue
+                self._inbox.remove(job)
                 if not job.done:  # else its caller gave up while it was queued
                     self._start(job)
 
@@ -44,8 +52,9 @@ class TickLoop:
                 return STOP - self._stops.popleft()
             if self._waiting:
                 return min(c.key for c in self._waiting)
-            if self.lane_size > 1 and self._inbox and len(self._running) < self.slots:
-                return min(job.ticket for job in self._inbox) % KEY_SPACE
+            lanes = [job.ticket for job in self._inbox if job.lane_size > 1]
+            if lanes and len(self._running) < self.slots:
+                return min(lanes) % KEY_SPACE
         return BUSY if busy else IDLE
 
     def _start_agreed(self, key: int) -> None:
@@ -79,8 +88,8 @@ class TickLoop:
         self.ticks += 1
         self.idle_ticks += state == IDLE
         self._apply_stops(STOP - g for g in gathered if g <= STOP)
-        agreed = agreed_keys(gathered, self.lane_size)
-        mine = agreed.get(self.rank // self.lane_size)
+        agreed = agreed_keys(gathered)
+        mine = agreed_mine(agreed, state, self.rank)
         if mine is not None and module_of(mine) < 0:
             self._start_agreed(mine)
         module_id = min((module_of(key) for key in agreed.values() if module_of(key) >= 0), default=None)
@@ -148,8 +157,8 @@ class TickLoop:
             call.complete(error=RequestStoppedError(f"the request of ticket {call.ticket} was stopped by its lane"))
 
     def _batch(self, key: int) -> list[ForwardCall]:
-        """Takes the waiting call of ``key`` and, in a lane of one rank, up to ``max_batch - 1`` more
-        calls of its module that can run in the same forward (oldest first)."""
+        """Takes the waiting call of ``key`` and, for a lane of this rank alone, up to ``max_batch - 1``
+        more calls of its module on such lanes that can run in the same forward (oldest first)."""
         # Here, not at the top: the runtime's importers (a Serve replica, through the group) never
         # batch, and need not import torch.
         from ray_hsdp.batching import compatible
@@ -160,12 +169,15 @@ class TickLoop:
             first = next((c for c in self._waiting if c.key == key), None)
             if first is None:
                 return []
-            if self.lane_size == 1:  # the oldest call of the module leads the batch
-                first = next(c for c in self._waiting if c.module_id == module_id)
+            alone = lane_of(first.ticket)[1] == 1
+            if alone:  # the oldest call of the module on a lane of this rank alone leads the batch
+                first = next(c for c in self._waiting if c.module_id == module_id and lane_of(c.ticket)[1] == 1)
             batch.append(first)
             self._waiting.remove(first)
-            for call in list(self._waiting):
+            for call in list(self._waiting) if alone else ():  # a lane of several ranks runs one call
                 if call.module_id != module_id or len(batch) == self.max_batch or call.batch_key != first.batch_key:
+                    continue
+                if lane_of(call.ticket)[1] != 1:
                     continue
                 if batch and not compatible((batch[0].args, batch[0].kwargs), (call.args, call.kwargs)):
                     continue

@@ -21,6 +21,7 @@ import torch
 
 from ray_hsdp.runtime import ForwardCall, RankRuntime, SessionFailedError
 from ray_hsdp.runtime.core import Completion
+from ray_hsdp.runtime.protocol import KEY_SPACE, lane_ticket
 
 MODULES = ("text_encoder", "transformer", "transformer_2")
 DEADLINE_S = 60
@@ -377,15 +378,13 @@ def test_a_lane_whose_leader_was_cancelled_before_its_offer_drops_the_request_on
             on_step(1, 1)
             return 1.0
 
-        runtime = RankRuntime(
-            run_request, rank=rank, modules=LaneModules(), exchange=gather.for_rank(rank), lane_size=2, leads=rank == 0
-        )
+        runtime = RankRuntime(run_request, rank=rank, modules=LaneModules(), exchange=gather.for_rank(rank))
         holder["runtime"] = runtime
         runtimes.append(runtime)
     request = FakeRequest("q", ((1, 1.0),))
-    follower = runtimes[1].submit(request, ticket=7)
+    follower = runtimes[1].submit(request, ticket=lane_ticket(7, 0, 2))
     runtimes[0].cancel("q", InjectedError("cancelled"))
-    leader = runtimes[0].submit(request, ticket=7)
+    leader = runtimes[0].submit(request, ticket=lane_ticket(7, 0, 2))
     threads = [threading.Thread(target=rt.session, daemon=True) for rt in runtimes]
     for t in threads:
         t.start()
@@ -446,8 +445,6 @@ def test_lanes_run_each_call_on_all_their_ranks_at_the_same_tick(seed):
             modules=mods,
             exchange=gather.for_rank(rank),
             patience_s=0.01,
-            lane_size=lane_size,
-            leads=rank % lane_size == 0,
         )
         holder["runtime"] = runtime
         runtimes.append(runtime)
@@ -462,9 +459,10 @@ def test_lanes_run_each_call_on_all_their_ranks_at_the_same_tick(seed):
         for ticket, request in enumerate(requests):
             lane = rng.randrange(lanes)
             ranks = list(range(lane * lane_size, (lane + 1) * lane_size))
+            lane_ticket_of = lane_ticket(ticket, ranks[0], lane_size)
             rng.shuffle(ranks)  # the ranks of a lane get their offers in any order
             for rank in ranks:
-                jobs.append((request, rank, runtimes[rank].submit(request, ticket)))
+                jobs.append((request, rank, runtimes[rank].submit(request, lane_ticket_of)))
                 time.sleep(rng.random() * 0.003)
             if rng.random() < 0.25:
                 time.sleep(rng.random() * 0.01)
@@ -543,14 +541,13 @@ def test_a_lane_decodes_together_one_request_at_a_time_in_ticket_order():
             modules=LaneModules(),
             exchange=gather.for_rank(rank),
             patience_s=0.01,
-            lane_size=2,
-            leads=rank == 0,
             lane_decodes=lambda request: True,
         )
         holder["runtime"] = runtime
         runtimes.append(runtime)
     first, second = FakeRequest("first", ((1, 1.0), (1, 2.0))), FakeRequest("second", ((1, 3.0),))
-    jobs = [rt.submit(first, ticket=0) for rt in runtimes] + [rt.submit(second, ticket=1) for rt in runtimes]
+    jobs = [rt.submit(first, ticket=lane_ticket(0, 0, 2)) for rt in runtimes]
+    jobs += [rt.submit(second, ticket=lane_ticket(1, 0, 2)) for rt in runtimes]
     threads = [threading.Thread(target=rt.session, daemon=True) for rt in runtimes]
     for t in threads:
         t.start()
@@ -565,3 +562,101 @@ def test_a_lane_decodes_together_one_request_at_a_time_in_ticket_order():
             ("second", "begin"),
             ("second", "end"),
         ]
+
+
+@pytest.mark.parametrize("seed", range(LANE_SEEDS))
+def test_lanes_of_one_two_and_four_ranks_run_side_by_side(seed):
+    """Adaptive lanes' runtime: on 4 ranks, each request runs on a lane of its own size (1, 2 or 4
+    aligned ranks, named by its ticket), offered to the lane's ranks in any order, with leaders
+    cancelling at random. Every request and call completes once, nothing hangs, each request's
+    calls ran on exactly its lane's ranks (the same keys in the same order on each), and a
+    leader's uncancelled request returns its real result."""
+    rng = random.Random(5000 + seed)
+    world_size = 4
+    gather = FakeAllGather(world_size)
+    runtimes, modules = [], []
+    for rank in range(world_size):
+        mods = LaneModules()
+        holder: dict = {}
+
+        def run_request(request: FakeRequest, on_step, holder=holder):
+            total = 0.0
+            for step, (module_id, x) in enumerate(request.calls):
+                total += holder["runtime"].call(module_id, (torch.tensor([x]),), {}).item()
+                time.sleep(rng.random() * 0.002)
+                if on_step(step + 1, len(request.calls)):
+                    raise InjectedError(f"{request.request_id}: stopped after step {step + 1}")
+            return total
+
+        runtime = RankRuntime(
+            run_request,
+            rank=rank,
+            slots=rng.randint(1, 2),
+            modules=mods,
+            exchange=gather.for_rank(rank),
+            patience_s=0.01,
+            max_batch=2,  # calls of lanes of one rank may batch; a lane of several runs one call
+        )
+        holder["runtime"] = runtime
+        runtimes.append(runtime)
+        modules.append(mods)
+
+    requests = [make_request(rng, f"q{i}", own_errors=False) for i in range(14)]
+    lanes = {}
+    for request in requests:
+        size = rng.choice((1, 2, 4))
+        lanes[request.request_id] = list(range(world_size))[rng.randrange(world_size // size) * size :][:size]
+    jobs: list[tuple[FakeRequest, int, int, object]] = []
+    cancelled: set[str] = set()
+
+    def feed() -> None:
+        for sequence, request in enumerate(requests):
+            ranks = lanes[request.request_id]
+            ticket = lane_ticket(sequence, ranks[0], len(ranks))
+            for rank in rng.sample(ranks, len(ranks)):
+                jobs.append((request, rank, ticket, runtimes[rank].submit(request, ticket)))
+                time.sleep(rng.random() * 0.003)
+            if rng.random() < 0.2:
+                time.sleep(rng.random() * 0.01)
+                if runtimes[ranks[0]].cancel(request.request_id, InjectedError("cancelled")):
+                    cancelled.add(request.request_id)
+
+    stop = threading.Event()
+    decision = [False]
+    between = threading.Barrier(world_size, action=lambda: decision.__setitem__(0, stop.is_set()))
+
+    def rank_thread(rank: int) -> None:
+        while True:
+            runtimes[rank].session()
+            between.wait()
+            if decision[0]:
+                return
+            time.sleep(0.001)
+
+    feeder = threading.Thread(target=feed)
+    threads = [threading.Thread(target=rank_thread, args=(r,), daemon=True) for r in range(world_size)]
+    for t in [feeder, *threads]:
+        t.start()
+    feeder.join()
+    deadline = time.monotonic() + DEADLINE_S
+    while not all(job.done for *_, job in jobs) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(job.done for *_, job in jobs), [(r.request_id, rank) for r, rank, _, j in jobs if not j.done]
+    while any(rt.request_threads() for rt in runtimes) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(rt.request_threads() for rt in runtimes), "a request thread hangs"
+    stop.set()
+    for t in threads:
+        t.join(timeout=DEADLINE_S)
+    assert not any(t.is_alive() for t in threads)
+    for mods in modules:
+        assert all(call.done for call in mods.calls) and not mods.wrong_results, mods.wrong_results
+    for request, rank, ticket, job in jobs:
+        ran = [[key for key in mods.keys if key % KEY_SPACE == ticket] for mods in modules]
+        ranks = lanes[request.request_id]
+        assert all(ran[r] == ran[ranks[0]] for r in ranks), (request.request_id, ranks, ran)
+        assert not any(ran[r] for r in range(world_size) if r not in ranks), (request.request_id, ranks, ran)
+        if rank == ranks[0] and job.error is None:
+            assert job.value == pytest.approx(request.expected()) and request.request_id not in cancelled
+        elif rank != ranks[0]:
+            assert job.value is None  # followers never answer: the leader does
