@@ -191,6 +191,14 @@ class GroupLayout(BaseModel):
         "cfg x ring x ulysses ranks in combined mode; 'replicated': every rank runs the same request "
         "(memory-only HSDP).",
     )
+    lane_sizes: tuple[int, ...] = Field(
+        (),
+        description="Adaptive lanes: the lane sizes (ranks) a request may run on, e.g. [1, 2]. The group gives "
+        "each request its lane when it takes it: a lone request the widest free lane, a backlog lanes of one rank "
+        "(a request may name its lane_size). A lane of k ranks is an aligned block that splits the request's "
+        "tokens over k ranks (Ulysses, by all-to-all over the heads). Empty: every lane is fixed by ulysses_degree, "
+        "ring_degree and cfg_parallel.",
+    )
     ulysses_degree: int = Field(
         1,
         ge=1,
@@ -445,6 +453,7 @@ class GroupConfig(RequestFeatures, GroupQueue, GroupKernels, GroupLayout, Served
             ring=self.ring_degree,
             ulysses=self.ulysses_degree,
             replicated=self.mode == "replicated",
+            lane_sizes=tuple(sorted(set(self.lane_sizes))),
         )
 
     @property

@@ -93,6 +93,17 @@ def build_meshes(device: str, dims: ParallelDims) -> tuple[DeviceMesh, DeviceMes
     return shard, lanes
 
 
+def adaptive_lane_meshes(device: str, dims: ParallelDims) -> dict[int, DeviceMesh]:
+    """Lane size -> the group's mesh of lanes of that size (aligned blocks, each one Ulysses
+    lane), for a group of adaptive lanes; every rank calls this in the same order, at start, so no
+    request's forward creates a process group."""
+    return {
+        size: init_device_mesh(device, (dims.shard_size // size, 1, 1, size), mesh_dim_names=LANE_MESH_DIM_NAMES)
+        for size in dims.lane_sizes
+        if dims.shard_size > 1
+    }
+
+
 def host_tick_group(timeout_s: float):
     """A gloo process group of the whole group, for the tick's all-gather (every rank calls this, in
     the same order).

@@ -22,7 +22,7 @@ from ray_hsdp import step_cache
 from ray_hsdp.loading import build_on_meta, fill_from_checkpoint, load_pipeline, materialize, model_index
 from ray_hsdp.phases import Phases
 from ray_hsdp.sharding import compile_units, resolve_plan, shard_module
-from ray_hsdp.sharding.context_parallel import enable_context_parallel
+from ray_hsdp.sharding.context_parallel import LaneParallel, enable_context_parallel
 from ray_hsdp.sharding.fp8 import fp8_linears, quantize_fp8
 from ray_hsdp.sharding.policy import registered_policy
 from ray_hsdp.topology import ParallelDims
@@ -79,6 +79,7 @@ class LoadedParts:
     policies: dict
     sequence: dict | None
     cfg_split: tuple[str, ...]
+    lane_parallel: LaneParallel | None = None
 
 
 def fuse_adapters(pipeline_cls: type, module: nn.Module, component: str, fused: FusedLoras) -> None:
@@ -128,11 +129,15 @@ def shard_component(folder: Path, class_info: tuple[str, str], facts: LoadFacts,
     return module, sharding, stats
 
 
-def split_sequences(pipe, models: dict, policies: dict, dims: ParallelDims, lane_mesh, device: str, backend):
-    """Enables context parallel on every (sharded) diffusers model of the pipeline.
+def split_sequences(
+    pipe, models: dict, policies: dict, dims: ParallelDims, lane_mesh, device: str, backend, lane_meshes: dict
+):
+    """Enables context parallel on every (sharded) diffusers model of the pipeline: over the fixed
+    lanes' sub-mesh, or for adaptive lanes over the widest lane's, switched per forward.
 
     Returns:
-        The facts callers check request sizes with: the degree and the token grid.
+        The facts callers check request sizes with (the degree and the token grid), and with
+        adaptive lanes what switches the models to a forward's lane (else ``None``).
 
     Raises:
         ValueError: No model can be split, or one's policy gives no token grid.
@@ -142,18 +147,20 @@ def split_sequences(pipe, models: dict, policies: dict, dims: ParallelDims, lane
             f"ulysses_degree x ring_degree = {dims.sequence_degree}, but no sharded component of "
             f"{type(pipe).__name__} is a diffusers model that context parallel can split"
         )
-    sequence = None
+    sequence, configs = None, []
+    widest = max(lane_meshes, default=0)
     for name, module in models.items():
         policy = policies.get(name)
-        enable_context_parallel(
+        config = enable_context_parallel(
             module,
-            lane_mesh,
+            lane_meshes[widest] if dims.adaptive else lane_mesh,
             ring=dims.ring,
-            ulysses=dims.ulysses,
+            ulysses=widest if dims.adaptive else dims.ulysses,
             device=device,
             attention_backend=backend,
             cp_plan=policy.cp_plan if policy else None,
         )
+        configs.append(config)
         if policy is None or policy.token_grid is None:
             raise ValueError(
                 f"{name} ({type(module).__name__.removeprefix('FSDP')}) has no token grid in its sharding policy, "
@@ -161,12 +168,14 @@ def split_sequences(pipe, models: dict, policies: dict, dims: ParallelDims, lane
             )
         temporal_stride, temporal_patch, spatial_stride = policy.token_grid(pipe, module)
         sequence = {
-            "degree": dims.sequence_degree,
+            "degree": dims.sequence_degree,  # adaptive lanes: 1 (each request's lane splits it)
             "temporal_stride": temporal_stride,
             "temporal_patch": temporal_patch,
             "spatial_stride": spatial_stride,
         }
-    return sequence
+    if not dims.adaptive:
+        return sequence, None
+    return sequence, LaneParallel(list(zip(models.values(), configs)), lane_meshes)
 
 
 def cfg_split_of(pipe, dims: ParallelDims, shardings: dict, policies: dict) -> tuple[str, ...]:
@@ -197,6 +206,7 @@ def load_parts(
     backend: str | None,
     compile: bool,
     phases: Phases,
+    lane_meshes: dict | None = None,
 ) -> LoadedParts:
     """The load, step by step: the sharded components (none without a mesh: one rank), the
     others, the attention backend or context parallel, compile, the CFG split.
@@ -228,10 +238,12 @@ def load_parts(
     # Only diffusers models have attention backends, context parallel and repeated blocks.
     candidates = {name: getattr(pipe, name, None) for name in shard_components}
     models = {name: m for name, m in candidates.items() if hasattr(m, "enable_parallelism")}
-    sequence = None
+    sequence = lane_parallel = None
     with phases.phase("parallel setup"):
-        if dims.sequence_degree > 1:
-            sequence = split_sequences(pipe, models, policies, dims, lane_mesh, facts.device, backend)
+        if dims.sequence_degree > 1 or max(dims.lane_sizes, default=1) > 1:
+            sequence, lane_parallel = split_sequences(
+                pipe, models, policies, dims, lane_mesh, facts.device, backend, lane_meshes or {}
+            )
         elif backend is not None:
             for module in models.values():
                 module.set_attention_backend(backend)
@@ -241,4 +253,5 @@ def load_parts(
                     compile_units(shardings[name])
                 else:  # a group of one rank: diffusers' own regional compile
                     module.compile_repeated_blocks()
-    return LoadedParts(pipe, shardings, stats, policies, sequence, cfg_split_of(pipe, dims, shardings, policies))
+    split = cfg_split_of(pipe, dims, shardings, policies)
+    return LoadedParts(pipe, shardings, stats, policies, sequence, split, lane_parallel)

@@ -45,7 +45,8 @@ class Refusal:
 
 
 def _lane_size(config) -> int:
-    return config.parallel_dims().lane_size
+    """The widest lane a request of the group may run on."""
+    return max((config.parallel_dims().lane_size, *config.lane_sizes))
 
 
 def _switched(config) -> bool:
@@ -74,6 +75,27 @@ REFUSALS: tuple[Refusal, ...] = (
         "return (_native_cudnn, _native_flash)",
         "use ulysses_degree on CPU, or run on CUDA GPUs",
         lambda c: c.ring_degree > 1 and c.device == "cpu",
+    ),
+    Refusal(
+        "adaptive lanes (lane_sizes)",
+        "a step cache (cache.kind)",
+        "First Block Cache's decision is reduced over a lane's sequence ranks, which are fixed at load",
+        "leave cache.kind 'none', or use fixed lanes (ulysses_degree)",
+        lambda c: bool(c.lane_sizes) and c.cache.kind != "none",
+    ),
+    Refusal(
+        "adaptive lanes (lane_sizes)",
+        "compile",
+        "each lane size would compile graphs of its own; not bounded yet",
+        "serve uncompiled, or use fixed lanes",
+        lambda c: bool(c.lane_sizes) and c.compile,
+    ),
+    Refusal(
+        "adaptive lanes (lane_sizes)",
+        "vae_parallel 'on'",
+        "a lane's split decode uses process groups of fixed lanes",
+        "use vae_parallel 'off' or 'auto' (the leader decodes alone)",
+        lambda c: bool(c.lane_sizes) and c.vae_parallel == "on",
     ),
     Refusal(
         "gather 'in_place'",
@@ -162,6 +184,14 @@ REFUSALS: tuple[Refusal, ...] = (
         "a merged adapter runs in every request at its fused scale",
         "leave it out of lora",
         lambda c, facts, r: any(name in c.fuse_loras for name, _ in r.lora),
+        scope="request",
+    ),
+    Refusal(
+        "fixed lanes (no lane_sizes)",
+        "a request's lane_size",
+        "the group's lanes are fixed at start",
+        "leave lane_size out, or serve with lane_sizes",
+        lambda c, facts, r: r.lane_size is not None and not c.lane_sizes,
         scope="request",
     ),
     Refusal(

@@ -63,12 +63,14 @@ class RankStart:
                 )
             with self.phases.phase("meshes"):
                 self.mesh, self.lane_mesh = distributed.build_meshes(self.config.device, self.dims)
+                self.lane_meshes = distributed.adaptive_lane_meshes(self.config.device, self.dims)
                 if self.config.tick_exchange == "host":  # on CPUs too: the path GPUs take, tested here
                     self.tick_group = distributed.host_tick_group(self.config.collective_timeout_s)
                 if self.config.vae_parallel != "off" and self.dims.lane_size > 1:
                     self.decode_group = distributed.lane_decode_group(self.dims, self.config.collective_timeout_s)
         else:
             self.mesh = self.lane_mesh = None
+            self.lane_meshes = {}
         return {
             "rank": self.rank,
             "node_id": ray.get_runtime_context().get_node_id(),
@@ -104,7 +106,11 @@ class RankStart:
         with RssSampler() as rss:
             start = time.perf_counter()
             self.pipeline = self._load_pipeline()
-            features = RankFeatures(self._load_adapters(), adapters_per_forward=bool(self.pipeline.sharded))
+            features = RankFeatures(
+                self._load_adapters(),
+                adapters_per_forward=bool(self.pipeline.sharded),
+                lane_parallel=self.pipeline.features.lane_parallel,
+            )
             modules, exchange = self._sharded_modules(features)
             self.pipeline.features = features
             if self.decode_group is not None:
@@ -148,6 +154,7 @@ class RankStart:
             allow_pickle=self.config.allow_pickle,
             dims=self.dims,
             lane_mesh=self.lane_mesh,
+            lane_meshes=self.lane_meshes,
             attention_backend=self.config.attention_backend,
             compile=self.config.compile,
             fuse_loras={name: (scale, self.lora_paths[name]) for name, scale in self.config.fuse_loras.items()},

@@ -87,6 +87,8 @@ class GenerationRequest:
             it arrived (the server: arrival plus ``queue_timeout_s``) and kept through a rebuild's
             wait, the queue, a retry on another group and a takeover; ``None``: the group that
             queues it sets its own (``queue_timeout_s`` from then).
+        lane_size: The ranks to run it on, in a group of adaptive lanes (``lane_sizes``); ``None``:
+            the group chooses.
     """
 
     prompt: str
@@ -107,6 +109,7 @@ class GenerationRequest:
     flow_shift: float | None = None
     cache: StepCache | None = None
     queue_deadline: float | None = None
+    lane_size: int | None = None
 
     def first_frame(self):
         """The image of an image-to-video request as the pipeline takes it (an RGB PIL image)."""

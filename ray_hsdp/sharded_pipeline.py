@@ -112,6 +112,7 @@ class ShardedPipeline(RequestSlots):
         allow_pickle: bool = False,
         dims: ParallelDims | None = None,
         lane_mesh: DeviceMesh | None = None,
+        lane_meshes: dict | None = None,
         attention_backend: str = "auto",
         compile: bool = False,
         fuse_loras: FusedLoras | None = None,
@@ -124,18 +125,13 @@ class ShardedPipeline(RequestSlots):
 
         A sharded component is built on the meta device, sharded, materialised on ``device`` and
         filled with this rank's slices only. Without a mesh (one rank) nothing is sharded. With
-        lanes that split the sequence, each sharded diffusers model that has a context-parallel
-        plan splits its forwards over the lane's ``ring`` x ``ulysses`` sub-mesh of ``lane_mesh``.
-        With ``compile`` the repeated blocks of the diffusers models are compiled in place (the
-        first forwards of each shape compile). The adapters of ``fuse_loras`` are merged into
-        their components' weights as they load (each rank its own rows), before any gather.
-        ``cache_hooks`` (``kind``, ``max_order``, ``lite``: ``ray_hsdp.step_cache.enable``'s) puts a
-        step cache's hooks on the sharded diffusers models, before they are sharded. ``quantization``
-        ``"fp8"`` keeps the linears inside the units of the sharded diffusers models in FP8
-        (``ray_hsdp.sharding.fp8``), quantized after the load and any fused adapter.
-        ``keep_gathered`` is the share of the sharded diffusers models' units gathered once and kept
-        whole.
-        ``phases`` times each sharded component's load, the other components and the parallel setup.
+        lanes that split the sequence, each sharded diffusers model with a context-parallel plan
+        splits its forwards over the lane's ``ring`` x ``ulysses`` sub-mesh of ``lane_mesh``, or
+        with adaptive lanes over its request's lane (``lane_meshes``: size -> mesh). ``compile``
+        compiles the diffusers models' repeated blocks in place; ``fuse_loras`` merges adapters
+        as the rows load; ``cache_hooks`` (``step_cache.enable``'s arguments) puts a step cache's
+        hooks on before sharding; ``quantization`` ``"fp8"`` keeps the units' linears in FP8;
+        ``keep_gathered`` is the share of units kept whole; ``phases`` times the steps.
 
         Raises:
             ValueError: None of ``shard_components`` is a module of the pipeline, or the lanes ask
@@ -171,9 +167,17 @@ class ShardedPipeline(RequestSlots):
             backend=backend,
             compile=compile,
             phases=phases,
+            lane_meshes=lane_meshes,
         )
         with phases.phase("replicated components to device"):
-            return cls(parts.pipe, device, rank, parts.shardings, parts.stats, parts.sequence, parts.cfg_split)
+            return cls(parts.pipe, device, rank, parts.shardings, parts.stats, parts.sequence, parts.cfg_split)._with(
+                parts.lane_parallel
+            )
+
+    def _with(self, lane_parallel) -> ShardedPipeline:
+        """This pipeline, its models switched per forward to its request's lane (adaptive lanes)."""
+        self.features.lane_parallel = lane_parallel
+        return self
 
     @property
     def facts(self) -> dict:

@@ -29,6 +29,9 @@ class ParallelDims:
         ring: Ring-attention degree of a lane (sequence split, K/V passed around).
         ulysses: Ulysses degree of a lane (sequence split, heads exchanged by all-to-all).
         replicated: Every rank of the group runs every request (memory-only HSDP).
+        lane_sizes: Adaptive lanes: the sizes of the lanes a request may be given (aligned blocks
+            of ranks, each splitting its tokens by Ulysses); empty for fixed lanes. An adaptive
+            group's fixed lanes are of one rank: its ``num_lanes`` are its ranks.
     """
 
     replicate_size: int
@@ -37,6 +40,7 @@ class ParallelDims:
     ring: int = 1
     ulysses: int = 1
     replicated: bool = False
+    lane_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.replicate_size < 1 or self.shard_size < 1:
@@ -52,6 +56,14 @@ class ParallelDims:
                 "mode 'replicated' runs the whole request on every rank; it cannot be combined with "
                 "ulysses_degree, ring_degree or cfg_parallel (use mode 'batch')"
             )
+        if self.lane_sizes and (self.split_size > 1 or self.replicated):
+            raise ValueError(
+                "lane_sizes gives each request its lane; it cannot be combined with ulysses_degree, ring_degree, "
+                "cfg_parallel or mode 'replicated' (leave them at their defaults)"
+            )
+        for size in self.lane_sizes:
+            if size < 1 or self.shard_size % size:
+                raise ValueError(f"lane_sizes: a lane of {size} ranks must divide shard_size={self.shard_size}")
         if self.shard_size % self.split_size:
             raise ValueError(
                 f"a lane of cfg x ring x ulysses = {self.cfg} x {self.ring} x {self.ulysses} = {self.split_size} "
@@ -101,9 +113,19 @@ class ParallelDims:
         return (rank % self.lane_size) // (self.ring * self.ulysses)
 
     @property
+    def adaptive(self) -> bool:
+        """Whether each request gets its lane when a lane takes it (``lane_sizes``)."""
+        return bool(self.lane_sizes)
+
+    def blocks(self, size: int) -> list[range]:
+        """The lanes of ``size`` ranks an adaptive group may give: aligned blocks, leader first."""
+        return [range(first, first + size) for first in range(0, self.shard_size, size)]
+
+    @property
     def lane_mesh_shape(self) -> tuple[int, int, int, int] | None:
-        """Shape of the group's ``LANE_MESH_DIM_NAMES`` mesh; ``None`` when replicated (no lane splits)."""
-        if self.replicated:
+        """Shape of the group's ``LANE_MESH_DIM_NAMES`` mesh of fixed lanes; ``None`` when replicated
+        (no lane splits) or adaptive."""
+        if self.replicated or self.adaptive:  # adaptive lanes: one mesh per size (adaptive_lane_meshes)
             return None
         return (self.num_lanes, self.cfg, self.ring, self.ulysses)
 
@@ -117,6 +139,7 @@ class ParallelDims:
             "cfg_parallel": self.cfg == 2,
             "ring_degree": self.ring,
             "ulysses_degree": self.ulysses,
+            "lane_sizes": list(self.lane_sizes),
         }
 
     def bundles(self, device: str, cpus_per_rank: float) -> list[dict[str, float]]:

@@ -311,6 +311,7 @@ class ShardGroup(GroupScheduler, GroupInspection):
             queued_s=round((job.taken or now) - job.enqueued, 4),
             run_s=round(now - job.taken, 4) if job.taken is not None else None,
             lane=job.lane,
+            lane_size=len(job.ranks) if job.taken is not None else None,
             rank=result.rank if result is not None else None,
             step_s=result.step_s if result is not None else None,
             error=describe_error(error) if error is not None else None,
@@ -357,7 +358,7 @@ class ShardGroup(GroupScheduler, GroupInspection):
             self._pending = [j for j in self._pending if j.request.request_id != request_id]
             # The leader decides for its lane: it stops the request on all the lane's ranks at one tick.
             holders = {
-                i for i, j in self._inflight.values() if j.request.request_id == request_id and self.dims.leads(i)
+                i for i, j in self._inflight.values() if j.request.request_id == request_id and i == j.ranks.start
             }
             ranks = list(self.ranks)
         for job in queued:

@@ -75,19 +75,21 @@ class GroupInspection:
 
     def progress(self) -> dict[str, dict]:
         """Request id -> ``{"state": "queued"}`` or ``{"state": "running", "rank": i, "lane": l,
-        "step": s, "total": n}`` (``rank`` is the lane's leader, which answers)."""
+        "lane_size": k, "step": s, "total": n}`` (``rank`` is the lane's leader, which answers;
+        ``lane`` its index among the group's lanes of ``lane_size`` ranks)."""
         with self._cond:
             out = {j.request.request_id: {"state": "queued"} for j in self._pending}
             running = {
-                j.request.request_id: (i, j.request.num_inference_steps)
+                j.request.request_id: (i, j.lane, len(j.ranks), j.request.num_inference_steps)
                 for i, j in self._inflight.values()
-                if self.dims.leads(i)
+                if i == j.ranks.start
             }
             ranks = list(self.ranks)
-        for request_id, (rank_index, total) in running.items():
-            lane = self.dims.lane_of(rank_index)
-            out[request_id] = {"state": "running", "rank": rank_index, "lane": lane, "step": 0, "total": total}
-        leaders = [i for i in range(len(ranks)) if self.dims.leads(i)]
+        for request_id, (rank_index, lane, size, total) in running.items():
+            out[request_id] = {
+                "state": "running", "rank": rank_index, "lane": lane, "lane_size": size, "step": 0, "total": total,
+            }  # fmt: skip
+        leaders = sorted({rank_index for rank_index, *_ in running.values()})
         reports = ray.get([ranks[i].progress.remote() for i in leaders], timeout=self.config.request_timeout_s)
         for report in reports:
             for request_id, (step, total) in report.items():

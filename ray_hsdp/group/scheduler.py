@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import ray
 
 from ray_hsdp.group.errors import GroupFailedError, QueueTimeoutError, died, remote_cause
+from ray_hsdp.group.lanes import lane_for
 from ray_hsdp.request import GenerationRequest
 from ray_hsdp.runtime import SessionFailedError
 from ray_hsdp.runtime.protocol import lane_ticket
@@ -44,7 +45,8 @@ class QueuedJob:
     enqueued: float
     deadline: float  # time.time() by which a lane must take it (its queue_deadline)
     taken: float | None = None  # when a lane took it
-    lane: int | None = None
+    lane: int | None = None  # the lane's index among the group's lanes of its size
+    ranks: range = range(0)  # the lane's ranks; the first leads it
 
     @property
     def request(self) -> GenerationRequest:
@@ -62,7 +64,8 @@ class RequestRecord:
         steps: Denoising steps it asked for.
         queued_s: Seconds in the group's queue (to its end when it never left the queue).
         run_s: Seconds from a lane taking it to its answer; ``None`` when it never ran.
-        lane: The lane that ran it, and ``rank`` its leader (the rank that answered).
+        lane: The lane that ran it, and ``rank`` its leader (the rank that answered);
+            ``lane_size`` its ranks.
         step_s: Mean seconds per denoising step, as the rank measured them.
         error: The error's type and first line, when it did not succeed.
     """
@@ -74,6 +77,7 @@ class RequestRecord:
     run_s: float | None = None
     lane: int | None = None
     rank: int | None = None
+    lane_size: int | None = None
     step_s: float | None = None
     error: str | None = None
 
@@ -115,12 +119,11 @@ class GroupScheduler:
         job = self._pending.pop(index)
         return job if job.future.set_running_or_notify_cancel() else None
 
-    def _offer(self, lane: int, job: QueuedJob) -> None:
-        """Hands ``job`` to every rank of ``lane`` under one ticket, which names the lane (called
-        with the lock held)."""
-        ranks = self.dims.lane_ranks(lane)
+    def _offer(self, ranks: range, job: QueuedJob) -> None:
+        """Hands ``job`` to every rank of the lane ``ranks`` under one ticket, which names the lane
+        (called with the lock held)."""
         job.variant = job.variant.with_ticket(lane_ticket(next(self._tickets), ranks.start, len(ranks)))
-        job.taken, job.lane = time.monotonic(), lane
+        job.taken, job.lane, job.ranks = time.monotonic(), ranks.start // len(ranks), ranks
         for rank_index in ranks:
             ref = self.ranks[rank_index].offer.remote(job.variant)
             self._inflight[ref] = (rank_index, job)
@@ -138,6 +141,9 @@ class GroupScheduler:
 
     def _assign(self) -> None:
         """Hands queued requests to lanes with room (called with the lock held)."""
+        if self.dims.adaptive:
+            self._assign_adaptive()
+            return
         while self._pending:
             # The least loaded lane first, so that every lane has work before any has two.
             lane = min(range(self.dims.num_lanes), key=self._load)
@@ -155,7 +161,23 @@ class GroupScheduler:
             )
             job = self._take(index)
             if job is not None:
-                self._offer(lane, job)
+                self._offer(self.dims.lane_ranks(lane), job)
+
+    def _assign_adaptive(self) -> None:
+        """Adaptive lanes: the oldest queued request first, on the lane ``lanes.lane_for`` gives it
+        (it waits while there is none); called with the lock held."""
+        while self._pending:
+            loads = [sum(1 for i, _ in self._inflight.values() if i == r) for r in range(self.dims.shard_size)]
+            oldest = self._pending[0].variant
+            ranks = lane_for(
+                self.dims, oldest.lane_sizes, oldest.request.lane_size, loads, self.config.requests_per_rank,
+                len(self._pending),
+            )  # fmt: skip
+            if ranks is None:
+                return
+            job = self._take(0)
+            if job is not None:
+                self._offer(ranks, job)
 
     def _load(self, lane: int) -> int:
         """Requests on ``lane``: its busiest rank's (a leader still decodes after its lane moved on)."""
@@ -233,7 +255,7 @@ class GroupScheduler:
             self._fail(died(rank_index, error), also=job)
         elif error is not None and isinstance(remote_cause(error), SessionFailedError):
             self._fail(self._session_failure(error), also=job)
-        elif not self.dims.leads(rank_index):
+        elif rank_index != job.ranks.start:
             if error is not None:  # its own error, which stopped the lane: the cause, not the leader's stop
                 resolve(job.future, error=remote_cause(error))
         elif error is None:

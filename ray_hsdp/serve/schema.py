@@ -87,6 +87,11 @@ class ImageGenerationRequest(BaseModel):
         None, gt=0, description="The scheduler's timestep shift (Wan's flow_shift); the pipeline's when omitted."
     )
     seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED, description="Noise seed; random when omitted.")
+    lane_size: StrictInt | None = Field(
+        None,
+        ge=1,
+        description="Ranks to run it on, in a group of adaptive lanes (lane_sizes); the group's choice when omitted.",
+    )
     timeout_s: StrictFloat | StrictInt | None = Field(
         None, gt=0, description="Deadline once a rank takes the request; the server's request_timeout_s when omitted."
     )
@@ -254,6 +259,7 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
         timeout_s=float(body.timeout_s) if body.timeout_s is not None else None,
         lora=lora,
         cache=cache,
+        lane_size=body.lane_size,
         queue_deadline=deadlines.from_arrival(config),  # one deadline from arrival, wherever it waits
     )
 
@@ -303,6 +309,11 @@ class VideoCreateRequest(BaseModel):
     negative_prompt: str | None = Field(None, description="Negative prompt.")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Noise seed; random when omitted.")
     user: str | None = Field(None, description="OpenAI's end-user id; accepted and ignored.")
+    lane_size: int | None = Field(
+        None,
+        ge=1,
+        description="Ranks to run it on, in a group of adaptive lanes (lane_sizes); the group's choice when omitted.",
+    )
     input_reference: bytes | str | dict | None = Field(
         None,
         description="First frame of an image-to-video model: PNG, JPEG or WebP as a file part of the form, base64, a "
@@ -338,6 +349,7 @@ def to_video_request(
                 "seed": body.seed,
                 "lora": body.lora,
                 "cache": body.cache,
+                "lane_size": body.lane_size,
             }.items()
             if v is not None
         }

@@ -62,8 +62,9 @@ def enable_context_parallel(
     device: str,
     attention_backend: str | None,
     cp_plan: dict | None = None,
-) -> None:
-    """Splits every forward of ``module`` over its lane's ``ring`` x ``ulysses`` ranks.
+) -> ContextParallelConfig:
+    """Splits every forward of ``module`` over its lane's ``ring`` x ``ulysses`` ranks; returns
+    the config its hooks read.
 
     Call it on every rank of the group in the same order (diffusers flattens the sub-mesh, which
     creates process groups).
@@ -101,3 +102,66 @@ def enable_context_parallel(
     config = ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses, mesh=lane_mesh)
     with _one_device_per_rank(device):
         module.enable_parallelism(config=config, cp_plan=cp_plan)
+    return config
+
+
+class LaneParallel:
+    """Switches the context parallel of a rank's models to the lane of the forward about to run,
+    for a group of adaptive lanes (``lane_sizes``): Ulysses over the lane's ranks, or none on a
+    lane of one rank.
+
+    diffusers binds a model's split hooks and attention processors to one ``ContextParallelConfig``
+    and refuses a second ``enable_parallelism``; each model here is enabled once on the widest
+    lane's mesh, and the config's mesh state (what diffusers' ``setup`` records on it) is set to
+    the running lane's before each forward, on the tick thread (one forward at a time). Every
+    mesh is built at start, on every rank, so no forward creates a process group.
+
+    On a lane of one rank the attention processors get no parallel config (diffusers' backends
+    run plain attention only then), and the split hooks split over a mesh of one rank: nothing.
+
+    Args:
+        models: The models ``enable_context_parallel`` enabled, with the configs it returned.
+        meshes: Lane size -> the group's mesh of lanes of that size, dims ``LANE_MESH_DIM_NAMES``.
+    """
+
+    def __init__(self, models: list[tuple[nn.Module, ContextParallelConfig]], meshes: dict[int, DeviceMesh]):
+        for module, _ in models:
+            heads = getattr(module.config, "num_attention_heads", None)
+            bad = [size for size in meshes if heads is not None and heads % size]
+            if bad:
+                raise ValueError(f"lane_sizes: a lane of {bad[0]} ranks does not divide the {heads} attention heads")
+        self.configs = [config for _, config in models]
+        # (processor, the parallel config diffusers gave it): switched off on lanes of one rank.
+        self.processors = [
+            (sub.processor, sub.processor._parallel_config)
+            for module, _ in models
+            for sub in module.modules()
+            if getattr(getattr(sub, "processor", None), "_parallel_config", None) is not None
+        ]
+        self.states = {size: self._state(size, mesh) for size, mesh in meshes.items()}
+        self.active: int | None = None
+
+    @staticmethod
+    def _state(size: int, mesh: DeviceMesh) -> dict:
+        ulysses = mesh["ulysses"]  # with ring 1 the flattened (ring, ulysses) mesh is this one
+        return {
+            "ring_degree": 1,
+            "ulysses_degree": size,
+            "_world_size": size,  # diffusers' attention splits only when this is above 1
+            "_mesh": mesh,
+            "_flattened_mesh": ulysses,
+            "_ring_mesh": mesh["ring"],
+            "_ulysses_mesh": ulysses,
+            "_ring_local_rank": 0,
+            "_ulysses_local_rank": ulysses.get_local_rank(),
+        }
+
+    def activate(self, size: int) -> None:
+        """Sets every model's context parallel to a lane of ``size`` ranks (this rank's)."""
+        if size == self.active:
+            return
+        for config in self.configs:
+            vars(config).update(self.states[size])
+        for processor, parallel in self.processors:
+            processor._parallel_config = parallel if size > 1 else None
+        self.active = size

@@ -24,11 +24,14 @@ class RankFeatures:
             one request at a time).
         step_caches: The step caches of its sharded modules (``ray_hsdp.step_cache.StepCaches``);
             ``None``: the group loaded none.
+        lane_parallel: In a group of adaptive lanes, what switches its models' context parallel to
+            the lane of the forward that runs (``ray_hsdp.sharding.context_parallel.LaneParallel``).
     """
 
     adapters: Any = None
     adapters_per_forward: bool = True
     step_caches: Any = None
+    lane_parallel: Any = None
 
 
 class Feature:

@@ -26,7 +26,7 @@ from ray_hsdp.variant.adapters import AdapterFeature
 from ray_hsdp.variant.base import Feature, RankFeatures
 from ray_hsdp.variant.guidance import SecondExpertGuidance
 from ray_hsdp.variant.image import FirstFrame
-from ray_hsdp.variant.lane import check_split
+from ray_hsdp.variant.lane import LaneFeature, check_split, runnable_sizes
 from ray_hsdp.variant.shift import ShiftFeature
 from ray_hsdp.variant.step_cache import StepCacheFeature
 
@@ -37,6 +37,7 @@ FEATURES: tuple[Feature, ...] = (
     ShiftFeature(),
     SecondExpertGuidance(),
     FirstFrame(),
+    LaneFeature(),
 )
 
 
@@ -48,12 +49,16 @@ class RequestVariant:
         request: The request as the group accepted it.
         choices: Feature field -> the request's choice, for the features it asked something of.
         ticket: The group's number for it, given when a lane takes it (the same on the lane's
-            ranks); step caches key the request's state by it. -1 until then.
+            ranks; it names the lane, ``ray_hsdp.runtime.protocol.lane_ticket``); step caches key
+            the request's state by it. -1 until then.
+        lane_sizes: In a group of adaptive lanes, the lane sizes that split its tokens (those it
+            may be given); empty for a group of fixed lanes.
     """
 
     request: GenerationRequest | None
     choices: Mapping[str, Any] = field(default_factory=dict)
     ticket: int = -1
+    lane_sizes: tuple[int, ...] = ()
 
     @classmethod
     def build(cls, request: GenerationRequest, config, facts: Mapping[str, Any]) -> RequestVariant:
@@ -71,8 +76,9 @@ class RequestVariant:
             choice = feature.choose(request, config, facts)
             if choice is not None:
                 choices[feature.field] = choice
-        check_split(request, facts)
-        return cls(request, choices)
+        if not config.lane_sizes:
+            check_split(request, facts)
+        return cls(request, choices, lane_sizes=runnable_sizes(request, config, facts))
 
     @classmethod
     def unchecked(cls, request: GenerationRequest, ticket: int = 0) -> RequestVariant:

@@ -1,4 +1,7 @@
-"""Whether a request's tokens split evenly over the ``ring x ulysses`` ranks of its lane."""
+"""A request's lane: whether its tokens split evenly over the ``ring x ulysses`` ranks of a fixed
+lane; in a group of adaptive lanes (``lane_sizes``), the sizes it may run on and the one it asks
+for, and, around each of its forwards, the context-parallel state of the lane it was given (its
+ticket names it)."""
 
 from __future__ import annotations
 
@@ -6,6 +9,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ray_hsdp.request import GenerationRequest, InvalidRequestError
+from ray_hsdp.runtime.protocol import lane_of
+from ray_hsdp.variant.base import Feature, RankFeatures
 
 
 class UnsplittableRequestError(InvalidRequestError):
@@ -33,3 +38,41 @@ def check_split(request: GenerationRequest, facts: Mapping[str, Any]) -> None:
             f"width / {sequence['spatial_stride']} x height / {sequence['spatial_stride']} x latent frames is "
             f"a multiple of {sequence['degree']}"
         )
+
+
+def runnable_sizes(request: GenerationRequest, config, facts: Mapping[str, Any]) -> tuple[int, ...]:
+    """The lane sizes of an adaptive group that split ``request``'s tokens evenly (a lane of one
+    rank always does); ``()`` for a group of fixed lanes."""
+    sequence = facts.get("sequence")
+    if not config.lane_sizes:
+        return ()
+    if not sequence:
+        return (1,) if 1 in config.lane_sizes else ()
+    tokens = sequence_tokens(sequence, request.height, request.width, request.num_frames)
+    return tuple(size for size in sorted(set(config.lane_sizes)) if tokens % size == 0)
+
+
+class LaneFeature(Feature):
+    """``lane_size``: the lane a request asks for (adaptive groups; a fixed group refuses it: a
+    pair of the table of refusals). Around every forward, whatever the request asked, the
+    context-parallel state of the lane its ticket names."""
+
+    field = "lane_size"
+
+    def choose(self, request, config, facts):
+        if request.lane_size is None:
+            return None
+        if request.lane_size not in config.lane_sizes:
+            sizes = ", ".join(map(str, sorted(config.lane_sizes)))
+            raise InvalidRequestError(f"lane_size={request.lane_size}: this group's lanes are of {sizes} ranks")
+        if request.lane_size not in runnable_sizes(request, config, facts):
+            raise UnsplittableRequestError(
+                f"lane_size={request.lane_size}: {request.width}x{request.height} with {request.num_frames} frames "
+                f"does not split over {request.lane_size} ranks; ask for another lane_size or size"
+            )
+        return request.lane_size
+
+    def around_forward(self, choice, ticket, module, context, features: RankFeatures):
+        if features.lane_parallel is not None:
+            features.lane_parallel.activate(lane_of(ticket)[1])
+        return super().around_forward(choice, ticket, module, context, features)

@@ -1,0 +1,87 @@
+"""Adaptive lanes (issue 39): a group of ``lane_sizes`` gives each request its lane when it takes
+it. The policy (``ray_hsdp.group.lanes``), the refusals, and a group that runs lanes of one and of
+two ranks at once, each result equal to the unsharded diffusers pipeline's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from support import max_abs_diff, reference_frames
+
+from ray_hsdp.config import GroupConfig
+from ray_hsdp.group import ShardGroup
+from ray_hsdp.group.lanes import lane_for
+from ray_hsdp.request import GenerationRequest, InvalidRequestError
+from ray_hsdp.topology import ParallelDims
+from ray_hsdp.variant.lane import UnsplittableRequestError
+
+TOLERANCE = 1e-5
+DIMS = ParallelDims(1, 4, lane_sizes=(1, 2, 4))
+
+
+def test_an_idle_group_gives_a_lone_request_its_widest_lane():
+    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, waiting=1) == range(0, 4)
+    assert lane_for(DIMS, (1, 2), None, [0, 0, 0, 0], 1, waiting=1) == range(0, 2)  # its tokens split over 2 at most
+
+
+def test_a_backlog_gets_lanes_of_one_rank_and_free_ranks_are_shared():
+    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, waiting=4) == range(0, 1)
+    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, waiting=2) == range(0, 2)
+    assert lane_for(DIMS, (1, 2, 4), None, [1, 0, 0, 0], 1, waiting=1) == range(2, 4)  # an aligned free block
+    assert lane_for(DIMS, (1, 2, 4), None, [1, 1, 1, 1], 1, waiting=1) is None  # it waits
+
+
+def test_a_request_s_own_lane_size_is_honoured_and_waited_for():
+    assert lane_for(DIMS, (1, 2, 4), 1, [0, 0, 0, 0], 1, waiting=1) == range(0, 1)
+    assert lane_for(DIMS, (1, 2, 4), 4, [0, 0, 0, 0], 1, waiting=5) == range(0, 4)
+    assert lane_for(DIMS, (1, 2, 4), 4, [0, 1, 0, 0], 1, waiting=1) is None  # a lane of 4 waits for all four
+
+
+def test_lane_sizes_refuse_fixed_lanes_and_sizes_that_do_not_divide_the_group():
+    with pytest.raises(ValueError, match="lane_sizes gives each request its lane"):
+        GroupConfig(model="tiny", shard_size=2, lane_sizes=(1, 2), ulysses_degree=2)
+    with pytest.raises(ValueError, match="a lane of 3 ranks must divide shard_size=2"):
+        GroupConfig(model="tiny", shard_size=2, lane_sizes=(1, 3))
+    with pytest.raises(ValueError, match=r"adaptive lanes \(lane_sizes\) with a step cache"):
+        GroupConfig(model="tiny", shard_size=2, lane_sizes=(1, 2), cache={"kind": "first_block"})
+
+
+MIX = [
+    GenerationRequest(prompt="a cat on a roof", seed=3, num_inference_steps=3, width=32, height=32, num_frames=5),
+    GenerationRequest(prompt="a dog", seed=4, num_inference_steps=2, width=48, height=32, guidance_scale=1.0),
+    GenerationRequest(prompt="rain at night", seed=5, num_inference_steps=4, width=64, height=32, num_frames=9),
+    GenerationRequest(prompt="odd tokens", seed=6, num_inference_steps=2, width=48, height=48),  # 9: lanes of 1 only
+]
+
+
+def test_a_group_runs_lanes_of_one_and_two_at_once_and_equals_unsharded(ray_cluster, tiny_model, reference_pipe):
+    config = GroupConfig(model=tiny_model, device="cpu", shard_size=2, lane_sizes=(1, 2))
+    records = []
+    with ShardGroup(config) as group:
+        group.listeners.append(records.append)
+        assert group.describe()["lane_sizes"] == [1, 2]
+        alone = group.generate([dataclasses.replace(MIX[0], request_id="alone")])
+        burst = [dataclasses.replace(r, request_id=f"burst-{i}") for i, r in enumerate(MIX * 2)]
+        named = [
+            dataclasses.replace(MIX[2], request_id="named-2", lane_size=2),
+            dataclasses.replace(MIX[0], request_id="named-1", lane_size=1),
+        ]
+        results = group.generate(burst + named)
+        with pytest.raises(InvalidRequestError, match="lane_size=4: this group's lanes are of 1, 2 ranks"):
+            group.submit(dataclasses.replace(MIX[0], lane_size=4))
+        with pytest.raises(UnsplittableRequestError, match="lane_size=2: 48x48 with 1 frames does not split"):
+            group.submit(dataclasses.replace(MIX[3], lane_size=2))
+    for request, result in zip([MIX[0], *(MIX * 2), MIX[2], MIX[0]], [*alone, *results]):
+        assert max_abs_diff(result.frames, reference_frames(reference_pipe, request)) <= TOLERANCE, request
+    sizes = {r.request_id: r.lane_size for r in records if r.status == "ok"}
+    assert sizes["alone"] == 2 and sizes["named-2"] == 2 and sizes["named-1"] == 1  # idle group: its widest lane
+    assert sizes["burst-3"] == sizes["burst-7"] == 1  # 9 tokens split over no lane of 2
+    assert 1 in {sizes[f"burst-{i}"] for i in range(8)}  # a backlog: lanes of one rank
+
+
+def test_a_fixed_group_refuses_a_request_s_lane_size(ray_cluster, tiny_model):
+    from ray_hsdp.variant import RequestVariant
+
+    with pytest.raises(InvalidRequestError, match="fixed lanes .* with a request's lane_size"):
+        RequestVariant.build(dataclasses.replace(MIX[0], lane_size=1), GroupConfig(model=tiny_model), {})
