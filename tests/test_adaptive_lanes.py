@@ -5,14 +5,17 @@ two ranks at once, each result equal to the unsharded diffusers pipeline's."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import time
 
 import pytest
-from support import max_abs_diff, reference_frames
+from support import max_abs_diff, pipeline_with_adapters, reference_with, wait_until
 
 from ray_hsdp.config import GroupConfig
-from ray_hsdp.group import ShardGroup
+from ray_hsdp.group import GroupFailedError, ShardGroup
 from ray_hsdp.group.lanes import lane_for
-from ray_hsdp.request import GenerationRequest, InvalidRequestError
+from ray_hsdp.request import GenerationRequest, InvalidRequestError, RequestCancelledError
 from ray_hsdp.topology import ParallelDims
 from ray_hsdp.variant.lane import UnsplittableRequestError
 
@@ -55,14 +58,27 @@ MIX = [
 ]
 
 
-def test_a_group_runs_lanes_of_one_and_two_at_once_and_equals_unsharded(ray_cluster, tiny_model, reference_pipe):
-    config = GroupConfig(model=tiny_model, device="cpu", shard_size=2, lane_sizes=(1, 2))
+LORAS = {"style": "tiny-style"}
+
+
+@pytest.fixture(scope="module")
+def adapted_pipe(tiny_model):
+    return pipeline_with_adapters(tiny_model, LORAS)
+
+
+def test_a_group_runs_lanes_of_one_and_two_at_once_and_equals_unsharded(ray_cluster, tiny_model, adapted_pipe):
+    """Requests of every size at once, some naming their lane, some with an adapter: each equals
+    the unsharded diffusers run of the same request."""
+    config = GroupConfig(model=tiny_model, device="cpu", shard_size=2, lane_sizes=(1, 2), loras=LORAS)
     records = []
     with ShardGroup(config) as group:
         group.listeners.append(records.append)
         assert group.describe()["lane_sizes"] == [1, 2]
         alone = group.generate([dataclasses.replace(MIX[0], request_id="alone")])
-        burst = [dataclasses.replace(r, request_id=f"burst-{i}") for i, r in enumerate(MIX * 2)]
+        burst = [
+            dataclasses.replace(r, request_id=f"burst-{i}", lora=(("style", 0.7),) if i % 3 == 0 else ())
+            for i, r in enumerate(MIX * 2)
+        ]
         named = [
             dataclasses.replace(MIX[2], request_id="named-2", lane_size=2),
             dataclasses.replace(MIX[0], request_id="named-1", lane_size=1),
@@ -72,8 +88,8 @@ def test_a_group_runs_lanes_of_one_and_two_at_once_and_equals_unsharded(ray_clus
             group.submit(dataclasses.replace(MIX[0], lane_size=4))
         with pytest.raises(UnsplittableRequestError, match="lane_size=2: 48x48 with 1 frames does not split"):
             group.submit(dataclasses.replace(MIX[3], lane_size=2))
-    for request, result in zip([MIX[0], *(MIX * 2), MIX[2], MIX[0]], [*alone, *results]):
-        assert max_abs_diff(result.frames, reference_frames(reference_pipe, request)) <= TOLERANCE, request
+    for request, result in zip([MIX[0], *burst, MIX[2], MIX[0]], [*alone, *results]):
+        assert max_abs_diff(result.frames, reference_with(adapted_pipe, request)) <= TOLERANCE, request
     sizes = {r.request_id: r.lane_size for r in records if r.status == "ok"}
     assert sizes["alone"] == 2 and sizes["named-2"] == 2 and sizes["named-1"] == 1  # idle group: its widest lane
     assert sizes["burst-3"] == sizes["burst-7"] == 1  # 9 tokens split over no lane of 2
@@ -85,3 +101,24 @@ def test_a_fixed_group_refuses_a_request_s_lane_size(ray_cluster, tiny_model):
 
     with pytest.raises(InvalidRequestError, match="fixed lanes .* with a request's lane_size"):
         RequestVariant.build(dataclasses.replace(MIX[0], lane_size=1), GroupConfig(model=tiny_model), {})
+
+
+def test_a_request_on_a_lane_of_two_is_cancelled_and_a_rank_s_death_fails_the_group_at_once(ray_cluster, tiny_model):
+    config = GroupConfig(model=tiny_model, device="cpu", shard_size=2, lane_sizes=(1, 2), collective_timeout_s=120)
+    long = GenerationRequest(prompt="long", num_inference_steps=2000, width=32, height=32, request_id="long")
+    with ShardGroup(config) as group:
+        future = group.submit(long)
+        wait_until(lambda: group.progress().get("long", {}).get("step", 0) >= 1, 60, "the request runs")
+        assert group.progress()["long"]["lane_size"] == 2  # a lone request: the widest lane
+        assert group.cancel("long")
+        with pytest.raises(RequestCancelledError):
+            future.result(timeout=60)
+        after = group.generate([dataclasses.replace(MIX[0], request_id="after")])[0]
+        assert after.frames.shape == (1, 5, 32, 32, 3)
+        doomed = group.submit(dataclasses.replace(long, request_id="doomed"))
+        wait_until(lambda: group.progress().get("doomed", {}).get("step", 0) >= 1, 60, "the request runs")
+        killed_at = time.monotonic()
+        os.kill(group.placement[1]["pid"], signal.SIGKILL)  # the lane's follower
+        with pytest.raises(GroupFailedError, match="rank 1 died"):
+            doomed.result(timeout=60)
+        assert time.monotonic() - killed_at < 30  # not the collective timeout

@@ -18,6 +18,7 @@ _SECONDS = [0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600]
 METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "ray_hsdp_queue_seconds": ("histogram", ("model", "status"), "time a request waited in its group's queue"),
     "ray_hsdp_step_seconds": ("histogram", ("model",), "mean time per denoising step of each finished request"),
+    "ray_hsdp_lane_size": ("histogram", ("model",), "ranks of the lane each request that ran was given"),
     "ray_hsdp_requests_total": ("counter", ("model", "status"), "answered requests: ok, error, cancelled, failed"),
     "ray_hsdp_queue_depth": ("gauge", ("model",), "requests waiting in the group's queue"),
     "ray_hsdp_running_requests": ("gauge", ("model",), "requests the group's lanes run now"),
@@ -66,10 +67,15 @@ def _exported(name: str) -> str:
     return name.removeprefix("ray_").removesuffix("_total")
 
 
+#: Histograms that do not count seconds: their bucket bounds.
+_BOUNDARIES = {"ray_hsdp_lane_size": [1, 2, 4, 8, 16]}
+
+
 def _make(name: str):
     kind, labels, description = METRICS[name]
     if kind == "histogram":
-        return metrics.Histogram(_exported(name), description=description, boundaries=_SECONDS, tag_keys=labels)
+        bounds = _BOUNDARIES.get(name, _SECONDS)
+        return metrics.Histogram(_exported(name), description=description, boundaries=bounds, tag_keys=labels)
     cls = metrics.Counter if kind == "counter" else metrics.Gauge
     return cls(_exported(name), description=description, tag_keys=labels)
 
@@ -95,6 +101,8 @@ class ReplicaMetrics:
         self._m["ray_hsdp_queue_seconds"].observe(record.queued_s, tags=tags)
         if record.step_s is not None:
             self._m["ray_hsdp_step_seconds"].observe(record.step_s, tags={"model": self.model})
+        if record.lane_size is not None:
+            self._m["ray_hsdp_lane_size"].observe(record.lane_size, tags={"model": self.model})
 
     def group(self, group_id: str, queued: int, running: int, ranks: list[dict]) -> None:
         """The group's queue and each rank's counters and memory (``Rank.tick_stats``)."""
