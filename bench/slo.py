@@ -1,0 +1,237 @@
+"""SLO attainment of fixed and adaptive lanes under Poisson load, on one host's GPUs.
+
+    python -m bench.slo --model-dir /tmp/wan14b --gpus 4 --rates 0.1 0.2 0.35 0.5 0.7 --out bench/results
+
+Requests arrive as a Poisson process at each rate for ``--window-s`` seconds, a mix of the sizes of
+``--sizes`` (the same frames and steps), each with a deadline from its arrival of ``--k`` times its
+latency alone on the widest lane (measured once, on the first layout, with the group idle). Per
+layout and rate: SLO attainment (answered within the deadline), goodput (such requests per second
+of the window), p50 / p95 latency from arrival, and, for adaptive lanes, the lane sizes given.
+Layouts (``--layouts``): ``batch`` (lanes of one rank), ``lanes2`` (fixed Ulysses lanes of 2),
+``wide`` (one Ulysses lane of all the GPUs), ``adaptive`` (``lane_sizes``: 1, 2 and all). Results
+are written after every layout; ``--plot`` draws attainment and p95 against the rate from a
+results file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from bench.common import ensure_model, environment, failure, start_ray, write_results
+
+LAYOUTS = ("wide", "lanes2", "batch", "adaptive")
+
+
+def layout_fields(layout: str, gpus: int) -> dict:
+    """The group fields of a layout on ``gpus`` ranks."""
+    return {
+        "batch": {},
+        "lanes2": {"ulysses_degree": 2},
+        "wide": {"ulysses_degree": gpus},
+        "adaptive": {"lane_sizes": sorted({1, 2, gpus})},
+    }[layout]
+
+
+def arrivals(rate: float, window_s: float, sizes: list[tuple[int, int]], seed: int) -> list[tuple[float, int]]:
+    """Poisson arrival times in ``[0, window_s)`` at ``rate`` per second, each with a size index."""
+    rng = random.Random(seed)
+    out, t = [], rng.expovariate(rate)
+    while t < window_s:
+        out.append((t, rng.randrange(len(sizes))))
+        t += rng.expovariate(rate)
+    return out
+
+
+def make_request(index: int, size: tuple[int, int], args, **fields):
+    from ray_hsdp.request import GenerationRequest
+
+    width, height = size
+    return GenerationRequest(
+        prompt=f"a fox runs {index}", width=width, height=height, num_frames=args.frames,
+        num_inference_steps=args.steps, seed=index, request_id=f"slo-{index}", uint8_frames=True, **fields,
+    )  # fmt: skip
+
+
+def warm_up(group, sizes, args) -> None:
+    """One request of each size, alone: the first forwards of a shape pay for allocations."""
+    for i, size in enumerate(sizes):
+        group.generate([make_request(10_000 + i, size, args)])
+
+
+def alone_latencies(group, sizes, args) -> list[float]:
+    """Each size's latency alone on the group (idle), after a warm-up request of each."""
+    warm_up(group, sizes, args)
+    out = []
+    for i, size in enumerate(sizes):
+        start = time.perf_counter()
+        group.generate([make_request(20_000 + i, size, args)])
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def run_load(group, rate: float, sizes, deadlines: list[float], args, seed: int) -> dict:
+    """One Poisson window on ``group``; waits for every request (or ``--drain-s`` past the window)."""
+    plan = arrivals(rate, args.window_s, sizes, seed)
+    lanes: dict[str, int | None] = {}
+    group.listeners.append(lambda record: lanes.__setitem__(record.request_id, record.lane_size))
+    done: dict[int, float] = {}
+    errors: dict[int, str] = {}
+    lock = threading.Lock()
+    start = time.monotonic()
+
+    def submit(index: int, size_index: int) -> None:
+        request = make_request(seed * 1000 + index, sizes[size_index], args)
+        try:
+            future = group.submit(request)
+        except Exception as err:  # noqa: BLE001 - a refused request misses its SLO
+            errors[index] = type(err).__name__
+            return
+
+        def finished(f, index=index):
+            with lock:
+                if f.exception() is None:
+                    done[index] = time.monotonic() - start
+                else:
+                    errors[index] = type(f.exception()).__name__
+
+        future.add_done_callback(finished)
+
+    for index, (at, size_index) in enumerate(plan):
+        time.sleep(max(0.0, at - (time.monotonic() - start)))
+        submit(index, size_index)
+    while len(done) + len(errors) < len(plan) and time.monotonic() - start < args.window_s + args.drain_s:
+        time.sleep(0.05)
+    for index in set(range(len(plan))) - set(done) - set(errors):  # past the drain: missed, and stopped
+        group.cancel(f"slo-{seed * 1000 + index}")
+    group.listeners.pop()
+    latencies, met = [], 0
+    for index, (at, size_index) in enumerate(plan):
+        if index in done:
+            latency = done[index] - at
+            latencies.append(latency)
+            met += latency <= deadlines[size_index]
+    given = [size for request_id, size in lanes.items() if size is not None]
+    return {
+        "rate": rate,
+        "requests": len(plan),
+        "answered": len(done),
+        "errors": len(errors),
+        "slo_attainment": round(met / len(plan), 3) if plan else None,
+        "goodput_per_s": round(met / args.window_s, 3),
+        "p50_s": round(statistics.median(latencies), 2) if latencies else None,
+        "p95_s": round(sorted(latencies)[int(0.95 * (len(latencies) - 1))], 2) if latencies else None,
+        "lane_sizes_given": {str(k): given.count(k) for k in sorted(set(given))},
+    }
+
+
+def markdown(payload: dict) -> str:
+    lines = [
+        f"# SLO under Poisson load: {payload['arch']}, {payload['gpus']} GPUs, sizes {payload['sizes']}, "
+        f"{payload['frames']} frames, {payload['steps']} steps, deadline {payload['k']}x alone on the widest lane",
+        "",
+        f"GPUs: {', '.join(payload['environment']['gpus']) or 'none (CPU dry run)'}; alone on the widest lane: "
+        f"{payload['alone_s']} s (deadlines {payload['deadlines_s']} s); window {payload['window_s']} s",
+        "",
+        "| layout | rate (req/s) | requests | SLO attainment | goodput (req/s) | p50 / p95 (s) | lane sizes given |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in payload["rows"]:
+        lines.append(
+            f"| {row['layout']} | {row['rate']} | {row['requests']} | {row['slo_attainment']} | "
+            f"{row['goodput_per_s']} | {row['p50_s']} / {row['p95_s']} | {row['lane_sizes_given'] or '-'} |"
+        )
+    for fail in payload["failed"]:
+        lines.append(f"\nFailed: {fail['layout']}: {fail['error']}")
+    lines.append(f"\nCommand: `{payload['environment']['command']}`")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: Path, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    payload = json.loads(results.read_text())
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for layout in dict.fromkeys(row["layout"] for row in payload["rows"]):
+        rows = [r for r in payload["rows"] if r["layout"] == layout]
+        rates = [r["rate"] for r in rows]
+        left.plot(rates, [r["slo_attainment"] for r in rows], marker="o", label=layout)
+        right.plot(rates, [r["p95_s"] for r in rows], marker="o", label=layout)
+    left.set(xlabel="arrival rate (requests/s)", ylabel="SLO attainment", ylim=(0, 1.05))
+    right.set(xlabel="arrival rate (requests/s)", ylabel="p95 latency from arrival (s)")
+    left.legend()
+    fig.suptitle(f"{payload['arch']} on {payload['gpus']} GPUs: fixed and adaptive lanes")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="wan2.1-t2v-14b")
+    parser.add_argument("--model-dir")
+    parser.add_argument("--gpus", type=int, default=4)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    parser.add_argument("--rates", type=float, nargs="+", default=[0.1, 0.2, 0.35, 0.5, 0.7])
+    parser.add_argument("--sizes", nargs="+", default=["832x480", "480x320"])
+    parser.add_argument("--frames", type=int, default=21)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--k", type=float, default=3.0, help="deadline: k x the latency alone on the widest lane")
+    parser.add_argument("--window-s", type=float, default=30.0)
+    parser.add_argument("--drain-s", type=float, default=60.0, help="longest wait for a window's last answers")
+    parser.add_argument("--alone-s", type=float, nargs="+", help="each size's latency alone on the widest lane, "
+                        "measured earlier (else measured on the first layout)")  # fmt: skip
+    parser.add_argument("--ray-cpus", type=int, default=None, help="logical CPUs of the local Ray (CPU dry runs)")
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--name", default=None)
+    parser.add_argument("--plot", nargs=2, metavar=("RESULTS", "PNG"), help="only draw a results file")
+    args = parser.parse_args()
+    if args.plot:
+        plot(Path(args.plot[0]), Path(args.plot[1]))
+        return
+
+    from ray_hsdp.config import GroupConfig
+    from ray_hsdp.group import ShardGroup
+
+    model_dir = Path(args.model_dir)
+    ensure_model(args.arch, model_dir, args.device)
+    start_ray(args.ray_cpus)
+    sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes]
+    name = args.name or f"slo-{args.arch}-{args.gpus}gpus"
+    payload = {
+        "arch": args.arch, "gpus": args.gpus, "sizes": args.sizes, "frames": args.frames, "steps": args.steps,
+        "k": args.k, "window_s": args.window_s, "rows": [], "failed": [], "environment": environment(),
+    }  # fmt: skip
+    if args.alone_s:
+        payload["alone_s"] = args.alone_s
+        payload["deadlines_s"] = [round(args.k * a, 2) for a in args.alone_s]
+    for layout in args.layouts:
+        config = GroupConfig(model=str(model_dir), device=args.device, shard_size=args.gpus,
+                             **layout_fields(layout, args.gpus))  # fmt: skip
+        try:
+            with ShardGroup(config) as group:
+                if "deadlines_s" not in payload:  # measured once, on the first layout (the widest lane first)
+                    alone = alone_latencies(group, sizes, args)
+                    payload["alone_s"] = [round(a, 2) for a in alone]
+                    payload["deadlines_s"] = [round(args.k * a, 2) for a in alone]
+                else:
+                    warm_up(group, sizes, args)
+                for seed, rate in enumerate(args.rates):
+                    row = run_load(group, rate, sizes, payload["deadlines_s"], args, seed=seed + 1)
+                    payload["rows"].append({"layout": layout, **row})
+                    print(json.dumps(payload["rows"][-1]), flush=True)
+        except Exception as err:  # noqa: BLE001 - the next layout still runs
+            payload["failed"].append({"layout": layout, "error": failure(err, args.drain_s)})
+        write_results(Path(args.out), name, payload, markdown(payload))
+
+
+if __name__ == "__main__":
+    main()
