@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import threading
@@ -86,7 +87,8 @@ def run_load(group, rate: float, sizes, deadlines: list[float], args, seed: int)
     start = time.monotonic()
 
     def submit(index: int, size_index: int) -> None:
-        request = make_request(seed * 1000 + index, sizes[size_index], args)
+        target = time.time() + deadlines[size_index] if args.targets else None
+        request = make_request(seed * 1000 + index, sizes[size_index], args, deadline=target)
         try:
             future = group.submit(request)
         except Exception as err:  # noqa: BLE001 - a refused request misses its SLO
@@ -125,7 +127,7 @@ def run_load(group, rate: float, sizes, deadlines: list[float], args, seed: int)
         "slo_attainment": round(met / len(plan), 3) if plan else None,
         "goodput_per_s": round(met / args.window_s, 3),
         "p50_s": round(statistics.median(latencies), 2) if latencies else None,
-        "p95_s": round(sorted(latencies)[int(0.95 * (len(latencies) - 1))], 2) if latencies else None,
+        "p95_s": round(sorted(latencies)[math.ceil(0.95 * len(latencies)) - 1], 2) if latencies else None,
         "lane_sizes_given": {str(k): given.count(k) for k in sorted(set(given))},
     }
 
@@ -187,6 +189,8 @@ def main() -> None:
     parser.add_argument("--k", type=float, default=3.0, help="deadline: k x the latency alone on the widest lane")
     parser.add_argument("--window-s", type=float, default=30.0)
     parser.add_argument("--drain-s", type=float, default=60.0, help="longest wait for a window's last answers")
+    parser.add_argument("--targets", action="store_true", help="requests carry their deadline (an adaptive "
+                        "group's policy aims for it)")  # fmt: skip
     parser.add_argument("--alone-s", type=float, nargs="+", help="each size's latency alone on the widest lane, "
                         "measured earlier (else measured on the first layout)")  # fmt: skip
     parser.add_argument("--ray-cpus", type=int, default=None, help="logical CPUs of the local Ray (CPU dry runs)")
@@ -228,6 +232,7 @@ def main() -> None:
                     row = run_load(group, rate, sizes, payload["deadlines_s"], args, seed=seed + 1)
                     payload["rows"].append({"layout": layout, **row})
                     print(json.dumps(payload["rows"][-1]), flush=True)
+                    write_results(Path(args.out), name, payload, markdown(payload))  # a run cut short keeps it
         except Exception as err:  # noqa: BLE001 - the next layout still runs
             payload["failed"].append({"layout": layout, "error": failure(err, args.drain_s)})
         write_results(Path(args.out), name, payload, markdown(payload))

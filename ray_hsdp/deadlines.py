@@ -1,11 +1,13 @@
 """Every deadline of a request, in one place.
 
-A request has two: the **queue deadline**, by which a rank must have taken it (``queue_timeout_s``
-from its arrival, kept through a rebuild's wait, the queue, a retry of one that never ran and a
-takeover; a 504 when missed), and the **run deadline**, from the moment a rank takes it
+A request has two, and may ask for a target: the **queue deadline**, by which a rank must have
+taken it (``queue_timeout_s`` from its arrival, kept through a rebuild's wait, the queue, a retry
+of one that never ran and a takeover; a 504 when missed), and the **run deadline**, from the moment a rank takes it
 (``timeout_s``, or the group's ``request_timeout_s``; the request is interrupted at its next step
 and answered with a 504). A request that ran and is run again elsewhere (a retry after its group
-failed under it, a video job taken over from a removed replica) waits its turn anew.
+failed under it, a video job taken over from a removed replica) waits its turn anew. The
+**target** (``deadline_s`` from arrival) stops nothing: an adaptive group's lane policy gives the
+request a lane its measured speed says finishes by then.
 """
 
 from __future__ import annotations
@@ -19,6 +21,13 @@ from ray_hsdp.request import GenerationRequest
 def from_arrival(config) -> float:
     """The queue deadline (``time.time()``) of a request arriving now."""
     return time.time() + config.queue_timeout_s
+
+
+def due(seconds: float | None) -> float | None:
+    """The answer's target (``time.time()``) of a request arriving now that asks for an answer
+    within ``seconds`` (``deadline_s``); ``None``: none. An adaptive group's lane policy aims for
+    it; nothing is stopped at it."""
+    return time.time() + seconds if seconds is not None else None
 
 
 def queue_deadline(request: GenerationRequest, config) -> float:

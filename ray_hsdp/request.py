@@ -89,6 +89,9 @@ class GenerationRequest:
             queues it sets its own (``queue_timeout_s`` from then).
         lane_size: The ranks to run it on, in a group of adaptive lanes (``lane_sizes``); ``None``:
             the group chooses.
+        deadline: When (``time.time()``) its answer is due, counted from its arrival: an adaptive
+            group's lane policy aims for it (nothing is stopped at it: ``timeout_s`` does that);
+            ``None``: no target.
     """
 
     prompt: str
@@ -110,6 +113,7 @@ class GenerationRequest:
     cache: StepCache | None = None
     queue_deadline: float | None = None
     lane_size: int | None = None
+    deadline: float | None = None
 
     def first_frame(self):
         """The image of an image-to-video request as the pipeline takes it (an RGB PIL image)."""

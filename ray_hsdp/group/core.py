@@ -111,6 +111,8 @@ class ShardGroup(GroupScheduler, GroupInspection):
         #: Called with a ``RequestRecord`` once per accepted request, when it is answered (metrics).
         self.listeners: list[Callable[[RequestRecord], None]] = []
         self._tickets = itertools.count()
+        #: Adaptive lanes: lane size -> seconds per unit of work (tokens x steps) it measured.
+        self.lane_speed: dict[int, float] = {}
         self._pg = placement_group
         self._owns_pg = placement_group is None
         self.ranks: list = []
@@ -316,6 +318,8 @@ class ShardGroup(GroupScheduler, GroupInspection):
             step_s=result.step_s if result is not None else None,
             error=describe_error(error) if error is not None else None,
         )
+        if status == "ok":
+            self._learn_speed(job, now - job.taken)
         line = {"event": "request", "group": self.group_id, **self.labels, **dataclasses.asdict(record)}
         logger.info("request %s", json.dumps(line))
         for listener in list(self.listeners):

@@ -3,19 +3,30 @@
 The rule, from what the group knows at that moment: the ranks free now are shared among the
 requests waiting, oldest first. A lone request on an idle group gets the widest lane its tokens
 split over; a backlog gets lanes of one rank (the most requests at once); a request that names its
-``lane_size`` waits for a free lane of that size. A lane is an aligned block of ranks
-(``ParallelDims.blocks``), all of them free.
+``lane_size`` waits for a free lane of that size. A request with a deadline (``deadline``, from its
+arrival) is given a lane only where the group's measured speed of that lane size says it finishes
+in time: the widest such lane within its share, else the narrowest such lane free; when no free lane
+would make it but a busy wider one would, it waits for that one. A lane is an aligned block of
+ranks (``ParallelDims.blocks``), all of them free.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ray_hsdp.topology import ParallelDims
 
 
 def lane_for(
-    dims: ParallelDims, sizes: Sequence[int], named: int | None, loads: Sequence[int], capacity: int, waiting: int
+    dims: ParallelDims,
+    sizes: Sequence[int],
+    named: int | None,
+    loads: Sequence[int],
+    capacity: int,
+    waiting: int,
+    due_s: float | None = None,
+    work: int = 0,
+    speed: Mapping[int, float] | None = None,
 ) -> range | None:
     """The ranks of the lane to give the oldest waiting request, or ``None``: it waits.
 
@@ -26,12 +37,29 @@ def lane_for(
         loads: Requests each rank runs now.
         capacity: Requests a rank runs at once (``requests_per_rank``).
         waiting: Requests waiting for a lane, this one included.
+        due_s: Seconds until its deadline; ``None``: none.
+        work: Its tokens x steps (``RequestVariant.work``).
+        speed: Lane size -> measured seconds per unit of work on a lane of that size.
     """
     free = [load < capacity for load in loads]
+
+    def block(size: int) -> range | None:
+        return next((b for b in dims.blocks(size) if all(free[r] for r in b)), None)
+
+    if named is not None:
+        return block(named)
     share = max(1, sum(free) // max(1, waiting))
-    wanted = [named] if named is not None else sorted((s for s in sizes if s <= share), reverse=True)
-    for size in wanted:
-        block = next((b for b in dims.blocks(size) if all(free[r] for r in b)), None)
-        if block is not None:
-            return block
-    return None
+    open_sizes = [s for s in sorted(sizes) if block(s) is not None]
+    speed = speed or {}
+    if due_s is None or not work or not speed:
+        fitting = [s for s in open_sizes if s <= share]
+        return block(fitting[-1]) if fitting else None
+    in_time = [s for s in open_sizes if s not in speed or speed[s] * work <= due_s]
+    within = [s for s in in_time if s <= share]
+    if within:
+        return block(within[-1])
+    if in_time:
+        return block(in_time[0])
+    if any(s in speed and speed[s] * work <= due_s for s in sizes):
+        return None  # a busy wider lane would make it: wait for it
+    return block(open_sizes[-1]) if open_sizes else None  # none would: the fastest free one

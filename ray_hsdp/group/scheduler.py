@@ -163,15 +163,26 @@ class GroupScheduler:
             if job is not None:
                 self._offer(self.dims.lane_ranks(lane), job)
 
+    def _learn_speed(self, job: QueuedJob, run_s: float) -> None:
+        """Adaptive lanes: folds a finished request's run into its lane size's measured speed (an
+        average that weighs the newest run half)."""
+        if not self.dims.adaptive or not job.variant.work:
+            return
+        size, per_work = len(job.ranks), run_s / job.variant.work
+        previous = self.lane_speed.get(size)
+        self.lane_speed[size] = per_work if previous is None else (previous + per_work) / 2
+
     def _assign_adaptive(self) -> None:
         """Adaptive lanes: the oldest queued request first, on the lane ``lanes.lane_for`` gives it
         (it waits while there is none); called with the lock held."""
         while self._pending:
             loads = [sum(1 for i, _ in self._inflight.values() if i == r) for r in range(self.dims.shard_size)]
             oldest = self._pending[0].variant
+            deadline = oldest.request.deadline
             ranks = lane_for(
                 self.dims, oldest.lane_sizes, oldest.request.lane_size, loads, self.config.requests_per_rank,
-                len(self._pending),
+                len(self._pending), deadline - time.time() if deadline is not None else None, oldest.work,
+                self.lane_speed,
             )  # fmt: skip
             if ranks is None:
                 return

@@ -87,6 +87,9 @@ class ImageGenerationRequest(BaseModel):
         None, gt=0, description="The scheduler's timestep shift (Wan's flow_shift); the pipeline's when omitted."
     )
     seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED, description="Noise seed; random when omitted.")
+    deadline_s: StrictFloat | StrictInt | None = Field(
+        None, gt=0, description="Target for the answer, in seconds from arrival: an adaptive group picks a lane for it."
+    )
     lane_size: StrictInt | None = Field(
         None,
         ge=1,
@@ -260,6 +263,7 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
         lora=lora,
         cache=cache,
         lane_size=body.lane_size,
+        deadline=deadlines.due(body.deadline_s),
         queue_deadline=deadlines.from_arrival(config),  # one deadline from arrival, wherever it waits
     )
 
@@ -309,6 +313,9 @@ class VideoCreateRequest(BaseModel):
     negative_prompt: str | None = Field(None, description="Negative prompt.")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Noise seed; random when omitted.")
     user: str | None = Field(None, description="OpenAI's end-user id; accepted and ignored.")
+    deadline_s: float | None = Field(
+        None, gt=0, description="Target for the answer, in seconds from arrival: an adaptive group picks a lane for it."
+    )
     lane_size: int | None = Field(
         None,
         ge=1,
@@ -350,6 +357,7 @@ def to_video_request(
                 "lora": body.lora,
                 "cache": body.cache,
                 "lane_size": body.lane_size,
+                "deadline_s": body.deadline_s,
             }.items()
             if v is not None
         }

@@ -26,7 +26,7 @@ from ray_hsdp.variant.adapters import AdapterFeature
 from ray_hsdp.variant.base import Feature, RankFeatures
 from ray_hsdp.variant.guidance import SecondExpertGuidance
 from ray_hsdp.variant.image import FirstFrame
-from ray_hsdp.variant.lane import LaneFeature, check_split, runnable_sizes
+from ray_hsdp.variant.lane import LaneFeature, check_split, runnable_sizes, work_of
 from ray_hsdp.variant.shift import ShiftFeature
 from ray_hsdp.variant.step_cache import StepCacheFeature
 
@@ -53,12 +53,15 @@ class RequestVariant:
             the request's state by it. -1 until then.
         lane_sizes: In a group of adaptive lanes, the lane sizes that split its tokens (those it
             may be given); empty for a group of fixed lanes.
+        work: Its tokens times its denoising steps (0 when the pipeline's token grid is unknown):
+            what the lane policy scales a lane's measured speed by.
     """
 
     request: GenerationRequest | None
     choices: Mapping[str, Any] = field(default_factory=dict)
     ticket: int = -1
     lane_sizes: tuple[int, ...] = ()
+    work: int = 0
 
     @classmethod
     def build(cls, request: GenerationRequest, config, facts: Mapping[str, Any]) -> RequestVariant:
@@ -78,7 +81,7 @@ class RequestVariant:
                 choices[feature.field] = choice
         if not config.lane_sizes:
             check_split(request, facts)
-        return cls(request, choices, lane_sizes=runnable_sizes(request, config, facts))
+        return cls(request, choices, lane_sizes=runnable_sizes(request, config, facts), work=work_of(request, facts))
 
     @classmethod
     def unchecked(cls, request: GenerationRequest, ticket: int = 0) -> RequestVariant:

@@ -52,6 +52,15 @@ def runnable_sizes(request: GenerationRequest, config, facts: Mapping[str, Any])
     return tuple(size for size in sorted(set(config.lane_sizes)) if tokens % size == 0)
 
 
+def work_of(request: GenerationRequest, facts: Mapping[str, Any]) -> int:
+    """Tokens x denoising steps x outputs of ``request``; 0 when the token grid is unknown."""
+    sequence = facts.get("sequence")
+    if not sequence:
+        return 0
+    tokens = sequence_tokens(sequence, request.height, request.width, request.num_frames)
+    return tokens * request.num_inference_steps * request.n
+
+
 class LaneFeature(Feature):
     """``lane_size``: the lane a request asks for (adaptive groups; a fixed group refuses it: a
     pair of the table of refusals). Around every forward, whatever the request asked, the
