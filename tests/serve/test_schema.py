@@ -63,3 +63,13 @@ def test_an_error_is_blamed_on_the_client_only_for_what_the_client_sent(error, s
     assert response.status_code == status
     assert str(error) in response.body.decode()
     assert job_error_code(error) == code
+
+
+def test_a_request_s_lane_size_and_target_arrive_with_it():
+    """Adaptive lanes' fields (issue 39): the lane a request asks for, and its target from arrival."""
+    before = time.time()
+    request = arrive(lane_size=2, deadline_s=30)
+    assert request.lane_size == 2 and before + 30 <= request.deadline <= time.time() + 30
+    assert arrive().deadline is None and arrive().lane_size is None
+    with pytest.raises(ValueError, match="lane_size"):
+        ImageGenerationRequest(prompt="a fox", lane_size=0)
