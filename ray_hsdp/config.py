@@ -196,8 +196,9 @@ class GroupLayout(BaseModel):
         description="Adaptive lanes: the lane sizes (ranks) a request may run on, e.g. [1, 2]. The group gives "
         "each request its lane when it takes it: a lone request the widest free lane, a backlog lanes of one rank "
         "(a request may name its lane_size). A lane of k ranks is an aligned block that splits the request's "
-        "tokens over k ranks (Ulysses, by all-to-all over the heads). Empty: every lane is fixed by ulysses_degree, "
-        "ring_degree and cfg_parallel.",
+        "tokens over k ranks (Ulysses, by all-to-all over the heads); with cfg_parallel a lane of 2 or more is two "
+        "CFG halves of k/2 Ulysses ranks each. Empty: every lane is fixed by ulysses_degree, ring_degree and "
+        "cfg_parallel.",
     )
     ulysses_degree: int = Field(
         1,

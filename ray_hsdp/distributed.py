@@ -98,7 +98,11 @@ def adaptive_lane_meshes(device: str, dims: ParallelDims) -> dict[int, DeviceMes
     lane), for a group of adaptive lanes; every rank calls this in the same order, at start, so no
     request's forward creates a process group."""
     return {
-        size: init_device_mesh(device, (dims.shard_size // size, 1, 1, size), mesh_dim_names=LANE_MESH_DIM_NAMES)
+        size: init_device_mesh(
+            device,
+            (dims.shard_size // size, *dims.lane_shape(size)[:1], 1, dims.lane_shape(size)[1]),
+            mesh_dim_names=LANE_MESH_DIM_NAMES,
+        )  # fmt: skip
         for size in dims.lane_sizes
         if dims.shard_size > 1
     }

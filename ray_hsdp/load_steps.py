@@ -148,14 +148,14 @@ def split_sequences(
             f"{type(pipe).__name__} is a diffusers model that context parallel can split"
         )
     sequence, configs = None, []
-    widest = max(lane_meshes, default=0)
+    widest = max(lane_meshes, key=lambda size: lane_meshes[size]["ulysses"].size(), default=0)
     for name, module in models.items():
         policy = policies.get(name)
         config = enable_context_parallel(
             module,
             lane_meshes[widest] if dims.adaptive else lane_mesh,
             ring=dims.ring,
-            ulysses=widest if dims.adaptive else dims.ulysses,
+            ulysses=lane_meshes[widest]["ulysses"].size() if dims.adaptive else dims.ulysses,
             device=device,
             attention_backend=backend,
             cp_plan=policy.cp_plan if policy else None,
@@ -240,7 +240,7 @@ def load_parts(
     models = {name: m for name, m in candidates.items() if hasattr(m, "enable_parallelism")}
     sequence = lane_parallel = None
     with phases.phase("parallel setup"):
-        if dims.sequence_degree > 1 or max(dims.lane_sizes, default=1) > 1:
+        if dims.sequence_degree > 1 or max((dims.lane_shape(s)[1] for s in dims.lane_sizes), default=1) > 1:
             sequence, lane_parallel = split_sequences(
                 pipe, models, policies, dims, lane_mesh, facts.device, backend, lane_meshes or {}
             )

@@ -12,6 +12,7 @@ import time
 import ray
 
 from ray_hsdp.runtime import RankRuntime
+from ray_hsdp.runtime.protocol import lane_of
 from ray_hsdp.variant import RankFeatures
 
 logger = logging.getLogger("ray_hsdp")
@@ -120,7 +121,7 @@ class RankStart:
                 self.pipeline.lane_tiles = LaneTiles(self.decode_group, index, self.dims.lane_size, self.config.device)
             self.runtime = self._runtime(modules, exchange)
             if modules is not None:
-                split = CfgSplit(self.runtime.call, self.dims.cfg_index(self.rank), self.pipeline.guided)
+                split = CfgSplit(self.runtime.call, self._cfg_half, self.pipeline.guided)
                 # Before the request slots are copied from the pipeline: every slot must call the
                 # stand-ins, or a request thread would issue collectives of its own.
                 self.pipeline.route_calls(
@@ -188,7 +189,6 @@ class RankStart:
             self.pipeline.sharded_modules,
             self.config.device,
             self.pipeline.shardings,
-            cfg_group=self.lane_mesh.get_group("cfg") if self.dims.cfg == 2 else None,
             features=features,
         )
         on_host = self.config.tick_exchange == "host"
@@ -221,3 +221,16 @@ class RankStart:
         dims = {"ring": self.dims.ring, "ulysses": self.dims.ulysses}
         groups = [self.lane_mesh.get_group(name) for name, size in dims.items() if size > 1]
         return StepCaches(list(self.pipeline.sharded_modules.values()), groups)
+
+    def _cfg_half(self) -> tuple[int, object] | None:
+        """On a request thread: the CFG half this rank runs of its request's lane and the process
+        group of the lane's two halves; ``None`` when that lane is not CFG-split."""
+        if self.dims.cfg != 2:
+            return None
+        if not self.dims.adaptive:
+            return self.dims.cfg_index(self.rank), self.lane_mesh.get_group("cfg")
+        first, size = lane_of(self.runtime.current_ticket())
+        cfg, ulysses = self.dims.lane_shape(size)
+        if cfg == 1:
+            return None
+        return (self.rank - first) // ulysses, self.lane_meshes[size].get_group("cfg")

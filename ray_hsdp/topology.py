@@ -56,14 +56,17 @@ class ParallelDims:
                 "mode 'replicated' runs the whole request on every rank; it cannot be combined with "
                 "ulysses_degree, ring_degree or cfg_parallel (use mode 'batch')"
             )
-        if self.lane_sizes and (self.split_size > 1 or self.replicated):
+        if self.lane_sizes and (self.ring > 1 or self.ulysses > 1 or self.replicated):
             raise ValueError(
-                "lane_sizes gives each request its lane; it cannot be combined with ulysses_degree, ring_degree, "
-                "cfg_parallel or mode 'replicated' (leave them at their defaults)"
+                "lane_sizes gives each request its lane; it cannot be combined with ulysses_degree, ring_degree "
+                "or mode 'replicated' (leave them at their defaults; cfg_parallel makes lanes of 2 or more CFG 2 x "
+                "Ulysses)"
             )
         for size in self.lane_sizes:
             if size < 1 or self.shard_size % size:
                 raise ValueError(f"lane_sizes: a lane of {size} ranks must divide shard_size={self.shard_size}")
+            if self.cfg == 2 and size > 1 and size % 2:
+                raise ValueError(f"lane_sizes with cfg_parallel: a lane of {size} ranks cannot hold 2 CFG halves")
         if self.shard_size % self.split_size:
             raise ValueError(
                 f"a lane of cfg x ring x ulysses = {self.cfg} x {self.ring} x {self.ulysses} = {self.split_size} "
@@ -87,8 +90,17 @@ class ParallelDims:
 
     @property
     def lane_size(self) -> int:
-        """Ranks of one lane: the whole group when replicated, else ``cfg x ring x ulysses``."""
+        """Ranks of one fixed lane: the whole group when replicated, else ``cfg x ring x ulysses``;
+        with adaptive lanes 1 (a request's own lane comes with it: ``lane_shape``)."""
+        if self.adaptive:
+            return 1
         return self.shard_size if self.replicated else self.split_size
+
+    def lane_shape(self, size: int) -> tuple[int, int]:
+        """``(cfg, ulysses)`` of an adaptive lane of ``size`` ranks: with ``cfg_parallel`` a lane of
+        two or more is two CFG halves of ``size / 2`` Ulysses ranks each, else ``size`` Ulysses ranks."""
+        cfg = 2 if self.cfg == 2 and size > 1 else 1
+        return cfg, size // cfg
 
     @property
     def num_lanes(self) -> int:
@@ -139,7 +151,7 @@ class ParallelDims:
             "cfg_parallel": self.cfg == 2,
             "ring_degree": self.ring,
             "ulysses_degree": self.ulysses,
-            "lane_sizes": list(self.lane_sizes),
+            "lane_sizes": list(self.lane_sizes),  # with cfg_parallel: lanes of 2 or more are CFG 2 x Ulysses
         }
 
     def bundles(self, device: str, cpus_per_rank: float) -> list[dict[str, float]]:

@@ -21,19 +21,23 @@ class CfgSplit:
 
     Args:
         call: The runtime's ``call(module_id, args, kwargs, context=None)``.
-        cfg_index: 0 on the ranks that run conditional forwards, 1 on the unconditional ones.
+        half: ``half()`` on the calling request thread: ``(index, group)``, the CFG half this rank
+            runs of the request's lane (0: conditional forwards, 1: unconditional) and the process
+            group of the lane's two halves; ``None`` when the request's lane is not CFG-split
+            (adaptive lanes of one rank).
         guided: Whether the request running on the calling thread makes an unconditional call
             at each step; without guidance every call runs as it is, on both halves.
     """
 
-    def __init__(self, call: Callable, cfg_index: int, guided: Callable[[], bool]):
+    def __init__(self, call: Callable, half: Callable[[], tuple | None], guided: Callable[[], bool]):
         self._call = call
-        self.cfg_index = cfg_index
+        self._half = half
         self._guided = guided
         self._local = threading.local()  # the deferred first call of the request on this thread
 
     def __call__(self, module_id: int, args: tuple, kwargs: dict, context: dict | None = None):
-        if not self._guided():
+        half = self._half()
+        if half is None or not self._guided():
             return self._call(module_id, args, kwargs, context)
         if kwargs.get("return_dict", True):
             raise ValueError("CFG parallel defers a forward's result, which needs calls made with return_dict=False")
@@ -50,8 +54,9 @@ class CfgSplit:
                 f"CFG parallel expected the unconditional call of module {first_module}, got module {module_id}"
             )
         # Each half runs its own call: its inputs and its cache context (cond or uncond).
-        mine = (first_args, first_kwargs, first_context) if self.cfg_index == 0 else (args, kwargs, context)
-        cond, uncond = self._call(module_id, *mine[:2], context={**(mine[2] or {}), "cfg": True})
+        index, group = half
+        mine = (first_args, first_kwargs, first_context) if index == 0 else (args, kwargs, context)
+        cond, uncond = self._call(module_id, *mine[:2], context={**(mine[2] or {}), "cfg": group})
         if cond.dtype != deferred.dtype:
             raise RuntimeError(f"CFG parallel: the output is {cond.dtype}, the deferred result {deferred.dtype}")
         deferred.resize_(cond.shape).copy_(cond)

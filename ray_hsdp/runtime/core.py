@@ -207,6 +207,10 @@ class RankRuntime(TickLoop, RequestThreads):
         """Why this rank's session failed, or ``None``."""
         return self._failure
 
+    def current_ticket(self) -> int:
+        """On a request thread: the ticket of its request (which names its lane)."""
+        return self._local.job.ticket
+
     def progress(self) -> dict[str, tuple[int, int]]:
         """Request id -> (denoising steps done, steps in all) of the requests running here."""
         return dict(self._progress)

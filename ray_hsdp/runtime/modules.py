@@ -75,8 +75,6 @@ class ShardedModules:
         shardings: Name -> how the module is sharded (``FsdpUnits`` or ``InPlaceUnits``): its
             units in forward order and its ghost pass (the collectives of one forward, in its
             order, leaving the module as a real forward leaves it).
-        cfg_group: The process group of this rank's two CFG halves (the lane mesh's ``cfg`` dim),
-            over which a call marked ``cfg`` exchanges its output; ``None`` without CFG parallel.
         features: What the rank loaded for per-request features (``ray_hsdp.variant.RankFeatures``:
             adapters, step caches): each forward runs inside its request's variant
             (``RequestVariant.forward``), which applies the request's choices to them.
@@ -87,10 +85,8 @@ class ShardedModules:
         modules: dict[str, nn.Module],
         device: str,
         shardings: dict,
-        cfg_group=None,
         features: RankFeatures | None = None,
     ):
-        self.cfg_group = cfg_group
         self.features = features or RankFeatures()
         # Parameter counts are global (DTensor), so every rank gets the same order.
         self.names = sorted(modules, key=lambda n: (sum(p.numel() for p in modules[n].parameters()), n))
@@ -137,8 +133,8 @@ class ShardedModules:
             else:
                 args, kwargs, sizes = concatenate([(c.args, c.kwargs) for c in calls])
                 results = split(module(*args, **kwargs), sizes)
-        if calls[0].context.get("cfg"):  # one call: combined mode runs no batches
-            results = [self._exchange_cfg(results[0])]
+        if calls[0].context.get("cfg") is not None:  # one call: lanes of several ranks run no batches
+            results = [self._exchange_cfg(results[0], calls[0].context["cfg"])]
         finished = None
         for call, result in zip(calls, results):
             stream = call.context.get("stream")
@@ -153,8 +149,9 @@ class ShardedModules:
                 call.context["finished"] = finished
         return results
 
-    def _exchange_cfg(self, output) -> tuple[torch.Tensor, torch.Tensor]:
-        """All-gathers a forward's prediction between the lane's two CFG halves.
+    def _exchange_cfg(self, output, group) -> tuple[torch.Tensor, torch.Tensor]:
+        """All-gathers a forward's prediction between the lane's two CFG halves (``group``, which
+        the CFG split's call carries in its context).
 
         Returns:
             ``(conditional, unconditional)``: the outputs of CFG index 0 and 1.
@@ -163,7 +160,7 @@ class ShardedModules:
         tensor = tensor.contiguous()
         n = tensor.shape[0]
         both = torch.empty((2 * n, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-        dist.all_gather_into_tensor(both, tensor, group=self.cfg_group)
+        dist.all_gather_into_tensor(both, tensor, group=group)
         return both[:n], both[n:]
 
     def after_call(self, call: ForwardCall) -> None:

@@ -127,9 +127,12 @@ class LaneParallel:
     def __init__(self, models: list[tuple[nn.Module, ContextParallelConfig]], meshes: dict[int, DeviceMesh]):
         for module, _ in models:
             heads = getattr(module.config, "num_attention_heads", None)
-            bad = [size for size in meshes if heads is not None and heads % size]
+            bad = [size for size, mesh in meshes.items() if heads is not None and heads % mesh["ulysses"].size()]
             if bad:
-                raise ValueError(f"lane_sizes: a lane of {bad[0]} ranks does not divide the {heads} attention heads")
+                raise ValueError(
+                    f"lane_sizes: a lane of {bad[0]} ranks splits the {heads} attention heads unevenly "
+                    "(with cfg_parallel a lane splits them over half its ranks)"
+                )
         self.configs = [config for _, config in models]
         # (processor, the parallel config diffusers gave it): switched off on lanes of one rank.
         self.processors = [
@@ -146,8 +149,8 @@ class LaneParallel:
         ulysses = mesh["ulysses"]  # with ring 1 the flattened (ring, ulysses) mesh is this one
         return {
             "ring_degree": 1,
-            "ulysses_degree": size,
-            "_world_size": size,  # diffusers' attention splits only when this is above 1
+            "ulysses_degree": ulysses.size(),
+            "_world_size": ulysses.size(),  # diffusers' attention splits only when this is above 1
             "_mesh": mesh,
             "_flattened_mesh": ulysses,
             "_ring_mesh": mesh["ring"],
@@ -162,6 +165,7 @@ class LaneParallel:
             return
         for config in self.configs:
             vars(config).update(self.states[size])
+        split = self.states[size]["ulysses_degree"] > 1
         for processor, parallel in self.processors:
-            processor._parallel_config = parallel if size > 1 else None
+            processor._parallel_config = parallel if split else None
         self.active = size

@@ -41,15 +41,19 @@ def check_split(request: GenerationRequest, facts: Mapping[str, Any]) -> None:
 
 
 def runnable_sizes(request: GenerationRequest, config, facts: Mapping[str, Any]) -> tuple[int, ...]:
-    """The lane sizes of an adaptive group that split ``request``'s tokens evenly (a lane of one
-    rank always does); ``()`` for a group of fixed lanes."""
+    """The lane sizes of an adaptive group that split ``request``'s tokens evenly over their Ulysses
+    ranks (a lane without a Ulysses split always does); ``()`` for a group of fixed lanes."""
     sequence = facts.get("sequence")
     if not config.lane_sizes:
         return ()
-    if not sequence:
-        return (1,) if 1 in config.lane_sizes else ()
-    tokens = sequence_tokens(sequence, request.height, request.width, request.num_frames)
-    return tuple(size for size in sorted(set(config.lane_sizes)) if tokens % size == 0)
+    dims = config.parallel_dims()
+    tokens = sequence_tokens(sequence, request.height, request.width, request.num_frames) if sequence else 0
+    # A lane splits the tokens over its Ulysses ranks (half its ranks with cfg_parallel).
+    return tuple(
+        size
+        for size in dims.lane_sizes
+        if dims.lane_shape(size)[1] == 1 or (tokens and tokens % dims.lane_shape(size)[1] == 0)
+    )
 
 
 def work_of(request: GenerationRequest, facts: Mapping[str, Any]) -> int:
