@@ -107,8 +107,8 @@ def enable_context_parallel(
 
 class LaneParallel:
     """Switches the context parallel of a rank's models to the lane of the forward about to run,
-    for a group of adaptive lanes (``lane_sizes``): Ulysses over the lane's ranks, or none on a
-    lane of one rank.
+    for a group of adaptive lanes (``lane_sizes``): Ulysses over the lane's Ulysses ranks, or none
+    on a lane without a Ulysses split (one rank, or two CFG halves of one rank each).
 
     diffusers binds a model's split hooks and attention processors to one ``ContextParallelConfig``
     and refuses a second ``enable_parallelism``; each model here is enabled once on the widest
@@ -116,8 +116,9 @@ class LaneParallel:
     the running lane's before each forward, on the tick thread (one forward at a time). Every
     mesh is built at start, on every rank, so no forward creates a process group.
 
-    On a lane of one rank the attention processors get no parallel config (diffusers' backends
-    run plain attention only then), and the split hooks split over a mesh of one rank: nothing.
+    On a lane without a Ulysses split the attention processors get no parallel config (diffusers'
+    backends run plain attention only then), and the split hooks split over a mesh of one rank:
+    nothing.
 
     Args:
         models: The models ``enable_context_parallel`` enabled, with the configs it returned.
@@ -134,7 +135,7 @@ class LaneParallel:
                     "(with cfg_parallel a lane splits them over half its ranks)"
                 )
         self.configs = [config for _, config in models]
-        # (processor, the parallel config diffusers gave it): switched off on lanes of one rank.
+        # (processor, the parallel config diffusers gave it): switched off on lanes without a split.
         self.processors = [
             (sub.processor, sub.processor._parallel_config)
             for module, _ in models

@@ -72,7 +72,6 @@ class RequestVariant:
             InvalidRequestError: A pair of the table of refusals, or a feature's field the group
                 cannot run (the message names the field and what to send instead).
         """
-
         refuse_request(config, facts, request)
         choices = {}
         for feature in FEATURES:
@@ -116,7 +115,7 @@ class RequestVariant:
 
     @contextmanager
     def run(self, pipe, features: RankFeatures) -> Iterator[None]:
-        """Around the request's pipeline call; releases the request's state when it ends."""
+        """Around the request's pipeline call, on its request thread (``release`` follows it)."""
         with ExitStack() as stack:
             for feature in FEATURES:
                 stack.enter_context(feature.around_run(self.choices.get(feature.field), pipe, features))

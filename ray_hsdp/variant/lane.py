@@ -86,6 +86,6 @@ class LaneFeature(Feature):
         return request.lane_size
 
     def around_forward(self, choice, ticket, module, context, features: RankFeatures):
-        if features.lane_parallel is not None:
+        if features.lane_parallel is not None and ticket >= 0:  # -1: a forward outside any request
             features.lane_parallel.activate(lane_of(ticket)[1])
         return super().around_forward(choice, ticket, module, context, features)
