@@ -78,13 +78,6 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         "adaptive lanes (lane_sizes)",
-        "a step cache (cache.kind)",
-        "First Block Cache's decision is reduced over a lane's sequence ranks, which are fixed at load",
-        "leave cache.kind 'none', or use fixed lanes (ulysses_degree)",
-        lambda c: bool(c.lane_sizes) and c.cache.kind != "none",
-    ),
-    Refusal(
-        "adaptive lanes (lane_sizes)",
         "compile",
         "each lane size would compile graphs of its own; not bounded yet",
         "serve uncompiled, or use fixed lanes",

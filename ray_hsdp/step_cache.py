@@ -96,6 +96,7 @@ class StepCaches:
             for key, hooks in self._hooks.items()
         }
         self._groups = list(sequence_groups)
+        self._request_groups = self._groups  # the running forward's lane's (tick thread)
         self._settings: StepCache | None = None  # the request whose forward runs now (tick thread)
         self._lock = threading.Lock()
         self._contexts: dict[int, set[tuple[int, str]]] = {}  # request -> (module, context name)
@@ -111,7 +112,12 @@ class StepCaches:
 
     @contextmanager
     def forward(
-        self, module: nn.Module, key: int, settings: StepCache | None, context: tuple[str, dict] | None
+        self,
+        module: nn.Module,
+        key: int,
+        settings: StepCache | None,
+        context: tuple[str, dict] | None,
+        sequence_groups: Sequence | None = None,
     ) -> Iterator[None]:
         """On the tick thread, around one forward of ``module`` for one request.
 
@@ -120,11 +126,14 @@ class StepCaches:
             key: The request's key on this rank (its ticket), under which its state is kept.
             settings: The request's step cache; ``None``: every step computed in full.
             context: The ``(name, kwargs)`` of the pipeline's ``cache_context`` around the call.
+            sequence_groups: The request's own lane's sequence groups (adaptive lanes); ``None``:
+                the fixed lane's, given at construction.
         """
         hooks = self._hooks.get(id(module))
         if hooks is None:
             yield
             return
+        self._request_groups = list(sequence_groups) if sequence_groups is not None else self._groups
         name, kwargs = context or ("default", {})
         self._configure(hooks, settings)
         if settings is None:
@@ -192,12 +201,12 @@ class StepCaches:
         if settings is None:
             return True
         hook.threshold = settings.threshold
-        if not self._groups:
+        if not self._request_groups:
             return FBCHeadBlockHook._should_compute_remaining_blocks(hook, residual)
         previous = hook.state_manager.get_state().head_block_residual
         if previous is None:
             return True
         sums = torch.stack([(residual - previous).abs().sum(), previous.abs().sum()]).float()
-        for group in self._groups:
+        for group in self._request_groups:
             dist.all_reduce(sums, group=group)
         return (sums[0] / sums[1]).item() > settings.threshold

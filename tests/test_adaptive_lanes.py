@@ -15,7 +15,7 @@ from support import max_abs_diff, pipeline_with_adapters, reference_frames, refe
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.group import GroupFailedError, ShardGroup
 from ray_hsdp.group.lanes import lane_for
-from ray_hsdp.request import GenerationRequest, InvalidRequestError, RequestCancelledError
+from ray_hsdp.request import GenerationRequest, InvalidRequestError, RequestCancelledError, StepCache
 from ray_hsdp.topology import ParallelDims
 from ray_hsdp.variant.lane import UnsplittableRequestError
 
@@ -46,8 +46,8 @@ def test_lane_sizes_refuse_fixed_lanes_and_sizes_that_do_not_divide_the_group():
         GroupConfig(model="tiny", shard_size=2, lane_sizes=(1, 2), ulysses_degree=2)
     with pytest.raises(ValueError, match="a lane of 3 ranks must divide shard_size=2"):
         GroupConfig(model="tiny", shard_size=2, lane_sizes=(1, 3))
-    with pytest.raises(ValueError, match=r"adaptive lanes \(lane_sizes\) with a step cache"):
-        GroupConfig(model="tiny", shard_size=2, lane_sizes=(1, 2), cache={"kind": "first_block"})
+    with pytest.raises(ValueError, match=r"adaptive lanes \(lane_sizes\) with compile"):
+        GroupConfig(model="tiny", shard_size=2, lane_sizes=(1, 2), compile=True)
 
 
 MIX = [
@@ -67,20 +67,27 @@ def adapted_pipe(tiny_model):
 
 
 def test_a_group_runs_lanes_of_one_and_two_at_once_and_equals_unsharded(ray_cluster, tiny_model, adapted_pipe):
-    """Requests of every size at once, some naming their lane, some with an adapter: each equals
-    the unsharded diffusers run of the same request."""
-    config = GroupConfig(model=tiny_model, device="cpu", shard_size=2, lane_sizes=(1, 2), loras=LORAS)
+    """Requests of every size at once, some naming their lane, some with an adapter, some with a
+    step cache (First Block Cache: its measure reduced over the request's own lane): each equals the
+    unsharded diffusers run of the same request."""
+    config = GroupConfig(
+        model=tiny_model, device="cpu", shard_size=2, lane_sizes=(1, 2), loras=LORAS,
+        cache={"kind": "first_block", "every_request": False},
+    )  # fmt: skip
     records = []
     with ShardGroup(config) as group:
         group.listeners.append(records.append)
         assert group.describe()["lane_sizes"] == [1, 2]
         alone = group.generate([dataclasses.replace(MIX[0], request_id="alone")])
         burst = [
-            dataclasses.replace(r, request_id=f"burst-{i}", lora=(("style", 0.7),) if i % 2 == 0 else ())
+            dataclasses.replace(
+                r, request_id=f"burst-{i}", lora=(("style", 0.7),) if i % 2 == 0 else (),
+                cache=StepCache("first_block") if i < 2 else None,
+            )  # fmt: skip
             for i, r in enumerate(MIX)
         ]
         named = [
-            dataclasses.replace(MIX[2], request_id="named-2", lane_size=2),
+            dataclasses.replace(MIX[2], request_id="named-2", lane_size=2, cache=StepCache("first_block")),
             dataclasses.replace(MIX[0], request_id="named-1", lane_size=1),
         ]
         results = group.generate(burst + named)
@@ -88,7 +95,8 @@ def test_a_group_runs_lanes_of_one_and_two_at_once_and_equals_unsharded(ray_clus
             group.submit(dataclasses.replace(MIX[0], lane_size=4))
         with pytest.raises(UnsplittableRequestError, match="lane_size=2: 48x48 with 1 frames does not split"):
             group.submit(dataclasses.replace(MIX[3], lane_size=2))
-    for request, result in zip([MIX[0], *burst, MIX[2], MIX[0]], [*alone, *results]):
+    assert all(r.cached_forwards is not None for r, q in zip(results, [*burst, *named]) if q.cache)
+    for request, result in zip([MIX[0], *burst, *named], [*alone, *results]):
         assert max_abs_diff(result.frames, reference_with(adapted_pipe, request)) <= TOLERANCE, request
     sizes = {r.request_id: r.lane_size for r in records if r.status == "ok"}
     assert sizes["alone"] == 2 and sizes["named-2"] == 2 and sizes["named-1"] == 1  # idle group: its widest lane

@@ -160,6 +160,12 @@ class LaneParallel:
             "_ulysses_local_rank": ulysses.get_local_rank(),
         }
 
+    def sequence_groups(self, size: int) -> list:
+        """The process groups a lane of ``size`` ranks splits a request's tokens over (First Block
+        Cache reduces its measure over them); none without a Ulysses split."""
+        ulysses = self.states[size]["_ulysses_mesh"]
+        return [ulysses.get_group()] if ulysses.size() > 1 else []
+
     def activate(self, size: int) -> None:
         """Sets every model's context parallel to a lane of ``size`` ranks (this rank's)."""
         if size == self.active:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
+from ray_hsdp.runtime.protocol import lane_of
 from ray_hsdp.variant.base import Feature, RankFeatures
 
 
@@ -20,7 +21,10 @@ class StepCacheFeature(Feature):
         # forward only.
         if features.step_caches is None:
             return nullcontext()
-        return features.step_caches.forward(module, ticket, choice, context)
+        groups = None
+        if features.lane_parallel is not None and ticket >= 0:  # adaptive lanes: the request's lane's
+            groups = features.lane_parallel.sequence_groups(lane_of(ticket)[1])
+        return features.step_caches.forward(module, ticket, choice, context, groups)
 
     def release(self, choice, ticket, features: RankFeatures) -> dict:
         if features.step_caches is None:

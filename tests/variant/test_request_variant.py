@@ -111,7 +111,7 @@ class StepCaches:
         self.calls = []
 
     @contextmanager
-    def forward(self, module, key, settings, context):
+    def forward(self, module, key, settings, context, sequence_groups=None):
         self.calls.append(("forward", key, settings, context))
         yield
 
