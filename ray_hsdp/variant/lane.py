@@ -42,18 +42,28 @@ def check_split(request: GenerationRequest, facts: Mapping[str, Any]) -> None:
 
 def runnable_sizes(request: GenerationRequest, config, facts: Mapping[str, Any]) -> tuple[int, ...]:
     """The lane sizes of an adaptive group that split ``request``'s tokens evenly over their Ulysses
-    ranks (a lane without a Ulysses split always does); ``()`` for a group of fixed lanes."""
+    ranks (a lane without a Ulysses split always does); ``()`` for a group of fixed lanes.
+
+    Raises:
+        UnsplittableRequestError: They split over none of them (HTTP 400).
+    """
     sequence = facts.get("sequence")
     if not config.lane_sizes:
         return ()
     dims = config.parallel_dims()
     tokens = sequence_tokens(sequence, request.height, request.width, request.num_frames) if sequence else 0
     # A lane splits the tokens over its Ulysses ranks (half its ranks with cfg_parallel).
-    return tuple(
+    sizes = tuple(
         size
         for size in dims.lane_sizes
         if dims.lane_shape(size)[1] == 1 or (tokens and tokens % dims.lane_shape(size)[1] == 0)
     )
+    if not sizes:  # it would wait for a lane forever
+        raise UnsplittableRequestError(
+            f"{request.width}x{request.height} with {request.num_frames} frames is {tokens} tokens, which split "
+            f"evenly over none of this group's lanes (lane_sizes {list(dims.lane_sizes)}); choose another size"
+        )
+    return sizes
 
 
 def work_of(request: GenerationRequest, facts: Mapping[str, Any]) -> int:

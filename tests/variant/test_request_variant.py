@@ -143,3 +143,10 @@ def test_an_unsharded_rank_selects_the_adapters_once_per_request():
         with variant.forward("module", None, features):
             pass
     assert adapters.selected == [(("detail", 0.5),)]
+
+
+def test_a_size_that_no_adaptive_lane_splits_is_refused_rather_than_left_waiting():
+    adaptive = GroupConfig(model="tiny", shard_size=4, lane_sizes=(2, 4))
+    with pytest.raises(UnsplittableRequestError, match="split evenly over none of this group's lanes"):
+        RequestVariant.build(dataclasses.replace(PLAIN, width=48, height=48), adaptive, FACTS)
+    assert RequestVariant.build(PLAIN, adaptive, FACTS).lane_sizes == (2, 4)  # 8 tokens
