@@ -53,11 +53,8 @@ def runnable_sizes(request: GenerationRequest, config, facts: Mapping[str, Any])
     dims = config.parallel_dims()
     tokens = sequence_tokens(sequence, request.height, request.width, request.num_frames) if sequence else 0
     # A lane splits the tokens over its Ulysses ranks (half its ranks with cfg_parallel).
-    sizes = tuple(
-        size
-        for size in dims.lane_sizes
-        if dims.lane_shape(size)[1] == 1 or (tokens and tokens % dims.lane_shape(size)[1] == 0)
-    )
+    ulysses = {size: dims.lane_shape(size)[1] for size in dims.lane_sizes}
+    sizes = tuple(size for size, u in ulysses.items() if u == 1 or (tokens and tokens % u == 0))
     if not sizes:  # it would wait for a lane forever
         raise UnsplittableRequestError(
             f"{request.width}x{request.height} with {request.num_frames} frames is {tokens} tokens, which split "

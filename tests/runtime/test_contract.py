@@ -407,6 +407,41 @@ class LaneModules(FakeModules):
         return super().forward(calls)
 
 
+def run_lanes(runtimes: list, feed, jobs: list) -> None:
+    """The group's part for the lane tests: every rank runs sessions, together, while ``feed``
+    hands requests over; then waits for every job (the last item of each entry of ``jobs``, whose
+    first two are the request and the rank), for every request thread to end, and stops the ranks
+    together. Fails on anything left hanging."""
+    stop = threading.Event()
+    decision = [False]
+    between = threading.Barrier(len(runtimes), action=lambda: decision.__setitem__(0, stop.is_set()))
+
+    def rank_thread(rank: int) -> None:
+        while True:
+            runtimes[rank].session()
+            between.wait()
+            if decision[0]:
+                return
+            time.sleep(0.001)
+
+    feeder = threading.Thread(target=feed)
+    threads = [threading.Thread(target=rank_thread, args=(r,), daemon=True) for r in range(len(runtimes))]
+    for t in [feeder, *threads]:
+        t.start()
+    feeder.join()
+    deadline = time.monotonic() + DEADLINE_S
+    while not all(entry[-1].done for entry in jobs) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(entry[-1].done for entry in jobs), [(e[0].request_id, e[1]) for e in jobs if not e[-1].done]
+    while any(rt.request_threads() for rt in runtimes) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(rt.request_threads() for rt in runtimes), "a request thread hangs"
+    stop.set()
+    for t in threads:
+        t.join(timeout=DEADLINE_S)
+    assert not any(t.is_alive() for t in threads)
+
+
 #: Seeds of the lane contract test: 30 in ``make test``; RAY_HSDP_LANE_SEEDS=800 for the long run.
 LANE_SEEDS = int(os.environ.get("RAY_HSDP_LANE_SEEDS", "30"))
 
@@ -453,7 +488,6 @@ def test_lanes_run_each_call_on_all_their_ranks_at_the_same_tick(seed):
     requests = [make_request(rng, f"q{i}", own_errors=False) for i in range(12)]
     jobs: list[tuple[FakeRequest, int, object]] = []
     cancelled: set[str] = set()
-    stop = threading.Event()
 
     def feed() -> None:
         for ticket, request in enumerate(requests):
@@ -470,34 +504,7 @@ def test_lanes_run_each_call_on_all_their_ranks_at_the_same_tick(seed):
                 if runtimes[lane * lane_size].cancel(request.request_id, InjectedError("cancelled")):
                     cancelled.add(request.request_id)
 
-    # The group's part: all ranks run sessions together, and stop together.
-    decision = [False]
-    between = threading.Barrier(world_size, action=lambda: decision.__setitem__(0, stop.is_set()))
-
-    def rank_thread(rank: int) -> None:
-        while True:
-            runtimes[rank].session()
-            between.wait()
-            if decision[0]:
-                return
-            time.sleep(0.001)
-
-    feeder = threading.Thread(target=feed)
-    threads = [threading.Thread(target=rank_thread, args=(r,), daemon=True) for r in range(world_size)]
-    for t in [feeder, *threads]:
-        t.start()
-    feeder.join()
-    deadline = time.monotonic() + DEADLINE_S
-    while not all(job.done for _, _, job in jobs) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert all(job.done for _, _, job in jobs), [(r.request_id, rank) for r, rank, j in jobs if not j.done]
-    while any(rt.request_threads() for rt in runtimes) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not any(rt.request_threads() for rt in runtimes), "a request thread hangs"
-    stop.set()
-    for t in threads:
-        t.join(timeout=DEADLINE_S)
-    assert not any(t.is_alive() for t in threads)
+    run_lanes(runtimes, feed, jobs)
     for mods in modules:
         assert all(call.done for call in mods.calls)
         assert not mods.wrong_results, mods.wrong_results
@@ -621,34 +628,7 @@ def test_lanes_of_one_two_and_four_ranks_run_side_by_side(seed):
                 if runtimes[ranks[0]].cancel(request.request_id, InjectedError("cancelled")):
                     cancelled.add(request.request_id)
 
-    stop = threading.Event()
-    decision = [False]
-    between = threading.Barrier(world_size, action=lambda: decision.__setitem__(0, stop.is_set()))
-
-    def rank_thread(rank: int) -> None:
-        while True:
-            runtimes[rank].session()
-            between.wait()
-            if decision[0]:
-                return
-            time.sleep(0.001)
-
-    feeder = threading.Thread(target=feed)
-    threads = [threading.Thread(target=rank_thread, args=(r,), daemon=True) for r in range(world_size)]
-    for t in [feeder, *threads]:
-        t.start()
-    feeder.join()
-    deadline = time.monotonic() + DEADLINE_S
-    while not all(job.done for *_, job in jobs) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert all(job.done for *_, job in jobs), [(r.request_id, rank) for r, rank, _, j in jobs if not j.done]
-    while any(rt.request_threads() for rt in runtimes) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not any(rt.request_threads() for rt in runtimes), "a request thread hangs"
-    stop.set()
-    for t in threads:
-        t.join(timeout=DEADLINE_S)
-    assert not any(t.is_alive() for t in threads)
+    run_lanes(runtimes, feed, jobs)
     for mods in modules:
         assert all(call.done for call in mods.calls) and not mods.wrong_results, mods.wrong_results
     for request, rank, ticket, job in jobs:
