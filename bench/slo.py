@@ -4,7 +4,9 @@
 
 Requests arrive as a Poisson process at each rate for ``--window-s`` seconds, a mix of the sizes of
 ``--sizes`` (the same frames and steps), each with a deadline from its arrival of ``--k`` times its
-latency alone on the widest lane (measured once, on the first layout, with the group idle). Per
+latency alone on the widest lane (measured once, in the first layout's warm-up: run ``adaptive`` or
+``wide`` first, or pass ``--alone-s``). Requests carry their deadline as a target (``--targets``):
+every layout serves earliest targets first, and adaptive lanes choose lanes for them. Per
 layout and rate: SLO attainment (answered within the deadline), goodput (such requests per second
 of the window), p50 / p95 latency from arrival, and, for adaptive lanes, the lane sizes given.
 Layouts (``--layouts``): ``batch`` (lanes of one rank), ``lanes2`` (fixed Ulysses lanes of 2),
@@ -59,21 +61,20 @@ def make_request(index: int, size: tuple[int, int], args, **fields):
     )  # fmt: skip
 
 
-def warm_up(group, sizes, args) -> None:
-    """One request of each size, alone: the first forwards of a shape pay for allocations."""
-    for i, size in enumerate(sizes):
-        group.generate([make_request(10_000 + i, size, args)])
-
-
-def alone_latencies(group, sizes, args) -> list[float]:
-    """Each size's latency alone on the group (idle), after a warm-up request of each."""
-    warm_up(group, sizes, args)
-    out = []
-    for i, size in enumerate(sizes):
-        start = time.perf_counter()
-        group.generate([make_request(20_000 + i, size, args)])
-        out.append(time.perf_counter() - start)
-    return out
+def warm_up(group, sizes, args, lane_sizes=(None,)) -> list[float]:
+    """Each size alone on each lane size (``None``: the group's one), twice: the first run of a
+    shape on a lane pays for allocations and the lane's first collectives, and the group learns each
+    lane's time from both. Returns each size's latency on the last lane size's second run."""
+    latencies = []
+    for lane_size in lane_sizes:
+        latencies = []
+        for round_ in range(2):
+            for i, size in enumerate(sizes):
+                request = make_request(10_000 + 10 * round_ + i, size, args, lane_size=lane_size)
+                start = time.perf_counter()
+                group.generate([request])
+                latencies.append(time.perf_counter() - start)
+    return latencies[len(sizes) :]
 
 
 def run_load(group, rate: float, sizes, deadlines: list[float], args, seed: int) -> dict:
@@ -119,6 +120,12 @@ def run_load(group, rate: float, sizes, deadlines: list[float], args, seed: int)
             latencies.append(latency)
             met += latency <= deadlines[size_index]
     given = [size for request_id, size in lanes.items() if size is not None]
+    by_size = {}  # request size -> lane size -> requests
+    for index, (_, size_index) in enumerate(plan):
+        lane_size = lanes.get(f"slo-{seed * 1000 + index}")
+        if lane_size is not None:
+            per = by_size.setdefault(args.sizes[size_index], {})
+            per[str(lane_size)] = per.get(str(lane_size), 0) + 1
     return {
         "rate": rate,
         "requests": len(plan),
@@ -129,6 +136,7 @@ def run_load(group, rate: float, sizes, deadlines: list[float], args, seed: int)
         "p50_s": round(statistics.median(latencies), 2) if latencies else None,
         "p95_s": round(sorted(latencies)[math.ceil(0.95 * len(latencies)) - 1], 2) if latencies else None,
         "lane_sizes_given": {str(k): given.count(k) for k in sorted(set(given))},
+        "lane_sizes_by_size": by_size,
     }
 
 
@@ -138,7 +146,7 @@ def markdown(payload: dict) -> str:
         f"{payload['frames']} frames, {payload['steps']} steps, deadline {payload['k']}x alone on the widest lane",
         "",
         f"GPUs: {', '.join(payload['environment']['gpus']) or 'none (CPU dry run)'}; alone on the widest lane: "
-        f"{payload['alone_s']} s (deadlines {payload['deadlines_s']} s); window {payload['window_s']} s",
+        f"{payload.get('alone_s')} s (deadlines {payload.get('deadlines_s')} s); window {payload['window_s']} s",
         "",
         "| layout | rate (req/s) | requests | SLO attainment | goodput (req/s) | p50 / p95 (s) | lane sizes given |",
         "| --- | --- | --- | --- | --- | --- | --- |",
@@ -148,6 +156,8 @@ def markdown(payload: dict) -> str:
             f"| {row['layout']} | {row['rate']} | {row['requests']} | {row['slo_attainment']} | "
             f"{row['goodput_per_s']} | {row['p50_s']} / {row['p95_s']} | {row['lane_sizes_given'] or '-'} |"
         )
+    for layout, times in payload.get("lane_times_s", {}).items():
+        lines.append(f"\nSeconds per request after the warm-up ({layout}; lane size x work): {times}")
     for fail in payload["failed"]:
         lines.append(f"\nFailed: {fail['layout']}: {fail['error']}")
     lines.append(f"\nCommand: `{payload['environment']['command']}`")
@@ -222,12 +232,11 @@ def main() -> None:
                              **layout_fields(layout, args.gpus))  # fmt: skip
         try:
             with ShardGroup(config) as group:
-                if "deadlines_s" not in payload:  # measured once, on the first layout (the widest lane first)
-                    alone = alone_latencies(group, sizes, args)
+                alone = warm_up(group, sizes, args, sorted(config.lane_sizes) or [None])  # the widest last
+                if "deadlines_s" not in payload:  # measured once, on the first layout (run adaptive or wide first)
                     payload["alone_s"] = [round(a, 2) for a in alone]
                     payload["deadlines_s"] = [round(args.k * a, 2) for a in alone]
-                else:
-                    warm_up(group, sizes, args)
+                payload.setdefault("lane_times_s", {})[layout] = group.lane_times.as_dict()
                 for seed, rate in enumerate(args.rates):
                     row = run_load(group, rate, sizes, payload["deadlines_s"], args, seed=seed + 1)
                     payload["rows"].append({"layout": layout, **row})

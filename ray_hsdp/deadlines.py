@@ -6,8 +6,9 @@ of one that never ran and a takeover; a 504 when missed), and the **run deadline
 (``timeout_s``, or the group's ``request_timeout_s``; the request is interrupted at its next step
 and answered with a 504). A request that ran and is run again elsewhere (a retry after its group
 failed under it, a video job taken over from a removed replica) waits its turn anew. The
-**target** (``deadline_s`` from arrival) stops nothing: an adaptive group's lane policy gives the
-request a lane its measured speed says finishes by then.
+**target** (``deadline_s`` from arrival) stops nothing: a group serves earliest targets first
+(one its measured times say can no longer make it waits behind those that can), and an adaptive
+group's lane policy gives the request a lane that finishes by then (``group.lanes``).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ def from_arrival(config) -> float:
 
 def due(seconds: float | None) -> float | None:
     """The answer's target (``time.time()``) of a request arriving now that asks for an answer
-    within ``seconds`` (``deadline_s``); ``None``: none. An adaptive group's lane policy aims for
-    it; nothing is stopped at it."""
+    within ``seconds`` (``deadline_s``); ``None``: none. The group's serving order and lane policy
+    aim for it; nothing is stopped at it."""
     return time.time() + seconds if seconds is not None else None
 
 

@@ -71,7 +71,8 @@ class LoadFacts:
 @dataclass
 class LoadedParts:
     """What the steps made: the pipeline, each sharded component's sharding, load stats and
-    policy, the sequence split's facts (None: no split) and the components CFG parallel splits."""
+    policy, the token grid and the degree requests' tokens split over (``degree`` 1: no split;
+    None: no sharded model gives a grid) and the components CFG parallel splits."""
 
     pipe: object
     shardings: dict
@@ -129,6 +130,18 @@ def shard_component(folder: Path, class_info: tuple[str, str], facts: LoadFacts,
     return module, sharding, stats
 
 
+def token_grid(pipe, module, policy, degree: int) -> dict:
+    """The facts a request's tokens are counted by (``variant.lane.sequence_tokens``) and the
+    degree they must split over."""
+    temporal_stride, temporal_patch, spatial_stride = policy.token_grid(pipe, module)
+    return {
+        "degree": degree,
+        "temporal_stride": temporal_stride,
+        "temporal_patch": temporal_patch,
+        "spatial_stride": spatial_stride,
+    }
+
+
 def split_sequences(
     pipe, models: dict, policies: dict, dims: ParallelDims, lane_mesh, device: str, backend, lane_meshes: dict
 ):
@@ -166,13 +179,7 @@ def split_sequences(
                 f"{name} ({type(module).__name__.removeprefix('FSDP')}) has no token grid in its sharding policy, "
                 "so request sizes cannot be checked against ulysses_degree x ring_degree"
             )
-        temporal_stride, temporal_patch, spatial_stride = policy.token_grid(pipe, module)
-        sequence = {
-            "degree": dims.sequence_degree,  # adaptive lanes: 1 (each request's lane splits it)
-            "temporal_stride": temporal_stride,
-            "temporal_patch": temporal_patch,
-            "spatial_stride": spatial_stride,
-        }
+        sequence = token_grid(pipe, module, policy, dims.sequence_degree)  # adaptive: 1 (each lane splits it)
     if not dims.adaptive:
         return sequence, None
     return sequence, LaneParallel(list(zip(models.values(), configs)), lane_meshes)
@@ -244,9 +251,13 @@ def load_parts(
             sequence, lane_parallel = split_sequences(
                 pipe, models, policies, dims, lane_mesh, facts.device, backend, lane_meshes or {}
             )
-        elif backend is not None:
-            for module in models.values():
-                module.set_attention_backend(backend)
+        else:
+            if backend is not None:
+                for module in models.values():
+                    module.set_attention_backend(backend)
+            # No split, but the group still counts a request's work by its tokens (group.lanes.LaneTimes).
+            gridded = [(m, policies[n]) for n, m in models.items() if getattr(policies.get(n), "token_grid", None)]
+            sequence = token_grid(pipe, *gridded[0], degree=1) if gridded else None
         if compile:
             for name, module in models.items():
                 if name in shardings:

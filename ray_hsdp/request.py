@@ -89,9 +89,9 @@ class GenerationRequest:
             queues it sets its own (``queue_timeout_s`` from then).
         lane_size: The ranks to run it on, in a group of adaptive lanes (``lane_sizes``); ``None``:
             the group chooses.
-        deadline: When (``time.time()``) its answer is due, counted from its arrival: an adaptive
-            group's lane policy aims for it (nothing is stopped at it: ``timeout_s`` does that);
-            ``None``: no target.
+        deadline: When (``time.time()``) its answer is due, counted from its arrival: the group
+            serves earliest targets first and an adaptive group's lane policy aims for it
+            (``group.lanes``; nothing is stopped at it: ``timeout_s`` does that); ``None``: no target.
     """
 
     prompt: str

@@ -68,7 +68,7 @@ class ShardedPipeline(RequestSlots):
         #: Component name -> number of units below its root, for the sharded components.
         self.sharded = {name: len(s.unit_modules) - 1 for name, s in self.shardings.items()}
         self.load_stats = dict(load_stats or {})
-        #: How requests' tokens are split (``degree`` and the token grid), when they are.
+        #: How requests' tokens are counted (the token grid) and split (``degree``; 1: not split).
         self.sequence = sequence
         #: Components whose cond / uncond calls of a step run on the two CFG halves of a lane.
         self.cfg_split = cfg_split

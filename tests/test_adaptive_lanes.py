@@ -14,7 +14,7 @@ from support import max_abs_diff, pipeline_with_adapters, reference_frames, refe
 
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.group import GroupFailedError, ShardGroup
-from ray_hsdp.group.lanes import lane_for
+from ray_hsdp.group.lanes import LaneTimes, Waiting, lane_for, serving_order
 from ray_hsdp.request import GenerationRequest, InvalidRequestError, RequestCancelledError, StepCache
 from ray_hsdp.topology import ParallelDims
 from ray_hsdp.variant.lane import UnsplittableRequestError
@@ -26,6 +26,8 @@ DIMS = ParallelDims(1, 4, lane_sizes=(1, 2, 4))
 def test_an_idle_group_gives_a_lone_request_its_widest_lane():
     assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, waiting=1) == range(0, 4)
     assert lane_for(DIMS, (1, 2), None, [0, 0, 0, 0], 1, waiting=1) == range(0, 2)  # its tokens split over 2 at most
+    # A narrower lane measured faster (a split that costs more than it saves) is the lone request's.
+    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 1, estimates={1: 1.0, 2: 1.5, 4: 2.0}) == range(0, 1)
 
 
 def test_a_backlog_gets_lanes_of_one_rank_and_free_ranks_are_shared():
@@ -133,24 +135,56 @@ def test_a_request_on_a_lane_of_two_is_cancelled_and_a_rank_s_death_fails_the_gr
 
 
 def test_a_backlog_keeps_a_wide_lane_when_its_split_costs_no_throughput():
-    """Measured on 4 x H100 (Wan2.1-14B, 21 frames): a lane of 4 ran a request in a quarter of the
-    time of a lane of 1, so lanes of one rank under a backlog only lost latency."""
-    scales = {1: 7.0, 2: 3.6, 4: 1.85}  # seconds per unit of work: rank-seconds 7.0, 7.2, 7.4
-    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, speed=scales) == range(0, 4)
+    """Measured on 4 x H100 (Wan2.1-14B, 21 frames): a lane of 4 ran a request in about a quarter of
+    the time of a lane of 1, so lanes of one rank under a backlog only lost latency."""
+    scales = {1: 7.0, 2: 3.6, 4: 1.85}  # seconds on each lane: rank-seconds 7.0, 7.2, 7.4
+    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, estimates=scales) == range(0, 4)
     sublinear = {1: 7.0, 4: 3.0}  # rank-seconds 7 against 12: the backlog's lanes of one
-    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, speed=sublinear) == range(0, 1)
+    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, estimates=sublinear) == range(0, 1)
 
 
-def test_a_request_with_a_deadline_gets_a_lane_that_its_measured_speed_says_makes_it():
-    speed = {1: 4.0, 2: 2.4, 4: 1.5}  # seconds per unit of work: rank-seconds 4.0, 4.8, 6.0
-    # A backlog would get lanes of one rank; one that would then miss its deadline gets a wider one.
-    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, due_s=3.0, work=1, speed=speed) == range(0, 2)
-    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, due_s=5.0, work=1, speed=speed) == range(0, 1)
-    # No free lane makes it but a busy wider one would: it waits; none would: the fastest free one.
-    assert lane_for(DIMS, (1, 2, 4), None, [0, 1, 1, 1], 1, 1, due_s=3.0, work=1, speed=speed) is None
-    assert lane_for(DIMS, (1, 2, 4), None, [0, 1, 1, 1], 1, 1, due_s=1.0, work=1, speed=speed) == range(0, 1)
+def test_a_request_with_a_target_gets_a_lane_that_its_measured_time_says_makes_it():
+    times = {1: 4.0, 2: 2.4, 4: 1.5}  # seconds on each lane: rank-seconds 4.0, 4.8, 6.0
+    # A backlog would get lanes of one rank; one that would then miss its target gets a wider one.
+    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, due_s=3.0, estimates=times) == range(0, 2)
+    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, due_s=5.0, estimates=times) == range(0, 1)
+    # No free lane makes it but a busy wider one would: it waits.
+    assert lane_for(DIMS, (1, 2, 4), None, [0, 1, 1, 1], 1, 1, due_s=3.0, estimates=times) is None
+    # None would: it is served like a request without a target (its share of the free ranks).
+    assert lane_for(DIMS, (1, 2, 4), None, [0, 1, 1, 1], 1, 1, due_s=1.0, estimates=times) == range(0, 1)
+    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, due_s=1.0, estimates=times) == range(0, 1)
     # A size not measured yet counts as in time (the group learns it from the first request on it).
-    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, due_s=3.0, work=1, speed={1: 4.0}) == range(0, 2)
+    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, due_s=3.0, estimates={1: 4.0}) == range(0, 2)
+
+
+def test_measured_times_are_kept_per_lane_size_and_work_and_follow_the_load():
+    times = LaneTimes()
+    assert times.estimate(4, 100) is None
+    times.learn(4, 100, 2.0)
+    times.learn(4, 100, 4.0)  # the newest run weighs half
+    times.learn(1, 400, 8.0)
+    assert times.estimate(4, 100) == 3.0
+    assert times.estimate(4, 300) == 9.0  # scaled from the nearest work measured on that size
+    assert times.estimate(1, 100) == 2.0
+    assert times.estimates((1, 2, 4), 100) == {1: 2.0, 4: 3.0}  # a size that never ran: absent
+
+
+def test_requests_are_served_earliest_target_first_and_those_that_cannot_make_it_last():
+    order = serving_order(
+        [
+            Waiting(waited_s=5.0, due_s=None, fastest_s=None),  # no target: after every target
+            Waiting(waited_s=4.0, due_s=9.0, fastest_s=2.0),
+            Waiting(waited_s=3.0, due_s=1.0, fastest_s=2.0),  # no lane makes it: behind those that can
+            Waiting(waited_s=2.0, due_s=4.0, fastest_s=None),  # never measured: counts as in time
+            Waiting(waited_s=1.0, due_s=-1.0, fastest_s=None),  # its target passed
+        ],
+        max_skip_s=10.0,
+    )
+    assert order == [3, 1, 4, 2, 0]
+    assert serving_order([Waiting(3.0, None, None), Waiting(2.0, None, None)], 10.0) == [0, 1]  # arrival order
+    # One passed over for max_skip_s goes first, however late its target.
+    starved = serving_order([Waiting(1.0, 2.0, 1.0), Waiting(11.0, None, None), Waiting(12.0, 50.0, 1.0)], 10.0)
+    assert starved == [2, 1, 0]
 
 
 def test_lanes_of_one_two_and_four_with_cfg_halves_run_at_once_and_equal_unsharded(

@@ -25,6 +25,7 @@ from ray_hsdp import deadlines
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.group.errors import GroupFailedError, GroupOverloadedError, GroupUnplaceableError, describe_error
 from ray_hsdp.group.inspection import GroupInspection
+from ray_hsdp.group.lanes import LaneTimes
 from ray_hsdp.group.scheduler import GroupScheduler, QueuedJob, RequestRecord, resolve
 from ray_hsdp.phases import Phases
 from ray_hsdp.rank import CONCURRENCY_GROUPS, Rank
@@ -111,8 +112,8 @@ class ShardGroup(GroupScheduler, GroupInspection):
         #: Called with a ``RequestRecord`` once per accepted request, when it is answered (metrics).
         self.listeners: list[Callable[[RequestRecord], None]] = []
         self._tickets = itertools.count()
-        #: Adaptive lanes: lane size -> seconds per unit of work (tokens x steps) it measured.
-        self.lane_speed: dict[int, float] = {}
+        #: Seconds its requests ran, per lane size and work (the serving order and the lane policy read it).
+        self.lane_times = LaneTimes()
         self._pg = placement_group
         self._owns_pg = placement_group is None
         self.ranks: list = []
@@ -319,7 +320,7 @@ class ShardGroup(GroupScheduler, GroupInspection):
             error=describe_error(error) if error is not None else None,
         )
         if status == "ok":
-            self._learn_speed(job, now - job.taken)
+            self._learn_time(job, now - job.taken)
         line = {"event": "request", "group": self.group_id, **self.labels, **dataclasses.asdict(record)}
         logger.info("request %s", json.dumps(line))
         for listener in list(self.listeners):

@@ -1,26 +1,93 @@
-"""Adaptive lanes: which lane a group gives a request when it takes it (``lane_sizes``).
+"""Which waiting request a group serves first, and, with adaptive lanes (``lane_sizes``), which
+lane it gives it.
 
-The rule, from what the group knows at that moment: the ranks free now are shared among the
-requests waiting, oldest first. A lone request on an idle group gets the widest lane its tokens
-split over; a backlog gets lanes of one rank (the most requests at once), unless the group measured
-that a wider lane costs no more rank-seconds per unit of work (within ``EFFICIENT``: its split
-scales), which then costs no throughput and is given; a request that names its ``lane_size`` waits
-for a free lane of that size. A request with a deadline (``deadline``, from its
-arrival) is given a lane only where the group's measured speed of that lane size says it finishes
-in time: the widest such lane within its share, else the narrowest such lane free; when no free lane
-would make it but a busy wider one would, it waits for that one. A lane is an aligned block of
-ranks (``ParallelDims.blocks``), all of them free.
+**Order** (every group): a request that carries a target (``deadline``, counted from its arrival)
+is served before one that does not, earliest target first, unless the group's measured times say
+that it can no longer make it on any lane it may run on: such a request waits behind those that
+still can (it is still served; nothing is dropped). A request passed over for ``queue_max_skip_s``
+is served next regardless, oldest first, so nothing starves. Without targets this is arrival
+order.
+
+**Lane** (adaptive groups): the ranks free now are shared among the requests waiting, and a request
+gets the fastest lane within its share (by the group's measured times for its work; a size never
+measured counts as fastest, the widest first, so the group learns it). A lone request on an idle
+group thus gets the widest lane its tokens split over, where that is fastest; a backlog gets lanes
+of one rank (the most requests at once), unless the group measured that a wider lane costs no more
+rank-seconds for a request of this work (within ``EFFICIENT``: its split scales), which then costs
+no throughput and is given. A request with a target is given a lane only where the group's
+measured time for its work on that lane size says it finishes in time: the fastest such lane within
+its share, else the narrowest such lane free; when no free lane would make it but a busy wider one
+would, it waits for that one; when none would, it is served like a request without a target. A
+request that names its ``lane_size`` waits for a free lane of that size. A lane is an aligned block
+of ranks (``ParallelDims.blocks``), all of them free.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from ray_hsdp.topology import ParallelDims
 
-#: A lane size is as efficient as the best when its rank-seconds per unit of work are at most this
+#: A lane size is as efficient as the best when its rank-seconds for a request are at most this
 #: many times the best measured size's.
 EFFICIENT = 1.1
+
+
+class LaneTimes:
+    """Seconds a request ran (from a lane taking it to its answer), measured per lane size and
+    work (tokens x steps x outputs): an average that weighs the newest run half, so that it follows
+    the group's load (in lock step a lane's forward waits for its neighbours')."""
+
+    def __init__(self) -> None:
+        self._runs: dict[tuple[int, int], float] = {}
+
+    def learn(self, size: int, work: int, run_s: float) -> None:
+        previous = self._runs.get((size, work))
+        self._runs[(size, work)] = run_s if previous is None else (previous + run_s) / 2
+
+    def estimate(self, size: int, work: int) -> float | None:
+        """Seconds a request of ``work`` takes on a lane of ``size``: measured for that work, else
+        scaled from the nearest work measured on that size; ``None``: that size never ran one."""
+        if (size, work) in self._runs:
+            return self._runs[(size, work)]
+        measured = [w for s, w in self._runs if s == size and w]
+        if not measured or not work:
+            return None
+        nearest = min(measured, key=lambda w: abs(w - work))
+        return self._runs[(size, nearest)] * work / nearest
+
+    def estimates(self, sizes: Sequence[int], work: int) -> dict[int, float]:
+        """Lane size -> estimated seconds, for the sizes of ``sizes`` that ran a request."""
+        out = {size: self.estimate(size, work) for size in sizes}
+        return {size: seconds for size, seconds in out.items() if seconds is not None}
+
+    def as_dict(self) -> dict[str, float]:
+        return {f"{size}x{work}": round(s, 3) for (size, work), s in sorted(self._runs.items())}
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """What the order needs of one waiting request."""
+
+    waited_s: float
+    due_s: float | None  # seconds until its target; None: none
+    fastest_s: float | None  # its estimated time on the fastest lane it may run on; None: unknown
+
+
+def serving_order(waiting: Sequence[Waiting], max_skip_s: float) -> list[int]:
+    """Indices of ``waiting`` (oldest first) in the order the group serves them (module doc)."""
+
+    def key(i: int) -> tuple:
+        w = waiting[i]
+        if w.waited_s >= max_skip_s:
+            return (0, 0, -w.waited_s)
+        if w.due_s is None:
+            return (2, 0, -w.waited_s)
+        hopeless = w.due_s < (w.fastest_s or 0.0)
+        return (1, hopeless, w.due_s)
+
+    return sorted(range(len(waiting)), key=key)
 
 
 def lane_for(
@@ -31,10 +98,9 @@ def lane_for(
     capacity: int,
     waiting: int,
     due_s: float | None = None,
-    work: int = 0,
-    speed: Mapping[int, float] | None = None,
+    estimates: Mapping[int, float] | None = None,
 ) -> range | None:
-    """The ranks of the lane to give the oldest waiting request, or ``None``: it waits.
+    """The ranks of the lane to give the first request in the serving order, or ``None``: it waits.
 
     Args:
         dims: The group's mesh arithmetic (its lanes: ``blocks``).
@@ -43,9 +109,9 @@ def lane_for(
         loads: Requests each rank runs now.
         capacity: Requests a rank runs at once (``requests_per_rank``).
         waiting: Requests waiting for a lane, this one included.
-        due_s: Seconds until its deadline; ``None``: none.
-        work: Its tokens x steps (``RequestVariant.work``).
-        speed: Lane size -> measured seconds per unit of work on a lane of that size.
+        due_s: Seconds until its target; ``None``: none.
+        estimates: Lane size -> the seconds the group measured a request of its work takes there
+            (``LaneTimes.estimates``); sizes that never ran one are absent.
     """
     free = [load < capacity for load in loads]
 
@@ -56,21 +122,25 @@ def lane_for(
         return block(named)
     share = max(1, sum(free) // max(1, waiting))
     open_sizes = [s for s in sorted(sizes) if block(s) is not None]
-    speed = speed or {}
-    best = min((s * speed[s] for s in sizes if s in speed), default=None)
+    estimates = estimates or {}
+    best = min((s * estimates[s] for s in sizes if s in estimates), default=None)
 
     def allowed(size: int) -> bool:  # within the request's share, or costing no throughput
-        return size <= share or (size in speed and size * speed[size] <= EFFICIENT * best)
+        return size <= share or (size in estimates and size * estimates[size] <= EFFICIENT * best)
 
-    if due_s is None or not work or not speed:
-        fitting = [s for s in open_sizes if allowed(s)]
-        return block(fitting[-1]) if fitting else None
-    in_time = [s for s in open_sizes if s not in speed or speed[s] * work <= due_s]
-    within = [s for s in in_time if allowed(s)]
-    if within:
-        return block(within[-1])
-    if in_time:
-        return block(in_time[0])
-    if any(s in speed and speed[s] * work <= due_s for s in sizes):
-        return None  # a busy wider lane would make it: wait for it
-    return block(open_sizes[-1]) if open_sizes else None  # none would: the fastest free one
+    def in_time(size: int) -> bool:
+        return size not in estimates or estimates[size] <= due_s
+
+    def fastest(candidates: list[int]) -> range:  # one never measured first (the group learns it), the widest
+        return block(max(candidates, key=lambda s: (s not in estimates, -estimates.get(s, 0.0), s)))
+
+    if due_s is not None and estimates and any(in_time(s) for s in sizes):
+        timely = [s for s in open_sizes if in_time(s)]
+        within = [s for s in timely if allowed(s)]
+        if within:
+            return fastest(within)
+        if timely:
+            return block(timely[0])
+        return None  # a busy lane would make it: wait for it
+    fitting = [s for s in open_sizes if allowed(s)]  # no target, or none that any lane makes
+    return fastest(fitting) if fitting else None

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import ray
 
 from ray_hsdp.group.errors import GroupFailedError, QueueTimeoutError, died, remote_cause
-from ray_hsdp.group.lanes import lane_for
+from ray_hsdp.group.lanes import Waiting, lane_for, serving_order
 from ray_hsdp.request import GenerationRequest
 from ray_hsdp.runtime import SessionFailedError
 from ray_hsdp.runtime.protocol import lane_ticket
@@ -140,7 +140,8 @@ class GroupScheduler:
         ref.future().add_done_callback(completed)
 
     def _assign(self) -> None:
-        """Hands queued requests to lanes with room (called with the lock held)."""
+        """Hands queued requests to lanes with room, in the serving order (``lanes.serving_order``;
+        called with the lock held)."""
         if self.dims.adaptive:
             self._assign_adaptive()
             return
@@ -152,41 +153,57 @@ class GroupScheduler:
             others = list(
                 {id(job): job.request for i, job in self._inflight.values() if self.dims.lane_of(i) != lane}.values()
             )
+            order = self._serving_order()
             index = pick_next(
-                [j.request for j in self._pending],
-                time.monotonic() - self._pending[0].enqueued,
+                [self._pending[i].request for i in order],
+                time.monotonic() - self._pending[order[0]].enqueued,
                 others,
                 self.config.queue_lookahead,
                 self.config.queue_max_skip_s,
             )
-            job = self._take(index)
+            job = self._take(order[index])
             if job is not None:
                 self._offer(self.dims.lane_ranks(lane), job)
 
-    def _learn_speed(self, job: QueuedJob, run_s: float) -> None:
-        """Adaptive lanes: folds a finished request's run into its lane size's measured speed (an
-        average that weighs the newest run half)."""
-        if not self.dims.adaptive or not job.variant.work:
-            return
-        size, per_work = len(job.ranks), run_s / job.variant.work
-        previous = self.lane_speed.get(size)
-        self.lane_speed[size] = per_work if previous is None else (previous + per_work) / 2
+    def _lane_sizes_of(self, variant: RequestVariant) -> tuple[int, ...]:
+        """The lane sizes ``variant``'s request may run on in this group."""
+        if not self.dims.adaptive:
+            return (len(self.dims.lane_ranks(0)),)
+        return (variant.request.lane_size,) if variant.request.lane_size is not None else variant.lane_sizes
+
+    def _serving_order(self) -> list[int]:
+        """Indices of the queued jobs in the order they are served (lock held)."""
+        now, wall = time.monotonic(), time.time()
+        waiting = []
+        for job in self._pending:
+            target = job.request.deadline
+            due_s = target - wall if target is not None else None
+            times = self.lane_times.estimates(self._lane_sizes_of(job.variant), job.variant.work)
+            waiting.append(Waiting(now - job.enqueued, due_s, min(times.values(), default=None)))
+        return serving_order(waiting, self.config.queue_max_skip_s)
+
+    def _learn_time(self, job: QueuedJob, run_s: float) -> None:
+        """Folds a finished request's run into the group's measured times (``lane_times``)."""
+        if job.variant.work:
+            self.lane_times.learn(len(job.ranks), job.variant.work, run_s)
 
     def _assign_adaptive(self) -> None:
-        """Adaptive lanes: the oldest queued request first, on the lane ``lanes.lane_for`` gives it
-        (it waits while there is none); called with the lock held."""
+        """Adaptive lanes: the first request in the serving order, on the lane ``lanes.lane_for``
+        gives it (it waits while there is none, and the requests behind it with it); called with the
+        lock held."""
         while self._pending:
             loads = [sum(1 for i, _ in self._inflight.values() if i == r) for r in range(self.dims.shard_size)]
-            oldest = self._pending[0].variant
-            deadline = oldest.request.deadline
+            first = self._serving_order()[0]
+            variant = self._pending[first].variant
+            deadline = variant.request.deadline
             ranks = lane_for(
-                self.dims, oldest.lane_sizes, oldest.request.lane_size, loads, self.config.requests_per_rank,
-                len(self._pending), deadline - time.time() if deadline is not None else None, oldest.work,
-                self.lane_speed,
+                self.dims, variant.lane_sizes, variant.request.lane_size, loads, self.config.requests_per_rank,
+                len(self._pending), deadline - time.time() if deadline is not None else None,
+                self.lane_times.estimates(variant.lane_sizes, variant.work),
             )  # fmt: skip
             if ranks is None:
                 return
-            job = self._take(0)
+            job = self._take(first)
             if job is not None:
                 self._offer(ranks, job)
 

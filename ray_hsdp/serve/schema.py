@@ -88,7 +88,10 @@ class ImageGenerationRequest(BaseModel):
     )
     seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED, description="Noise seed; random when omitted.")
     deadline_s: StrictFloat | StrictInt | None = Field(
-        None, gt=0, description="Target for the answer, in seconds from arrival: an adaptive group picks a lane for it."
+        None,
+        gt=0,
+        description="Target for the answer, in seconds from arrival: the group serves earliest targets first "
+        "and, with adaptive lanes, picks a lane that makes it.",
     )
     lane_size: StrictInt | None = Field(
         None,
@@ -314,7 +317,10 @@ class VideoCreateRequest(BaseModel):
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Noise seed; random when omitted.")
     user: str | None = Field(None, description="OpenAI's end-user id; accepted and ignored.")
     deadline_s: float | None = Field(
-        None, gt=0, description="Target for the answer, in seconds from arrival: an adaptive group picks a lane for it."
+        None,
+        gt=0,
+        description="Target for the answer, in seconds from arrival: the group serves earliest targets first "
+        "and, with adaptive lanes, picks a lane that makes it.",
     )
     lane_size: int | None = Field(
         None,

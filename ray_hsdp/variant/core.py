@@ -54,7 +54,7 @@ class RequestVariant:
         lane_sizes: In a group of adaptive lanes, the lane sizes that split its tokens (those it
             may be given); empty for a group of fixed lanes.
         work: Its tokens times its denoising steps (0 when the pipeline's token grid is unknown):
-            what the lane policy scales a lane's measured speed by.
+            what the group keeps its measured run times by (``group.lanes.LaneTimes``).
     """
 
     request: GenerationRequest | None
