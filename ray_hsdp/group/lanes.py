@@ -9,8 +9,9 @@ is served next regardless, oldest first, so nothing starves. Without targets thi
 order.
 
 **Lane** (adaptive groups): the ranks free now are shared among the requests waiting, and a request
-gets the fastest lane within its share (by the group's measured times for its work; a size never
-measured counts as fastest, the widest first, so the group learns it). A lone request on an idle
+gets the fastest lane within its share (by the group's measured times for its work; the widest of
+those within ``EFFICIENT`` of the fastest; a size never measured counts as fastest, so the group
+learns it). A lone request on an idle
 group thus gets the widest lane its tokens split over, where that is fastest; a backlog gets lanes
 of one rank (the most requests at once), unless the group measured that a wider lane costs no more
 rank-seconds for a request of this work (within ``EFFICIENT``: its split scales), which then costs
@@ -131,8 +132,15 @@ def lane_for(
     def in_time(size: int) -> bool:
         return size not in estimates or estimates[size] <= due_s
 
-    def fastest(candidates: list[int]) -> range:  # one never measured first (the group learns it), the widest
-        return block(max(candidates, key=lambda s: (s not in estimates, -estimates.get(s, 0.0), s)))
+    def fastest(candidates: list[int]) -> range:
+        """The widest of those never measured (the group learns them), else the widest of those
+        within ``EFFICIENT`` of the least time (lanes of one size side by side wait least for each
+        other in lock step)."""
+        unmeasured = [s for s in candidates if s not in estimates]
+        if unmeasured:
+            return block(max(unmeasured))
+        least = min(estimates[s] for s in candidates)
+        return block(max(s for s in candidates if estimates[s] <= EFFICIENT * least))
 
     if due_s is not None and estimates and any(in_time(s) for s in sizes):
         timely = [s for s in open_sizes if in_time(s)]
