@@ -36,12 +36,36 @@ from bench.common import (
 PROMPT = "A red fox runs through fresh snow at dawn, cinematic"
 
 
+#: A layout's ``+`` suffixes that set group fields (and, on ``plain``, what diffusers does instead).
+SUFFIX_FIELDS = {
+    "vae": {"vae_parallel": "on"},
+    "novae": {"vae_parallel": "off"},
+    "compile": {"compile": True},
+    "fp8": {"quantization": "fp8"},
+    "sage": {"attention_backend": "sage"},
+    "cudnn": {"attention_backend": "_native_cudnn"},
+    "flash": {"attention_backend": "_native_flash"},
+}
+SUFFIXES = (*SUFFIX_FIELDS, "lora", "fused")
+
+
+def suffixes_of(name: str) -> list[str]:
+    """The ``+`` suffixes of a layout name, checked."""
+    base, *suffixes = name.split("+")
+    if unknown := [s for s in suffixes if s not in SUFFIXES]:
+        raise ValueError(f"layout {name!r}: unknown suffixes {unknown}; known: {list(SUFFIXES)}")
+    if base == "plain" and {"lora", "fused", "fp8", "vae", "novae"} & set(suffixes):
+        raise ValueError(f"layout {name!r}: plain takes only +compile and an attention backend")
+    return suffixes
+
+
 def layout_fields(name: str) -> dict:
-    """GroupConfig fields of a layout name such as ``s4-cfg2-u2`` or ``s2-r2`` (a ``+lora``,
-    ``+fused``, ``+vae`` or ``+novae`` suffix is ``options_of``'s)."""
-    match = re.fullmatch(r"s(\d+)((?:-(?:u\d+|r\d+|cfg2))*)(?:\+(?:lora|fused|vae|novae))?", name)
+    """GroupConfig fields of a layout name such as ``s4-cfg2-u2`` or ``s2-r2`` (its ``+`` suffixes
+    are ``options_of``'s)."""
+    suffixes_of(name)
+    match = re.fullmatch(r"s(\d+)((?:-(?:u\d+|r\d+|cfg2))*)", name.split("+")[0])
     if not match:
-        raise ValueError(f"layout {name!r}: expected 'plain' or s<S>[-u<N>][-r<N>][-cfg2][+lora|+fused|+vae|+novae]")
+        raise ValueError(f"layout {name!r}: expected 'plain' or s<S>[-u<N>][-r<N>][-cfg2][+{'|+'.join(SUFFIXES)}...]")
     fields = {"shard_size": int(match.group(1))}
     for part in filter(None, match.group(2).split("-")):
         if part == "cfg2":
@@ -54,20 +78,20 @@ def layout_fields(name: str) -> dict:
 
 
 def options_of(layout: str, args) -> tuple[dict, tuple]:
-    """A layout's suffix: ``+lora`` runs every request with one random LoRA switched per forward,
+    """A layout's suffixes: ``+lora`` runs every request with one random LoRA switched per forward,
     ``+fused`` merges it into the weights at load, ``+vae`` splits every decode of more than one
     tile over the lane (``vae_parallel: on``), ``+novae`` has the leader decode alone
-    (``vae_parallel: off``, the default). Returns the config fields and a request's ``lora``."""
-    if layout.endswith("+vae"):
-        return {"vae_parallel": "on"}, ()
-    if layout.endswith("+novae"):
-        return {"vae_parallel": "off"}, ()
-    if not layout.endswith(("+lora", "+fused")):
-        return {}, ()
+    (``vae_parallel: off``, the default), ``+compile`` (``compile: true``), ``+fp8``
+    (``quantization: fp8``), ``+sage`` / ``+cudnn`` / ``+flash`` (``attention_backend``); several
+    combine (``s4-u4+fp8+compile+sage``). Returns the config fields and a request's ``lora``."""
+    suffixes = suffixes_of(layout)
+    fields = {k: v for s in suffixes for k, v in SUFFIX_FIELDS.get(s, {}).items()}
+    if not {"lora", "fused"} & set(suffixes):
+        return fields, ()
     loras = random_loras(args.arch, args.lora_dir, 1, args.lora_rank, args.device)
-    if layout.endswith("+fused"):
-        return {"loras": loras, "fuse_loras": {"lora0": 1.0}}, ()
-    return {"loras": loras}, (("lora0", 1.0),)
+    if "fused" in suffixes:
+        return {**fields, "loras": loras, "fuse_loras": {"lora0": 1.0}}, ()
+    return {**fields, "loras": loras}, (("lora0", 1.0),)
 
 
 def request_for(size: str, frames: int, steps: int, request_id: str, seed: int = 0, image: bool = False):
@@ -90,12 +114,21 @@ def request_for(size: str, frames: int, steps: int, request_id: str, seed: int =
     )
 
 
-def run_plain(model_dir: Path, requests: list, device: str) -> tuple[list[dict], list, float]:
-    """Plain diffusers on one GPU: rows, frames, parameter bytes."""
+def run_plain(model_dir: Path, requests: list, device: str, suffixes=()) -> tuple[list[dict], list, float]:
+    """Plain diffusers on one GPU (``+compile``: diffusers' ``compile_repeated_blocks`` on its
+    transformers; an attention backend: ``set_attention_backend`` on them): rows, frames, parameter
+    bytes."""
     import numpy as np
     import torch
 
     pipe = load_plain(model_dir, device)
+    transformers = [m for name, m in pipe.components.items() if name.startswith("transformer") and m is not None]
+    backends = [SUFFIX_FIELDS[s]["attention_backend"] for s in suffixes if s in ("sage", "cudnn", "flash")]
+    for module in transformers:
+        for backend in backends:
+            module.set_attention_backend(backend)
+        if "compile" in suffixes:
+            module.compile_repeated_blocks()
     modules = [c for c in pipe.components.values() if isinstance(c, torch.nn.Module)]
     weights = sum(p.numel() * p.element_size() for module in modules for p in module.parameters())
 
@@ -261,10 +294,13 @@ def main() -> None:
     started_ray = False
     for layout in args.layouts:
         began = time.perf_counter()
-        if layout == "plain":
-            rows, frames, weights = run_plain(args.model_dir, requests, args.device)
+        if layout.split("+")[0] == "plain":
+            rows, frames, weights = run_plain(args.model_dir, requests, args.device, suffixes_of(layout))
             entry = {"rows": rows, "parameter_bytes_per_gpu": [weights]}
-            reference = frames
+            if reference is None:  # the first plain layout is every other's reference
+                reference = frames
+            else:
+                entry["max_abs_diff_to_plain"] = [float(np.abs(a - b).max()) for a, b in zip(frames, reference)]
         else:
             if not started_ray:
                 start_ray(args.ray_cpus)
@@ -272,13 +308,13 @@ def main() -> None:
             try:
                 singles = [] if layout in args.throughput_only else requests
                 rows, frames, weights, batch, model = run_group(args.model_dir, layout, singles, args)
-                results["model_parameter_bytes"] = model
             except Exception as err:  # noqa: BLE001 - a layout that fails is a result of its own
                 results["layouts"][layout] = {"error": failure(err, args.request_deadline)}
                 print(layout, results["layouts"][layout], flush=True)
                 continue
-            entry = {"rows": rows, "parameter_bytes_per_gpu": weights, "throughput": batch}
-            if reference is not None and not layout.endswith(("+lora", "+fused")):  # an adapter changes the frames
+            # The unsharded model's bytes as this layout holds them (fp8 linears are half of bf16).
+            entry = {"rows": rows, "parameter_bytes_per_gpu": weights, "throughput": batch, "model_bytes": model}
+            if reference is not None and not {"lora", "fused"} & set(suffixes_of(layout)):  # adapters change frames
                 entry["max_abs_diff_to_plain"] = [float(np.abs(a - b).max()) for a, b in zip(frames, reference)]
         entry["layout_s"] = round(time.perf_counter() - began, 1)
         results["layouts"][layout] = entry
@@ -324,13 +360,15 @@ def markdown(results: dict, args) -> str:
                 f"| {layout} | {b['requests']} x {b['size']} | {b['wall_s']:.1f} | {b['requests_per_min']:.2f} | "
                 f"{b['latency_s_mean']:.1f} | {b['latency_s_max']:.1f} |"
             )
-    model = results.get("model_parameter_bytes")
-    if model:
-        lines += ["", f"Parameters of the unsharded model (every component): {gib(model)} GiB. Per GPU:"]
-        for layout, entry in results["layouts"].items():
-            if "parameter_bytes_per_gpu" in entry and layout != "plain":
-                most = max(entry["parameter_bytes_per_gpu"])
-                lines.append(f"- {layout}: {gib(most)} GiB ({100 * most / model:.1f}% of the model)")
+    sized = [(k, v) for k, v in results["layouts"].items() if v.get("model_bytes")]
+    if sized:
+        lines += ["", "Parameters per GPU, and their share of the unsharded model as that layout stores it:"]
+        for layout, entry in sized:
+            most = max(entry["parameter_bytes_per_gpu"])
+            lines.append(
+                f"- {layout}: {gib(most)} GiB of {gib(entry['model_bytes'])} GiB "
+                f"({100 * most / entry['model_bytes']:.1f}% of the model)"
+            )
     return "\n".join(lines) + "\n"
 
 

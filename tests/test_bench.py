@@ -37,3 +37,17 @@ def test_a14b_shard_two_holds_half_of_the_sharded_weights(ray_cluster, tmp_path)
     for rank in runs[2]["ranks"]:
         # Both experts sharded 2 ways: each rank holds about half (uneven rows give a little more).
         assert rank["transformer_local_bytes"] <= 0.52 * whole["transformer_local_bytes"]
+
+
+def test_lane_layout_names_combine_their_options_and_refuse_unknown_ones():
+    import pytest
+
+    from bench.lanes import layout_fields, options_of
+
+    assert layout_fields("s4-cfg2-u2+fp8+compile+sage") == {"shard_size": 4, "cfg_parallel": True, "ulysses_degree": 2}
+    fields, lora = options_of("s4-u4+fp8+compile+sage", None)
+    assert fields == {"quantization": "fp8", "compile": True, "attention_backend": "sage"} and lora == ()
+    with pytest.raises(ValueError, match=r"unknown suffixes \['fp4'\]"):
+        layout_fields("s2+fp4")
+    with pytest.raises(ValueError, match="plain takes only"):
+        options_of("plain+fp8", None)
