@@ -295,8 +295,9 @@ class GroupKernels(BaseModel):
 
     attention_backend: str = Field(
         "auto",
-        description="diffusers attention backend of the transformers ('native', '_native_cudnn', 'flash', ...); "
-        "'auto' keeps diffusers' default, or '_native_cudnn' on CUDA when ring_degree > 1.",
+        description="diffusers attention backend of the transformers ('native', '_native_cudnn', 'flash', 'sage' "
+        "(SageAttention 2, built on the GPU host: docs/attention.md), ...); 'auto' keeps diffusers' default, or "
+        "'_native_cudnn' on CUDA when ring_degree > 1.",
     )
     compile: bool = Field(
         False,

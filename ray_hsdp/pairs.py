@@ -44,6 +44,16 @@ class Refusal:
         return f"{self.first} with {self.second}: {self.reason}; {self.instead}"
 
 
+def _attention_outside(config, kind: str) -> bool:
+    """Whether the config names an attention backend outside ``sharding.context_parallel``'s
+    ``CPU_BACKENDS`` or ``RING_BACKENDS`` (``kind``); ``auto`` picks one inside."""
+    if config.attention_backend == "auto":
+        return False
+    from ray_hsdp.sharding import context_parallel
+
+    return config.attention_backend not in getattr(context_parallel, kind)
+
+
 def _lane_size(config) -> int:
     """The widest lane a request of the group may run on."""
     return max((config.parallel_dims().lane_size, *config.lane_sizes))
@@ -75,6 +85,21 @@ REFUSALS: tuple[Refusal, ...] = (
         "return (_native_cudnn, _native_flash)",
         "use ulysses_degree on CPU, or run on CUDA GPUs",
         lambda c: c.ring_degree > 1 and c.device == "cpu",
+    ),
+    Refusal(
+        "attention_backend naming a CUDA kernel (sage, flash, _native_cudnn, ...)",
+        "device 'cpu'",
+        "its kernels run on CUDA GPUs only",
+        "use attention_backend 'auto' or one of native, _native_math on CPU, or run on CUDA GPUs",
+        lambda c: c.device == "cpu" and _attention_outside(c, "CPU_BACKENDS"),
+    ),
+    Refusal(
+        "ring_degree > 1",
+        "attention_backend other than auto, _native_cudnn, _native_flash (e.g. sage)",
+        "ring attention merges partial results by their log-sum-exp, and ring lanes run only with the backends "
+        "checked to return it here",
+        "use ulysses_degree with that backend, or attention_backend 'auto' with ring_degree",
+        lambda c: c.ring_degree > 1 and _attention_outside(c, "RING_BACKENDS"),
     ),
     Refusal(
         "adaptive lanes (lane_sizes)",

@@ -31,6 +31,11 @@ def test_defaults_are_a_usable_group():
         ({"ulysses_degree": 2, "shard_components": ("transformer", "vae")}, "leave 'vae' out"),
         ({"cpus_per_rank": 0}, "greater than 0"),
         ({"keep_gathered": 1.5}, "keep_gathered\n.*less than or equal to 1"),
+        ({"attention_backend": "sage", "device": "cpu"}, "attention_backend naming a CUDA kernel.*with device 'cpu'"),
+        (
+            {"attention_backend": "sage", "device": "cuda", "shard_size": 2, "ring_degree": 2},
+            r"ring_degree > 1 with attention_backend other than auto, _native_cudnn, _native_flash \(e.g. sage\)",
+        ),
     ],
 )
 def test_bad_group_config_names_the_problem(fields, message):
