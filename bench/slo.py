@@ -146,7 +146,8 @@ def markdown(payload: dict) -> str:
         f"{payload['frames']} frames, {payload['steps']} steps, deadline {payload['k']}x alone on the widest lane",
         "",
         f"GPUs: {', '.join(payload['environment']['gpus']) or 'none (CPU dry run)'}; alone on the widest lane: "
-        f"{payload.get('alone_s')} s (deadlines {payload.get('deadlines_s')} s); window {payload['window_s']} s",
+        f"{payload.get('alone_s')} s (deadlines {payload.get('deadlines_s')} s); window {payload['window_s']} s"
+        + (f"; every group with {payload['set']}" if payload.get("set") else ""),
         "",
         "| layout | rate (req/s) | requests | SLO attainment | goodput (req/s) | p50 / p95 (s) | lane sizes given |",
         "| --- | --- | --- | --- | --- | --- | --- |",
@@ -204,6 +205,8 @@ def main() -> None:
     parser.add_argument("--alone-s", type=float, nargs="+", help="each size's latency alone on the widest lane, "
                         "measured earlier (else measured on the first layout)")  # fmt: skip
     parser.add_argument("--ray-cpus", type=int, default=None, help="logical CPUs of the local Ray (CPU dry runs)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=JSON", help="group fields every layout "
+                        "takes, e.g. request_streams=true requests_per_rank=1")  # fmt: skip
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--name", default=None)
     parser.add_argument("--plot", nargs=2, metavar=("RESULTS", "PNG"), help="only draw a results file")
@@ -227,9 +230,11 @@ def main() -> None:
     if args.alone_s:
         payload["alone_s"] = args.alone_s
         payload["deadlines_s"] = [round(args.k * a, 2) for a in args.alone_s]
+    extra = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.set)}
+    payload["set"] = extra
     for layout in args.layouts:
         config = GroupConfig(model=str(model_dir), device=args.device, shard_size=args.gpus,
-                             **layout_fields(layout, args.gpus))  # fmt: skip
+                             **layout_fields(layout, args.gpus), **extra)  # fmt: skip
         try:
             with ShardGroup(config) as group:
                 alone = warm_up(group, sizes, args, sorted(config.lane_sizes) or [None])  # the widest last
