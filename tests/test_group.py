@@ -177,6 +177,30 @@ def test_a_queued_request_keeps_the_deadline_it_arrived_with(batch_group):
             future.result(timeout=60)
 
 
+def test_requests_with_targets_are_served_earliest_first_and_the_late_ones_last(ray_cluster, tiny_model):
+    """Issue 39: the serving order. One lane stays busy; the other serves the queue one request at
+    a time, so the order they are answered in is the order the group served them."""
+    import time
+
+    config = GroupConfig(model=tiny_model, device="cpu", shard_size=2, requests_per_rank=1, queue_max_skip_s=600)
+    with ShardGroup(config) as group:
+        answered = []
+        group.listeners.append(lambda record: answered.append(record.request_id))
+        busy = [group.submit(request(f"busy {i}", i, num_inference_steps=500, request_id=f"busy-{i}")) for i in (0, 1)]
+        wait_until(lambda: sum(p["state"] == "running" for p in group.progress().values()) == 2, 60, "2 running")
+        now = time.time()
+        targets = {"none": None, "far": now + 1000, "late": now - 1, "near": now + 100, "mid": now + 500}
+        queued = [group.submit(request(n, 7, request_id=n, deadline=t)) for n, t in targets.items()]
+        group.cancel("busy-0")
+        for future in queued:
+            future.result(timeout=120)
+        group.cancel("busy-1")
+        for future in busy:
+            with pytest.raises(Exception):  # noqa: B017 - cancelled
+                future.result(timeout=60)
+    assert [r for r in answered if not r.startswith("busy")] == ["near", "mid", "far", "late", "none"]
+
+
 def test_units_kept_gathered_are_counted_once(ray_cluster, tiny_model):
     """Issue 37: with in-place gathers, a kept unit's whole weights were counted as replicated
     parameters and again as gather buffers. Now they are ``kept_whole`` alone: the replicated bytes
