@@ -30,6 +30,7 @@ GROUP_SETTINGS = (
     "ulysses lane",
     "ring lane",
     "cfg lane",
+    "adaptive lanes",
     "keep_gathered",
     "vae_parallel",
     "compile",
@@ -99,6 +100,13 @@ class Shape:
     cache_settings: dict
     #: Requests at this size also run (vae_parallel: frames of several VAE tiles).
     large: str | None = None
+    #: Adaptive lanes: the mixes' requests name these lane sizes in turn (``None``: the group chooses).
+    lane_sizes: tuple[int | None, ...] = ()
+
+    def request_fields(self, index: int) -> dict:
+        """What the shape adds to its ``index``-th request's body."""
+        lane_size = self.lane_sizes[index % len(self.lane_sizes)] if self.lane_sizes else None
+        return {"lane_size": lane_size} if lane_size is not None else {}
 
 
 CPU_SHAPES = (
@@ -116,6 +124,16 @@ CPU_SHAPES = (
         ("ulysses lane", "cfg lane", "vae_parallel", "fused adapters", "cache kind", "image-to-video model"),
         {"threshold": 1e9},  # no change reaches it: every step after the first reuses the cache
         large="320x288",
+    ),
+    # Lanes of one and two ranks side by side: every other request asks for a lane of 2, the rest
+    # take what the group gives them (lanes of 1 under this backlog).
+    Shape(
+        "adaptive",
+        {"shard_size": 2, "lane_sizes": [1, 2], "requests_per_rank": 2,
+         "cache": {"kind": "first_block", "every_request": False}},
+        ("adaptive lanes", "cache kind", "image-to-video model"),
+        {"threshold": 1e9},
+        lane_sizes=(2, None),
     ),
 )  # fmt: skip
 #: Two ranks each, bfloat16 (ring attention needs cuDNN's, which takes no float32).
@@ -150,9 +168,7 @@ def app_config(folder: str, shape: Shape, device: str = "cpu", dtype: str = "aut
 
     fields = {"loras": LORAS, **shape.fields}
     defaults = {name: d for name, d in LORA_DEFAULTS.items() if name in fields["loras"]}
-    return AppConfig(
-        model=folder, device=device, dtype=dtype, lora_defaults=defaults, default_steps=4, **fields
-    )
+    return AppConfig(model=folder, device=device, dtype=dtype, lora_defaults=defaults, default_steps=4, **fields)
 
 
 def mixes_for(shape: Shape, config) -> list[Mix]:
@@ -239,7 +255,7 @@ def run_shape(config, shape: Shape, alone: bool = False) -> list[tuple[Mix, Gene
     from ray_hsdp.group import ShardGroup
 
     mixes = mixes_for(shape, config)
-    requests = [build(config, mix, i) for i, mix in enumerate(mixes)]
+    requests = [build(config, mix, i, **shape.request_fields(i)) for i, mix in enumerate(mixes)]
     started = time.monotonic()
     with ShardGroup(config) as group:
         results = group.generate(requests)

@@ -5,7 +5,8 @@ runs and equals its reference, or is refused before any rank runs by the one tab
 Cheaply: one group per group-level shape, each with several group-level settings on at once, runs
 many requests together, each with its own mix of request-level choices, built from the bodies a
 client sends (so adapter defaults apply) and compared at the float level with the unsharded
-diffusers pipeline given the same choices. Both shapes serve the tiny two-expert image-to-video
+diffusers pipeline given the same choices (the adaptive shape: lanes of one and two ranks side by
+side). Every shape serves the tiny two-expert image-to-video
 model (Wan2.2-I2V-A14B's architecture), so every request also brings its conditioning image and
 can set guidance_scale_2. ``test_every_pair_is_run_or_refused`` then accounts for every cell."""
 
