@@ -171,6 +171,9 @@ def test_measured_times_are_kept_per_lane_size_and_work_and_follow_the_load():
     assert times.estimate(4, 300) == 9.0  # scaled from the nearest work measured on that size
     assert times.estimate(1, 100) == 2.0
     assert times.estimates((1, 2, 4), 100) == {1: 2.0, 4: 3.0}  # a size that never ran: absent
+    for work in range(1000, 1000 + LaneTimes.KEPT - 1):  # one too many: the least recently measured goes
+        times.learn(2, work, 1.0)
+    assert times.estimate(4, 100) is None and times.estimate(1, 400) == 8.0
 
 
 def test_requests_are_served_earliest_target_first_and_those_that_cannot_make_it_last():

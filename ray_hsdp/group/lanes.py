@@ -25,6 +25,7 @@ of ranks (``ParallelDims.blocks``), all of them free.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -38,14 +39,19 @@ EFFICIENT = 1.1
 class LaneTimes:
     """Seconds a request ran (from a lane taking it to its answer), measured per lane size and
     work (tokens x steps x outputs): an average that weighs the newest run half, so that it follows
-    the group's load (in lock step a lane's forward waits for its neighbours')."""
+    the group's load (in lock step a lane's forward waits for its neighbours'). The ``KEPT`` most
+    recently measured (size, work) pairs are kept: the order reads them for every queued request."""
+
+    KEPT = 256
 
     def __init__(self) -> None:
-        self._runs: dict[tuple[int, int], float] = {}
+        self._runs: OrderedDict[tuple[int, int], float] = OrderedDict()
 
     def learn(self, size: int, work: int, run_s: float) -> None:
-        previous = self._runs.get((size, work))
+        previous = self._runs.pop((size, work), None)
         self._runs[(size, work)] = run_s if previous is None else (previous + run_s) / 2
+        if len(self._runs) > self.KEPT:
+            self._runs.popitem(last=False)
 
     def estimate(self, size: int, work: int) -> float | None:
         """Seconds a request of ``work`` takes on a lane of ``size``: measured for that work, else
