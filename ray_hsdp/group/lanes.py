@@ -11,16 +11,15 @@ order.
 **Lane** (adaptive groups): the ranks free now are shared among the requests waiting, and a request
 gets the fastest lane within its share (by the group's measured times for its work; the widest of
 those within ``EFFICIENT`` of the fastest; a size never measured counts as fastest, so the group
-learns it). A lone request on an idle
-group thus gets the widest lane its tokens split over, where that is fastest; a backlog gets lanes
-of one rank (the most requests at once), unless the group measured that a wider lane costs no more
-rank-seconds for a request of this work (within ``EFFICIENT``: its split scales), which then costs
-no throughput and is given. A request with a target is given a lane only where the group's
-measured time for its work on that lane size says it finishes in time: the fastest such lane within
-its share, else the narrowest such lane free; when no free lane would make it but a busy wider one
-would, it waits for that one; when none would, it is served like a request without a target. A
-request that names its ``lane_size`` waits for a free lane of that size. A lane is an aligned block
-of ranks (``ParallelDims.blocks``), all of them free.
+learns it). A lone request on an idle group thus gets the widest lane its tokens split over, where
+that is fastest; a backlog gets lanes of one rank (the most requests at once), unless the group
+measured that a wider lane costs no more rank-seconds for a request of this work (within
+``EFFICIENT``: its split scales), which then costs no throughput and is given. A request with a
+target is given a lane only where the group's measured time for its work on that lane size says it
+finishes in time: the fastest such lane within its share, else the narrowest such lane free; when no
+free lane would make it but a busy wider one would, it waits for that one; when none would, it is
+served like a request without a target. A request that names its ``lane_size`` waits for a free lane
+of that size. A lane is an aligned block of ranks (``ParallelDims.blocks``), all of them free.
 """
 
 from __future__ import annotations

@@ -183,9 +183,11 @@ class GroupScheduler:
         return serving_order(waiting, self.config.queue_max_skip_s)
 
     def _learn_time(self, job: QueuedJob, run_s: float) -> None:
-        """Folds a finished request's run into the group's measured times (``lane_times``)."""
+        """Folds a finished request's run into the group's measured times (``lane_times``; under the
+        lock, as the scheduler reads them there)."""
         if job.variant.work:
-            self.lane_times.learn(len(job.ranks), job.variant.work, run_s)
+            with self._cond:
+                self.lane_times.learn(len(job.ranks), job.variant.work, run_s)
 
     def _assign_adaptive(self) -> None:
         """Adaptive lanes: the first request in the serving order, on the lane ``lanes.lane_for``
