@@ -21,8 +21,10 @@ step in 2 after the first; ``-compile``: with ``compile: true``), each row with 
 forwards that reused the cache and the drift of its first request's frames from the same request
 uncached on the same group; ``batch-fp8`` (and ``-compile``): ``quantization: fp8``, with the drift of
 its first request's frames from ``batch``'s (when ``batch`` ran first);
-``batch-devicetick`` (and ``-compile``): the tick's all-gather on the GPU (``tick_exchange: device``).
-Every setup runs the same requests (480x832, guidance on) at each frame
+``batch-devicetick`` (and ``-compile``): the tick's all-gather on the GPU (``tick_exchange: device``);
+``batch-sage``, ``batch-fp8-compile-sage`` against ``plain-sage``, ``plain-compile-sage``:
+``attention_backend: sage`` (SageAttention 2, built on the GPU host: ``docs/attention.md``).
+Every setup runs the same requests (480x832, ``--guidance``, 5 unless given) at each frame
 count; results are written after every setup so that a run cut short keeps what it measured.
 """
 
@@ -74,14 +76,18 @@ OPTIONS = {
     "batch-devicetick-compile": {"tick_exchange": "device", "compile": True},
     "batch-fp8": {"quantization": "fp8"},
     "batch-fp8-compile": {"quantization": "fp8", "compile": True},
+    "batch-sage": {"attention_backend": "sage"},
+    "batch-fp8-compile-sage": {"quantization": "fp8", "compile": True, "attention_backend": "sage"},
     "batch-fbcache": {"cache": {"kind": "first_block"}},
     "batch-taylorseer": {"cache": TAYLORSEER_2X},
     "batch-taylorseer-compile": {"cache": TAYLORSEER_2X, "compile": True},
 }
 #: Every setup ``--setups`` takes.
+#: Plain diffusers: compiled (``compile_repeated_blocks``) and / or with SageAttention.
+PLAIN = {"plain": (False, None), "plain-compile": (True, None), "plain-sage": (False, "sage"),
+         "plain-compile-sage": (True, "sage")}  # fmt: skip
 SETUPS = {
-    "plain",
-    "plain-compile",
+    *PLAIN,
     "ceiling",
     "batch",
     "replicated",
@@ -144,9 +150,12 @@ def summary(latencies: list[float], wall: float) -> dict:
     }
 
 
-def plain_baseline(model_dir: str, requests, gpus: int, device: str, compile: bool = False) -> dict:
+def plain_baseline(
+    model_dir: str, requests, gpus: int, device: str, compile: bool = False, backend: str | None = None
+) -> dict:
     """Plain diffusers on every GPU at once: GPU i runs requests i, i + N, ... one after another
-    (with ``compile``, after diffusers' ``compile_repeated_blocks`` on its transformers).
+    (with ``compile``, after diffusers' ``compile_repeated_blocks`` on its transformers; with
+    ``backend``, after ``set_attention_backend`` on them).
 
     Each task loads and warms up first, then times its share; the rate is the sum of the GPUs'
     own rates (N independent replicas), latencies run from each GPU's start to each answer.
@@ -158,9 +167,11 @@ def plain_baseline(model_dir: str, requests, gpus: int, device: str, compile: bo
         import torch
 
         pipe = load_plain(model_dir, device)
-        if compile:
-            for name in ("transformer", "transformer_2"):
-                if getattr(pipe, name, None) is not None:
+        for name in ("transformer", "transformer_2"):
+            if getattr(pipe, name, None) is not None:
+                if backend:
+                    getattr(pipe, name).set_attention_backend(backend)
+                if compile:
                     getattr(pipe, name).compile_repeated_blocks()
 
         def call(r):
@@ -239,6 +250,8 @@ def main() -> None:
     parser.add_argument("--height", type=int, default=480)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--requests-per-gpu", type=int, default=2)
+    parser.add_argument("--guidance", type=float, default=5.0, help="guidance_scale (1: unguided, as a distilled "
+                        "4-step LoRA runs)")  # fmt: skip
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--device", default="cuda")
     parser.add_argument(
@@ -272,7 +285,10 @@ def main() -> None:
     n = args.requests_per_gpu * args.gpus
 
     def requests(frames, steps=None, count=n, loras=(), cache=None):
-        made = fox_requests(count, width=args.width, height=args.height, frames=frames, steps=steps or args.steps)
+        made = fox_requests(
+            count, width=args.width, height=args.height, frames=frames, steps=steps or args.steps,
+            guidance_scale=args.guidance,
+        )  # fmt: skip
         made = [dataclasses.replace(r, cache=cache) for r in made]
         # Request i runs with adapter i mod len(loras), at scale 1.
         if not loras:
@@ -319,7 +335,7 @@ def main() -> None:
                 if replicas * shards != args.gpus:
                     parser.error(f"layout {layout} does not use {args.gpus} GPUs")
                 runs.append(("batch" if replicas == 1 else f"batch-{layout}", setup, replicas, shards))
-        elif setup in ("ceiling", "plain", "plain-compile"):
+        elif setup == "ceiling" or setup in PLAIN:
             runs.append((setup, setup, args.gpus, 1))
         else:
             runs.append((setup, setup, 1, args.gpus))
@@ -327,9 +343,10 @@ def main() -> None:
     unquantized = {}  # frames -> the first request's frames on ``batch`` (run it before a quantized setup)
 
     def run_setup(row, setup, replicas, shard_size):
-        if setup in ("plain", "plain-compile"):
+        if setup in PLAIN:
             for frames in args.frames:
-                outcome = plain_baseline(str(model_dir), requests(frames), args.gpus, args.device, setup != "plain")
+                compiled, backend = PLAIN[setup]
+                outcome = plain_baseline(str(model_dir), requests(frames), args.gpus, args.device, compiled, backend)
                 record(setup, frames, outcome)
             return
         if setup == "offload":
@@ -391,7 +408,7 @@ def table(rows: list[dict], args, failed: list[dict] = ()) -> str:
     lines = [
         f"# Throughput: {args.arch}, random {'bf16' if args.device == 'cuda' else 'fp32 tiny'} weights, "
         f"{args.width}x{args.height}, {args.steps} steps "
-        f"(mixed: {2 * args.steps} and {4 * args.steps}), guidance on",
+        f"(mixed: {2 * args.steps} and {4 * args.steps}), guidance {args.guidance:g}",
         "",
         f"GPUs: {', '.join(environment()['gpus']) or 'none'}",
         "",
@@ -403,7 +420,7 @@ def table(rows: list[dict], args, failed: list[dict] = ()) -> str:
     for r in rows:
         # A compiled setup against plain diffusers compiled the same way, and against plain.
         plain = by.get(("plain", r["frames"])) or by.get(("ceiling", r["frames"]))
-        compiled = by.get(("plain-compile", r["frames"])) if r["setup"].endswith("compile") else None
+        compiled = by.get(("plain-compile", r["frames"])) if "compile" in r["setup"] else None
         ideal = by.get(("ceiling-mixed", r["frames"]))
         if r["setup"] == "mixed" and ideal:
             ratio = f"{ideal['wall_s'] / r['wall_s']:.3f} of ideal"
