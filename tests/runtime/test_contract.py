@@ -407,6 +407,43 @@ class LaneModules(FakeModules):
         return super().forward(calls)
 
 
+def lane_runtimes(rng: random.Random, world_size: int, fails=lambda: set(), **options):
+    """Thread ranks of lane tests, each with its ``LaneModules``: a request runs its calls, sleeps a
+    little between them, stops when asked and, on the ranks whose ``fails()`` names it, fails
+    halfway with an error of that rank alone. Returns the runtimes and their modules."""
+    gather = FakeAllGather(world_size)
+    runtimes, modules = [], []
+    for rank in range(world_size):
+        mods = LaneModules()
+        holder: dict = {}
+        fail_here = fails()
+
+        def run_request(request: FakeRequest, on_step, holder=holder, fail_here=fail_here):
+            total = 0.0
+            for step, (module_id, x) in enumerate(request.calls):
+                if request.request_id in fail_here and step == len(request.calls) // 2:
+                    raise InjectedError(f"{request.request_id}: its own error on one rank")
+                total += holder["runtime"].call(module_id, (torch.tensor([x]),), {}).item()
+                time.sleep(rng.random() * 0.002)
+                if on_step(step + 1, len(request.calls)):
+                    raise InjectedError(f"{request.request_id}: stopped after step {step + 1}")
+            return total
+
+        runtime = RankRuntime(
+            run_request,
+            rank=rank,
+            slots=rng.randint(1, 2),
+            modules=mods,
+            exchange=gather.for_rank(rank),
+            patience_s=0.01,
+            **options,
+        )
+        holder["runtime"] = runtime
+        runtimes.append(runtime)
+        modules.append(mods)
+    return runtimes, modules
+
+
 def run_lanes(runtimes: list, feed, jobs: list) -> None:
     """The group's part for the lane tests: every rank runs sessions, together, while ``feed``
     hands requests over; then waits for every job (the last item of each entry of ``jobs``, whose
@@ -455,35 +492,8 @@ def test_lanes_run_each_call_on_all_their_ranks_at_the_same_tick(seed):
     rng = random.Random(1000 + seed)
     lanes, lane_size = rng.choice((2, 3)), 2
     world_size = lanes * lane_size
-    gather = FakeAllGather(world_size)
-    runtimes, modules = [], []
-    for rank in range(world_size):
-        mods = LaneModules()
-        holder: dict = {}
-        fail_here = {f"q{i}" for i in range(12) if rng.random() < 0.1}  # errors of this rank alone
-
-        def run_request(request: FakeRequest, on_step, holder=holder, fail_here=fail_here):
-            total = 0.0
-            for step, (module_id, x) in enumerate(request.calls):
-                if request.request_id in fail_here and step == len(request.calls) // 2:
-                    raise InjectedError(f"{request.request_id}: its own error on one rank")
-                total += holder["runtime"].call(module_id, (torch.tensor([x]),), {}).item()
-                time.sleep(rng.random() * 0.002)
-                if on_step(step + 1, len(request.calls)):
-                    raise InjectedError(f"{request.request_id}: stopped after step {step + 1}")
-            return total
-
-        runtime = RankRuntime(
-            run_request,
-            rank=rank,
-            slots=rng.randint(1, 2),
-            modules=mods,
-            exchange=gather.for_rank(rank),
-            patience_s=0.01,
-        )
-        holder["runtime"] = runtime
-        runtimes.append(runtime)
-        modules.append(mods)
+    # Each rank fails about a tenth of the requests alone.
+    runtimes, modules = lane_runtimes(rng, world_size, lambda: {f"q{i}" for i in range(12) if rng.random() < 0.1})
 
     requests = [make_request(rng, f"q{i}", own_errors=False) for i in range(12)]
     jobs: list[tuple[FakeRequest, int, object]] = []
@@ -580,33 +590,8 @@ def test_lanes_of_one_two_and_four_ranks_run_side_by_side(seed):
     leader's uncancelled request returns its real result."""
     rng = random.Random(5000 + seed)
     world_size = 4
-    gather = FakeAllGather(world_size)
-    runtimes, modules = [], []
-    for rank in range(world_size):
-        mods = LaneModules()
-        holder: dict = {}
-
-        def run_request(request: FakeRequest, on_step, holder=holder):
-            total = 0.0
-            for step, (module_id, x) in enumerate(request.calls):
-                total += holder["runtime"].call(module_id, (torch.tensor([x]),), {}).item()
-                time.sleep(rng.random() * 0.002)
-                if on_step(step + 1, len(request.calls)):
-                    raise InjectedError(f"{request.request_id}: stopped after step {step + 1}")
-            return total
-
-        runtime = RankRuntime(
-            run_request,
-            rank=rank,
-            slots=rng.randint(1, 2),
-            modules=mods,
-            exchange=gather.for_rank(rank),
-            patience_s=0.01,
-            max_batch=2,  # calls of lanes of one rank may batch; a lane of several runs one call
-        )
-        holder["runtime"] = runtime
-        runtimes.append(runtime)
-        modules.append(mods)
+    # Calls of lanes of one rank may batch; a lane of several runs one call.
+    runtimes, modules = lane_runtimes(rng, world_size, max_batch=2)
 
     requests = [make_request(rng, f"q{i}", own_errors=False) for i in range(14)]
     lanes = {}
