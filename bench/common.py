@@ -218,6 +218,19 @@ def load_plain(model_dir, device: str):
     return pipe
 
 
+def speed_up_plain(pipe, compile: bool = False, backend: str | None = None) -> None:
+    """What plain diffusers offers a user on its transformers: an attention backend
+    (``set_attention_backend``) and regional compile (``compile_repeated_blocks``)."""
+    for name in ("transformer", "transformer_2"):
+        module = getattr(pipe, name, None)
+        if module is None:
+            continue
+        if backend:
+            module.set_attention_backend(backend)
+        if compile:
+            module.compile_repeated_blocks()
+
+
 def plain_kwargs(request, pipe) -> dict:
     """The arguments plain diffusers' ``pipe`` takes for ``request`` (a ``GenerationRequest``): those
     of its ``__call__``, as the sharded pipeline passes them (an image pipeline takes no frames)."""

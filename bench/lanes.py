@@ -29,6 +29,7 @@ from bench.common import (
     load_plain,
     plain_kwargs,
     random_loras,
+    speed_up_plain,
     start_ray,
     write_results,
 )
@@ -47,6 +48,8 @@ SUFFIX_FIELDS = {
     "flash": {"attention_backend": "_native_flash"},
 }
 SUFFIXES = (*SUFFIX_FIELDS, "lora", "fused")
+#: The suffixes that name an attention backend (plain diffusers takes them too).
+ATTENTION_SUFFIXES = tuple(s for s, fields in SUFFIX_FIELDS.items() if "attention_backend" in fields)
 
 
 def suffixes_of(name: str) -> list[str]:
@@ -54,7 +57,7 @@ def suffixes_of(name: str) -> list[str]:
     base, *suffixes = name.split("+")
     if unknown := [s for s in suffixes if s not in SUFFIXES]:
         raise ValueError(f"layout {name!r}: unknown suffixes {unknown}; known: {list(SUFFIXES)}")
-    if base == "plain" and {"lora", "fused", "fp8", "vae", "novae"} & set(suffixes):
+    if base == "plain" and set(suffixes) - {"compile", *ATTENTION_SUFFIXES}:
         raise ValueError(f"layout {name!r}: plain takes only +compile and an attention backend")
     return suffixes
 
@@ -122,13 +125,9 @@ def run_plain(model_dir: Path, requests: list, device: str, suffixes=()) -> tupl
     import torch
 
     pipe = load_plain(model_dir, device)
-    transformers = [m for name, m in pipe.components.items() if name.startswith("transformer") and m is not None]
-    backends = [SUFFIX_FIELDS[s]["attention_backend"] for s in suffixes if s in ("sage", "cudnn", "flash")]
-    for module in transformers:
-        for backend in backends:
-            module.set_attention_backend(backend)
-        if "compile" in suffixes:
-            module.compile_repeated_blocks()
+    backends = [SUFFIX_FIELDS[s]["attention_backend"] for s in suffixes if s in ATTENTION_SUFFIXES]
+    backend = backends[-1] if backends else None  # the last named, as the group's fields take it
+    speed_up_plain(pipe, "compile" in suffixes, backend)
     modules = [c for c in pipe.components.values() if isinstance(c, torch.nn.Module)]
     weights = sum(p.numel() * p.element_size() for module in modules for p in module.parameters())
 

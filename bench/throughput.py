@@ -44,6 +44,7 @@ from bench.common import (
     fox_requests,
     load_plain,
     plain_kwargs,
+    speed_up_plain,
     start_ray,
     write_results,
 )
@@ -167,12 +168,7 @@ def plain_baseline(
         import torch
 
         pipe = load_plain(model_dir, device)
-        for name in ("transformer", "transformer_2"):
-            if getattr(pipe, name, None) is not None:
-                if backend:
-                    getattr(pipe, name).set_attention_backend(backend)
-                if compile:
-                    getattr(pipe, name).compile_repeated_blocks()
+        speed_up_plain(pipe, compile, backend)
 
         def call(r):
             pipe(**plain_kwargs(r, pipe))
