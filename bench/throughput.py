@@ -79,6 +79,12 @@ OPTIONS = {
     "batch-fp8-compile": {"quantization": "fp8", "compile": True},
     "batch-sage": {"attention_backend": "sage"},
     "batch-fp8-compile-sage": {"quantization": "fp8", "compile": True, "attention_backend": "sage"},
+    "batch-fp8-compile-sage-keep100": {
+        "quantization": "fp8",
+        "compile": True,
+        "attention_backend": "sage",
+        "keep_gathered": 1.0,
+    },
     "batch-fbcache": {"cache": {"kind": "first_block"}},
     "batch-taylorseer": {"cache": TAYLORSEER_2X},
     "batch-taylorseer-compile": {"cache": TAYLORSEER_2X, "compile": True},
@@ -118,13 +124,19 @@ def run_groups(groups, requests, deadline_s: float | None = None, results: list 
     return {**summary(latencies, wall), "window": (started_at, time.time())}
 
 
+def forwards_of(request) -> int:
+    """Transformer forwards of ``request``: two per step when it is guided (diffusers' Wan runs
+    classifier-free guidance for guidance_scale > 1), one when not."""
+    return request.num_inference_steps * (2 if request.guidance_scale > 1 else 1)
+
+
 def cache_figures(group, work, results, deadline_s: float | None) -> dict:
     """A cached setup's share of forwards that reused the cache, and the drift of its first
     request's frames from the same request run uncached on ``group`` (max and mean abs diff)."""
     reused = sum(r.cached_forwards or 0 for r in results)
     uncached = group.submit(dataclasses.replace(work[0], cache=None)).result(timeout=deadline_s)
     return {
-        "cache_reused_share": round(reused / sum(2 * r.num_inference_steps for r in work), 4),
+        "cache_reused_share": round(reused / sum(forwards_of(r) for r in work), 4),
         **drift(results[0].frames, uncached.frames),
     }
 
@@ -152,13 +164,20 @@ def summary(latencies: list[float], wall: float) -> dict:
 
 
 def plain_baseline(
-    model_dir: str, requests, gpus: int, device: str, compile: bool = False, backend: str | None = None
+    model_dir: str,
+    requests,
+    gpus: int,
+    device: str,
+    compile: bool = False,
+    backend: str | None = None,
+    warm_steps: int | None = None,
 ) -> dict:
     """Plain diffusers on every GPU at once: GPU i runs requests i, i + N, ... one after another
     (with ``compile``, after diffusers' ``compile_repeated_blocks`` on its transformers; with
     ``backend``, after ``set_attention_backend`` on them).
 
-    Each task loads and warms up first, then times its share; the rate is the sum of the GPUs'
+    Each task loads and warms up first (its first request, with ``warm_steps`` steps if given),
+    then times its share; the rate is the sum of the GPUs'
     own rates (N independent replicas), latencies run from each GPU's start to each answer.
     """
     import ray
@@ -175,7 +194,8 @@ def plain_baseline(
             if device == "cuda":
                 torch.cuda.synchronize()
 
-        call(share[0])  # warm-up
+        warm = share[0] if warm_steps is None else dataclasses.replace(share[0], num_inference_steps=warm_steps)
+        call(warm)  # warm-up
         started_at = time.time()
         start = time.perf_counter()
         latencies = []
@@ -246,6 +266,11 @@ def main() -> None:
     parser.add_argument("--height", type=int, default=480)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--requests-per-gpu", type=int, default=2)
+    parser.add_argument(
+        "--warm-steps", type=int, default=None,
+        help="steps of every setup's warm-up requests (the same sizes, so the same compiled graphs); "
+        "default: --steps",
+    )  # fmt: skip
     parser.add_argument("--guidance", type=float, default=5.0, help="guidance_scale (1: unguided, as a distilled "
                         "4-step LoRA runs)")  # fmt: skip
     parser.add_argument("--gpus", type=int, default=2)
@@ -342,7 +367,9 @@ def main() -> None:
         if setup in PLAIN:
             for frames in args.frames:
                 compiled, backend = PLAIN[setup]
-                outcome = plain_baseline(str(model_dir), requests(frames), args.gpus, args.device, compiled, backend)
+                outcome = plain_baseline(
+                    str(model_dir), requests(frames), args.gpus, args.device, compiled, backend, args.warm_steps
+                )
                 record(setup, frames, outcome)
             return
         if setup == "offload":
@@ -367,11 +394,11 @@ def main() -> None:
                 else:
                     work = requests(frames, loras=adapters, cache=cache)
                 # Warm-up: one request per GPU (with the adapters, each of them).
-                warm = requests(frames, count=args.gpus, loras=adapters, cache=cache)
+                warm = requests(frames, steps=args.warm_steps, count=args.gpus, loras=adapters, cache=cache)
                 run_groups(groups, warm, args.request_deadline)
                 results: list = []
                 result = run_groups(groups, work, args.request_deadline, results)
-                result["forwards"] = sum(2 * r.num_inference_steps for r in work)
+                result["forwards"] = sum(forwards_of(r) for r in work)
                 if cache is not None:
                     result.update(cache_figures(groups[0], work, results, args.request_deadline))
                 if row == "batch":  # what a quantized setup's first request drifts from
