@@ -86,7 +86,7 @@ def options_of(layout: str, args) -> tuple[dict, tuple]:
     tile over the lane (``vae_parallel: on``), ``+novae`` has the leader decode alone
     (``vae_parallel: off``, the default), ``+compile`` (``compile: true``), ``+fp8``
     (``quantization: fp8``), ``+sage`` / ``+cudnn`` / ``+flash`` (``attention_backend``); several
-    combine (``s4-u4+fp8+compile+sage``). Returns the config fields and a request's ``lora``."""
+    combine (``s4-u4+fp8+compile+cudnn``). Returns the config fields and a request's ``lora``."""
     suffixes = suffixes_of(layout)
     fields = {k: v for s in suffixes for k, v in SUFFIX_FIELDS.get(s, {}).items()}
     if not {"lora", "fused"} & set(suffixes):

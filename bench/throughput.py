@@ -22,7 +22,7 @@ forwards that reused the cache and the drift of its first request's frames from 
 uncached on the same group; ``batch-fp8`` (and ``-compile``): ``quantization: fp8``, with the drift of
 its first request's frames from ``batch``'s (when ``batch`` ran first);
 ``batch-devicetick`` (and ``-compile``): the tick's all-gather on the GPU (``tick_exchange: device``);
-``batch-sage``, ``batch-fp8-compile-sage`` against ``plain-sage``, ``plain-compile-sage``:
+``batch-sage``, ``batch-compile-sage`` against ``plain-sage``, ``plain-compile-sage``:
 ``attention_backend: sage`` (SageAttention 2, built on the GPU host: ``docs/attention.md``).
 Every setup runs the same requests (480x832, ``--guidance``, 5 unless given) at each frame
 count; results are written after every setup so that a run cut short keeps what it measured.
@@ -78,13 +78,9 @@ OPTIONS = {
     "batch-fp8": {"quantization": "fp8"},
     "batch-fp8-compile": {"quantization": "fp8", "compile": True},
     "batch-sage": {"attention_backend": "sage"},
-    "batch-fp8-compile-sage": {"quantization": "fp8", "compile": True, "attention_backend": "sage"},
-    "batch-fp8-compile-sage-keep100": {
-        "quantization": "fp8",
-        "compile": True,
-        "attention_backend": "sage",
-        "keep_gathered": 1.0,
-    },
+    "batch-compile-sage": {"compile": True, "attention_backend": "sage"},
+    "batch-compile-sage-keep100": {"compile": True, "attention_backend": "sage", "keep_gathered": 1.0},
+    "batch-fp8-compile-keep100": {"quantization": "fp8", "compile": True, "keep_gathered": 1.0},
     "batch-fbcache": {"cache": {"kind": "first_block"}},
     "batch-taylorseer": {"cache": TAYLORSEER_2X},
     "batch-taylorseer-compile": {"cache": TAYLORSEER_2X, "compile": True},
