@@ -14,7 +14,7 @@ from support import max_abs_diff, pipeline_with_adapters, reference_frames, refe
 
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.group import GroupFailedError, ShardGroup
-from ray_hsdp.group.lanes import LaneTimes, Waiting, lane_for, serving_order
+from ray_hsdp.group.lanes import LaneTimes, LockStep, Waiting, lane_for, serving_order
 from ray_hsdp.request import GenerationRequest, InvalidRequestError, RequestCancelledError, StepCache
 from ray_hsdp.topology import ParallelDims
 from ray_hsdp.variant.lane import UnsplittableRequestError
@@ -43,6 +43,40 @@ def test_a_request_s_own_lane_size_is_honoured_and_waited_for():
     assert lane_for(DIMS, (1, 2, 4), 1, [0, 0, 0, 0], 1, waiting=1) == range(0, 1)
     assert lane_for(DIMS, (1, 2, 4), 4, [0, 0, 0, 0], 1, waiting=5) == range(0, 4)
     assert lane_for(DIMS, (1, 2, 4), 4, [0, 1, 0, 0], 1, waiting=1) is None  # a lane of 4 waits for all four
+
+
+# Per-forward work in output pixels (GenerationRequest.forward_cost) at 21 frames: the mix of run d.
+LARGE, SMALL = 832 * 480 * 21, 480 * 320 * 21
+
+
+def test_lanes_open_only_beside_lanes_of_like_work():
+    """In lock step a tick lasts as long as the busiest rank's forwards: unlike lanes side by side
+    make one of them run at the other's pace, so the request waits for the running lanes to drain."""
+    large_on_one = [LARGE, 0, 0, 0]  # a large request on a lane of one rank (rank 0)
+    # A small request beside it would run at its pace: it waits, though three ranks are free.
+    assert lane_for(DIMS, (1, 2, 4), None, [1, 0, 0, 0], 1, 3, lock_step=LockStep(large_on_one, SMALL)) is None
+    # Another large one opens beside it.
+    assert lane_for(DIMS, (1, 2, 4), None, [1, 0, 0, 0], 1, 3, lock_step=LockStep(large_on_one, LARGE)) == range(1, 2)
+    # A small request on a lane of one rank does beside a large one on a lane of two (work 1.3x apart).
+    large_on_two = [LARGE / 2, LARGE / 2, 0, 0]
+    assert lane_for(DIMS, (1, 2, 4), None, [1, 1, 0, 0], 1, 2, lock_step=LockStep(large_on_two, SMALL)) == range(2, 3)
+    # A large request does not join ranks that run small ones (they would run at its pace).
+    small_on_four = [SMALL / 4] * 4
+    assert lane_for(DIMS, (1, 2, 4), None, [1, 1, 1, 1], 2, 1, lock_step=LockStep(small_on_four, LARGE)) is None
+    # A small one joins a large one's lane of four (the wide lane's next request, as a fixed wide lane runs).
+    large_on_four = [LARGE / 4] * 4
+    assert lane_for(DIMS, (1, 2, 4), None, [1, 1, 1, 1], 2, 1, lock_step=LockStep(large_on_four, SMALL)) == range(0, 4)
+    # An idle group opens any lane; a request that names its lane size gets it regardless.
+    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 1, lock_step=LockStep([0.0] * 4, SMALL)) == range(0, 4)
+    assert lane_for(DIMS, (1, 2, 4), 1, [1, 0, 0, 0], 1, 1, lock_step=LockStep(large_on_one, SMALL)) == range(1, 2)
+
+
+def test_lock_step_alike_compares_the_tick_with_the_running_one_and_the_lane_s_own_work():
+    assert LockStep([0.0, 0.0], 10.0).alike(range(0, 2))  # an idle group
+    assert LockStep([10.0, 0.0], 10.0).alike(range(1, 2))  # tick 10 either way
+    assert not LockStep([10.0, 0.0], 5.0).alike(range(1, 2))  # it would run at twice its own pace
+    assert not LockStep([5.0, 0.0], 10.0).alike(range(1, 2))  # the running lane would run at half its pace
+    assert LockStep([6.0, 0.0], 5.0).alike(range(1, 2))  # 1.2x apart: within ALIKE
 
 
 def test_lane_sizes_refuse_fixed_lanes_and_sizes_that_do_not_divide_the_group():

@@ -19,7 +19,18 @@ target is given a lane only where the group's measured time for its work on that
 finishes in time: the fastest such lane within its share, else the narrowest such lane free; when no
 free lane would make it but a busy wider one would, it waits for that one; when none would, it is
 served like a request without a target. A request that names its ``lane_size`` waits for a free lane
-of that size. A lane is an aligned block of ranks (``ParallelDims.blocks``), all of them free.
+of that size (alike its neighbours or not: it asked for it). A lane is an aligned block of ranks
+(``ParallelDims.blocks``), all of them free.
+
+**Neighbours** (adaptive groups): the lanes of a group run in one lock step, so a tick lasts as long
+as its busiest rank's forwards (every request a rank runs adds its share of a forward's work), and
+every lane waits for it. A lane opens only where it is alike its neighbours (``LockStep.alike``):
+it neither lengthens the tick the running lanes have by more than ``ALIKE`` times, nor runs at a
+tick more than ``ALIKE`` times its own ranks' work. A small request thus does not open a lane of
+one rank beside a large request's lane of one (it would run at the large one's pace), nor a large
+one beside small ones (they would run at its pace): it waits until the running lanes drain, and
+requests of like work share the group. Measured on GPUs (run d, ``docs/performance.md``): lanes
+of unlike work side by side ran far slower than alone; this rule is not measured on GPUs yet.
 """
 
 from __future__ import annotations
@@ -33,6 +44,33 @@ from ray_hsdp.topology import ParallelDims
 #: A lane size is as efficient as the best when its rank-seconds for a request are at most this
 #: many times the best measured size's.
 EFFICIENT = 1.1
+#: A lane opens beside running ones only when the tick it makes is at most this many times both the
+#: running lanes' tick and its own ranks' work (``LockStep.alike``).
+ALIKE = 1.5
+
+
+@dataclass(frozen=True)
+class LockStep:
+    """The per-forward work of a group's tick, and of a request that waits for a lane.
+
+    Attributes:
+        rank_work: Each rank's share of the forwards that its denoising requests put into every
+            tick (``GenerationRequest.forward_cost`` over the lane's ranks, summed per rank).
+        cost: The waiting request's ``forward_cost``.
+    """
+
+    rank_work: Sequence[float]
+    cost: float
+
+    def alike(self, block: range) -> bool:
+        """Whether a lane of the ranks ``block`` for the waiting request is alike its neighbours:
+        the tick it makes is at most ``ALIKE`` times the tick the group runs now (when it runs one)
+        and at most ``ALIKE`` times its own ranks' work (it does not wait on heavier neighbours)."""
+        share = self.cost / len(block)
+        after = [work + (share if rank in block else 0.0) for rank, work in enumerate(self.rank_work)]
+        tick, before = max(after), max(self.rank_work, default=0.0)
+        own = max(after[rank] for rank in block)
+        return tick <= ALIKE * own and (before <= 0 or tick <= ALIKE * before)
 
 
 class LaneTimes:
@@ -105,6 +143,7 @@ def lane_for(
     waiting: int,
     due_s: float | None = None,
     estimates: Mapping[int, float] | None = None,
+    lock_step: LockStep | None = None,
 ) -> range | None:
     """The ranks of the lane to give the first request in the serving order, or ``None``: it waits.
 
@@ -118,14 +157,19 @@ def lane_for(
         due_s: Seconds until its target; ``None``: none.
         estimates: Lane size -> the seconds the group measured a request of its work takes there
             (``LaneTimes.estimates``); sizes that never ran one are absent.
+        lock_step: The tick's work and the request's; ``None``: lanes open wherever ranks are free.
     """
     free = [load < capacity for load in loads]
 
-    def block(size: int) -> range | None:
+    def free_block(size: int) -> range | None:
         return next((b for b in dims.blocks(size) if all(free[r] for r in b)), None)
 
+    def block(size: int) -> range | None:
+        alike = lock_step.alike if lock_step is not None else (lambda b: True)
+        return next((b for b in dims.blocks(size) if all(free[r] for r in b) and alike(b)), None)
+
     if named is not None:
-        return block(named)
+        return free_block(named)
     share = max(1, sum(free) // max(1, waiting))
     open_sizes = [s for s in sorted(sizes) if block(s) is not None]
     estimates = estimates or {}

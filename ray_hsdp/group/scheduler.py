@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import ray
 
 from ray_hsdp.group.errors import GroupFailedError, QueueTimeoutError, died, remote_cause
-from ray_hsdp.group.lanes import Waiting, lane_for, serving_order
+from ray_hsdp.group.lanes import LockStep, Waiting, lane_for, serving_order
 from ray_hsdp.request import GenerationRequest
 from ray_hsdp.runtime import SessionFailedError
 from ray_hsdp.runtime.protocol import lane_ticket
@@ -202,12 +202,31 @@ class GroupScheduler:
                 self.dims, variant.lane_sizes, variant.request.lane_size, loads, self.config.requests_per_rank,
                 len(self._pending), deadline - time.time() if deadline is not None else None,
                 self.lane_times.estimates(variant.lane_sizes, variant.work),
+                LockStep(self._rank_work(), variant.request.forward_cost),
             )  # fmt: skip
             if ranks is None:
                 return
             job = self._take(first)
             if job is not None:
                 self._offer(ranks, job)
+
+    def _rank_work(self) -> list[float]:
+        """Each rank's share of the forwards its denoising requests put into a tick (lock held): a
+        request's ``forward_cost`` over its lane's ranks, on each rank still running it. A lane's
+        leader that alone still holds a request of several ranks is decoding it and adds none."""
+        holders: dict[int, list[int]] = {}
+        jobs: dict[int, QueuedJob] = {}
+        for rank_index, job in self._inflight.values():
+            holders.setdefault(id(job), []).append(rank_index)
+            jobs[id(job)] = job
+        work = [0.0] * self.dims.shard_size
+        for key, ranks in holders.items():
+            job = jobs[key]
+            if len(job.ranks) > 1 and len(ranks) == 1:
+                continue
+            for rank_index in ranks:
+                work[rank_index] += job.request.forward_cost / len(job.ranks)
+        return work
 
     def _load(self, lane: int) -> int:
         """Requests on ``lane``: its busiest rank's (a leader still decodes after its lane moved on)."""
