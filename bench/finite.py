@@ -5,7 +5,8 @@
 
 A quick probe for a pair of options whose outputs may break (fp8 with the sage attention backend
 gave all-NaN frames on Wan2.1-14B): it needs no plain diffusers run, so it costs a group's start and
-one step per size. ``--set FIELD=JSON`` sets a ``GroupConfig`` field (repeatable); ``--compare``
+one step per size. A group answers frames that are not finite with ``NonFiniteOutputError``, whose
+message (how many values) is the row's. ``--set FIELD=JSON`` sets a ``GroupConfig`` field (repeatable); ``--compare``
 also runs the group without those fields and reports the largest difference of the frames.
 """
 
@@ -19,17 +20,22 @@ from bench.common import ensure_model, environment, fox_requests, start_ray, wri
 
 
 def frames_of(config, sizes, frames: int, steps: int, deadline_s: float) -> dict:
-    """Size -> the frames (a float32 array) of one request of that size on a group of ``config``."""
+    """Size -> the frames (a float32 array) of one request of that size on a group of ``config``,
+    or the ``NonFiniteOutputError`` it answered."""
     import numpy as np
 
     from ray_hsdp.group import ShardGroup
+    from ray_hsdp.request import NonFiniteOutputError
 
     out = {}
     with ShardGroup(config) as group:
         for size in sizes:
             width, height = (int(x) for x in size.split("x"))
             request = fox_requests(1, width=width, height=height, frames=frames, steps=steps)[0]
-            out[size] = np.asarray(group.submit(request).result(timeout=deadline_s).frames, dtype=np.float32)
+            try:
+                out[size] = np.asarray(group.submit(request).result(timeout=deadline_s).frames, dtype=np.float32)
+            except NonFiniteOutputError as err:
+                out[size] = err
     return out
 
 
@@ -61,17 +67,25 @@ def main() -> None:
     plain = frames_of(GroupConfig(**base), *work) if args.compare else {}
     rows = []
     for size, out in probed.items():
-        row = {"size": size, "nan": int((out != out).sum()), "values": int(out.size)}
-        if size in plain:
+        if isinstance(out, Exception):
+            rows.append({"size": size, "finite": False, "error": str(out)})
+            continue
+        row = {"size": size, "finite": True}
+        if isinstance(plain.get(size), Exception):
+            row["error"] = f"without the fields: {plain[size]}"
+        elif size in plain:
             row["max_abs_diff_without"] = float(abs(out - plain[size]).max())
         rows.append(row)
     lines = [
         f"# Finite frames: {args.arch}, {args.frames} frames, {args.steps} steps, "
         f"shard_size {args.shard_size}, {fields}",
         "",
-        "| size | NaN values | of | max abs diff without the fields |",
+        "| size | finite | max abs diff without the fields | error |",
         "| --- | --- | --- | --- |",
-        *(f"| {r['size']} | {r['nan']} | {r['values']} | {r.get('max_abs_diff_without', '')} |" for r in rows),
+        *(
+            f"| {r['size']} | {r['finite']} | {r.get('max_abs_diff_without', '')} | {r.get('error', '')} |"
+            for r in rows
+        ),
     ]
     payload = {"rows": rows, "fields": fields, "environment": environment()}
     write_results(args.out, args.name, payload, "\n".join(lines) + "\n")

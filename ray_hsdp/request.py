@@ -21,6 +21,12 @@ class RequestCancelledError(RuntimeError):
     of a denoising step, before its decode. A missed deadline is a ``TimeoutError`` instead."""
 
 
+class NonFiniteOutputError(RuntimeError):
+    """The model's frames hold NaN or infinite values: a numeric fault of the model or its kernels
+    (a quantization or attention backend that breaks on it), never of the request; answered as a
+    server error rather than as frames that look like noise."""
+
+
 class LaneCollectiveError(RuntimeError):
     """A request failed while its lane's ranks were in a collective of their own outside the ticks
     (a split decode): the other ranks of the lane may wait in it, so the rank's session fails."""

@@ -22,6 +22,7 @@ from ray_hsdp.phases import Phases
 from ray_hsdp.request import (
     GenerationResult,
     InvalidRequestError,
+    NonFiniteOutputError,
     RequestCancelledError,
 )
 from ray_hsdp.request_slots import RequestSlots
@@ -286,6 +287,15 @@ class ShardedPipeline(RequestSlots):
             released = variant.release(self.features)
         frames = output.frames if hasattr(output, "frames") else output.images
         frames = np.asarray(frames, dtype=np.float32)
+        # NaN survives diffusers' clamp to [0, 1]; the frames' float64 sum is not finite exactly when one
+        # of them is not (one pass, no copy of a 720p video's 224M values).
+        if not np.isfinite(frames.sum(dtype=np.float64)):
+            bad = int(frames.size - np.isfinite(frames).sum())
+            raise NonFiniteOutputError(
+                f"request {request.request_id!r}: the model made {bad} NaN or infinite values of {frames.size} in "
+                "its frames (a numeric fault of the model or its kernels, e.g. its quantization or attention "
+                "backend; not of the request)"
+            )
         if frames.ndim == 4:  # images: (n, H, W, C) -> (n, 1, H, W, C)
             frames = frames[:, None]
         if request.uint8_frames:

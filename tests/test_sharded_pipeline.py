@@ -91,3 +91,19 @@ def test_a_scheduler_whose_shift_is_dynamic_takes_no_flow_shift():
     request = GenerationRequest(prompt="a fox", flow_shift=1.5)
     with pytest.raises(InvalidRequestError, match=r"without a static shift .* with flow_shift: the scheduler would"):
         refuse_request(GroupConfig(), {"flow_shift": shift_key(dynamic)}, request)
+
+
+def test_frames_that_are_not_finite_fail_the_request_as_the_model_s_fault(tiny_model):
+    """A numeric fault of the model (here a NaN weight, as a kernel that breaks on a model gives)
+    fails the request with a server error naming it, instead of answering frames of noise."""
+    import torch
+
+    from ray_hsdp.request import NonFiniteOutputError
+
+    pipeline = one_rank(tiny_model)
+    request = GenerationRequest(prompt="a fox", num_inference_steps=2, num_frames=5, request_id="nan")
+    assert pipeline.run(RequestVariant.unchecked(request)).frames.shape == (1, 5, 64, 64, 3)
+    with torch.no_grad():
+        pipeline.pipe.transformer.proj_out.bias[0] = float("nan")
+    with pytest.raises(NonFiniteOutputError, match=r"request 'nan': the model made \d+ NaN or infinite values"):
+        pipeline.run(RequestVariant.unchecked(request))
