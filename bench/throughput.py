@@ -58,7 +58,9 @@ def latent_tokens(width: int, height: int, frames: int) -> int:
 
 #: TaylorSeer at a fixed 2x schedule: step 0 in full, then one full step in every 2.
 TAYLORSEER_2X = {"kind": "taylorseer", "interval": 2, "warmup_steps": 1}
-#: Setups of ``batch`` with one group field changed.
+#: Only the denoisers sharded (``shard_components``): text encoders and VAE replicated on every rank.
+LOCAL_TEXT = ("transformer", "transformer_2")
+#: Setups of ``batch`` with some of its group fields changed.
 OPTIONS = {
     "batch-prefetch0": {"forward_prefetch": 0},
     "batch-prefetch2": {"forward_prefetch": 2},
@@ -81,6 +83,10 @@ OPTIONS = {
     "batch-compile-sage": {"compile": True, "attention_backend": "sage"},
     "batch-compile-sage-keep100": {"compile": True, "attention_backend": "sage", "keep_gathered": 1.0},
     "batch-fp8-compile-keep100": {"quantization": "fp8", "compile": True, "keep_gathered": 1.0},
+    # The text encoder replicated: a request's encoding runs on its rank alone, not in a tick of the group.
+    "batch-localtext": {"shard_components": LOCAL_TEXT},
+    "batch-fp8-compile-localtext": {"quantization": "fp8", "compile": True, "shard_components": LOCAL_TEXT},
+    "batch-compile-sage-localtext": {"compile": True, "attention_backend": "sage", "shard_components": LOCAL_TEXT},
     "batch-fbcache": {"cache": {"kind": "first_block"}},
     "batch-taylorseer": {"cache": TAYLORSEER_2X},
     "batch-taylorseer-compile": {"cache": TAYLORSEER_2X, "compile": True},
