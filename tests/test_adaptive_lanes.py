@@ -57,7 +57,7 @@ def test_lanes_open_only_beside_lanes_of_like_work():
     assert lane_for(DIMS, (1, 2, 4), None, [1, 0, 0, 0], 1, 3, lock_step=LockStep(large_on_one, SMALL)) is None
     # Another large one opens beside it.
     assert lane_for(DIMS, (1, 2, 4), None, [1, 0, 0, 0], 1, 3, lock_step=LockStep(large_on_one, LARGE)) == range(1, 2)
-    # A small request on a lane of one rank does beside a large one on a lane of two (work 1.3x apart).
+    # A small request opens a lane of one rank beside a large one on a lane of two (work 1.3x apart).
     large_on_two = [LARGE / 2, LARGE / 2, 0, 0]
     assert lane_for(DIMS, (1, 2, 4), None, [1, 1, 0, 0], 1, 2, lock_step=LockStep(large_on_two, SMALL)) == range(2, 3)
     # A large request does not join ranks that run small ones (they would run at its pace).
