@@ -161,15 +161,13 @@ def lane_for(
     """
     free = [load < capacity for load in loads]
 
-    def free_block(size: int) -> range | None:
-        return next((b for b in dims.blocks(size) if all(free[r] for r in b)), None)
-
-    def block(size: int) -> range | None:
-        alike = lock_step.alike if lock_step is not None else (lambda b: True)
+    def block(size: int, beside_any: bool = False) -> range | None:
+        """The first free aligned lane of ``size``: one alike its neighbours unless ``beside_any``."""
+        alike = lock_step.alike if lock_step is not None and not beside_any else (lambda b: True)
         return next((b for b in dims.blocks(size) if all(free[r] for r in b) and alike(b)), None)
 
     if named is not None:
-        return free_block(named)
+        return block(named, beside_any=True)
     share = max(1, sum(free) // max(1, waiting))
     open_sizes = [s for s in sorted(sizes) if block(s) is not None]
     estimates = estimates or {}

@@ -214,14 +214,11 @@ class GroupScheduler:
         """Each rank's share of the forwards its denoising requests put into a tick (lock held): a
         request's ``forward_cost`` over its lane's ranks, on each rank still running it. A lane's
         leader that alone still holds a request of several ranks is decoding it and adds none."""
-        holders: dict[int, list[int]] = {}
-        jobs: dict[int, QueuedJob] = {}
+        holders: dict[int, tuple[QueuedJob, list[int]]] = {}
         for rank_index, job in self._inflight.values():
-            holders.setdefault(id(job), []).append(rank_index)
-            jobs[id(job)] = job
+            holders.setdefault(id(job), (job, []))[1].append(rank_index)
         work = [0.0] * self.dims.shard_size
-        for key, ranks in holders.items():
-            job = jobs[key]
+        for job, ranks in holders.values():
             if len(job.ranks) > 1 and len(ranks) == 1:
                 continue
             for rank_index in ranks:
