@@ -4,10 +4,11 @@
         --set attention_backend='"sage"' --set quantization='"fp8"'
 
 A quick probe for a pair of options whose outputs may break (fp8 with the sage attention backend
-gave all-NaN frames on Wan2.1-14B): it needs no plain diffusers run, so it costs a group's start and
-one step per size. A group answers frames that are not finite with ``NonFiniteOutputError``, whose
-message (how many values) is the row's. ``--set FIELD=JSON`` sets a ``GroupConfig`` field (repeatable); ``--compare``
-also runs the group without those fields and reports the largest difference of the frames.
+gave all-NaN frames on Wan2.1-14B until cross-attentions kept SDPA): it needs no plain diffusers run,
+so it costs a group's start and one step per size. A group answers frames that are not finite with
+``NonFiniteOutputError``, whose message (how many values) is the row's. ``--set FIELD=JSON`` sets a
+``GroupConfig`` field (repeatable); ``--compare`` also runs the group without those fields and
+reports the largest difference of the frames.
 """
 
 from __future__ import annotations

@@ -83,10 +83,23 @@ OPTIONS = {
     "batch-compile-sage": {"compile": True, "attention_backend": "sage"},
     "batch-compile-sage-keep100": {"compile": True, "attention_backend": "sage", "keep_gathered": 1.0},
     "batch-fp8-compile-keep100": {"quantization": "fp8", "compile": True, "keep_gathered": 1.0},
+    "batch-fp8-compile-sage": {"quantization": "fp8", "compile": True, "attention_backend": "sage"},
+    "batch-fp8-compile-sage-keep100": {
+        "quantization": "fp8",
+        "compile": True,
+        "attention_backend": "sage",
+        "keep_gathered": 1.0,
+    },
     # The text encoder replicated: a request's encoding runs on its rank alone, not in a tick of the group.
     "batch-localtext": {"shard_components": LOCAL_TEXT},
     "batch-fp8-compile-localtext": {"quantization": "fp8", "compile": True, "shard_components": LOCAL_TEXT},
     "batch-compile-sage-localtext": {"compile": True, "attention_backend": "sage", "shard_components": LOCAL_TEXT},
+    "batch-fp8-compile-sage-localtext": {
+        "quantization": "fp8",
+        "compile": True,
+        "attention_backend": "sage",
+        "shard_components": LOCAL_TEXT,
+    },
     "batch-fbcache": {"cache": {"kind": "first_block"}},
     "batch-taylorseer": {"cache": TAYLORSEER_2X},
     "batch-taylorseer-compile": {"cache": TAYLORSEER_2X, "compile": True},

@@ -296,8 +296,9 @@ class GroupKernels(BaseModel):
     attention_backend: str = Field(
         "auto",
         description="diffusers attention backend of the transformers ('native', '_native_cudnn', 'flash', 'sage' "
-        "(SageAttention 2, built on the GPU host: docs/attention.md), ...); 'auto' keeps diffusers' default, or "
-        "'_native_cudnn' on CUDA when ring_degree > 1.",
+        "(SageAttention 2, built on the GPU host: docs/attention.md; its V quantization turns a channel that is "
+        "zero at every key into NaN, so under it cross-attentions keep torch's SDPA), ...); 'auto' keeps diffusers' "
+        "default, or '_native_cudnn' on CUDA when ring_degree > 1.",
     )
     compile: bool = Field(
         False,

@@ -22,7 +22,7 @@ from ray_hsdp import step_cache
 from ray_hsdp.loading import build_on_meta, fill_from_checkpoint, load_pipeline, materialize, model_index
 from ray_hsdp.phases import Phases
 from ray_hsdp.sharding import compile_units, resolve_plan, shard_module
-from ray_hsdp.sharding.context_parallel import LaneParallel, enable_context_parallel
+from ray_hsdp.sharding.context_parallel import LaneParallel, enable_context_parallel, set_attention_backend
 from ray_hsdp.sharding.fp8 import fp8_linears, quantize_fp8
 from ray_hsdp.sharding.policy import registered_policy
 from ray_hsdp.topology import ParallelDims
@@ -254,7 +254,7 @@ def load_parts(
         else:
             if backend is not None:
                 for module in models.values():
-                    module.set_attention_backend(backend)
+                    set_attention_backend(module, backend)
             # No split, but the group still counts a request's work by its tokens (group.lanes.LaneTimes).
             gridded = [(m, policies[n]) for n, m in models.items() if getattr(policies.get(n), "token_grid", None)]
             sequence = token_grid(pipe, *gridded[0], degree=1) if gridded else None

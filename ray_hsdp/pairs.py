@@ -165,15 +165,6 @@ REFUSALS: tuple[Refusal, ...] = (
         ),
     ),
     Refusal(
-        "quantization 'fp8'",
-        "attention_backend 'sage'",
-        "Wan2.1-14B's frames came out all NaN with both, in lanes of one rank and of four (one step, H200), "
-        "while each alone stays finite; the cause is not found yet "
-        "(bench/results/finite-wan2.1-t2v-14b-4xH200-fp8-sage.md)",
-        "use one of them: attention_backend 'sage' with quantization 'none', or fp8 with attention_backend 'auto'",
-        lambda c: c.quantization == "fp8" and c.attention_backend == "sage",
-    ),
-    Refusal(
         "a step cache (cache.kind)",
         "shard_size 1",
         "a step cache keeps each request's state apart on the tick thread of a sharded rank, which an unsharded "

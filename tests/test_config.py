@@ -36,10 +36,6 @@ def test_defaults_are_a_usable_group():
             {"attention_backend": "sage", "device": "cuda", "shard_size": 2, "ring_degree": 2},
             r"ring_degree > 1 with attention_backend other than auto, _native_cudnn, _native_flash \(e.g. sage\)",
         ),
-        (
-            {"attention_backend": "sage", "quantization": "fp8", "device": "cuda", "shard_size": 2},
-            "quantization 'fp8' with attention_backend 'sage': Wan2.1-14B's frames came out all NaN",
-        ),
     ],
 )
 def test_bad_group_config_names_the_problem(fields, message):

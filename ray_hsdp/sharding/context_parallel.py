@@ -21,6 +21,14 @@ RING_BACKENDS = ("_native_cudnn", "_native_flash")
 #: Backends that run without CUDA (PyTorch's SDPA and its math kernel).
 CPU_BACKENDS = ("native", "_native_math")
 
+#: Backends that quantize V with one FP8 scale per channel over all keys (SageAttention 2's
+#: ``per_channel_fp8`` multiplies by 448 / the channel's largest value): a channel that is zero at
+#: every key gives 0 x inf, and the NaN reaches every channel at the attention's output projection.
+#: A cross-attention over a short text can hold one: on Wan2.1-14B with FP8 linears the empty
+#: negative prompt's single key had an exactly-zero channel in one block, and every frame came out NaN
+#: (``bench/results/finite-wan2.1-t2v-14b-1xH200-fp8-sage-cause.md``).
+PER_CHANNEL_V_BACKENDS = ("sage", "sage_varlen", "_sage_qk_int8_pv_fp8_cuda", "_sage_qk_int8_pv_fp8_cuda_sm90")
+
 
 def attention_backend_for(requested: str, device: str, ring: int) -> str | None:
     """The attention backend a transformer gets: ``requested``, or for ``"auto"`` diffusers' own
@@ -34,6 +42,27 @@ def attention_backend_for(requested: str, device: str, ring: int) -> str | None:
     if device == "cpu" and requested not in CPU_BACKENDS:
         raise ValueError(f"attention_backend={requested!r} needs CUDA; on CPU ranks use one of {list(CPU_BACKENDS)}")
     return requested
+
+
+def set_attention_backend(model: nn.Module, backend: str) -> None:
+    """diffusers' ``set_attention_backend`` on ``model``, except that under a backend of
+    ``PER_CHANNEL_V_BACKENDS`` its cross-attentions keep torch's SDPA: their keys (a text of a few
+    hundred tokens) may hold a channel that is zero at every key, and they are a small share of the
+    attention time, which the self-attentions over the video's tokens take."""
+    model.set_attention_backend(backend)
+    if backend in PER_CHANNEL_V_BACKENDS:
+        keep_cross_attention_native(model)
+
+
+def keep_cross_attention_native(model: nn.Module) -> int:
+    """Sets every cross-attention of ``model`` (a diffusers attention module whose
+    ``is_cross_attention`` is true) to diffusers' ``native`` backend; returns how many."""
+    kept = 0
+    for module in model.modules():
+        if getattr(module, "is_cross_attention", False) and hasattr(module, "set_attention_backend"):
+            module.set_attention_backend("native")
+            kept += 1
+    return kept
 
 
 @contextmanager
@@ -98,7 +127,7 @@ def enable_context_parallel(
             "ulysses_degree and ring_degree must stay 1 for this model"
         )
     if attention_backend is not None:
-        module.set_attention_backend(attention_backend)
+        set_attention_backend(module, attention_backend)
     config = ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses, mesh=lane_mesh)
     with _one_device_per_rank(device):
         module.enable_parallelism(config=config, cp_plan=cp_plan)
