@@ -14,7 +14,7 @@ from support import max_abs_diff, pipeline_with_adapters, reference_frames, refe
 
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.group import GroupFailedError, ShardGroup
-from ray_hsdp.group.lanes import LaneTimes, LockStep, Waiting, lane_for, serving_order
+from ray_hsdp.group.lanes import LaneTimes, LockStep, Waiting, lane_for, serving_order, wide_keeps_up
 from ray_hsdp.request import GenerationRequest, InvalidRequestError, RequestCancelledError, StepCache
 from ray_hsdp.topology import ParallelDims
 from ray_hsdp.variant.lane import UnsplittableRequestError
@@ -193,6 +193,23 @@ def test_a_request_with_a_target_gets_a_lane_that_its_measured_time_says_makes_i
     assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, due_s=1.0, estimates=times) == range(0, 1)
     # A size not measured yet counts as in time (the group learns it from the first request on it).
     assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, due_s=3.0, estimates={1: 4.0}) == range(0, 2)
+
+
+def test_a_backlog_that_the_widest_lane_clears_in_time_runs_there():
+    # Two requests of 2 s on the widest lane, due in 6 s: they finish at 2 and 4 s; four finish at 8 s.
+    assert wide_keeps_up([(6.0, 2.0)] * 2, 0.0, 1)
+    assert not wide_keeps_up([(6.0, 2.0)] * 4, 0.0, 1)
+    assert wide_keeps_up([(6.0, 2.0)] * 4, 0.0, 2)  # two at a time: they start at 0, 1, 2 and 3 s
+    assert not wide_keeps_up([(6.0, 2.0)] * 2, 3.0, 1)  # the work running now drains first
+    times = {1: 4.0, 2: 2.4, 4: 1.5}
+    # A backlog of four would get lanes of one rank (4 s, in time); keeping up, they run on the wide lane.
+    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, due_s=5.0, estimates=times) == range(0, 1)
+    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, 5.0, times, keeps_up=True) == range(0, 4)
+    # ... or wait for it while it is busy, rather than open a narrow lane beside it.
+    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 1, 1], 1, 4, 5.0, times, keeps_up=True) is None
+    # A request without a target, or one that names its size, is not held to it.
+    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, estimates=times, keeps_up=True) == range(0, 1)
+    assert lane_for(DIMS, (1, 2, 4), 1, [0, 0, 0, 0], 1, 4, 5.0, times, keeps_up=True) == range(0, 1)
 
 
 def test_measured_times_are_kept_per_lane_size_and_work_and_follow_the_load():

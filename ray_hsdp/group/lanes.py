@@ -18,8 +18,14 @@ measured that a wider lane costs no more rank-seconds for a request of this work
 target is given a lane only where the group's measured time for its work on that lane size says it
 finishes in time: the fastest such lane within its share, else the narrowest such lane free; when no
 free lane would make it but a busy wider one would, it waits for that one; when none would, it is
-served like a request without a target. A request that names its ``lane_size`` waits for a free lane
-of that size (alike its neighbours or not: it asked for it). A lane is an aligned block of ranks
+served like a request without a target. **Wide first**: while every waiting request that can still
+make its target would make it served one after another on the widest lane it may run on
+(``wide_keeps_up``, from the measured times), a request with a target gets the widest lane, or waits
+for it: narrower lanes side by side slow each other in lock step (run d: lanes of one and two ranks
+given under a backlog that the wide lane cleared in time lost to the fixed wide lane at 0.7 req/s),
+so they are given only to a backlog the widest lane cannot clear by its targets. A request that
+names its ``lane_size`` waits for a free lane of that size (alike its neighbours or not: it asked
+for it). A lane is an aligned block of ranks
 (``ParallelDims.blocks``), all of them free.
 
 **Neighbours** (adaptive groups): the lanes of a group run in one lock step, so a tick lasts as long
@@ -134,6 +140,19 @@ def serving_order(waiting: Sequence[Waiting], max_skip_s: float) -> list[int]:
     return sorted(range(len(waiting)), key=key)
 
 
+def wide_keeps_up(queue: Sequence[tuple[float, float]], backlog_s: float, capacity: int) -> bool:
+    """Whether each request of ``queue`` (seconds until its target, its measured seconds on the
+    widest lane it may run on; in serving order, those that no lane can make left out) finishes by its
+    target when they run one after another on that lane, ``capacity`` at a time, starting once the
+    ``backlog_s`` seconds of work the group runs now have drained."""
+    start = backlog_s
+    for due_s, wide_s in queue:
+        if start + wide_s > due_s:
+            return False
+        start += wide_s / capacity
+    return True
+
+
 def lane_for(
     dims: ParallelDims,
     sizes: Sequence[int],
@@ -144,6 +163,7 @@ def lane_for(
     due_s: float | None = None,
     estimates: Mapping[int, float] | None = None,
     lock_step: LockStep | None = None,
+    keeps_up: bool = False,
 ) -> range | None:
     """The ranks of the lane to give the first request in the serving order, or ``None``: it waits.
 
@@ -158,6 +178,7 @@ def lane_for(
         estimates: Lane size -> the seconds the group measured a request of its work takes there
             (``LaneTimes.estimates``); sizes that never ran one are absent.
         lock_step: The tick's work and the request's; ``None``: lanes open wherever ranks are free.
+        keeps_up: Whether the queue makes its targets on the widest lanes (``wide_keeps_up``).
     """
     free = [load < capacity for load in loads]
 
@@ -168,6 +189,8 @@ def lane_for(
 
     if named is not None:
         return block(named, beside_any=True)
+    if due_s is not None and keeps_up:
+        return block(max(sizes))  # None: it waits for the widest lane, in time for its target
     share = max(1, sum(free) // max(1, waiting))
     open_sizes = [s for s in sorted(sizes) if block(s) is not None]
     estimates = estimates or {}

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import ray
 
 from ray_hsdp.group.errors import GroupFailedError, QueueTimeoutError, died, remote_cause
-from ray_hsdp.group.lanes import LockStep, Waiting, lane_for, serving_order
+from ray_hsdp.group.lanes import LockStep, Waiting, lane_for, serving_order, wide_keeps_up
 from ray_hsdp.request import GenerationRequest
 from ray_hsdp.runtime import SessionFailedError
 from ray_hsdp.runtime.protocol import lane_ticket
@@ -195,20 +195,46 @@ class GroupScheduler:
         lock held."""
         while self._pending:
             loads = [sum(1 for i, _ in self._inflight.values() if i == r) for r in range(self.dims.shard_size)]
-            first = self._serving_order()[0]
+            order = self._serving_order()
+            first = order[0]
             variant = self._pending[first].variant
             deadline = variant.request.deadline
             ranks = lane_for(
                 self.dims, variant.lane_sizes, variant.request.lane_size, loads, self.config.requests_per_rank,
                 len(self._pending), deadline - time.time() if deadline is not None else None,
                 self.lane_times.estimates(variant.lane_sizes, variant.work),
-                LockStep(self._rank_work(), variant.request.forward_cost),
+                LockStep(self._rank_work(), variant.request.forward_cost), self._wide_keeps_up(order),
             )  # fmt: skip
             if ranks is None:
                 return
             job = self._take(first)
             if job is not None:
                 self._offer(ranks, job)
+
+    def _wide_keeps_up(self, order: list[int]) -> bool:
+        """``lanes.wide_keeps_up`` for the queued jobs in ``order`` (lock held): false while the
+        widest lane of one of them has no measured time for its work. The work running now delays
+        the widest lane by its remaining measured seconds, spread over the group's ranks."""
+        wall, now, capacity = time.time(), time.monotonic(), self.config.requests_per_rank
+        queue = []
+        for index in order:
+            job = self._pending[index]
+            if job.request.deadline is None:
+                continue
+            sizes = self._lane_sizes_of(job.variant)
+            times = self.lane_times.estimates(sizes, job.variant.work)
+            if max(sizes) not in times:
+                return False
+            due_s = job.request.deadline - wall
+            if due_s >= min(times.values()):  # one that no lane makes is served behind the rest
+                queue.append((due_s, times[max(sizes)]))
+        running = {id(job): job for _, job in self._inflight.values()}.values()
+        rank_s = sum(
+            max(0.0, (self.lane_times.estimate(len(job.ranks), job.variant.work) or 0.0) - (now - job.taken))
+            * len(job.ranks)
+            for job in running
+        )
+        return wide_keeps_up(queue, rank_s / self.dims.shard_size / capacity, capacity)
 
     def _rank_work(self) -> list[float]:
         """Each rank's share of the forwards its denoising requests put into a tick (lock held): a
