@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 
 from bench.common import ensure_model, environment, fox_requests, start_ray, write_results
-from bench.throughput import latent_tokens
+from bench.throughput import LOCAL_TEXT, latent_tokens
+
+BEST = {"quantization": "fp8", "compile": True, "attention_backend": "sage"}
 
 SETUPS = {
     "ceiling": {"shard_size": 1, "replicate_size": 2},
@@ -27,6 +29,11 @@ SETUPS = {
     "batch-compile": {"mode": "batch", "compile": True},
     "batch-inplace-compile": {"mode": "batch", "gather": "in_place", "compile": True},
     "replicated": {"mode": "replicated"},
+    # The fastest options of issue 40 (FP8 linears, compile, SageAttention), and with the decode on a
+    # stream of its own / the text encoder unsharded on every rank.
+    "batch-best": {"mode": "batch", **BEST},
+    "batch-best-streams": {"mode": "batch", "request_streams": True, **BEST},
+    "batch-best-localtext": {"mode": "batch", "shard_components": LOCAL_TEXT, **BEST},
 }
 
 
@@ -53,6 +60,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=832)
     parser.add_argument("--height", type=int, default=480)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--guidance", type=float, default=5.0, help="guidance scale (1: unguided, one forward a step)")
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--setups", nargs="+", default=["ceiling", "batch", "batch-streams"], choices=sorted(SETUPS))
@@ -76,7 +84,13 @@ def main() -> None:
 
     def requests(frames, count):
         return fox_requests(
-            count, width=args.width, height=args.height, frames=frames, steps=args.steps, id_prefix=f"f{frames}-r"
+            count,
+            width=args.width,
+            height=args.height,
+            frames=frames,
+            steps=args.steps,
+            guidance_scale=args.guidance,
+            id_prefix=f"f{frames}-r",
         )
 
     rows: list[dict] = []
@@ -110,7 +124,13 @@ def main() -> None:
                     write_results(
                         Path(args.out),
                         name,
-                        {"rows": rows, "environment": environment(), "steps": args.steps, "rank_env": env_vars},
+                        {
+                            "rows": rows,
+                            "environment": environment(),
+                            "steps": args.steps,
+                            "guidance": args.guidance,
+                            "rank_env": env_vars,
+                        },
                         table(rows),
                     )
         finally:

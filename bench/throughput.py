@@ -14,8 +14,9 @@ offload (a user without HSDP); ``batch`` on a mixed workload (steps interleaved)
 set (``batch`` takes its default); ``batch-ctas2``, ``batch-ctas8`` (and ``batch-ctas2-compile``):
 ``nccl_max_ctas`` set; ``batch-lora``: every request with one unfused random rank-``--lora-rank``
 LoRA, ``batch-lora4``: four LoRAs registered, the requests taking them in turn (four at once on a
-group of 4), ``batch-fused``: that one LoRA merged into the weights at load (``fuse_loras``), all
-against ``batch`` without adapters; ``batch-fbcache`` and ``batch-taylorseer``: every request with a
+group of 4), ``batch-fused``: that one LoRA merged into the weights at load (``fuse_loras``;
+``batch-fused-fp8-compile-sage``: with ``fp8``, ``compile`` and ``sage``), all against ``batch``
+without adapters; ``batch-fbcache`` and ``batch-taylorseer``: every request with a
 step cache (First Block Cache at its default threshold; TaylorSeer at a fixed schedule, one full
 step in 2 after the first; ``-compile``: with ``compile: true``), each row with its share of
 forwards that reused the cache and the drift of its first request's frames from the same request
@@ -100,6 +101,8 @@ OPTIONS = {
         "attention_backend": "sage",
         "shard_components": LOCAL_TEXT,
     },
+    # One random LoRA merged at load (as batch-fused), with the fastest options.
+    "batch-fused-fp8-compile-sage": {"quantization": "fp8", "compile": True, "attention_backend": "sage"},
     "batch-fbcache": {"cache": {"kind": "first_block"}},
     "batch-taylorseer": {"cache": TAYLORSEER_2X},
     "batch-taylorseer-compile": {"cache": TAYLORSEER_2X, "compile": True},
@@ -394,8 +397,8 @@ def main() -> None:
         options = OPTIONS.get(setup, {})
         if setup in ("batch-lora", "batch-lora4"):
             options = {"loras": random_loras(4 if setup == "batch-lora4" else 1)}
-        if setup == "batch-fused":
-            options = {"loras": random_loras(1), "fuse_loras": {"lora0": 1.0}}
+        if setup.startswith("batch-fused"):
+            options = {**options, "loras": random_loras(1), "fuse_loras": {"lora0": 1.0}}
         adapters = tuple(name for name in options.get("loras", {}) if name not in options.get("fuse_loras", {}))
         cache = StepCacheConfig(**options["cache"]).settings() if "cache" in options else None
         mode = "replicated" if setup == "replicated" else "batch"

@@ -1,9 +1,19 @@
 """Attention backends on a model: which attentions a backend reaches."""
 
+import pytest
 import torch
+from diffusers.models.attention_dispatch import attention_backend
 from test_policies_models import _wan
 
 from ray_hsdp.sharding.context_parallel import keep_cross_attention_native, set_attention_backend
+
+
+@pytest.fixture(autouse=True)
+def _process_backend_kept():
+    # diffusers' set_attention_backend also sets the process's active backend, which every later
+    # model without one of its own would use: the context manager puts it back.
+    with attention_backend("native"):
+        yield
 
 
 def _backends(model) -> dict[str, str]:
