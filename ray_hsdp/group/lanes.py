@@ -25,8 +25,7 @@ for it: narrower lanes side by side slow each other in lock step (run d: lanes o
 given under a backlog that the wide lane cleared in time lost to the fixed wide lane at 0.7 req/s),
 so they are given only to a backlog the widest lane cannot clear by its targets. A request that
 names its ``lane_size`` waits for a free lane of that size (alike its neighbours or not: it asked
-for it). A lane is an aligned block of ranks
-(``ParallelDims.blocks``), all of them free.
+for it). A lane is an aligned block of ranks (``ParallelDims.blocks``), all of them free.
 
 **Neighbours** (adaptive groups): the lanes of a group run in one lock step, so a tick lasts as long
 as its busiest rank's forwards (every request a rank runs adds its share of a forward's work), and
