@@ -3,7 +3,8 @@ after its loop goes.
 
     python -m bench.vae --model-dir /tmp/wan14b --sizes 832x480 1280x720 --frames 81
 
-One seeded latent per size, decoded by the pipeline's VAE as the pipeline loads it (bf16 on CUDA),
+One seeded latent per size, decoded by the pipeline's VAE as the pipeline loads it (bf16 on CUDA;
+without ``--model-dir``, the architecture's real-size VAE built in memory with its initial weights),
 untiled and tiled, for each variant: ``default``; ``benchmark`` (``torch.backends.cudnn.benchmark``:
 cuDNN times its algorithms per shape once and keeps the fastest); ``channels_last_3d`` (the
 Conv3d weights in NDHWC, ``torch.nn.utils.convert_conv3d_weight_memory_format``, so that cuDNN may
@@ -52,10 +53,26 @@ def decode_s(vae, latents, tiled: bool, repeats: int, device: str):
     return (time.perf_counter() - start) / repeats, frames.float()
 
 
+def load_vae(arch: str, model_dir: Path | None, device: str, dtype):
+    """The pipeline folder's VAE (written by ``make-random`` unless there), or without a folder the
+    architecture's real-size VAE built in memory: the same shapes and kernels, no checkpoint to write."""
+    from diffusers import AutoencoderKL, AutoencoderKLWan
+
+    from ray_hsdp.checkpoints.architectures import get_architecture
+    from ray_hsdp.checkpoints.real_parts import REAL_PARTS
+
+    if model_dir is None:
+        whole, _ = REAL_PARTS[get_architecture(arch).family]()
+        return whole["vae"].to(device, dtype)
+    ensure_model(arch, model_dir, device)
+    cls = AutoencoderKLWan if "wan" in arch else AutoencoderKL
+    return cls.from_pretrained(model_dir / "vae", torch_dtype=dtype).to(device)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="wan2.1-t2v-14b")
-    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--model-dir", type=Path, default=None, help="a pipeline folder (else built in memory)")
     parser.add_argument("--sizes", nargs="+", default=["832x480", "1280x720"])
     parser.add_argument("--frames", type=int, default=81)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
@@ -66,12 +83,9 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from diffusers import AutoencoderKL, AutoencoderKLWan
 
-    ensure_model(args.arch, args.model_dir, args.device)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    cls = AutoencoderKLWan if "wan" in args.arch else AutoencoderKL
-    vae = cls.from_pretrained(args.model_dir / "vae", torch_dtype=dtype).to(args.device).eval()
+    vae = load_vae(args.arch, args.model_dir, args.device, dtype).eval()
     rows = []
     for size in args.sizes:
         width, height = (int(v) for v in size.split("x"))
