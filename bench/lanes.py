@@ -41,6 +41,7 @@ PROMPT = "A red fox runs through fresh snow at dawn, cinematic"
 SUFFIX_FIELDS = {
     "vae": {"vae_parallel": "on"},
     "novae": {"vae_parallel": "off"},
+    "vaecl": {"vae_channels_last": True},
     "compile": {"compile": True},
     "fp8": {"quantization": "fp8"},
     "sage": {"attention_backend": "sage"},

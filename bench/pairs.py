@@ -33,6 +33,7 @@ GROUP_SETTINGS = (
     "adaptive lanes",
     "keep_gathered",
     "vae_parallel",
+    "vae_channels_last",
     "compile",
     "fp8",
     "several groups (autoscaling, takeover)",
@@ -120,8 +121,10 @@ CPU_SHAPES = (
     Shape(
         "cfg-ulysses",
         {"shard_size": 4, "ulysses_degree": 2, "cfg_parallel": True, "requests_per_rank": 2, "vae_parallel": "on",
-         "fuse_loras": {"fused": 0.5}, "cache": {"kind": "first_block", "every_request": False}},
-        ("ulysses lane", "cfg lane", "vae_parallel", "fused adapters", "cache kind", "image-to-video model"),
+         "vae_channels_last": True, "fuse_loras": {"fused": 0.5},
+         "cache": {"kind": "first_block", "every_request": False}},
+        ("ulysses lane", "cfg lane", "vae_parallel", "vae_channels_last", "fused adapters", "cache kind",
+         "image-to-video model"),
         {"threshold": 1e9},  # no change reaches it: every step after the first reuses the cache
         large="320x288",
     ),

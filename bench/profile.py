@@ -30,10 +30,11 @@ SETUPS = {
     "batch-inplace-compile": {"mode": "batch", "gather": "in_place", "compile": True},
     "replicated": {"mode": "replicated"},
     # The fastest options of issue 40 (FP8 linears, compile, SageAttention), and with the decode on a
-    # stream of its own / the text encoder unsharded on every rank.
+    # stream of its own / the text encoder unsharded on every rank / the VAE's weights channels-last.
     "batch-best": {"mode": "batch", **BEST},
     "batch-best-streams": {"mode": "batch", "request_streams": True, **BEST},
     "batch-best-localtext": {"mode": "batch", "shard_components": LOCAL_TEXT, **BEST},
+    "batch-best-vaecl": {"mode": "batch", "vae_channels_last": True, **BEST},
 }
 
 

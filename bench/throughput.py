@@ -85,6 +85,12 @@ OPTIONS = {
     "batch-compile-sage-keep100": {"compile": True, "attention_backend": "sage", "keep_gathered": 1.0},
     "batch-fp8-compile-keep100": {"quantization": "fp8", "compile": True, "keep_gathered": 1.0},
     "batch-fp8-compile-sage": {"quantization": "fp8", "compile": True, "attention_backend": "sage"},
+    "batch-fp8-compile-sage-vaecl": {
+        "quantization": "fp8",
+        "compile": True,
+        "attention_backend": "sage",
+        "vae_channels_last": True,
+    },
     "batch-fp8-compile-sage-keep100": {
         "quantization": "fp8",
         "compile": True,

@@ -336,6 +336,12 @@ class GroupKernels(BaseModel):
         ge=1,
         description="'auto' tiles the decode of frames larger than this (width x height).",
     )
+    vae_channels_last: bool = Field(
+        False,
+        description="Keep the VAE's 3D convolution weights in channels-last memory (NDHWC), so that cuDNN runs "
+        "its channels-last kernels on a video VAE's decode without transposing; the convolutions' summation "
+        "order changes, so frames differ from the default by rounding.",
+    )
 
 
 class GroupQueue(BaseModel):

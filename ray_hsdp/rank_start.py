@@ -127,6 +127,8 @@ class RankStart:
                 self.pipeline.route_calls(
                     modules.proxies(self.runtime.call, {name: split for name in self.pipeline.cfg_split})
                 )
+            if self.config.vae_channels_last:
+                self.pipeline.vae_channels_last()
             with self.phases.phase("request slots"):  # each slot's own VAE and scheduler
                 self.pipeline.set_request_slots(self.config.requests_per_rank, self.config.shard_components)
             self.pipeline.request_streams = self.config.request_streams

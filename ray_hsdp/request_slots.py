@@ -81,6 +81,15 @@ class RequestSlots:
             self._streams[id(pipe)] = torch.cuda.Stream()
         return self._streams[id(pipe)]
 
+    def vae_channels_last(self) -> int:
+        """Puts the VAE's 3D convolution weights in channels-last memory (``torch.channels_last_3d``);
+        call before ``set_request_slots``, whose copies keep the format. Returns how many."""
+        vae = getattr(self.pipe, "vae", None)
+        if not isinstance(vae, torch.nn.Module):
+            return 0
+        torch.nn.utils.convert_conv3d_weight_memory_format(vae, torch.channels_last_3d)
+        return sum(isinstance(m, torch.nn.Conv3d) for m in vae.modules())
+
     def set_request_slots(self, slots: int, shared: tuple[str, ...]) -> None:
         """Prepares ``slots`` pipelines that can run requests at the same time on this rank.
 

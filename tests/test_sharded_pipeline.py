@@ -107,3 +107,18 @@ def test_frames_that_are_not_finite_fail_the_request_as_the_model_s_fault(tiny_m
         pipeline.pipe.transformer.proj_out.bias[0] = float("nan")
     with pytest.raises(NonFiniteOutputError, match=r"request 'nan': the model made \d+ NaN or infinite values"):
         pipeline.run(RequestVariant.unchecked(request))
+
+
+def test_a_channels_last_vae_decodes_the_same_frames(tiny_model):
+    """``vae_channels_last`` moves the VAE's Conv3d weights to NDHWC memory: a layout for cuDNN's
+    kernels, not other arithmetic (on CPU the frames agree to float rounding)."""
+    import numpy as np
+    import torch
+
+    pipeline = one_rank(tiny_model)
+    request = GenerationRequest(prompt="a fox", num_inference_steps=2, num_frames=5, request_id="cl")
+    before = pipeline.run(RequestVariant.unchecked(request)).frames
+    assert pipeline.vae_channels_last() > 0
+    convs = [m for m in pipeline.pipe.vae.modules() if isinstance(m, torch.nn.Conv3d)]
+    assert all(c.weight.is_contiguous(memory_format=torch.channels_last_3d) for c in convs)
+    np.testing.assert_allclose(pipeline.run(RequestVariant.unchecked(request)).frames, before, atol=1e-5)
