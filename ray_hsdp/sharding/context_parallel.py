@@ -25,9 +25,10 @@ CPU_BACKENDS = ("native", "_native_math")
 #: ``per_channel_fp8`` multiplies by 448 / the channel's largest value): a channel that is zero at
 #: every key gives 0 x inf, and the NaN reaches every channel at the attention's output projection.
 #: A cross-attention over a short text can hold one: on Wan2.1-14B with FP8 linears the empty
-#: negative prompt's single key had an exactly-zero channel in one block, and every frame came out NaN
-#: (``bench/results/finite-wan2.1-t2v-14b-1xH200-fp8-sage-cause.md``).
-PER_CHANNEL_V_BACKENDS = ("sage", "sage_varlen", "_sage_qk_int8_pv_fp8_cuda", "_sage_qk_int8_pv_fp8_cuda_sm90")
+#: negative prompt (one token among 226 keys, the rest zero padding) had a channel zero at every key
+#: in one block, and every frame came out NaN
+#: (``bench/results/finite-wan2.1-t2v-14b-1xH200-fp8-sage-cause.md``; sm89 / sm90 kernels).
+PER_CHANNEL_V_BACKENDS = ("sage", "_sage_qk_int8_pv_fp8_cuda", "_sage_qk_int8_pv_fp8_cuda_sm90")
 
 
 def attention_backend_for(requested: str, device: str, ring: int) -> str | None:
