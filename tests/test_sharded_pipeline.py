@@ -110,8 +110,9 @@ def test_frames_that_are_not_finite_fail_the_request_as_the_model_s_fault(tiny_m
 
 
 def test_a_channels_last_vae_decodes_the_same_frames(tiny_model):
-    """``vae_channels_last`` moves the VAE's Conv3d weights to NDHWC memory: a layout for cuDNN's
-    kernels, not other arithmetic (on CPU the frames agree to float rounding)."""
+    """``vae_channels_last`` moves the VAE's Conv3d weights to NDHWC memory, a layout for cuDNN's
+    channels-last kernels: the same convolutions in another summation order, so on CPU the frames
+    agree to float rounding."""
     import numpy as np
     import torch
 
