@@ -16,9 +16,7 @@ import time
 from pathlib import Path
 
 from bench.common import ensure_model, environment, fox_requests, start_ray, write_results
-from bench.throughput import LOCAL_TEXT, latent_tokens
-
-BEST = {"quantization": "fp8", "compile": True, "attention_backend": "sage"}
+from bench.throughput import BEST, LOCAL_TEXT, latent_tokens
 
 SETUPS = {
     "ceiling": {"shard_size": 1, "replicate_size": 2},

@@ -61,6 +61,8 @@ def latent_tokens(width: int, height: int, frames: int) -> int:
 TAYLORSEER_2X = {"kind": "taylorseer", "interval": 2, "warmup_steps": 1}
 #: Only the denoisers sharded (``shard_components``): text encoders and VAE replicated on every rank.
 LOCAL_TEXT = ("transformer", "transformer_2")
+#: The fastest options of issue 40: FP8 linears, compile and SageAttention.
+BEST = {"quantization": "fp8", "compile": True, "attention_backend": "sage"}
 #: Setups of ``batch`` with some of its group fields changed.
 OPTIONS = {
     "batch-prefetch0": {"forward_prefetch": 0},
@@ -84,31 +86,16 @@ OPTIONS = {
     "batch-compile-sage": {"compile": True, "attention_backend": "sage"},
     "batch-compile-sage-keep100": {"compile": True, "attention_backend": "sage", "keep_gathered": 1.0},
     "batch-fp8-compile-keep100": {"quantization": "fp8", "compile": True, "keep_gathered": 1.0},
-    "batch-fp8-compile-sage": {"quantization": "fp8", "compile": True, "attention_backend": "sage"},
-    "batch-fp8-compile-sage-vaecl": {
-        "quantization": "fp8",
-        "compile": True,
-        "attention_backend": "sage",
-        "vae_channels_last": True,
-    },
-    "batch-fp8-compile-sage-keep100": {
-        "quantization": "fp8",
-        "compile": True,
-        "attention_backend": "sage",
-        "keep_gathered": 1.0,
-    },
+    "batch-fp8-compile-sage": BEST,
+    "batch-fp8-compile-sage-vaecl": {**BEST, "vae_channels_last": True},
+    "batch-fp8-compile-sage-keep100": {**BEST, "keep_gathered": 1.0},
     # The text encoder replicated: a request's encoding runs on its rank alone, not in a tick of the group.
     "batch-localtext": {"shard_components": LOCAL_TEXT},
     "batch-fp8-compile-localtext": {"quantization": "fp8", "compile": True, "shard_components": LOCAL_TEXT},
     "batch-compile-sage-localtext": {"compile": True, "attention_backend": "sage", "shard_components": LOCAL_TEXT},
-    "batch-fp8-compile-sage-localtext": {
-        "quantization": "fp8",
-        "compile": True,
-        "attention_backend": "sage",
-        "shard_components": LOCAL_TEXT,
-    },
+    "batch-fp8-compile-sage-localtext": {**BEST, "shard_components": LOCAL_TEXT},
     # One random LoRA merged at load (as batch-fused), with the fastest options.
-    "batch-fused-fp8-compile-sage": {"quantization": "fp8", "compile": True, "attention_backend": "sage"},
+    "batch-fused-fp8-compile-sage": BEST,
     "batch-fbcache": {"cache": {"kind": "first_block"}},
     "batch-taylorseer": {"cache": TAYLORSEER_2X},
     "batch-taylorseer-compile": {"cache": TAYLORSEER_2X, "compile": True},

@@ -203,7 +203,8 @@ class GroupScheduler:
                 self.dims, variant.lane_sizes, variant.request.lane_size, loads, self.config.requests_per_rank,
                 len(self._pending), deadline - time.time() if deadline is not None else None,
                 self.lane_times.estimates(variant.lane_sizes, variant.work),
-                LockStep(self._rank_work(), variant.request.forward_cost), self._wide_keeps_up(order),
+                LockStep(self._rank_work(), variant.request.forward_cost),
+                deadline is not None and self._wide_keeps_up(order),  # lane_for reads it for a target only
             )  # fmt: skip
             if ranks is None:
                 return
