@@ -14,7 +14,7 @@ from support import max_abs_diff, pipeline_with_adapters, reference_frames, refe
 
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.group import GroupFailedError, ShardGroup
-from ray_hsdp.group.lanes import LaneTimes, LockStep, Waiting, lane_for, serving_order, wide_keeps_up
+from ray_hsdp.group.lanes import LaneTimes, LockStep, Waiting, as_fast, lane_for, queue_keeps_up, serving_order
 from ray_hsdp.request import GenerationRequest, InvalidRequestError, RequestCancelledError, StepCache
 from ray_hsdp.topology import ParallelDims
 from ray_hsdp.variant.lane import UnsplittableRequestError
@@ -28,8 +28,10 @@ def test_an_idle_group_gives_a_lone_request_its_widest_lane():
     assert lane_for(DIMS, (1, 2), None, [0, 0, 0, 0], 1, waiting=1) == range(0, 2)  # its tokens split over 2 at most
     # A narrower lane measured faster (a split that costs more than it saves) is the lone request's.
     assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 1, estimates={1: 1.0, 2: 1.5, 4: 2.0}) == range(0, 1)
-    # Within EFFICIENT of the fastest, the widest (measured on 4 x H200: 480x320 at 21 frames, 2 steps).
-    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 1, estimates={1: 1.60, 2: 1.62, 4: 1.66}) == range(0, 4)
+    # Within EFFICIENT of the fastest, the narrowest (measured on 4 x H200: 480x320 at 21 frames, 2 steps,
+    # bound by the weight gathers): as fast, and three ranks stay free for the next request.
+    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 1, estimates={1: 1.60, 2: 1.62, 4: 1.66}) == range(0, 1)
+    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 1, estimates={1: 5.29, 2: 3.21, 4: 3.01}) == range(0, 2)
 
 
 def test_a_backlog_gets_lanes_of_one_rank_and_free_ranks_are_shared():
@@ -195,18 +197,31 @@ def test_a_request_with_a_target_gets_a_lane_that_its_measured_time_says_makes_i
     assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, due_s=3.0, estimates={1: 4.0}) == range(0, 2)
 
 
-def test_a_backlog_that_the_widest_lane_clears_in_time_runs_there():
-    # Two requests of 2 s on the widest lane, due in 6 s: they finish at 2 and 4 s; four finish at 8 s.
-    assert wide_keeps_up([(6.0, 2.0)] * 2, 0.0, 1)
-    assert not wide_keeps_up([(6.0, 2.0)] * 4, 0.0, 1)
-    assert wide_keeps_up([(6.0, 2.0)] * 4, 0.0, 2)  # two at a time: they start at 0, 1, 2 and 3 s
-    assert not wide_keeps_up([(6.0, 2.0)] * 2, 3.0, 1)  # the work running now drains first
+def test_lean_lanes_are_the_narrowest_as_fast_as_the_fastest():
+    assert as_fast((1, 2, 4), {1: 1.60, 2: 1.62, 4: 1.66}) == [1, 2, 4]
+    assert as_fast((1, 2, 4), {1: 5.29, 2: 3.21, 4: 3.01}) == [2, 4]
+    assert as_fast((1, 2, 4), {1: 4.0, 2: 2.4, 4: 1.5}) == [4]
+    assert as_fast((1, 2, 4), {1: 1.0}) == [4]  # a size never measured: the widest of those, to learn it
+
+
+def test_a_backlog_that_the_lean_lanes_clear_in_time_runs_there():
+    # Two requests of 2 s on the widest lane (of 4 ranks), due in 6 s: they finish at 2 and 4 s; four at 8 s.
+    assert queue_keeps_up([(6.0, 2.0, 4)] * 2, 0.0, 4, 1)
+    assert not queue_keeps_up([(6.0, 2.0, 4)] * 4, 0.0, 4, 1)
+    assert queue_keeps_up([(6.0, 2.0, 4)] * 4, 0.0, 4, 2)  # two at a time: they finish at 2, 2, 4 and 4 s
+    assert not queue_keeps_up([(6.0, 2.0, 4)] * 2, 3.0, 4, 1)  # the work running now drains first
+    assert queue_keeps_up([(2.5, 2.0, 1)] * 4, 0.0, 4, 1)  # lanes of one: four side by side
+    assert not queue_keeps_up([(2.5, 2.0, 1)] * 5, 0.0, 4, 1)  # the fifth waits for a rank
     times = {1: 4.0, 2: 2.4, 4: 1.5}
-    # A backlog of four would get lanes of one rank (4 s, in time); keeping up, they run on the wide lane.
+    # A backlog of four would get lanes of one rank (4 s, in time); keeping up, they run on the lean lane.
     assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, due_s=5.0, estimates=times) == range(0, 1)
     assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, 5.0, times, keeps_up=True) == range(0, 4)
-    # ... or wait for it while it is busy, rather than open a narrow lane beside it.
+    # ... or wait for it while it is busy, rather than open a slower narrow lane beside it.
     assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 1, 1], 1, 4, 5.0, times, keeps_up=True) is None
+    # A lane as fast as the lean one is taken while the lean one is busy.
+    flat = {1: 1.60, 2: 1.62, 4: 1.66}
+    assert lane_for(DIMS, (1, 2, 4), None, [1, 0, 0, 0], 1, 4, 5.0, flat, keeps_up=True) == range(1, 2)
+    assert lane_for(DIMS, (2, 4), None, [1, 0, 0, 0], 1, 4, 5.0, flat, keeps_up=True) == range(2, 4)
     # A request without a target, or one that names its size, is not held to it.
     assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, estimates=times, keeps_up=True) == range(0, 1)
     assert lane_for(DIMS, (1, 2, 4), 1, [0, 0, 0, 0], 1, 4, 5.0, times, keeps_up=True) == range(0, 1)

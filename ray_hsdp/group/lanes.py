@@ -9,21 +9,24 @@ is served next regardless, oldest first, so nothing starves. Without targets thi
 order.
 
 **Lane** (adaptive groups): the ranks free now are shared among the requests waiting, and a request
-gets the fastest lane within its share (by the group's measured times for its work; the widest of
-those within ``EFFICIENT`` of the fastest; a size never measured counts as fastest, so the group
-learns it). A lone request on an idle group thus gets the widest lane its tokens split over, where
-that is fastest; a backlog gets lanes of one rank (the most requests at once), unless the group
-measured that a wider lane costs no more rank-seconds for a request of this work (within
-``EFFICIENT``: its split scales), which then costs no throughput and is given. A request with a
-target is given a lane only where the group's measured time for its work on that lane size says it
-finishes in time: the fastest such lane within its share, else the narrowest such lane free; when no
-free lane would make it but a busy wider one would, it waits for that one; when none would, it is
-served like a request without a target. **Wide first**: while every waiting request that can still
-make its target would make it served one after another on the widest lane it may run on
-(``wide_keeps_up``, from the measured times), a request with a target gets the widest lane, or waits
-for it: narrower lanes side by side slow each other in lock step (run d: lanes of one and two ranks
-given under a backlog that the wide lane cleared in time lost to the fixed wide lane at 0.7 req/s),
-so they are given only to a backlog the widest lane cannot clear by its targets. A request that
+gets the fastest lane within its share (by the group's measured times for its work; of those within
+``EFFICIENT`` of the fastest, the narrowest: ``as_fast``; a size never measured counts as fastest,
+so the group learns it). A lone request on an idle group thus gets the widest lane its tokens split
+over where that is faster, and a lane of one where it is not (a small request, bound by the weight
+gathers that every rank joins, runs as fast on one rank and leaves three to others); a backlog gets
+lanes of one rank (the most requests at once), unless the group measured that a wider lane costs no
+more rank-seconds for a request of this work (within ``EFFICIENT``: its split scales), which then
+costs no throughput and is given. A request with a target is given a lane only where the group's
+measured time for its work on that lane size says it finishes in time: the fastest such lane within
+its share, else the narrowest such lane free; when no free lane would make it but a busy wider one
+would, it waits for that one; when none would, it is served like a request without a target.
+**Lean lanes first**: while every waiting request that can still make its target would make it on
+its *lean* lane (the narrowest as fast as its fastest), the group's ranks taken in turn
+(``queue_keeps_up``, from the measured times), a request with a target gets its lean lane (or
+another as fast), or waits for one: slower narrow lanes side by side slow each other in lock step
+(run d: lanes of one and two ranks given under a backlog that the wide lane cleared in time lost to
+the fixed wide lane at 0.7 req/s), so they are given only to a backlog that the lean lanes cannot
+clear by its targets. A request that
 names its ``lane_size`` waits for a free lane of that size (alike its neighbours or not: it asked
 for it). A lane is an aligned block of ranks (``ParallelDims.blocks``), all of them free.
 
@@ -139,16 +142,32 @@ def serving_order(waiting: Sequence[Waiting], max_skip_s: float) -> list[int]:
     return sorted(range(len(waiting)), key=key)
 
 
-def wide_keeps_up(queue: Sequence[tuple[float, float]], backlog_s: float, capacity: int) -> bool:
-    """Whether each request of ``queue`` (seconds until its target, its measured seconds on the
-    widest lane it may run on; in serving order, those that no lane can make left out) finishes by its
-    target when they run one after another on that lane, ``capacity`` at a time, starting once the
-    ``backlog_s`` seconds of work the group runs now have drained."""
-    start = backlog_s
-    for due_s, wide_s in queue:
-        if start + wide_s > due_s:
+def as_fast(sizes: Sequence[int], estimates: Mapping[int, float]) -> list[int]:
+    """The lane sizes of ``sizes`` as fast as the fastest, narrowest first: those whose measured
+    time is within ``EFFICIENT`` of the least (a narrower one leaves the most ranks to other
+    requests: a small request's forward is bound by the group's weight gathers, which every rank
+    joins at each tick, so a lane of one runs it as fast as a lane of four). While a size has never
+    run a request of this work, the widest of those (the group learns it)."""
+    unmeasured = [s for s in sizes if s not in estimates]
+    if unmeasured:
+        return [max(unmeasured)]
+    least = min(estimates[s] for s in sizes)
+    return sorted(s for s in sizes if estimates[s] <= EFFICIENT * least)
+
+
+def queue_keeps_up(queue: Sequence[tuple[float, float, int]], backlog_s: float, ranks: int, capacity: int) -> bool:
+    """Whether each request of ``queue`` (seconds until its target, its measured seconds on its
+    lean lane (``as_fast``), that lane's size; in serving order, those that no lane can make left
+    out) finishes by its target when each runs on its lean lane as soon as that many of the group's
+    ``ranks`` x ``capacity`` places are free, every place first free once the ``backlog_s`` seconds
+    of work the group runs now have drained."""
+    free = [backlog_s] * (ranks * capacity)
+    for due_s, lane_s, size in queue:
+        free.sort()
+        start = free[size - 1]
+        if start + lane_s > due_s:
             return False
-        start += wide_s / capacity
+        free[:size] = [start + lane_s] * size
     return True
 
 
@@ -177,7 +196,7 @@ def lane_for(
         estimates: Lane size -> the seconds the group measured a request of its work takes there
             (``LaneTimes.estimates``); sizes that never ran one are absent.
         lock_step: The tick's work and the request's; ``None``: lanes open wherever ranks are free.
-        keeps_up: Whether the queue makes its targets on the widest lanes (``wide_keeps_up``).
+        keeps_up: Whether the queue makes its targets on its lean lanes (``queue_keeps_up``).
     """
     free = [load < capacity for load in loads]
 
@@ -188,8 +207,8 @@ def lane_for(
 
     if named is not None:
         return block(named, beside_any=True)
-    if due_s is not None and keeps_up:
-        return block(max(sizes))  # None: it waits for the widest lane, in time for its target
+    if due_s is not None and keeps_up:  # its lean lane, or it waits for one, in time for its target
+        return next((block(s) for s in as_fast(sizes, estimates or {}) if block(s) is not None), None)
     share = max(1, sum(free) // max(1, waiting))
     open_sizes = [s for s in sorted(sizes) if block(s) is not None]
     estimates = estimates or {}
@@ -202,14 +221,8 @@ def lane_for(
         return size not in estimates or estimates[size] <= due_s
 
     def fastest(candidates: list[int]) -> range:
-        """The widest of those never measured (the group learns them), else the widest of those
-        within ``EFFICIENT`` of the least time (lanes of one size side by side wait least for each
-        other in lock step)."""
-        unmeasured = [s for s in candidates if s not in estimates]
-        if unmeasured:
-            return block(max(unmeasured))
-        least = min(estimates[s] for s in candidates)
-        return block(max(s for s in candidates if estimates[s] <= EFFICIENT * least))
+        """The first of ``as_fast(candidates)``: the narrowest lane as fast as the fastest."""
+        return block(as_fast(candidates, estimates)[0])
 
     if due_s is not None and estimates and any(in_time(s) for s in sizes):
         timely = [s for s in open_sizes if in_time(s)]

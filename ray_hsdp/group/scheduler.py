@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import ray
 
 from ray_hsdp.group.errors import GroupFailedError, QueueTimeoutError, died, remote_cause
-from ray_hsdp.group.lanes import LockStep, Waiting, lane_for, serving_order, wide_keeps_up
+from ray_hsdp.group.lanes import LockStep, Waiting, as_fast, lane_for, queue_keeps_up, serving_order
 from ray_hsdp.request import GenerationRequest
 from ray_hsdp.runtime import SessionFailedError
 from ray_hsdp.runtime.protocol import lane_ticket
@@ -204,7 +204,7 @@ class GroupScheduler:
                 len(self._pending), deadline - time.time() if deadline is not None else None,
                 self.lane_times.estimates(variant.lane_sizes, variant.work),
                 LockStep(self._rank_work(), variant.request.forward_cost),
-                deadline is not None and self._wide_keeps_up(order),  # lane_for reads it for a target only
+                deadline is not None and self._keeps_up(order),  # lane_for reads it for a target only
             )  # fmt: skip
             if ranks is None:
                 return
@@ -212,10 +212,10 @@ class GroupScheduler:
             if job is not None:
                 self._offer(ranks, job)
 
-    def _wide_keeps_up(self, order: list[int]) -> bool:
-        """``lanes.wide_keeps_up`` for the queued jobs in ``order`` (lock held): false while the
+    def _keeps_up(self, order: list[int]) -> bool:
+        """``lanes.queue_keeps_up`` for the queued jobs in ``order`` (lock held): false while the
         widest lane of one of them has no measured time for its work. The work running now delays
-        the widest lane by its remaining measured seconds, spread over the group's ranks."""
+        the queue by its remaining measured seconds, spread over the group's ranks."""
         wall, now, capacity = time.time(), time.monotonic(), self.config.requests_per_rank
         queue = []
         for index in order:
@@ -226,16 +226,16 @@ class GroupScheduler:
             times = self.lane_times.estimates(sizes, job.variant.work)
             if max(sizes) not in times:
                 return False
-            due_s = job.request.deadline - wall
+            due_s, lean = job.request.deadline - wall, as_fast(sizes, times)[0]
             if due_s >= min(times.values()):  # one that no lane makes is served behind the rest
-                queue.append((due_s, times[max(sizes)]))
+                queue.append((due_s, times[lean], lean))
         running = {id(job): job for _, job in self._inflight.values()}.values()
         rank_s = sum(
             max(0.0, (self.lane_times.estimate(len(job.ranks), job.variant.work) or 0.0) - (now - job.taken))
             * len(job.ranks)
             for job in running
         )
-        return wide_keeps_up(queue, rank_s / self.dims.shard_size / capacity, capacity)
+        return queue_keeps_up(queue, rank_s / self.dims.shard_size / capacity, self.dims.shard_size, capacity)
 
     def _rank_work(self) -> list[float]:
         """Each rank's share of the forwards its denoising requests put into a tick (lock held): a
