@@ -165,16 +165,19 @@ def markdown(payload: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(results: Path, out: Path) -> None:
+def plot(results: list[Path], out: Path) -> None:
+    """Attainment and p95 against the rate, one line per layout, from one or more results files
+    (runs of the same workload on the same arrivals, e.g. two calls that split the layouts)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    payload = json.loads(results.read_text())
+    payloads = [json.loads(path.read_text()) for path in results]
+    payload, all_rows = payloads[0], [row for p in payloads for row in p["rows"]]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for layout in dict.fromkeys(row["layout"] for row in payload["rows"]):
-        rows = [r for r in payload["rows"] if r["layout"] == layout]
+    for layout in dict.fromkeys(row["layout"] for row in all_rows):
+        rows = [r for r in all_rows if r["layout"] == layout]
         rates = [r["rate"] for r in rows]
         left.plot(rates, [r["slo_attainment"] for r in rows], marker="o", label=layout)
         right.plot(rates, [r["p95_s"] for r in rows], marker="o", label=layout)
@@ -209,10 +212,12 @@ def main() -> None:
                         "takes, e.g. request_streams=true requests_per_rank=1")  # fmt: skip
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--name", default=None)
-    parser.add_argument("--plot", nargs=2, metavar=("RESULTS", "PNG"), help="only draw a results file")
+    parser.add_argument("--plot", nargs="+", metavar="FILE", help="only draw: results files, then the PNG to write")
     args = parser.parse_args()
     if args.plot:
-        plot(Path(args.plot[0]), Path(args.plot[1]))
+        if len(args.plot) < 2:
+            parser.error("--plot takes one or more results files and then the PNG to write")
+        plot([Path(f) for f in args.plot[:-1]], Path(args.plot[-1]))
         return
 
     from ray_hsdp.config import GroupConfig
