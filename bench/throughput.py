@@ -94,6 +94,15 @@ OPTIONS = {
     "batch-fp8-compile-localtext": {"quantization": "fp8", "compile": True, "shard_components": LOCAL_TEXT},
     "batch-compile-sage-localtext": {"compile": True, "attention_backend": "sage", "shard_components": LOCAL_TEXT},
     "batch-fp8-compile-sage-localtext": {**BEST, "shard_components": LOCAL_TEXT},
+    # Every option measured to help at once: no text-encoder ticks, channels-last VAE, and (keep100) the
+    # denoiser kept whole after its first gather.
+    "batch-fp8-compile-sage-vaecl-localtext": {**BEST, "vae_channels_last": True, "shard_components": LOCAL_TEXT},
+    "batch-fp8-compile-sage-vaecl-keep100-localtext": {
+        **BEST,
+        "vae_channels_last": True,
+        "keep_gathered": 1.0,
+        "shard_components": LOCAL_TEXT,
+    },
     # One random LoRA merged at load (as batch-fused), with the fastest options.
     "batch-fused-fp8-compile-sage": BEST,
     "batch-fbcache": {"cache": {"kind": "first_block"}},
