@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from ray_hsdp.topology import ParallelDims
 
 #: A lane size is as efficient as the best when its rank-seconds for a request are at most this
-#: many times the best measured size's.
+#: many times the best measured size's, and as fast as the fastest (``as_fast``) when its seconds are.
 EFFICIENT = 1.1
 #: A lane opens beside running ones only when the tick it makes is at most this many times both the
 #: running lanes' tick and its own ranks' work (``LockStep.alike``).
