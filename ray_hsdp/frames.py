@@ -37,14 +37,14 @@ def to_host(frames: torch.Tensor | np.ndarray | list, uint8: bool) -> HostFrames
     or list of arrays shaped channels-last, from a pipeline that ignores ``output_type``), on the
     host, with one image per output as a video of one frame. Call it on the stream that made them."""
     if isinstance(frames, torch.Tensor):
-        values = frames.float().movedim(-3, -1)  # channels last, as diffusers' pt_to_numpy
-        non_finite = int(values.numel() - torch.isfinite(values).sum()) if not torch.isfinite(values).all() else 0
+        non_finite = int(frames.numel() - torch.isfinite(frames).sum())
+        values = frames.movedim(-3, -1).float()  # channels last, as diffusers' pt_to_numpy
         if uint8 and not non_finite:
-            values = values.clamp(0.0, 1.0).mul(255.0).round().to(torch.uint8)
-        host = values.cpu().numpy()
+            values = values.clamp(0.0, 1.0).mul_(255.0).round_().to(torch.uint8)
+        host = values.contiguous().cpu().numpy()  # one copy, in the order the host reads it
     else:
         host = np.asarray(frames, dtype=np.float32)
-        non_finite = int(host.size - np.isfinite(host).sum()) if not np.isfinite(host).all() else 0
+        non_finite = int(host.size - np.isfinite(host).sum())
         if uint8 and not non_finite:
             host = (np.clip(host, 0.0, 1.0) * 255).round().astype(np.uint8)
     if host.ndim == 4:  # images: (n, H, W, C) -> (n, 1, H, W, C)

@@ -31,7 +31,7 @@ def test_video_frames_equal_diffusers_np_output_and_its_uint8_cast():
     assert floats.frames.dtype == np.float32 and floats.non_finite == 0
     np.testing.assert_array_equal(floats.frames, expected)
     ints = to_host(pt, uint8=True)
-    assert ints.frames.dtype == np.uint8
+    assert ints.frames.dtype == np.uint8 and ints.frames.flags["C_CONTIGUOUS"]  # as an encoder reads it
     np.testing.assert_array_equal(ints.frames, host_uint8(expected))
     np.testing.assert_array_equal(to_host(expected, uint8=True).frames, host_uint8(expected))  # an "np" pipeline
 
