@@ -131,6 +131,7 @@ def run_load(group, rate: float, sizes, deadlines: list[float], args, seed: int)
         "requests": len(plan),
         "answered": len(done),
         "errors": len(errors),
+        "met": met,
         "slo_attainment": round(met / len(plan), 3) if plan else None,
         "goodput_per_s": round(met / args.window_s, 3),
         "p50_s": round(statistics.median(latencies), 2) if latencies else None,
@@ -138,6 +139,17 @@ def run_load(group, rate: float, sizes, deadlines: list[float], args, seed: int)
         "lane_sizes_given": {str(k): given.count(k) for k in sorted(set(given))},
         "lane_sizes_by_size": by_size,
     }
+
+
+def interval(met: int, requests: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval (95% by default) of an attainment of ``met`` in ``requests``: with
+    5-20 requests per load, one request moves the attainment by 5-20 points, and the interval says
+    which differences between layouts the window can tell apart."""
+    if not requests:
+        return (0.0, 1.0)
+    p, n = met / requests, requests
+    centre, spread = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return (max(0.0, (centre - spread) / (1 + z * z / n)), min(1.0, (centre + spread) / (1 + z * z / n)))
 
 
 def markdown(payload: dict) -> str:
@@ -149,12 +161,15 @@ def markdown(payload: dict) -> str:
         f"{payload.get('alone_s')} s (deadlines {payload.get('deadlines_s')} s); window {payload['window_s']} s"
         + (f"; every group with {payload['set']}" if payload.get("set") else ""),
         "",
-        "| layout | rate (req/s) | requests | SLO attainment | goodput (req/s) | p50 / p95 (s) | lane sizes given |",
+        "| layout | rate (req/s) | requests | SLO attainment (95% interval) | goodput (req/s) | p50 / p95 (s) "
+        "| lane sizes given |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in payload["rows"]:
+        met = row.get("met", round((row["slo_attainment"] or 0) * row["requests"]))
+        low, high = interval(met, row["requests"])
         lines.append(
-            f"| {row['layout']} | {row['rate']} | {row['requests']} | {row['slo_attainment']} | "
+            f"| {row['layout']} | {row['rate']} | {row['requests']} | {row['slo_attainment']} ({low:.2f}-{high:.2f}) | "
             f"{row['goodput_per_s']} | {row['p50_s']} / {row['p95_s']} | {row['lane_sizes_given'] or '-'} |"
         )
     for layout, times in payload.get("lane_times_s", {}).items():
