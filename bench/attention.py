@@ -10,7 +10,8 @@ and mean absolute difference of the output against SDPA's, beside SDPA's mean ma
 one ``--arch`` transformer built with random weights on the GPU (no checkpoint), one denoising
 forward per backend (diffusers' ``set_attention_backend``; ``native`` is diffusers' default), its
 time and its output's drift from ``native``. Needs CUDA; ``sage`` needs the ``sageattention``
-package (``docs/attention.md`` says how to build it).
+package (``docs/attention.md`` says how to build it), ``--kernels fa3 fa3-fp8`` FlashAttention 3's
+``flash_attn_interface`` (kernels only: diffusers has no FP8 backend for it).
 """
 
 from __future__ import annotations
@@ -39,15 +40,42 @@ def timed(fn, warmup: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def fa3_kernels() -> dict:
+    """FlashAttention 3 (the ``hopper/`` build: ``flash_attn_interface``), on ``(batch, heads,
+    tokens, dim)`` inputs like the others: in bf16, and in FP8 (e4m3) with each (batch, head)'s
+    q, k and v scaled by its own absolute maximum, the per-head descales FA3 takes; the FP8 kernel's
+    time includes that quantization, as a served forward would pay it."""
+    import torch
+    from flash_attn_interface import flash_attn_func
+
+    def first(out):  # newer builds return (out, lse) when asked; older always did
+        return out[0] if isinstance(out, tuple) else out
+
+    def fp8(x):  # (batch, tokens, heads, dim) -> e4m3 and its (batch, heads) descale
+        scale = x.abs().amax(dim=(1, 3)).float().clamp(min=1e-6) / torch.finfo(torch.float8_e4m3fn).max
+        return (x / scale[:, None, :, None]).to(torch.float8_e4m3fn), scale
+
+    def bf16(q, k, v):
+        return first(flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)))).transpose(1, 2)
+
+    def e4m3(q, k, v):
+        (q8, qs), (k8, ks), (v8, vs) = (fp8(t.transpose(1, 2)) for t in (q, k, v))
+        return first(flash_attn_func(q8, k8, v8, q_descale=qs, k_descale=ks, v_descale=vs)).transpose(1, 2)
+
+    return {"fa3": bf16, "fa3-fp8": e4m3}
+
+
 def kernel_rows(args) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
     kernels = {"sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v)}
-    if "sage" in args.backends:
+    if "sage" in args.backends + args.kernels:
         from sageattention import sageattn
 
         kernels["sage"] = lambda q, k, v: sageattn(q, k, v, tensor_layout="HND")
+    if {"fa3", "fa3-fp8"} & set(args.kernels):
+        kernels |= {name: fn for name, fn in fa3_kernels().items() if name in args.kernels}
     rows = []
     for tokens in args.tokens:
         gen = torch.Generator("cuda").manual_seed(tokens)
@@ -160,6 +188,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=40)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--backends", nargs="*", default=["sage"], help="diffusers backends beside the default")
+    parser.add_argument("--kernels", nargs="*", default=[], choices=["sage", "fa3", "fa3-fp8"],
+                        help="kernels timed beside SDPA (fa3: FlashAttention 3's hopper build)")  # fmt: skip
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--arch", default="wan2.1-t2v-14b")
@@ -172,8 +202,9 @@ def main() -> None:
     payload["kernels"] = kernel_rows(args)
     payload["forwards"] = []
     write_results(args.out, args.name, payload, markdown(payload))
-    payload["forwards"] = forward_rows(args)
-    write_results(args.out, args.name, payload, markdown(payload))
+    if args.forward_tokens:
+        payload["forwards"] = forward_rows(args)
+        write_results(args.out, args.name, payload, markdown(payload))
 
 
 if __name__ == "__main__":
