@@ -8,9 +8,11 @@ without ``--model-dir``, the architecture's real-size VAE built in memory with i
 untiled and tiled, for each variant: ``default``; ``benchmark`` (``torch.backends.cudnn.benchmark``:
 cuDNN times its algorithms per shape once and keeps the fastest); ``channels_last_3d`` (the
 Conv3d weights in NDHWC, ``torch.nn.utils.convert_conv3d_weight_memory_format``, so that cuDNN may
-run its channels-last kernels without transposing); and both. A variant changes no arithmetic but
-the convolution algorithm, so its frames differ from ``default``'s by rounding only (the last
-column). Each time is the mean of ``--repeats`` decodes after one warm-up decode.
+run its channels-last kernels without transposing); and both; ``compile`` (the decoder
+``torch.compile``d: its norms, activations and cache copies fused between the convolutions). A
+variant changes no arithmetic but the kernels' order and fusion, so its frames differ from
+``default``'s by rounding only (the last column). Each time is the mean of ``--repeats`` decodes
+after one warm-up decode.
 """
 
 from __future__ import annotations
@@ -21,16 +23,27 @@ from pathlib import Path
 
 from bench.common import ensure_model, environment, write_results
 
-VARIANTS = ("default", "benchmark", "channels_last_3d", "channels_last_3d+benchmark")
+VARIANTS = (
+    "default", "benchmark", "channels_last_3d", "channels_last_3d+benchmark", "compile", "channels_last_3d+compile",
+)  # fmt: skip
+#: id(vae) -> (its eager decoder, the same decoder compiled): a variant swaps them, compiling once.
+DECODERS: dict[int, tuple] = {}
 
 
 def set_variant(vae, variant: str) -> None:
-    """Puts the process's cuDNN setting and ``vae``'s Conv3d weights in ``variant``'s state."""
+    """Puts the process's cuDNN setting and ``vae``'s Conv3d weights in ``variant``'s state; with
+    ``compile``, the decoder ``torch.compile``d (once: the Wan decoder runs frame by frame with its
+    causal caches, which dynamo traces without a graph break, one graph per kind of frame position
+    and shape; the warm-up decode compiles them)."""
     import torch
 
     torch.backends.cudnn.benchmark = "benchmark" in variant
     fmt = torch.channels_last_3d if "channels_last_3d" in variant else torch.contiguous_format
     torch.nn.utils.convert_conv3d_weight_memory_format(vae, fmt)
+    if id(vae) not in DECODERS:
+        DECODERS[id(vae)] = (vae.decoder, torch.compile(vae.decoder))
+    eager, compiled = DECODERS[id(vae)]
+    vae.decoder = compiled if "compile" in variant else eager
 
 
 def decode_s(vae, latents, tiled: bool, repeats: int, device: str):
