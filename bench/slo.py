@@ -77,11 +77,33 @@ def warm_up(group, sizes, args, lane_sizes=(None,)) -> list[float]:
     return latencies[len(sizes) :]
 
 
+def lanes_by_size(plan: list[tuple[float, int]], records: dict, sizes: list[str]) -> tuple[dict, dict]:
+    """Per request size: the lane sizes its requests got (lane size -> requests), and their mean
+    seconds queued and running (lane size -> [queued, running]; running: a lane taking it to its
+    answer), which tell whether a layout lost to waiting or to lanes slowed by their neighbours.
+    ``records``: plan index -> the group's ``RequestRecord`` (``None``: none came)."""
+    given: dict = {}
+    pairs: dict = {}
+    for index, (_, size_index) in enumerate(plan):
+        record = records.get(index)
+        if record is None or record.lane_size is None:
+            continue
+        size, lane = sizes[size_index], str(record.lane_size)
+        given.setdefault(size, {})[lane] = given.get(size, {}).get(lane, 0) + 1
+        if record.run_s is not None:
+            pairs.setdefault(size, {}).setdefault(lane, []).append((record.queued_s, record.run_s))
+    means = {
+        size: {lane: [round(statistics.mean(p[i] for p in runs), 2) for i in (0, 1)] for lane, runs in per.items()}
+        for size, per in pairs.items()
+    }
+    return given, means
+
+
 def run_load(group, rate: float, sizes, deadlines: list[float], args, seed: int) -> dict:
     """One Poisson window on ``group``; waits for every request (or ``--drain-s`` past the window)."""
     plan = arrivals(rate, args.window_s, sizes, seed)
-    lanes: dict[str, int | None] = {}
-    group.listeners.append(lambda record: lanes.__setitem__(record.request_id, record.lane_size))
+    records: dict = {}  # request id -> its RequestRecord (lane size, seconds queued and running)
+    group.listeners.append(lambda record: records.__setitem__(record.request_id, record))
     done: dict[int, float] = {}
     errors: dict[int, str] = {}
     lock = threading.Lock()
@@ -119,13 +141,9 @@ def run_load(group, rate: float, sizes, deadlines: list[float], args, seed: int)
             latency = done[index] - at
             latencies.append(latency)
             met += latency <= deadlines[size_index]
-    given = [size for request_id, size in lanes.items() if size is not None]
-    by_size = {}  # request size -> lane size -> requests
-    for index, (_, size_index) in enumerate(plan):
-        lane_size = lanes.get(f"slo-{seed * 1000 + index}")
-        if lane_size is not None:
-            per = by_size.setdefault(args.sizes[size_index], {})
-            per[str(lane_size)] = per.get(str(lane_size), 0) + 1
+    given = [record.lane_size for record in records.values() if record.lane_size is not None]
+    by_index = {index: records.get(f"slo-{seed * 1000 + index}") for index in range(len(plan))}
+    by_size, times = lanes_by_size(plan, by_index, args.sizes)
     return {
         "rate": rate,
         "requests": len(plan),
@@ -138,6 +156,7 @@ def run_load(group, rate: float, sizes, deadlines: list[float], args, seed: int)
         "p95_s": round(sorted(latencies)[math.ceil(0.95 * len(latencies)) - 1], 2) if latencies else None,
         "lane_sizes_given": {str(k): given.count(k) for k in sorted(set(given))},
         "lane_sizes_by_size": by_size,
+        "queued_run_s_by_size": times,
     }
 
 
@@ -172,6 +191,10 @@ def markdown(payload: dict) -> str:
             f"| {row['layout']} | {row['rate']} | {row['requests']} | {row['slo_attainment']} ({low:.2f}-{high:.2f}) | "
             f"{row['goodput_per_s']} | {row['p50_s']} / {row['p95_s']} | {row['lane_sizes_given'] or '-'} |"
         )
+    timed_rows = [row for row in payload["rows"] if row.get("queued_run_s_by_size")]
+    if timed_rows:
+        lines.append("\nMean seconds queued / running (from a lane taking it), per request size and lane size:")
+        lines += [f"- {row['layout']} at {row['rate']} req/s: {row['queued_run_s_by_size']}" for row in timed_rows]
     for layout, times in payload.get("lane_times_s", {}).items():
         lines.append(f"\nSeconds per request after the warm-up ({layout}; lane size x work): {times}")
     for fail in payload["failed"]:
