@@ -10,7 +10,8 @@ every layout serves earliest targets first, and adaptive lanes choose lanes for 
 layout and rate: SLO attainment (answered within the deadline), goodput (such requests per second
 of the window), p50 / p95 latency from arrival, and, for adaptive lanes, the lane sizes given.
 Layouts (``--layouts``): ``batch`` (lanes of one rank), ``lanes2`` (fixed Ulysses lanes of 2),
-``wide`` (one Ulysses lane of all the GPUs), ``adaptive`` (``lane_sizes``: 1, 2 and all). Results
+``wide`` (one Ulysses lane of all the GPUs), ``adaptive`` (``lane_sizes``: 1, 2 and all),
+``adaptive-thrifty`` (the same with ``lane_policy: thrifty``). Results
 are written after every layout; ``--plot`` draws attainment and p95 against the rate from a
 results file.
 """
@@ -28,7 +29,7 @@ from pathlib import Path
 
 from bench.common import ensure_model, environment, failure, start_ray, write_results
 
-LAYOUTS = ("wide", "lanes2", "batch", "adaptive")
+LAYOUTS = ("wide", "lanes2", "batch", "adaptive", "adaptive-thrifty")
 
 
 def layout_fields(layout: str, gpus: int) -> dict:
@@ -38,6 +39,7 @@ def layout_fields(layout: str, gpus: int) -> dict:
         "lanes2": {"ulysses_degree": 2},
         "wide": {"ulysses_degree": gpus},
         "adaptive": {"lane_sizes": sorted({1, 2, gpus})},
+        "adaptive-thrifty": {"lane_sizes": sorted({1, 2, gpus}), "lane_policy": "thrifty"},
     }[layout]
 
 

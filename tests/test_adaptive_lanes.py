@@ -14,7 +14,16 @@ from support import max_abs_diff, pipeline_with_adapters, reference_frames, refe
 
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.group import GroupFailedError, ShardGroup
-from ray_hsdp.group.lanes import LaneTimes, LockStep, Waiting, as_fast, lane_for, queue_keeps_up, serving_order
+from ray_hsdp.group.lanes import (
+    LaneTimes,
+    LockStep,
+    Waiting,
+    as_fast,
+    lane_for,
+    queue_keeps_up,
+    serving_order,
+    thrifty,
+)
 from ray_hsdp.request import GenerationRequest, InvalidRequestError, RequestCancelledError, StepCache
 from ray_hsdp.topology import ParallelDims
 from ray_hsdp.variant.lane import UnsplittableRequestError
@@ -225,6 +234,30 @@ def test_a_backlog_that_the_lean_lanes_clear_in_time_runs_there():
     # A request without a target, or one that names its size, is not held to it.
     assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, estimates=times, keeps_up=True) == range(0, 1)
     assert lane_for(DIMS, (1, 2, 4), 1, [0, 0, 0, 0], 1, 4, 5.0, times, keeps_up=True) == range(0, 1)
+
+
+#: Measured under load on 4 x H200 (run e): 480x320 and 832x480, 21 frames, 2 steps, on lanes of 1 / 2 / 4.
+SMALL_TIMES, LARGE_TIMES = {1: 1.554, 2: 1.312, 4: 1.523}, {1: 4.993, 2: 2.9, 4: 2.696}
+
+
+def test_the_thrifty_policy_gives_the_lane_of_fewest_rank_seconds_that_fits_the_target():
+    assert thrifty((1, 2, 4), SMALL_TIMES, 4.9) == [1, 2, 4]
+    assert thrifty((1, 2, 4), LARGE_TIMES, 5.3) == [2, 4]  # a lane of one leaves no margin (4.99 s of 5.3)
+    assert thrifty((1, 2, 4), LARGE_TIMES, 3.5) == [4]
+    assert thrifty((1, 2, 4), LARGE_TIMES, 3.0) == []
+    idle = [0, 0, 0, 0]
+    assert lane_for(DIMS, (1, 2, 4), None, idle, 1, 1, 4.9, SMALL_TIMES, policy="thrifty") == range(0, 1)
+    assert lane_for(DIMS, (1, 2, 4), None, idle, 1, 1, 5.3, LARGE_TIMES, policy="thrifty") == range(0, 2)
+    assert lane_for(DIMS, (1, 2, 4), None, [1, 0, 0, 0], 1, 1, 5.3, LARGE_TIMES, policy="thrifty") == range(2, 4)
+    # Every lane that fits is busy: it waits; none fits: served as under the lean policy.
+    assert lane_for(DIMS, (1, 2, 4), None, [1, 0, 1, 0], 1, 1, 5.3, LARGE_TIMES, policy="thrifty") is None
+    assert lane_for(DIMS, (1, 2, 4), None, idle, 1, 1, 3.0, LARGE_TIMES, policy="thrifty") == lane_for(
+        DIMS, (1, 2, 4), None, idle, 1, 1, 3.0, LARGE_TIMES
+    )
+    # A size not measured yet: served as under the lean policy (the group learns it).
+    assert lane_for(DIMS, (1, 2, 4), None, idle, 1, 1, 4.9, {1: 1.5}, policy="thrifty") == range(0, 4)
+    with pytest.raises(ValueError, match="lane_policy 'thrifty' chooses among adaptive lanes: set lane_sizes"):
+        GroupConfig(model="tiny", shard_size=2, lane_policy="thrifty")
 
 
 def test_measured_times_are_kept_per_lane_size_and_work_and_follow_the_load():

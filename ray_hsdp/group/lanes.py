@@ -26,7 +26,10 @@ its *lean* lane (the narrowest as fast as its fastest), the group's ranks taken 
 another as fast), or waits for one: slower narrow lanes side by side slow each other in lock step
 (run d: lanes of one and two ranks given under a backlog that the wide lane cleared in time lost to
 the fixed wide lane at 0.7 req/s), so they are given only to a backlog that the lean lanes cannot
-clear by its targets. A request that
+clear by its targets. Under ``lane_policy: thrifty`` a request with a target instead gets, once
+every lane size has a measured time for its work, the free lane of fewest rank-seconds whose time
+with a margin (``MARGIN``) fits before its target (``thrifty``), or waits for one; when none fits,
+it is served as above. A request that
 names its ``lane_size`` waits for a free lane of that size (alike its neighbours or not: it asked
 for it). A lane is an aligned block of ranks (``ParallelDims.blocks``), all of them free.
 
@@ -52,6 +55,10 @@ from ray_hsdp.topology import ParallelDims
 #: A lane size is as efficient as the best when its rank-seconds for a request are at most this
 #: many times the best measured size's, and as fast as the fastest (``as_fast``) when its seconds are.
 EFFICIENT = 1.1
+#: Under ``lane_policy: thrifty``, a lane fits a request with a target when its measured time times
+#: this is within the time left to the target: room for neighbours that slow it in lock step and
+#: for measured times that lag the load.
+MARGIN = 1.25
 #: A lane opens beside running ones only when the tick it makes is at most this many times both the
 #: running lanes' tick and its own ranks' work (``LockStep.alike``).
 ALIKE = 1.5
@@ -171,6 +178,14 @@ def queue_keeps_up(queue: Sequence[tuple[float, float, int]], backlog_s: float, 
     return True
 
 
+def thrifty(sizes: Sequence[int], estimates: Mapping[int, float], due_s: float) -> list[int]:
+    """The lane sizes of ``sizes`` whose measured time, times ``MARGIN``, fits in ``due_s``, fewest
+    rank-seconds (size x measured time) first, narrowest first among equals; sizes never measured
+    are left out."""
+    fitting = [s for s in sizes if s in estimates and MARGIN * estimates[s] <= due_s]
+    return sorted(fitting, key=lambda s: (s * estimates[s], s))
+
+
 def lane_for(
     dims: ParallelDims,
     sizes: Sequence[int],
@@ -182,6 +197,7 @@ def lane_for(
     estimates: Mapping[int, float] | None = None,
     lock_step: LockStep | None = None,
     keeps_up: bool = False,
+    policy: str = "lean",
 ) -> range | None:
     """The ranks of the lane to give the first request in the serving order, or ``None``: it waits.
 
@@ -196,7 +212,9 @@ def lane_for(
         estimates: Lane size -> the seconds the group measured a request of its work takes there
             (``LaneTimes.estimates``); sizes that never ran one are absent.
         lock_step: The tick's work and the request's; ``None``: lanes open wherever ranks are free.
-        keeps_up: Whether the queue makes its targets on its lean lanes (``queue_keeps_up``).
+        keeps_up: Whether the queue makes its targets on its lean lanes (``queue_keeps_up``); read
+            under the ``lean`` policy only.
+        policy: ``lean`` or ``thrifty`` (``GroupConfig.lane_policy``; the module doc).
     """
     free = [load < capacity for load in loads]
 
@@ -207,7 +225,11 @@ def lane_for(
 
     if named is not None:
         return block(named, beside_any=True)
-    if due_s is not None and keeps_up:  # its lean lane, or it waits for one, in time for its target
+    if due_s is not None and policy == "thrifty" and estimates and all(s in estimates for s in sizes):
+        fitting = thrifty(sizes, estimates, due_s)
+        if fitting:  # the first free of them, or it waits for one; none fits: served as below
+            return next((block(s) for s in fitting if block(s) is not None), None)
+    elif due_s is not None and keeps_up:  # its lean lane, or it waits for one, in time for its target
         return next((block(s) for s in as_fast(sizes, estimates or {}) if block(s) is not None), None)
     share = max(1, sum(free) // max(1, waiting))
     open_sizes = [s for s in sorted(sizes) if block(s) is not None]

@@ -204,7 +204,8 @@ class GroupScheduler:
                 len(self._pending), deadline - time.time() if deadline is not None else None,
                 self.lane_times.estimates(variant.lane_sizes, variant.work),
                 LockStep(self._rank_work(), variant.request.forward_cost),
-                deadline is not None and self._keeps_up(order),  # lane_for reads it for a target only
+                deadline is not None and self.config.lane_policy == "lean" and self._keeps_up(order),
+                self.config.lane_policy,
             )  # fmt: skip
             if ranks is None:
                 return
