@@ -48,6 +48,7 @@ SUFFIX_FIELDS = {
     "cudnn": {"attention_backend": "_native_cudnn"},
     "flash": {"attention_backend": "_native_flash"},
     "keep100": {"keep_gathered": 1.0},  # the transformer whole on every rank: no gathers in a forward
+    "localtext": {"shard_components": ["transformer", "transformer_2"]},  # encoders whole on every rank
 }
 SUFFIXES = (*SUFFIX_FIELDS, "lora", "fused")
 #: The suffixes that name an attention backend (plain diffusers takes them too).
@@ -88,7 +89,8 @@ def options_of(layout: str, args) -> tuple[dict, tuple]:
     tile over the lane (``vae_parallel: on``), ``+novae`` has the leader decode alone
     (``vae_parallel: off``, the default), ``+compile`` (``compile: true``), ``+fp8``
     (``quantization: fp8``), ``+sage`` / ``+cudnn`` / ``+flash`` (``attention_backend``),
-    ``+vaecl`` (``vae_channels_last: true``), ``+keep100`` (``keep_gathered: 1``); several
+    ``+vaecl`` (``vae_channels_last: true``), ``+keep100`` (``keep_gathered: 1``), ``+localtext``
+    (only the denoisers sharded: each rank of the lane encodes the text itself, in no tick); several
     combine (``s4-u4+fp8+compile+cudnn``). Returns the config fields and a request's ``lora``."""
     suffixes = suffixes_of(layout)
     fields = {k: v for s in suffixes for k, v in SUFFIX_FIELDS.get(s, {}).items()}
