@@ -11,9 +11,10 @@ layout and rate: SLO attainment (answered within the deadline), goodput (such re
 of the window), p50 / p95 latency from arrival, and, for adaptive lanes, the lane sizes given.
 Layouts (``--layouts``): ``batch`` (lanes of one rank), ``lanes2`` (fixed Ulysses lanes of 2),
 ``wide`` (one Ulysses lane of all the GPUs), ``adaptive`` (``lane_sizes``: 1, 2 and all),
-``adaptive-thrifty`` (the same with ``lane_policy: thrifty``). Results
-are written after every layout; ``--plot`` draws attainment and p95 against the rate from a
-results file.
+``adaptive-thrifty`` (the same with ``lane_policy: thrifty``). Results are written after every
+layout, each attainment with its 95% interval and the mean seconds queued and running per request
+size and lane size; ``--plot`` draws attainment and p95 against the rate from one or more results
+files.
 """
 
 from __future__ import annotations
