@@ -298,8 +298,13 @@ def test_lanes_of_one_two_and_four_with_cfg_halves_run_at_once_and_equal_unshard
 ):
     """On 4 CPU ranks (the tiny model has 2 heads: a lane of 4 is CFG 2 x Ulysses 2, a lane of 2 is
     CFG 2): requests on lanes of every size at once, guided and not (an unguided request runs on
-    both CFG halves), each equal to the unsharded run."""
-    config = GroupConfig(model=tiny_model, device="cpu", shard_size=4, lane_sizes=(1, 2, 4), cfg_parallel=True)
+    both CFG halves), each equal to the unsharded run. Under ``lane_policy: thrifty`` a request
+    with a target gets the lane of fewest rank-seconds by the group's measured times (here set to
+    the large request's of run e: 10 / 2 / 1.5 s on lanes of 1 / 2 / 4 give a lane of 2, where the
+    lean policy would give the lane of 4)."""
+    config = GroupConfig(
+        model=tiny_model, device="cpu", shard_size=4, lane_sizes=(1, 2, 4), cfg_parallel=True, lane_policy="thrifty"
+    )
     requests = [
         dataclasses.replace(MIX[0], request_id="four", lane_size=4),
         dataclasses.replace(MIX[3], request_id="two-9-tokens", lane_size=2),  # no Ulysses split on a lane of 2
@@ -314,6 +319,13 @@ def test_lanes_of_one_two_and_four_with_cfg_halves_run_at_once_and_equal_unshard
         results = group.generate(requests)
         with pytest.raises(UnsplittableRequestError, match="lane_size=4: 48x48"):
             group.submit(dataclasses.replace(MIX[3], lane_size=4))
+        targeted = dataclasses.replace(MIX[2], request_id="targeted", deadline=time.time() + 120)
+        work = group.check(targeted).work
+        for _ in range(16):  # each learn weighs the newest half: this sets the times
+            for size, seconds in {1: 10.0, 2: 2.0, 4: 1.5}.items():
+                group.lane_times.learn(size, work, seconds)
+        requests, results = [*requests, targeted], [*results, *group.generate([targeted])]
+    assert next(r.lane_size for r in records if r.request_id == "targeted") == 2
     for request, result in zip(requests, results):
         assert max_abs_diff(result.frames, reference_frames(reference_pipe, request)) <= TOLERANCE, request
     sizes = {r.request_id: r.lane_size for r in records}
