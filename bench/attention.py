@@ -45,15 +45,16 @@ def fa3_kernels() -> dict:
     tokens, dim)`` inputs like the others: in bf16, and in FP8 (e4m3) with each (batch, head)'s
     q, k and v scaled by its own absolute maximum, the per-head descales FA3 takes; the FP8 kernel's
     time includes that quantization, as a served forward would pay it."""
-    import torch
     from flash_attn_interface import flash_attn_func
+
+    from ray_hsdp.sharding.fp8 import FP8, FP8_MAX  # the e4m3 format the project's FP8 linears use
 
     def first(out):  # newer builds return (out, lse) when asked; older always did
         return out[0] if isinstance(out, tuple) else out
 
     def fp8(x):  # (batch, tokens, heads, dim) -> e4m3 and its (batch, heads) descale
-        scale = x.abs().amax(dim=(1, 3)).float().clamp(min=1e-6) / torch.finfo(torch.float8_e4m3fn).max
-        return (x / scale[:, None, :, None]).to(torch.float8_e4m3fn), scale
+        scale = x.abs().amax(dim=(1, 3)).float().clamp(min=1e-6) / FP8_MAX
+        return (x / scale[:, None, :, None]).to(FP8), scale
 
     def bf16(q, k, v):
         return first(flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)))).transpose(1, 2)
