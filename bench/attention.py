@@ -109,6 +109,7 @@ def forward_rows(args) -> list[dict]:
     from diffusers import WanTransformer3DModel
 
     from ray_hsdp.checkpoints.architectures import get_architecture
+    from ray_hsdp.sharding.context_parallel import set_attention_backend
 
     arch = get_architecture(args.arch)
     torch.manual_seed(0)
@@ -128,7 +129,7 @@ def forward_rows(args) -> list[dict]:
         timestep = torch.tensor([500], device="cuda")
         reference = None
         for backend in ["native", *args.backends]:
-            model.set_attention_backend(backend)
+            set_attention_backend(model, backend)  # fa3_fp8 registered; cross-attentions kept on SDPA
 
             def forward(latents=latents, timestep=timestep, text=text):
                 with torch.inference_mode():

@@ -45,6 +45,7 @@ SUFFIX_FIELDS = {
     "compile": {"compile": True},
     "fp8": {"quantization": "fp8"},
     "sage": {"attention_backend": "sage"},
+    "fa3fp8": {"attention_backend": "fa3_fp8"},  # FlashAttention 3's FP8 forward (Hopper)
     "cudnn": {"attention_backend": "_native_cudnn"},
     "flash": {"attention_backend": "_native_flash"},
     "keep100": {"keep_gathered": 1.0},  # the transformer whole on every rank: no gathers in a forward

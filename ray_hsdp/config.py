@@ -51,7 +51,11 @@ def check_attention_backend_name(name: str) -> None:
     """
     from diffusers.models.attention_dispatch import AttentionBackendName
 
-    known = [b.value for b in AttentionBackendName if not b.value.endswith("_hub")]
+    from ray_hsdp.sharding.context_parallel import PROJECT_BACKENDS
+
+    if name in PROJECT_BACKENDS:
+        return
+    known = [b.value for b in AttentionBackendName if not b.value.endswith("_hub")] + list(PROJECT_BACKENDS)
     if name.endswith("_hub"):
         raise ValueError(
             f"attention_backend={name!r} downloads its kernels from the Hub at first use; use one of {known}"
@@ -305,8 +309,9 @@ class GroupKernels(BaseModel):
         "auto",
         description="diffusers attention backend of the transformers ('native', '_native_cudnn', 'flash', 'sage' "
         "(SageAttention 2, built on the GPU host: docs/attention.md; its V quantization turns a channel that is "
-        "zero at every key into NaN, so under it cross-attentions keep torch's SDPA), ...); 'auto' keeps diffusers' "
-        "default, or '_native_cudnn' on CUDA when ring_degree > 1.",
+        "zero at every key into NaN, so under it cross-attentions keep torch's SDPA), ...), or this project's "
+        "'fa3_fp8' (FlashAttention 3's FP8 forward on Hopper, built on the GPU host: docs/attention.md; "
+        "self-attentions only); 'auto' keeps diffusers' default, or '_native_cudnn' on CUDA when ring_degree > 1.",
     )
     compile: bool = Field(
         False,

@@ -33,6 +33,14 @@ def test_defaults_are_a_usable_group():
         ({"keep_gathered": 1.5}, "keep_gathered\n.*less than or equal to 1"),
         ({"attention_backend": "sage", "device": "cpu"}, "attention_backend naming a CUDA kernel.*with device 'cpu'"),
         (
+            {"attention_backend": "fa3_fp8", "device": "cpu"},
+            "attention_backend naming a CUDA kernel.*with device 'cpu'",
+        ),
+        (
+            {"attention_backend": "fa3_fp8", "device": "cuda", "shard_size": 2, "ring_degree": 2},
+            r"ring_degree > 1 with attention_backend other than auto, _native_cudnn, _native_flash",
+        ),
+        (
             {"attention_backend": "sage", "device": "cuda", "shard_size": 2, "ring_degree": 2},
             r"ring_degree > 1 with attention_backend other than auto, _native_cudnn, _native_flash \(e.g. sage\)",
         ),

@@ -14,6 +14,8 @@ import torch.nn as nn
 from diffusers import ContextParallelConfig
 from torch.distributed.device_mesh import DeviceMesh
 
+from ray_hsdp.sharding import fa3_fp8
+
 #: Attention backends that return the log-sum-exp ring attention merges partial results with.
 RING_BACKENDS = ("_native_cudnn", "_native_flash")
 
@@ -29,6 +31,13 @@ CPU_BACKENDS = ("native", "_native_math")
 #: in one block, and every frame came out NaN
 #: (``bench/results/finite-wan2.1-t2v-14b-1xH200-fp8-sage-cause.md``; sm89 / sm90 kernels).
 PER_CHANNEL_V_BACKENDS = ("sage", "_sage_qk_int8_pv_fp8_cuda", "_sage_qk_int8_pv_fp8_cuda_sm90")
+
+#: Backends under which cross-attentions keep torch's SDPA: ``PER_CHANNEL_V_BACKENDS`` (NaN), and
+#: ``fa3_fp8``, whose FP8 would add drift there for little time (a text of a few hundred keys).
+CROSS_ATTENTION_NATIVE = (*PER_CHANNEL_V_BACKENDS, fa3_fp8.NAME)
+
+#: Backends of this project's own (``sharding.fa3_fp8``), beside diffusers' names.
+PROJECT_BACKENDS = (fa3_fp8.NAME,)
 
 
 def attention_backend_for(requested: str, device: str, ring: int) -> str | None:
@@ -46,12 +55,13 @@ def attention_backend_for(requested: str, device: str, ring: int) -> str | None:
 
 
 def set_attention_backend(model: nn.Module, backend: str) -> None:
-    """diffusers' ``set_attention_backend`` on ``model``, except that under a backend of
-    ``PER_CHANNEL_V_BACKENDS`` its cross-attentions keep torch's SDPA: their keys (a text of a few
-    hundred tokens) may hold a channel that is zero at every key, and they are a small share of the
-    attention time, which the self-attentions over the video's tokens take."""
-    model.set_attention_backend(backend)
-    if backend in PER_CHANNEL_V_BACKENDS:
+    """diffusers' ``set_attention_backend`` on ``model`` (``fa3_fp8`` registered with diffusers
+    first, ``sharding.fa3_fp8.install``), except that under a backend of ``CROSS_ATTENTION_NATIVE``
+    its cross-attentions keep torch's SDPA: their keys (a text of a few hundred tokens) may hold a
+    channel that is zero at every key, and they are a small share of the attention time, which the
+    self-attentions over the video's tokens take."""
+    model.set_attention_backend(fa3_fp8.install() if backend == fa3_fp8.NAME else backend)
+    if backend in CROSS_ATTENTION_NATIVE:
         keep_cross_attention_native(model)
 
 
