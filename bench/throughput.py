@@ -103,6 +103,14 @@ OPTIONS = {
         "keep_gathered": 1.0,
         "shard_components": LOCAL_TEXT,
     },
+    # FlashAttention 3's FP8 forward in sage's place (Hopper only: docs/attention.md).
+    "batch-fp8-compile-fa3fp8-vaecl": {**BEST, "attention_backend": "fa3_fp8", "vae_channels_last": True},
+    "batch-fp8-compile-fa3fp8-vaecl-localtext": {
+        **BEST,
+        "attention_backend": "fa3_fp8",
+        "vae_channels_last": True,
+        "shard_components": LOCAL_TEXT,
+    },
     # One random LoRA merged at load (as batch-fused), with the fastest options.
     "batch-fused-fp8-compile-sage": BEST,
     "batch-fbcache": {"cache": {"kind": "first_block"}},
