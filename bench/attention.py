@@ -10,8 +10,8 @@ and mean absolute difference of the output against SDPA's, beside SDPA's mean ma
 one ``--arch`` transformer built with random weights on the GPU (no checkpoint), one denoising
 forward per backend (diffusers' ``set_attention_backend``; ``native`` is diffusers' default), its
 time and its output's drift from ``native``. Needs CUDA; ``sage`` needs the ``sageattention``
-package (``docs/attention.md`` says how to build it), ``--kernels fa3 fa3-fp8`` FlashAttention 3's
-``flash_attn_interface`` (kernels only: diffusers has no FP8 backend for it).
+package (``docs/attention.md`` says how to build it), ``--kernels fa3 fa3-fp8`` and ``--backends
+fa3_fp8`` FlashAttention 3's ``flash_attn_interface`` (the FP8 kernel as the project serves it).
 """
 
 from __future__ import annotations
@@ -42,26 +42,24 @@ def timed(fn, warmup: int, repeats: int) -> float:
 
 def fa3_kernels() -> dict:
     """FlashAttention 3 (the ``hopper/`` build: ``flash_attn_interface``), on ``(batch, heads,
-    tokens, dim)`` inputs like the others: in bf16, and in FP8 (e4m3) with each (batch, head)'s
-    q, k and v scaled by its own absolute maximum, the per-head descales FA3 takes; the FP8 kernel's
-    time includes that quantization, as a served forward would pay it."""
+    tokens, dim)`` inputs like the others: in bf16, and in FP8 as ``attention_backend: fa3_fp8``
+    serves it (``ray_hsdp.sharding.fa3_fp8``: each head's mean key taken out, q, k and v scaled per
+    (batch, head) to e4m3); the FP8 kernel's time includes that quantization, as a served forward
+    pays it."""
     from flash_attn_interface import flash_attn_func
 
-    from ray_hsdp.sharding.fp8 import FP8, FP8_MAX  # the e4m3 format the project's FP8 linears use
+    from ray_hsdp.sharding import fa3_fp8
+
+    fa3_fp8.register()
 
     def first(out):  # newer builds return (out, lse) when asked; older always did
         return out[0] if isinstance(out, tuple) else out
-
-    def fp8(x):  # (batch, tokens, heads, dim) -> e4m3 and its (batch, heads) descale
-        scale = x.abs().amax(dim=(1, 3)).float().clamp(min=1e-6) / FP8_MAX
-        return (x / scale[:, None, :, None]).to(FP8), scale
 
     def bf16(q, k, v):
         return first(flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)))).transpose(1, 2)
 
     def e4m3(q, k, v):
-        (q8, qs), (k8, ks), (v8, vs) = (fp8(t.transpose(1, 2)) for t in (q, k, v))
-        return first(flash_attn_func(q8, k8, v8, q_descale=qs, k_descale=ks, v_descale=vs)).transpose(1, 2)
+        return fa3_fp8.fa3_fp8_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
 
     return {"fa3": bf16, "fa3-fp8": e4m3}
 
