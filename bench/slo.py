@@ -14,7 +14,8 @@ Layouts (``--layouts``): ``batch`` (lanes of one rank), ``lanes2`` (fixed Ulysse
 ``adaptive-thrifty`` (the same with ``lane_policy: thrifty``). Results are written after every
 layout, each attainment with its 95% interval and the mean seconds queued and running per request
 size and lane size; ``--plot`` draws attainment and p95 against the rate from one or more results
-files.
+files, and ``--pool`` adds up the requests of several runs of one workload (runs spread over
+sessions), each layout's attainment and interval then taken over all of them.
 """
 
 from __future__ import annotations
@@ -174,6 +175,76 @@ def interval(met: int, requests: int, z: float = 1.96) -> tuple[float, float]:
     return (max(0.0, (centre - spread) / (1 + z * z / n)), min(1.0, (centre + spread) / (1 + z * z / n)))
 
 
+#: Runs pool when each size's deadline agrees within this share: one run measures the time alone
+#: (1.763 s), the next is given it rounded (``--alone-s 1.76``).
+POOL_TOLERANCE = 0.01
+#: What runs that pool must share (with their deadlines).
+POOL_FIELDS = ("arch", "gpus", "sizes", "frames", "steps", "k")
+
+
+def met_of(row: dict) -> int:
+    """Requests of ``row`` answered by their deadline (runs before ``met`` was written: from the
+    attainment)."""
+    return row.get("met", round((row["slo_attainment"] or 0) * row["requests"]))
+
+
+def pooled(payloads: list[dict]) -> list[dict]:
+    """The rows of several runs of one workload, added up per layout and rate (requests met and
+    requests), each attainment over all of them: how runs spread over sessions reach the request
+    counts that tell layouts apart. Ordered by rate, then layout.
+
+    Raises:
+        ValueError: The runs differ in a field of ``POOL_FIELDS`` or in their deadlines (named).
+    """
+    first = payloads[0]
+    for payload in payloads[1:]:
+        for field in POOL_FIELDS:
+            if payload[field] != first[field]:
+                raise ValueError(f"runs with different {field} do not pool: {first[field]} and {payload[field]}")
+        pairs = zip(first["deadlines_s"], payload["deadlines_s"], strict=True)
+        if any(abs(a - b) > POOL_TOLERANCE * a for a, b in pairs):
+            raise ValueError(
+                f"runs with different deadlines do not pool: {first['deadlines_s']} and {payload['deadlines_s']} s"
+            )
+    totals: dict[tuple[str, float], list[int]] = {}
+    for payload in payloads:
+        for row in payload["rows"]:
+            total = totals.setdefault((row["layout"], row["rate"]), [0, 0, 0])
+            total[0], total[1], total[2] = total[0] + met_of(row), total[1] + row["requests"], total[2] + 1
+    return [
+        {"layout": layout, "rate": rate, "met": met, "requests": requests, "runs": runs,
+         "slo_attainment": round(met / requests, 3) if requests else None}
+        for (layout, rate), (met, requests, runs) in sorted(totals.items(), key=lambda item: (item[0][1], item[0][0]))
+    ]  # fmt: skip
+
+
+def pooled_markdown(rows: list[dict], files: list[Path]) -> str:
+    """``pooled`` rows as a table, with adaptive's attainment over the best fixed layout's at each rate."""
+    lines = [
+        f"# SLO attainment pooled over {len(files)} runs: {', '.join(f.name for f in files)}",
+        "",
+        "| rate (req/s) | layout | runs | requests | SLO attainment (95% interval) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        low, high = interval(row["met"], row["requests"])
+        lines.append(
+            f"| {row['rate']} | {row['layout']} | {row['runs']} | {row['requests']} | "
+            f"{row['slo_attainment']} ({low:.2f}-{high:.2f}) |"
+        )
+    lines += ["", "Adaptive over the best fixed layout (relative):", ""]
+    for rate in dict.fromkeys(row["rate"] for row in rows):
+        at_rate = [row for row in rows if row["rate"] == rate]
+        fixed = [row for row in at_rate if not row["layout"].startswith("adaptive")]
+        if not fixed:
+            continue
+        best = max(fixed, key=lambda row: row["slo_attainment"] or 0)
+        for row in (r for r in at_rate if r["layout"].startswith("adaptive")):
+            gain = f"{row['slo_attainment'] / best['slo_attainment'] - 1:+.0%}" if best["slo_attainment"] else "-"
+            lines.append(f"- {rate} req/s: {row['layout']} {gain} against {best['layout']}")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(payload: dict) -> str:
     lines = [
         f"# SLO under Poisson load: {payload['arch']}, {payload['gpus']} GPUs, sizes {payload['sizes']}, "
@@ -188,8 +259,7 @@ def markdown(payload: dict) -> str:
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in payload["rows"]:
-        met = row.get("met", round((row["slo_attainment"] or 0) * row["requests"]))
-        low, high = interval(met, row["requests"])
+        low, high = interval(met_of(row), row["requests"])
         lines.append(
             f"| {row['layout']} | {row['rate']} | {row['requests']} | {row['slo_attainment']} ({low:.2f}-{high:.2f}) | "
             f"{row['goodput_per_s']} | {row['p50_s']} / {row['p95_s']} | {row['lane_sizes_given'] or '-'} |"
@@ -254,7 +324,13 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--name", default=None)
     parser.add_argument("--plot", nargs="+", metavar="FILE", help="only draw: results files, then the PNG to write")
+    parser.add_argument("--pool", nargs="+", metavar="FILE", help="only add up: results files of one workload; "
+                        "prints the pooled table")  # fmt: skip
     args = parser.parse_args()
+    if args.pool:
+        files = [Path(f) for f in args.pool]
+        print(pooled_markdown(pooled([json.loads(f.read_text()) for f in files]), files), end="")
+        return
     if args.plot:
         if len(args.plot) < 2:
             parser.error("--plot takes one or more results files and then the PNG to write")

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -51,3 +53,22 @@ def test_lane_layout_names_combine_their_options_and_refuse_unknown_ones():
         layout_fields("s2+fp4")
     with pytest.raises(ValueError, match="plain takes only"):
         options_of("plain+fp8", None)
+
+
+def test_slo_runs_of_one_workload_pool_and_runs_of_another_do_not():
+    from bench.slo import interval, pooled, pooled_markdown
+
+    results = ROOT / "bench" / "results"
+    d, e, f = (json.loads((results / f"slo-wan2.1-t2v-14b-4xH200-{n}.json").read_text()) for n in "def")
+    rows = {(r["layout"], r["rate"]): r for r in pooled([e, f])}  # e: adaptive, wide; f: batch, lanes2
+    assert len(rows) == 4 * 5 and rows[("adaptive", 0.7)] == {
+        "layout": "adaptive", "rate": 0.7, "met": 13, "requests": 14, "runs": 1, "slo_attainment": 0.929,
+    }  # fmt: skip
+    # The same run twice: the same attainment over twice the requests, a narrower interval.
+    twice = {(r["layout"], r["rate"]): r for r in pooled([e, e])}[("adaptive", 0.7)]
+    assert (twice["met"], twice["requests"], twice["slo_attainment"]) == (26, 28, 0.929)
+    assert interval(26, 28)[0] > interval(13, 14)[0]
+    text = pooled_markdown(pooled([e, f]), [Path("e.json"), Path("f.json")])
+    assert "- 0.7 req/s: adaptive +18% against wide" in text
+    with pytest.raises(ValueError, match="different deadlines"):
+        pooled([d, e])  # run d's deadlines were 6.14 / 4.66 s
