@@ -10,7 +10,8 @@ Each of q, k and v is scaled per (batch, head) by its largest magnitude over the
 head's channels: one scale over all channels, so a channel that is zero at every key stays zero
 (SageAttention's per-channel V scale turns it into NaN, ``context_parallel.PER_CHANNEL_V_BACKENDS``).
 Under Ulysses the all-to-all hands each rank whole sequences of some heads, so a lane's scales are
-the unsharded run's and its output equals the one-rank FP8 output. Ring attention would scale
+the unsharded run's and its output equals the one-rank FP8 output (checked on CPU with a reference
+of the kernel, ``tests/sharding/test_fa3_fp8.py``). Ring attention would scale
 each rank's chunk of keys alone; it is refused with every backend outside ``RING_BACKENDS``.
 
 diffusers names its backends by an enum that cannot grow and has no public way to register one;

@@ -5,6 +5,7 @@ follows its documented contract (attention over ``fp8 * descale``, log-sum-exp `
 tokens)``) stands in for it, so that what this project adds (scales, descales, layouts, the
 registration) is checked against torch's SDPA."""
 
+import importlib.machinery
 import sys
 import types
 
@@ -51,11 +52,20 @@ def _reference_kernel(q, k, v, softmax_scale=None, causal=False, q_descale=None,
     return (out, scores.logsumexp(-1)) if return_attn_probs else out
 
 
+def _reference_module() -> types.ModuleType:
+    """A ``flash_attn_interface`` module holding the reference kernel (with a spec: importers of
+    diffusers look packages up by it)."""
+    module = types.ModuleType("flash_attn_interface")
+    module.__spec__ = importlib.machinery.ModuleSpec("flash_attn_interface", None)
+    module.flash_attn_func = _reference_kernel
+    return module
+
+
 @pytest.fixture
 def _registered(monkeypatch):
     """The backend registered over diffusers' ``_flash_3`` with the reference kernel, and
     diffusers' own registration put back afterwards (the registry is the process's)."""
-    monkeypatch.setitem(sys.modules, "flash_attn_interface", types.SimpleNamespace(flash_attn_func=_reference_kernel))
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", _reference_module())
     registry, name = dispatch._AttentionBackendRegistry, dispatch.AttentionBackendName(fa3_fp8.DIFFUSERS_NAME)
     saved = (registry._backends[name], registry._constraints[name], registry._supported_arg_names[name])
     had_parallel = name.value in registry._supports_context_parallel
@@ -89,3 +99,55 @@ def test_the_backend_runs_through_diffusers_dispatch_close_to_sdpa(_registered):
     exact_lse = (torch.einsum("bqhd,bkhd->bqhk", q.float(), k.float()) * 32**-0.5).logsumexp(-1)
     assert lse.shape == (1, 96, 4)  # diffusers' (batch, tokens, heads)
     torch.testing.assert_close(lse, exact_lse, atol=0.1, rtol=0.02)
+
+
+def _tiny_wan():
+    """A seeded two-head Wan transformer and its inputs (32 tokens: a Ulysses split of 2 fits)."""
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+        text_dim=16, freq_dim=32, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+    ).eval()  # fmt: skip
+    inputs = dict(
+        hidden_states=torch.randn(1, 4, 2, 8, 8),
+        timestep=torch.tensor([500]),
+        encoder_hidden_states=torch.randn(1, 8, 16),
+    )
+    return model, inputs
+
+
+def _ulysses_lane_against_one_rank(mesh, rank):
+    """On each of 2 gloo ranks: the tiny model's forward under the backend (reference kernel) on
+    one rank, then on a Ulysses lane of both; and the native forward, to see FP8 at work."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ray_hsdp.sharding.context_parallel import enable_context_parallel, keep_cross_attention_native
+    from ray_hsdp.topology import LANE_MESH_DIM_NAMES
+
+    sys.modules["flash_attn_interface"] = _reference_module()
+    dispatch._CAN_USE_FLASH_ATTN_3 = True  # diffusers' package check, false without the GPU build
+    model, inputs = _tiny_wan()
+    with torch.no_grad():
+        native = model(**inputs, return_dict=False)[0]
+        model.set_attention_backend(fa3_fp8.register())
+        keep_cross_attention_native(model)
+        one = model(**inputs, return_dict=False)[0]
+        lane = init_device_mesh("cpu", (1, 1, 1, 2), mesh_dim_names=LANE_MESH_DIM_NAMES)
+        enable_context_parallel(model, lane, ring=1, ulysses=2, device="cpu", attention_backend=None)
+        split = model(**inputs, return_dict=False)[0]
+    return float((split - one).abs().max()), float((one - native).abs().max())
+
+
+def test_a_ulysses_lane_under_the_backend_equals_one_rank(ray_cluster):
+    """diffusers' all-to-all hands each rank whole sequences of its heads, so each head's scales
+    and mean key are the one-rank run's, and the lane's output equals it (float level), while
+    both differ from exact attention by FP8's rounding."""
+    from gloo import GlooGroup
+
+    with GlooGroup(2) as group:
+        for lane_vs_one, fp8_vs_native in group.run(_ulysses_lane_against_one_rank):
+            assert lane_vs_one < 1e-5
+            assert fp8_vs_native > 1e-4  # the FP8 backend ran, not the native one
