@@ -24,7 +24,9 @@ uncached on the same group; ``batch-fp8`` (and ``-compile``): ``quantization: fp
 its first request's frames from ``batch``'s (when ``batch`` ran first);
 ``batch-devicetick`` (and ``-compile``): the tick's all-gather on the GPU (``tick_exchange: device``);
 ``batch-sage``, ``batch-compile-sage`` against ``plain-sage``, ``plain-compile-sage``:
-``attention_backend: sage`` (SageAttention 2, built on the GPU host: ``docs/attention.md``).
+``attention_backend: sage`` (SageAttention 2, built on the GPU host: ``docs/attention.md``);
+``ceiling-fp8-compile-fa3fp8-vaecl`` (and ``-sage-``): the unsharded replicas with the fastest
+options, FP8 linears whole on each rank.
 Every setup runs the same requests (480x832, ``--guidance``, 5 unless given) at each frame
 count; results are written after every setup so that a run cut short keeps what it measured.
 """
@@ -111,6 +113,10 @@ OPTIONS = {
         "vae_channels_last": True,
         "shard_components": LOCAL_TEXT,
     },
+    # Unsharded replicas (one rank per GPU, the model whole on each: R x S=1) with the fastest options;
+    # FP8 keeps the same linears whole (a 14B Wan transformer in FP8 is 14 GB).
+    "ceiling-fp8-compile-fa3fp8-vaecl": {**BEST, "attention_backend": "fa3_fp8", "vae_channels_last": True},
+    "ceiling-fp8-compile-sage-vaecl": {**BEST, "vae_channels_last": True},
     # One random LoRA merged at load (as batch-fused), with the fastest options.
     "batch-fused-fp8-compile-sage": BEST,
     "batch-fbcache": {"cache": {"kind": "first_block"}},
@@ -384,7 +390,7 @@ def main() -> None:
                 if replicas * shards != args.gpus:
                     parser.error(f"layout {layout} does not use {args.gpus} GPUs")
                 runs.append(("batch" if replicas == 1 else f"batch-{layout}", setup, replicas, shards))
-        elif setup == "ceiling" or setup in PLAIN:
+        elif setup == "ceiling" or setup in PLAIN or setup.startswith("ceiling-"):  # one whole rank per GPU
             runs.append((setup, setup, args.gpus, 1))
         else:
             runs.append((setup, setup, 1, args.gpus))

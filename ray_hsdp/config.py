@@ -323,9 +323,9 @@ class GroupKernels(BaseModel):
         "none",
         description="'fp8': the sharded diffusers models' linear layers inside their units keep, gather and "
         "multiply their weights in FP8 (e4m3, one scale per output row, activations scaled per token): half the "
-        "weights per GPU and per gather, FP8 matmuls, outputs that drift from bfloat16. CUDA GPUs of compute "
-        "capability 8.9 or above (H100, L40S) with gather 'in_place' and shard_size >= 2 only; the group's start "
-        "compiles the activations' scaling.",
+        "weights per GPU and per gather, FP8 matmuls, outputs that drift from bfloat16; with shard_size 1 the same "
+        "linears, whole on the rank. CUDA GPUs of compute capability 8.9 or above (H100, L40S), with gather "
+        "'in_place' when sharded; the group's start compiles the activations' scaling.",
     )
     request_streams: bool = Field(
         False,

@@ -4,8 +4,8 @@ torchtitan's ``parallelize`` applies its steps to a model).
 Each sharded component, in this order (``shard_component``): build on the meta device, put the
 step cache's hooks on, plan its units (FP8 linears swapped in), shard, materialise and read this
 rank's slices, fuse adapters into its rows, quantize them, activate the gathers. Then the pipeline
-(``load_parts``): the other components (and the adapters fused into them), the attention backend or
-context parallel, compile, the CFG split.
+(``load_parts``): the other components (and the adapters fused into them), on a rank that shards
+nothing the FP8 linears, the attention backend or context parallel, compile, the CFG split.
 """
 
 from __future__ import annotations
@@ -130,6 +130,22 @@ def shard_component(folder: Path, class_info: tuple[str, str], facts: LoadFacts,
     return module, sharding, stats
 
 
+def quantize_unsharded(models: Mapping[str, nn.Module], min_num_params: int, phases: Phases) -> int:
+    """FP8 linears on a rank that shards nothing (a group of one rank): in each diffusers model of
+    the shard components, the linears its policy's units hold, each quantized whole, row by row:
+    the very weights the ranks of a sharded group quantize in slices and gather.
+
+    Returns:
+        How many linears became FP8.
+    """
+    swapped = 0
+    for name, module in models.items():
+        with phases.phase(f"fp8 of {name}"):
+            swapped += fp8_linears(resolve_plan(module, min_num_params))
+            quantize_fp8(module)
+    return swapped
+
+
 def token_grid(pipe, module, policy, degree: int) -> dict:
     """The facts a request's tokens are counted by (``variant.lane.sequence_tokens``) and the
     degree they must split over."""
@@ -245,6 +261,8 @@ def load_parts(
     # Only diffusers models have attention backends, context parallel and repeated blocks.
     candidates = {name: getattr(pipe, name, None) for name in shard_components}
     models = {name: m for name, m in candidates.items() if hasattr(m, "enable_parallelism")}
+    if facts.quantization == "fp8" and facts.mesh is None:  # after the fused adapters, which it quantizes
+        quantize_unsharded(models, facts.min_num_params, phases)
     sequence = lane_parallel = None
     with phases.phase("parallel setup"):
         if dims.sequence_degree > 1 or max((dims.lane_shape(s)[1] for s in dims.lane_sizes), default=1) > 1:

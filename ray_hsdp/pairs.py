@@ -156,12 +156,13 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         "quantization 'fp8'",
-        "gather 'fsdp2', reshard_after_forward False or shard_size 1",
+        "gather 'fsdp2' or reshard_after_forward False on shard_size >= 2",
         "FP8 quantizes each rank's rows of the weights and gathers them in place",
-        "use gather 'auto' or 'in_place' (with reshard_after_forward) and shard_size >= 2",
+        "use gather 'auto' or 'in_place' (with reshard_after_forward), or shard_size 1 (every rank whole)",
         lambda c: (
             c.quantization == "fp8"
-            and (c.gather == "fsdp2" or not c.reshard_after_forward or c.resolved_shard_size == 1)
+            and c.resolved_shard_size > 1
+            and (c.gather == "fsdp2" or not c.reshard_after_forward)
         ),
     ),
     Refusal(

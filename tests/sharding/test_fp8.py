@@ -100,3 +100,45 @@ def test_fp8_refused_on_cpu_with_its_message():
     assert GroupConfig(quantization="fp8").resolve_device(cluster_has_gpus=True).gather == "in_place"
     with pytest.raises(ValueError, match="this rank runs on cpu"):
         check_fp8_device("cpu")
+
+
+def test_a_rank_that_shards_nothing_quantizes_its_denoisers_linears_whole(tmp_path):
+    """A group of one rank (``shard_size 1``) loads the pipeline whole; with FP8 its diffusers
+    models get the very linears a sharded group's units hold, quantized whole: the transformer
+    computes what the module-level whole quantization computes, and the text encoder is untouched."""
+    from ray_hsdp.checkpoints.tiny import make_tiny
+    from ray_hsdp.load_steps import LoadFacts, load_parts
+    from ray_hsdp.phases import Phases
+    from ray_hsdp.sharding import resolve_plan
+    from ray_hsdp.topology import ParallelDims
+
+    folder = make_tiny(tmp_path / "tiny")
+    min_num_params = GroupConfig().min_num_params
+    facts = LoadFacts(
+        dtype="float32", device="cpu", mesh=None, min_num_params=min_num_params, gather="in_place",
+        reshard_after_forward=True, forward_prefetch=1, keep_gathered=0.0, allow_pickle=False, cache_hooks=None,
+        quantization="fp8", fused={}, pipeline_cls=None,
+    )  # fmt: skip
+    parts = load_parts(folder, facts, ("transformer", "text_encoder"), dims=ParallelDims(1, 1), lane_mesh=None,
+                       backend=None, compile=False, phases=Phases("load"))  # fmt: skip
+    transformer = parts.pipe.transformer
+    linears = [m for m in transformer.modules() if isinstance(m, Fp8Linear)]
+    assert linears and all(m.weight.dtype == FP8 for m in linears)
+    assert not any(isinstance(m, Fp8Linear) for m in parts.pipe.text_encoder.modules())
+
+    reference = type(transformer).from_pretrained(folder / "transformer").eval()
+    assert fp8_linears(resolve_plan(reference, min_num_params)) == len(linears)
+    quantize_fp8(reference)
+    torch.manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, transformer.config.in_channels, 2, 8, 8),
+        timestep=torch.tensor([500]),
+        encoder_hidden_states=torch.randn(1, 8, transformer.config.text_dim),
+    )
+    with torch.no_grad():
+        assert torch.equal(transformer(**inputs)[0], reference(**inputs)[0])
+
+
+def test_fp8_is_allowed_on_a_group_of_one_rank():
+    assert GroupConfig(quantization="fp8", shard_size=1, device="cuda").quantization == "fp8"
+    assert GroupConfig(quantization="fp8", shard_size=1, gather="fsdp2", device="cuda").gather == "fsdp2"  # unused
