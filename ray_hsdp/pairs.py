@@ -103,13 +103,6 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         "adaptive lanes (lane_sizes)",
-        "compile",
-        "each lane size would compile graphs of its own; not bounded yet",
-        "serve uncompiled, or use fixed lanes",
-        lambda c: bool(c.lane_sizes) and c.compile,
-    ),
-    Refusal(
-        "adaptive lanes (lane_sizes)",
         "vae_parallel 'on'",
         "a lane's split decode uses process groups of fixed lanes",
         "use vae_parallel 'off' or 'auto' (the leader decodes alone)",

@@ -38,6 +38,15 @@ CONCURRENCY_GROUPS = {"control": 2, "intake": MAX_REQUESTS_PER_RANK, "profile": 
 FAULTS = ("stall", "forward", "decode")
 
 
+def compiled_graphs() -> int:
+    """Graphs ``torch.compile`` built in this process so far: a request of a new shape (or, with
+    adaptive lanes, on a new lane size) adds some once; a count that grows with every request means
+    recompiles. (dynamo keeps the count in its counters; torch has no public one.)"""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 class Rank(RankStart):
     """One rank of a shard group; the group turns this class into a Ray actor.
 
@@ -151,6 +160,7 @@ class Rank(RankStart):
             "step_cache_reused": caches.reused if caches is not None else 0,
             "device_allocated_bytes": device_allocated_bytes(self.config.device),
             "last_request_peak_device_bytes": self.last_request_peak_device_bytes,
+            "compiled_graphs": compiled_graphs() if self.config.compile else 0,
         }
 
     @ray.method(concurrency_group="profile")

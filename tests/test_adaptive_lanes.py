@@ -155,6 +155,32 @@ def test_a_group_runs_lanes_of_one_and_two_at_once_and_equals_unsharded(ray_clus
     assert 1 in {sizes[f"burst-{i}"] for i in range(4)}  # a backlog: lanes of one rank
 
 
+def test_a_compiled_group_warms_every_lane_size_and_its_lanes_equal_unsharded(ray_cluster, tiny_model, adapted_pipe):
+    """``compile`` with ``lane_sizes``: the start compiles each lane size on every rank (warm-up
+    requests named for each size), each size's forwards its own graphs (its parallel config), and
+    requests of the warm-up's shape on a lane of one, on the lane of two, and where the group puts
+    them equal the unsharded run."""
+    config = GroupConfig(model=tiny_model, device="cpu", shard_size=2, lane_sizes=(1, 2), compile=True)
+    shape = {"width": 64, "height": 64, "num_frames": 1}  # the warm-up's: nothing compiles in a request
+    requests = [
+        GenerationRequest(prompt="a cat", seed=7, lane_size=1, request_id="one-a", **shape),
+        GenerationRequest(prompt="a dog", seed=8, lane_size=1, request_id="one-b", **shape),
+        GenerationRequest(prompt="rain", seed=9, lane_size=2, request_id="two", **shape),
+        GenerationRequest(prompt="snow", seed=10, request_id="placed", **shape),
+    ]
+    records = []
+    with ShardGroup(config) as group:
+        group.listeners.append(records.append)
+        warmed = [stats["compiled_graphs"] for stats in group.tick_stats()]
+        results = group.generate(requests)
+        assert [stats["compiled_graphs"] for stats in group.tick_stats()] == warmed  # no compile in a request
+    assert all(count > 0 for count in warmed)
+    sizes = {r.request_id: r.lane_size for r in records}
+    assert sizes["one-a"] == sizes["one-b"] == 1 and sizes["two"] == 2
+    for request, result in zip(requests, results):
+        assert max_abs_diff(result.frames, reference_with(adapted_pipe, request)) <= TOLERANCE, request
+
+
 def test_a_fixed_group_refuses_a_request_s_lane_size(ray_cluster, tiny_model):
     from ray_hsdp.variant import RequestVariant
 

@@ -169,16 +169,10 @@ class ShardGroup(GroupScheduler, GroupInspection):
         self._scheduler = threading.Thread(target=self._schedule, name="ray_hsdp-scheduler", daemon=True)
         self._scheduler.start()
         if self.config.compile:
-            # The first forwards compile: here, one small request per lane, not in a user's request.
-            # An image-to-video pipeline takes no request without its first frame.
-            image = _gray_png(64, 64) if self.pipeline_facts.get("image_input") else None
-            warm = [
-                GenerationRequest(prompt="warm up", num_inference_steps=1, request_id=f"warm-up-{lane}", image=image)
-                for lane in range(self.dims.num_lanes)
-            ]
             try:
                 with self.phases.phase("warm-up"):
-                    self.generate(warm)
+                    for warm in self._warm_up_requests():
+                        self.generate(warm)
             except BaseException:
                 self.shutdown()
                 raise
@@ -191,6 +185,27 @@ class ShardGroup(GroupScheduler, GroupInspection):
             self.config.mode,
         )
         return self
+
+    def _warm_up_requests(self) -> list[list[GenerationRequest]]:
+        """Small requests that compile a compiled group's first forwards at its start, not in a
+        user's request: one per lane; with adaptive lanes, for each lane size in turn, one per place
+        of every lane of that size (a rank compiles graphs of its own per lane size, and a lane fills
+        its places before the next lane of its size takes one). An image-to-video pipeline takes no
+        request without its first frame."""
+        image = _gray_png(64, 64) if self.pipeline_facts.get("image_input") else None
+
+        def warm(name: str, lane_size: int | None = None) -> GenerationRequest:
+            return GenerationRequest(
+                prompt="warm up", num_inference_steps=1, request_id=f"warm-up-{name}", image=image, lane_size=lane_size
+            )
+
+        if not self.dims.adaptive:
+            return [[warm(str(lane)) for lane in range(self.dims.num_lanes)]]
+        places = self.config.requests_per_rank
+        return [
+            [warm(f"{size}-{i}", size) for i in range(len(self.dims.blocks(size)) * places)]
+            for size in sorted(self.dims.lane_sizes)
+        ]
 
     def _spawn_and_join(self) -> None:
         bundle = self.dims.bundles(self.config.device, self.config.cpus_per_rank)[0]

@@ -17,7 +17,8 @@ class GroupInspection:
         return [{**place, **report} for place, report in zip(self.placement, reports)]
 
     def tick_stats(self) -> list[dict]:
-        """Each rank's counts of ticks, ghost passes and batched calls since it loaded."""
+        """Each rank's counts of ticks, ghost passes and batched calls since it loaded (and, with
+        compile, of the graphs it compiled)."""
         return ray.get([r.tick_stats.remote() for r in self.ranks], timeout=self.config.request_timeout_s)
 
     def start_profile(self, trace_dir: str | None = None) -> None:
