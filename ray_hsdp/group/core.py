@@ -38,6 +38,27 @@ logger = logging.getLogger("ray_hsdp")
 _RENDEZVOUS_TRIES = 3
 
 
+def warm_up_requests(dims: ParallelDims, requests_per_rank: int, image_input: bool) -> list[list[GenerationRequest]]:
+    """Small requests, in batches run one after the other, that compile a compiled group's first
+    forwards at its start, not in a user's request: one per lane; with adaptive lanes, for each lane
+    size in turn, one per place of every lane of that size (a rank compiles graphs of its own per
+    lane size, and a lane fills its places before the next lane of its size takes one). An
+    image-to-video pipeline (``image_input``) takes no request without its first frame."""
+    image = _gray_png(64, 64) if image_input else None
+
+    def warm(name: str, lane_size: int | None = None) -> GenerationRequest:
+        return GenerationRequest(
+            prompt="warm up", num_inference_steps=1, request_id=f"warm-up-{name}", image=image, lane_size=lane_size
+        )
+
+    if not dims.adaptive:
+        return [[warm(str(lane)) for lane in range(dims.num_lanes)]]
+    return [
+        [warm(f"{size}-{i}", size) for i in range(len(dims.blocks(size)) * requests_per_rank)]
+        for size in sorted(dims.lane_sizes)
+    ]
+
+
 def _gray_png(width: int, height: int) -> bytes:
     """A plain gray PNG: the first frame of an image-to-video warm-up request."""
     import io
@@ -171,7 +192,8 @@ class ShardGroup(GroupScheduler, GroupInspection):
         if self.config.compile:
             try:
                 with self.phases.phase("warm-up"):
-                    for warm in self._warm_up_requests():
+                    image_input = bool(self.pipeline_facts.get("image_input"))
+                    for warm in warm_up_requests(self.dims, self.config.requests_per_rank, image_input):
                         self.generate(warm)
             except BaseException:
                 self.shutdown()
@@ -185,27 +207,6 @@ class ShardGroup(GroupScheduler, GroupInspection):
             self.config.mode,
         )
         return self
-
-    def _warm_up_requests(self) -> list[list[GenerationRequest]]:
-        """Small requests that compile a compiled group's first forwards at its start, not in a
-        user's request: one per lane; with adaptive lanes, for each lane size in turn, one per place
-        of every lane of that size (a rank compiles graphs of its own per lane size, and a lane fills
-        its places before the next lane of its size takes one). An image-to-video pipeline takes no
-        request without its first frame."""
-        image = _gray_png(64, 64) if self.pipeline_facts.get("image_input") else None
-
-        def warm(name: str, lane_size: int | None = None) -> GenerationRequest:
-            return GenerationRequest(
-                prompt="warm up", num_inference_steps=1, request_id=f"warm-up-{name}", image=image, lane_size=lane_size
-            )
-
-        if not self.dims.adaptive:
-            return [[warm(str(lane)) for lane in range(self.dims.num_lanes)]]
-        places = self.config.requests_per_rank
-        return [
-            [warm(f"{size}-{i}", size) for i in range(len(self.dims.blocks(size)) * places)]
-            for size in sorted(self.dims.lane_sizes)
-        ]
 
     def _spawn_and_join(self) -> None:
         bundle = self.dims.bundles(self.config.device, self.config.cpus_per_rank)[0]
