@@ -155,6 +155,17 @@ def test_a_group_runs_lanes_of_one_and_two_at_once_and_equals_unsharded(ray_clus
     assert 1 in {sizes[f"burst-{i}"] for i in range(4)}  # a backlog: lanes of one rank
 
 
+def test_the_warm_up_fills_every_place_of_every_lane_of_each_size_in_turn():
+    from ray_hsdp.group.core import warm_up_requests
+
+    batches = warm_up_requests(DIMS, requests_per_rank=2, image_input=False)
+    assert [[r.lane_size for r in batch] for batch in batches] == [[1] * 8, [2] * 4, [4] * 2]
+    assert len({r.request_id for batch in batches for r in batch}) == 14
+    fixed = warm_up_requests(ParallelDims(1, 4, ulysses=2), requests_per_rank=2, image_input=True)
+    assert [[r.lane_size for r in batch] for batch in fixed] == [[None, None]]  # one per lane
+    assert all(r.image is not None for r in fixed[0])
+
+
 def test_a_compiled_group_warms_every_lane_size_and_its_lanes_equal_unsharded(ray_cluster, tiny_model, adapted_pipe):
     """``compile`` with ``lane_sizes``: the start compiles each lane size on every rank (warm-up
     requests named for each size), each size's forwards its own graphs (its parallel config), and
