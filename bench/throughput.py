@@ -107,6 +107,13 @@ OPTIONS = {
     },
     # FlashAttention 3's FP8 forward in sage's place (Hopper only: docs/attention.md).
     "batch-fp8-compile-fa3fp8-vaecl": {**BEST, "attention_backend": "fa3_fp8", "vae_channels_last": True},
+    # The decodes on the requests' own streams, the forwards and collectives on the highest priority.
+    "batch-fp8-compile-fa3fp8-vaecl-streams": {
+        **BEST,
+        "attention_backend": "fa3_fp8",
+        "vae_channels_last": True,
+        "request_streams": True,
+    },
     "batch-fp8-compile-fa3fp8-vaecl-localtext": {
         **BEST,
         "attention_backend": "fa3_fp8",

@@ -331,7 +331,9 @@ class GroupKernels(BaseModel):
     request_streams: bool = Field(
         False,
         description="CUDA: run each request's own work (scheduler steps, VAE decode) on a stream of its own, "
-        "so that a rank's decode overlaps the group's forwards instead of queueing ahead of them.",
+        "so that a rank's decode overlaps the group's forwards instead of queueing ahead of them; the forwards "
+        "and the group's NCCL collectives then run on streams of the highest priority, so that the decode yields "
+        "to them (the other ranks wait at each tick for this rank's forward, never for its decode).",
     )
     vae_tiling: Literal["auto", "on", "off"] = Field(
         "auto",

@@ -52,7 +52,9 @@ def backend_for(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
 
 
-def init_process_group(device: str, master: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+def init_process_group(
+    device: str, master: str, port: int, rank: int, world_size: int, timeout_s: float, high_priority: bool = False
+) -> None:
     """Joins the group's process group on an explicit ``tcp://`` rendezvous.
 
     Args:
@@ -62,13 +64,18 @@ def init_process_group(device: str, master: str, port: int, rank: int, world_siz
         rank: This rank's index in the group.
         world_size: Ranks in the group.
         timeout_s: Deadline of the rendezvous and of every later collective.
+        high_priority: On CUDA, NCCL's collectives on high-priority streams (with the forwards'
+            ``runtime.modules.priority_stream``: a rank's own decode yields to the group's gathers).
     """
+    kwargs = {}
     if device == "cuda":
         # Ray masks CUDA_VISIBLE_DEVICES to this actor's GPU, so it is always cuda:0 here.
         torch.cuda.set_device(0)
-    kwargs = {}
-    if device == "cuda":
         kwargs["device_id"] = torch.device("cuda", 0)
+        if high_priority:
+            options = dist.ProcessGroupNCCL.Options()
+            options.is_high_priority_stream = True
+            kwargs["pg_options"] = options
     dist.init_process_group(
         backend=backend_for(device),
         init_method=f"tcp://{master}:{port}",

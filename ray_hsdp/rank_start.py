@@ -60,7 +60,13 @@ class RankStart:
         if self.dims.shard_size > 1:
             with self.phases.phase("process group"):
                 distributed.init_process_group(
-                    self.config.device, master, port, self.rank, self.dims.shard_size, self.config.collective_timeout_s
+                    self.config.device,
+                    master,
+                    port,
+                    self.rank,
+                    self.dims.shard_size,
+                    self.config.collective_timeout_s,
+                    high_priority=self.config.request_streams,
                 )
             with self.phases.phase("meshes"):
                 self.mesh, self.lane_mesh = distributed.build_meshes(self.config.device, self.dims)
@@ -181,17 +187,19 @@ class RankStart:
         """The sharded modules the tick thread runs (each forward in its request's variant, with
         the rank's ``features``, whose step caches are made here) and the tick's exchange;
         ``(None, None)`` on an unsharded rank."""
-        from ray_hsdp.runtime.modules import ProcessGroupExchange, ShardedModules
+        from ray_hsdp.runtime.modules import ProcessGroupExchange, ShardedModules, priority_stream
 
         if not self.pipeline.sharded:
             return None, None
         if self.config.cache.kind != "none":
             features.step_caches = self._step_caches()
+        prioritized = self.config.request_streams and self.config.device == "cuda"
         modules = ShardedModules(
             self.pipeline.sharded_modules,
             self.config.device,
             self.pipeline.shardings,
             features=features,
+            stream=priority_stream() if prioritized else None,
         )
         on_host = self.config.tick_exchange == "host"
         return modules, ProcessGroupExchange("cpu" if on_host else self.config.device, self.tick_group)

@@ -66,6 +66,19 @@ class TickedModule:
         return getattr(self._module, name)
 
 
+#: A CUDA stream priority below every device's range: torch maps it to the highest the device has.
+HIGHEST_PRIORITY = -100
+
+
+def priority_stream() -> torch.cuda.Stream:
+    """A CUDA stream of the device's highest priority: the tick thread's forwards run on it beside
+    request streams (``request_streams``), so that the GPU's block scheduler gives a rank's part of
+    the group's lock step precedence over that rank's own decode, which the other ranks never wait
+    for. (At equal priority the decode's kernels take SMs from the forward, and every rank of the
+    group waits at the next tick for the slowed one.)"""
+    return torch.cuda.Stream(priority=HIGHEST_PRIORITY)
+
+
 class ShardedModules:
     """A rank's sharded root modules (text encoders, transformers), numbered smallest first.
 
@@ -78,6 +91,8 @@ class ShardedModules:
         features: What the rank loaded for per-request features (``ray_hsdp.variant.RankFeatures``:
             adapters, step caches): each forward runs inside its request's variant
             (``RequestVariant.forward``), which applies the request's choices to them.
+        stream: CUDA stream the forwards and ghost passes run on (``priority_stream``); ``None``:
+            the tick thread's current one.
     """
 
     def __init__(
@@ -86,8 +101,10 @@ class ShardedModules:
         device: str,
         shardings: dict,
         features: RankFeatures | None = None,
+        stream: torch.cuda.Stream | None = None,
     ):
         self.features = features or RankFeatures()
+        self.stream = stream
         # Parameter counts are global (DTensor), so every rank gets the same order.
         self.names = sorted(modules, key=lambda n: (sum(p.numel() for p in modules[n].parameters()), n))
         self.modules = [modules[name] for name in self.names]
@@ -120,6 +137,10 @@ class ShardedModules:
 
     @torch.no_grad()
     def forward(self, calls: list[ForwardCall]) -> list:
+        with torch.cuda.stream(self.stream):  # a no-op for None
+            return self._forward(calls)
+
+    def _forward(self, calls: list[ForwardCall]) -> list:
         for call in calls:
             if "ready" in call.context:
                 torch.cuda.current_stream().wait_event(call.context["ready"])
@@ -168,7 +189,8 @@ class ShardedModules:
             call.context["stream"].wait_event(call.context["finished"])
 
     def ghost(self, module_id: int) -> None:
-        self.ghosts[module_id]()
+        with torch.cuda.stream(self.stream):
+            self.ghosts[module_id]()
 
 
 class ProcessGroupExchange:
