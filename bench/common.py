@@ -221,14 +221,16 @@ def load_plain(model_dir, device: str):
 def speed_up_plain(pipe, compile: bool = False, backend: str | None = None) -> None:
     """What plain diffusers offers a user on its transformers: an attention backend
     (``set_attention_backend``) and regional compile (``compile_repeated_blocks``)."""
-    from ray_hsdp.sharding.context_parallel import set_attention_backend
+    from ray_hsdp.sharding.context_parallel import PROJECT_BACKENDS, set_attention_backend
 
     for name in ("transformer", "transformer_2"):
         module = getattr(pipe, name, None)
         if module is None:
             continue
-        if backend:  # the project's rule (cross-attentions on SDPA under quantized backends) and names
+        if backend in PROJECT_BACKENDS:  # this project's backend, as the project sets it
             set_attention_backend(module, backend)
+        elif backend:  # diffusers' own, as diffusers sets it
+            module.set_attention_backend(backend)
         if compile:
             module.compile_repeated_blocks()
 
