@@ -130,10 +130,12 @@ def shard_component(folder: Path, class_info: tuple[str, str], facts: LoadFacts,
     return module, sharding, stats
 
 
-def quantize_unsharded(models: Mapping[str, nn.Module], min_num_params: int, phases: Phases) -> int:
+def quantize_unsharded(models: Mapping[str, nn.Module], min_num_params: int, device: str, phases: Phases) -> int:
     """FP8 linears on a rank that shards nothing (a group of one rank): in each diffusers model of
     the shard components, the linears its policy's units hold, each quantized whole, row by row:
-    the very weights the ranks of a sharded group quantize in slices and gather.
+    the very weights the ranks of a sharded group quantize in slices and gather. Each model moves
+    to ``device`` first (the pipeline loads on the CPU): quantized there, its linears scale their
+    inputs with the fused kernel (``fp8.fused_scale_rows``), which a CPU tensor would not pick.
 
     Returns:
         How many linears became FP8.
@@ -141,6 +143,7 @@ def quantize_unsharded(models: Mapping[str, nn.Module], min_num_params: int, pha
     swapped = 0
     for name, module in models.items():
         with phases.phase(f"fp8 of {name}"):
+            module.to(device)
             swapped += fp8_linears(resolve_plan(module, min_num_params))
             quantize_fp8(module)
     return swapped
@@ -262,7 +265,7 @@ def load_parts(
     candidates = {name: getattr(pipe, name, None) for name in shard_components}
     models = {name: m for name, m in candidates.items() if hasattr(m, "enable_parallelism")}
     if facts.quantization == "fp8" and facts.mesh is None:  # after the fused adapters, which it quantizes
-        quantize_unsharded(models, facts.min_num_params, phases)
+        quantize_unsharded(models, facts.min_num_params, facts.device, phases)
     sequence = lane_parallel = None
     with phases.phase("parallel setup"):
         if dims.sequence_degree > 1 or max((dims.lane_shape(s)[1] for s in dims.lane_sizes), default=1) > 1:
