@@ -8,7 +8,8 @@ of each token count (832x480 at 21 frames is 9,360 tokens, at 81 frames 32,760; 
 frames 75,600), timed with CUDA events (median of ``--repeats`` after ``--warmup`` calls); drift: max
 and mean absolute difference of the output against SDPA's, beside SDPA's mean magnitude. Forward:
 one ``--arch`` transformer built with random weights on the GPU (no checkpoint), one denoising
-forward per backend (diffusers' ``set_attention_backend``; ``native`` is diffusers' default), its
+forward per backend (set as a group sets it: ``sharding.context_parallel.set_attention_backend``;
+``native`` is diffusers' default), its
 time and its output's drift from ``native``. Needs CUDA; ``sage`` needs the ``sageattention``
 package (``docs/attention.md`` says how to build it), ``--kernels fa3 fa3-fp8`` and ``--backends
 fa3_fp8`` FlashAttention 3's ``flash_attn_interface`` (the FP8 kernel as the project serves it).

@@ -65,6 +65,10 @@ TAYLORSEER_2X = {"kind": "taylorseer", "interval": 2, "warmup_steps": 1}
 LOCAL_TEXT = ("transformer", "transformer_2")
 #: The fastest options of issue 40: FP8 linears, compile and SageAttention.
 BEST = {"quantization": "fp8", "compile": True, "attention_backend": "sage"}
+#: ``BEST`` with the VAE's convolution weights channels-last.
+BEST_VAECL = {**BEST, "vae_channels_last": True}
+#: ``BEST_VAECL`` with FlashAttention 3's FP8 forward in sage's place (Hopper only: docs/attention.md).
+FA3_VAECL = {**BEST_VAECL, "attention_backend": "fa3_fp8"}
 #: Setups of ``batch`` with some of its group fields changed.
 OPTIONS = {
     "batch-prefetch0": {"forward_prefetch": 0},
@@ -89,7 +93,7 @@ OPTIONS = {
     "batch-compile-sage-keep100": {"compile": True, "attention_backend": "sage", "keep_gathered": 1.0},
     "batch-fp8-compile-keep100": {"quantization": "fp8", "compile": True, "keep_gathered": 1.0},
     "batch-fp8-compile-sage": BEST,
-    "batch-fp8-compile-sage-vaecl": {**BEST, "vae_channels_last": True},
+    "batch-fp8-compile-sage-vaecl": BEST_VAECL,
     "batch-fp8-compile-sage-keep100": {**BEST, "keep_gathered": 1.0},
     # The text encoder replicated: a request's encoding runs on its rank alone, not in a tick of the group.
     "batch-localtext": {"shard_components": LOCAL_TEXT},
@@ -98,32 +102,20 @@ OPTIONS = {
     "batch-fp8-compile-sage-localtext": {**BEST, "shard_components": LOCAL_TEXT},
     # Every option measured to help at once: no text-encoder ticks, channels-last VAE, and (keep100) the
     # denoiser kept whole after its first gather.
-    "batch-fp8-compile-sage-vaecl-localtext": {**BEST, "vae_channels_last": True, "shard_components": LOCAL_TEXT},
+    "batch-fp8-compile-sage-vaecl-localtext": {**BEST_VAECL, "shard_components": LOCAL_TEXT},
     "batch-fp8-compile-sage-vaecl-keep100-localtext": {
-        **BEST,
-        "vae_channels_last": True,
+        **BEST_VAECL,
         "keep_gathered": 1.0,
         "shard_components": LOCAL_TEXT,
     },
-    # FlashAttention 3's FP8 forward in sage's place (Hopper only: docs/attention.md).
-    "batch-fp8-compile-fa3fp8-vaecl": {**BEST, "attention_backend": "fa3_fp8", "vae_channels_last": True},
+    "batch-fp8-compile-fa3fp8-vaecl": FA3_VAECL,
     # The decodes on the requests' own streams, the forwards and collectives on the highest priority.
-    "batch-fp8-compile-fa3fp8-vaecl-streams": {
-        **BEST,
-        "attention_backend": "fa3_fp8",
-        "vae_channels_last": True,
-        "request_streams": True,
-    },
-    "batch-fp8-compile-fa3fp8-vaecl-localtext": {
-        **BEST,
-        "attention_backend": "fa3_fp8",
-        "vae_channels_last": True,
-        "shard_components": LOCAL_TEXT,
-    },
+    "batch-fp8-compile-fa3fp8-vaecl-streams": {**FA3_VAECL, "request_streams": True},
+    "batch-fp8-compile-fa3fp8-vaecl-localtext": {**FA3_VAECL, "shard_components": LOCAL_TEXT},
     # Unsharded replicas (one rank per GPU, the model whole on each: R x S=1) with the fastest options;
     # FP8 keeps the same linears whole (a 14B Wan transformer in FP8 is 14 GB).
-    "ceiling-fp8-compile-fa3fp8-vaecl": {**BEST, "attention_backend": "fa3_fp8", "vae_channels_last": True},
-    "ceiling-fp8-compile-sage-vaecl": {**BEST, "vae_channels_last": True},
+    "ceiling-fp8-compile-fa3fp8-vaecl": FA3_VAECL,
+    "ceiling-fp8-compile-sage-vaecl": BEST_VAECL,
     # One random LoRA merged at load (as batch-fused), with the fastest options.
     "batch-fused-fp8-compile-sage": BEST,
     "batch-fbcache": {"cache": {"kind": "first_block"}},
