@@ -33,8 +33,9 @@ DECODERS: dict[int, tuple] = {}
 def set_variant(vae, variant: str) -> None:
     """Puts the process's cuDNN setting and ``vae``'s Conv3d weights in ``variant``'s state; with
     ``compile``, the decoder ``torch.compile``d (once: the Wan decoder runs frame by frame with its
-    causal caches, which dynamo traces without a graph break, one graph per kind of frame position
-    and shape; the warm-up decode compiles them)."""
+    causal caches, one graph per kind of frame position and cache shape; on CPU the warm-up decode
+    builds all of them, but on an H200 at 720p the decoder compiled without channels-last still
+    took 31 s a decode after it, unexplained: ``docs/performance.md``)."""
     import torch
 
     torch.backends.cudnn.benchmark = "benchmark" in variant
