@@ -1,15 +1,17 @@
-"""The Wan VAE's decode of one video on 1, 2 and 4 GPUs: whole, tiled, and tiled split over a lane.
+"""The Wan VAE's decode of one video on 1, 2 and 4 GPUs: whole, tiled, and shared over a lane.
 
     python -m bench.decode --ranks 1 2 4 --sizes 1280x720 832x480 --frames 81 --out bench/results
 
 The VAE is the Wan2.1 one at its real size with seeded random weights (``AutoencoderKLWan()``:
 the same on every rank), in the served dtype (bf16 on CUDA); latents are seeded. For each size:
 on one GPU the untiled decode (``vae.decode``) and diffusers' tiled decode (``enable_tiling``, its
-default 256-pixel tiles every 192); on N > 1 GPUs, a lane of N ranks sharing the tiled decode as
-served (``ray_hsdp.lane_tiles``, the Wan policy's split, tiles exchanged over gloo), with the largest difference of
-its frames to the one-GPU tiled decode. Each measurement follows a warm-up of two latent frames at
-the same size; times are wall seconds with CUDA synchronised, peaks are ``max_memory_allocated``
-per rank (the VAE's weights included). No Ray: ``torch.multiprocessing`` starts the ranks.
+default 256-pixel tiles every 192); on N > 1 GPUs, a lane of N ranks as served: sharing the tiled
+decode's tiles (``split``: ``vae_parallel: on``, the Wan policy's split, tiles exchanged over gloo),
+with the largest difference of its frames to the one-GPU tiled decode, and sharing the whole decode
+by bands of rows (``rows``: ``vae_parallel: rows``), with the largest difference to the one-GPU
+whole decode. Each measurement follows a warm-up of two latent frames at the same size; times are
+wall seconds with CUDA synchronised, peaks are ``max_memory_allocated`` per rank (the VAE's
+weights included). No Ray: ``torch.multiprocessing`` starts the ranks.
 """
 
 from __future__ import annotations
@@ -57,6 +59,55 @@ def _timed(device: str, fn, *args):
     return out, time.perf_counter() - start, peak
 
 
+def _one_gpu(vae, z, warm, size: str, device: str, scratch: str) -> list[dict]:
+    """The whole and the tiled decode on one GPU; both saved as the lane decodes' references."""
+    import torch
+
+    out = []
+    for how, tiling in (("whole", False), ("tiled", True)):
+        vae.enable_tiling() if tiling else vae.disable_tiling()
+        vae.decode(warm)
+        frames, seconds, peak = _timed(device, lambda latents: vae.decode(latents).sample, z)
+        torch.save(frames.cpu(), Path(scratch) / f"{how}-{size}.pt")
+        out.append({"size": size, "ranks": 1, "how": how, "seconds": seconds, "peaks": [peak]})
+        del frames
+    return out
+
+
+def _lane(vae, split, lane, z, warm, size: str, args, scratch: str) -> list[dict]:
+    """The lane's shared decodes of ``z``: tiles (against the one-GPU tiled decode) and bands of
+    rows (against the one-GPU whole decode), as served (``LaneTiles.run``)."""
+    import torch
+    import torch.distributed as dist
+
+    out = []
+    for how, decode, tiling, reference in (
+        ("split", split.decode, True, "tiled"),
+        ("rows", split.rows, False, "whole"),
+    ):
+        if how not in args.lane_decodes:
+            continue
+        vae.enable_tiling() if tiling else vae.disable_tiling()
+
+        def shared(latents, decode=decode):
+            return lane.run(lambda: decode(vae, latents, lane))
+
+        shared(warm)
+        dist.barrier()
+        frames, seconds, peak = _timed(args.device, shared, z)
+        peaks = [None] * lane.size
+        dist.all_gather_object(peaks, peak)
+        if lane.leads:
+            path, diff = Path(scratch) / f"{reference}-{size}.pt", None
+            if path.exists():
+                diff = float((frames.float().cpu() - torch.load(path).float()).abs().max())
+            out.append({"size": size, "ranks": lane.size, "how": how, "seconds": seconds, "peaks": peaks, "diff": diff})
+        del frames
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
 def _rank(rank: int, world: int, args, port: int, scratch: str) -> None:
     import torch
     import torch.distributed as dist
@@ -74,50 +125,20 @@ def _rank(rank: int, world: int, args, port: int, scratch: str) -> None:
         "nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     vae = _vae(device, dtype)
+    if args.channels_last:  # as vae_channels_last serves it
+        torch.nn.utils.convert_conv3d_weight_memory_format(vae, torch.channels_last_3d)
     split = decode_split_for(vae)
     # As served: the lane's exchange on a gloo group of its own (lane_decode_group).
     lane = LaneTiles(dist.new_group(backend="gloo"), rank, world, device)
-
-    def one_gpu(latents):  # whole or tiled, as vae.use_tiling says
-        return vae.decode(latents).sample
-
-    def shared(latents):
-        return lane.run(lambda: split.decode(vae, latents, lane))
-
     rows = []
     with torch.no_grad():
         for size in args.sizes:
             z = _latents(size, args.frames, dtype, device)
             warm = _latents(size, args.frames, dtype, device, latent_frames=2)
-            reference = Path(scratch) / f"tiled-{size}.pt"
             if world == 1:
-                vae.disable_tiling()
-                vae.decode(warm)
-                _, whole_s, whole_peak = _timed(device, one_gpu, z)
-                vae.enable_tiling()
-                vae.decode(warm)
-                tiled, tiled_s, tiled_peak = _timed(device, one_gpu, z)
-                torch.save(tiled.cpu(), reference)
-                rows.append({"size": size, "ranks": 1, "how": "whole", "seconds": whole_s, "peaks": [whole_peak]})
-                rows.append({"size": size, "ranks": 1, "how": "tiled", "seconds": tiled_s, "peaks": [tiled_peak]})
-                del tiled
-                continue
-            vae.enable_tiling()
-            shared(warm)
-            dist.barrier()
-            out, seconds, peak = _timed(device, shared, z)
-            peaks = [None] * world
-            dist.all_gather_object(peaks, peak)
-            if rank == 0:
-                diff = None
-                if reference.exists():
-                    diff = float((out.float().cpu() - torch.load(reference).float()).abs().max())
-                rows.append(
-                    {"size": size, "ranks": world, "how": "split", "seconds": seconds, "peaks": peaks, "diff": diff}
-                )
-            del out
-            if device == "cuda":
-                torch.cuda.empty_cache()
+                rows += _one_gpu(vae, z, warm, size, device, scratch)
+            else:
+                rows += _lane(vae, split, lane, z, warm, size, args, scratch)
     if rank == 0:
         (Path(scratch) / f"rows-{world}.json").write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -127,12 +148,14 @@ def markdown(rows: list[dict], args) -> str:
     env = environment()
     lines = [
         f"# Wan2.1 VAE decode, {args.frames} frames, random {'bf16' if args.device == 'cuda' else 'fp32 narrow'} "
-        "weights: whole, tiled, and tiled split over a lane",
+        "weights: whole, tiled, and shared over a lane (split: the tiled decode's tiles; rows: bands of the whole "
+        "decode's rows)",
         "",
         f"GPUs: {', '.join(env['gpus']) or 'none (CPU dry run)'}; torch {env['torch']}, diffusers {env['diffusers']}.",
         f"Command: `{env['command']}`",
         "",
-        "| size | ranks | decode | seconds | vs one GPU whole | peak per rank GiB | max abs diff to one-GPU tiled |",
+        "| size | ranks | decode | seconds | vs one GPU whole | peak per rank GiB | max abs diff to one GPU's "
+        "(split: tiled; rows: whole) |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     whole = {r["size"]: r["seconds"] for r in rows if r["how"] == "whole"}
@@ -154,6 +177,8 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=["1280x720", "832x480"])
     parser.add_argument("--frames", type=int, default=81)
     parser.add_argument("--device", default="cuda", help="cpu: a dry run with a narrow VAE on gloo")
+    parser.add_argument("--lane-decodes", nargs="+", default=["split", "rows"], choices=["split", "rows"])
+    parser.add_argument("--channels-last", action="store_true", help="the VAE's Conv3d weights channels-last")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--name", default="decode-wan2.1-vae")
     args = parser.parse_args()

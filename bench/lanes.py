@@ -40,6 +40,7 @@ PROMPT = "A red fox runs through fresh snow at dawn, cinematic"
 #: A layout's ``+`` suffixes that set group fields (and, on ``plain``, what diffusers does instead).
 SUFFIX_FIELDS = {
     "vae": {"vae_parallel": "on"},
+    "vaerows": {"vae_parallel": "rows"},  # each rank decodes a band of the rows of the whole decode
     "novae": {"vae_parallel": "off"},
     "vaecl": {"vae_channels_last": True},
     "compile": {"compile": True},
@@ -87,9 +88,10 @@ def layout_fields(name: str) -> dict:
 def options_of(layout: str, args) -> tuple[dict, tuple]:
     """A layout's suffixes: ``+lora`` runs every request with one random LoRA switched per forward,
     ``+fused`` merges it into the weights at load, ``+vae`` splits every decode of more than one
-    tile over the lane (``vae_parallel: on``), ``+novae`` has the leader decode alone
+    tile over the lane (``vae_parallel: on``), ``+vaerows`` shares every decode by bands of rows
+    (``vae_parallel: rows``), ``+novae`` has the leader decode alone
     (``vae_parallel: off``, the default), ``+compile`` (``compile: true``), ``+fp8``
-    (``quantization: fp8``), ``+sage`` / ``+cudnn`` / ``+flash`` (``attention_backend``),
+    (``quantization: fp8``), ``+sage`` / ``+fa3fp8`` / ``+cudnn`` / ``+flash`` (``attention_backend``),
     ``+vaecl`` (``vae_channels_last: true``), ``+keep100`` (``keep_gathered: 1``), ``+localtext``
     (only the denoisers sharded: each rank of the lane encodes the text itself, in no tick); several
     combine (``s4-u4+fp8+compile+cudnn``). Returns the config fields and a request's ``lora``."""

@@ -340,12 +340,16 @@ class GroupKernels(BaseModel):
         description="Decode with the VAE's tiling (diffusers' enable_tiling): less memory, slower. "
         "'auto': for frames larger than vae_tiling_above_pixels.",
     )
-    vae_parallel: Literal["auto", "on", "off"] = Field(
+    vae_parallel: Literal["auto", "on", "rows", "off"] = Field(
         "off",
-        description="Lanes of several ranks share the VAE's tiled decode: each rank decodes some of the tiles of "
-        "diffusers' tiled decode and the leader blends them (frames equal to the one-rank tiled decode). 'on': for "
-        "every request whose frames make more than one tile; 'auto': on lanes of 4 or more ranks, and on smaller "
-        "lanes where the decode is tiled anyway (vae_tiling); 'off' (the default): the leader decodes alone.",
+        description="Lanes of several ranks share the VAE's decode. 'on': each rank decodes some of the tiles of "
+        "diffusers' tiled decode and the leader blends them (frames equal to the one-rank tiled decode), for every "
+        "request whose frames make more than one tile; 'auto': so on lanes of 4 or more ranks, and on smaller lanes "
+        "where the decode is tiled anyway (vae_tiling); 'rows': each rank decodes one band of the picture's rows of "
+        "the whole, untiled decode, its neighbours lending the rows its convolutions read across the band's edges "
+        "(frames equal to the leader's untiled decode; a VAE whose policy has no row split, or a picture with fewer "
+        "latent rows than the lane has ranks, decodes on the leader alone); 'off' (the default): the leader decodes "
+        "alone.",
     )
     vae_tiling_above_pixels: int = Field(
         1280 * 720,

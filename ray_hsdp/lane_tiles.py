@@ -1,8 +1,11 @@
-"""A lane's share of a tiled decode: which tiles each rank decodes, and the gather to the leader.
+"""A lane's share of a decode: which tiles (or which band of rows) each rank decodes, the rows
+its neighbours lend it, and the gather to the leader.
 
 The ranks of a lane hold the same latents when their denoising ends, so each can decode a
 disjoint share of a tiled decode's tiles (diffusers decodes every spatial tile on its own) and
-the leader blends them all. The collectives of that exchange run on a gloo process group of the
+the leader blends them all; or each can decode a band of the picture's rows of the whole
+(untiled) decode, taking from its neighbours the rows a convolution reads across the band's edges
+(``halo_rows``) and the whole picture's keys where the decoder attends over it (``all_rows``). The collectives of that exchange run on a gloo process group of the
 lane's ranks alone, created for it and used by nothing else, from the request thread, while the
 tick thread goes on with the group's forwards on the group's own communicator: gloo works on the
 host, so the exchange never waits on a GPU kernel of the tick thread's NCCL collectives, nor they
@@ -22,7 +25,7 @@ _MAX_DIMS = 7
 
 
 class LaneTiles:
-    """One rank's side of its lane's tiled decodes.
+    """One rank's side of its lane's shared decodes (tiles or bands of rows).
 
     Args:
         group: The process group of the lane's ranks, for these exchanges only.
@@ -46,6 +49,43 @@ class LaneTiles:
         """The tiles (of ``count``, in the decode's row-major order) this rank decodes: every
         ``size``-th one, so that each rank gets edge and inner tiles alike."""
         return list(range(self.index, count, self.size))
+
+    def band(self, rows: int) -> tuple[int, int]:
+        """The rows ``[start, stop)`` of ``rows`` this rank decodes: ``rows`` split in order into
+        bands as even as they go (a band of fewer rows than the lane has ranks is never asked:
+        ``rows >= size``)."""
+        return self.index * rows // self.size, (self.index + 1) * rows // self.size
+
+    def halo_rows(self, x: torch.Tensor, dim: int, width: int) -> torch.Tensor:
+        """``x`` (this rank's band) with ``width`` rows of the band above and of the band below
+        along ``dim`` (zeros at the picture's edges, as a convolution's zero padding): what a
+        convolution of kernel ``2 * width + 1`` over the whole picture reads for this band.
+        Every rank of the lane calls it at the same point of the decode with the same shapes
+        but its band's rows; a band must hold at least ``width`` rows."""
+        rows = x.shape[dim]
+        edges = torch.cat([x.narrow(dim, 0, width), x.narrow(dim, rows - width, width)], dim).contiguous()
+        gathered = self._all_gather_host(edges)
+        above = gathered[self.index - 1].narrow(dim, width, width) if self.index > 0 else None
+        below = gathered[self.index + 1].narrow(dim, 0, width) if self.index < self.size - 1 else None
+        zeros = torch.zeros_like(x.narrow(dim, 0, width))
+        return torch.cat([above if above is not None else zeros, x, below if below is not None else zeros], dim)
+
+    def all_rows(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's band of ``x`` along ``dim``, in order: the whole picture's rows (bands may
+        differ in rows by one; the other dims are alike on every rank)."""
+        counts = self._all_gather_host(torch.tensor([x.shape[dim]]))
+        most = max(int(c) for c in counts)
+        padded = torch.cat([x, x.new_zeros((*x.shape[:dim], most - x.shape[dim], *x.shape[dim + 1 :]))], dim)
+        bands = self._all_gather_host(padded.contiguous())
+        return torch.cat([band.narrow(dim, 0, int(c)) for band, c in zip(bands, counts)], dim)
+
+    def _all_gather_host(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """``all_gather`` of a tensor of one shape on every rank, over the lane's host (gloo)
+        group, as bytes (any dtype travels); the results on ``x``'s device."""
+        flat = x.reshape(-1).cpu().view(torch.uint8)
+        out = [torch.empty_like(flat) for _ in range(self.size)]
+        dist.all_gather(out, flat, group=self.group)
+        return [o.view(x.dtype).view(x.shape).to(x.device) for o in out]
 
     def run(self, decode: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
         """Runs ``decode`` (which decodes this rank's share and calls ``gather``) apart from the

@@ -103,10 +103,17 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         "adaptive lanes (lane_sizes)",
-        "vae_parallel 'on'",
+        "vae_parallel 'on' or 'rows'",
         "a lane's split decode uses process groups of fixed lanes",
         "use vae_parallel 'off' or 'auto' (the leader decodes alone)",
-        lambda c: bool(c.lane_sizes) and c.vae_parallel == "on",
+        lambda c: bool(c.lane_sizes) and c.vae_parallel in ("on", "rows"),
+    ),
+    Refusal(
+        "vae_tiling 'on'",
+        "vae_parallel 'rows'",
+        "the row split shares the whole, untiled decode: the frames would not be the tiled decode's",
+        "use vae_parallel 'on' to share a tiled decode's tiles, or vae_tiling 'auto' or 'off' with 'rows'",
+        lambda c: c.vae_tiling == "on" and c.vae_parallel == "rows",
     ),
     Refusal(
         "gather 'in_place'",

@@ -20,16 +20,29 @@ class RequestSlots:
     """The request slots of ``ShardedPipeline``."""
 
     def splits_decode(self, variant: RequestVariant) -> bool:
-        """Whether the ranks of this rank's lane share the decode of ``request``: a lane of several
-        ranks, a VAE whose tiled decode has a registered split, frames of more than one tile, and
-        ``vae_parallel`` "on", or "auto" where it measured faster than the leader alone: lanes of 4
-        or more, or a decode the leader would tile anyway. The same answer on every rank of the lane."""
+        """Whether the ranks of this rank's lane share the decode of ``variant``'s request
+        (``decode_share``); the same answer on every rank of the lane."""
+        return self.decode_share(variant) is not None
+
+    def decode_share(self, variant: RequestVariant) -> str | None:
+        """How the ranks of this rank's lane share the decode of ``variant``'s request: ``"rows"``
+        (``vae_parallel`` "rows", a VAE whose split has bands of rows, and a latent row or more
+        per rank), ``"tiles"`` (a VAE whose tiled decode has a registered split, frames of more
+        than one tile, and ``vae_parallel`` "on", or "auto" where it measured faster than the
+        leader alone: lanes of 4 or more, or a decode the leader would tile anyway), or ``None``:
+        the leader decodes alone."""
         request = variant.request
         vae = getattr(self.pipe, "vae", None)
         split = decode_split_for(vae) if self.lane_tiles is not None and vae is not None else None
-        if split is None or not split.tiled(vae, request.width, request.height):
-            return False
-        return self.vae_parallel == "on" or self.lane_tiles.size >= 4 or self._tiles(request)
+        if split is None:
+            return None
+        if self.vae_parallel == "rows":
+            banded = split.banded is not None and split.banded(vae, request.height, self.lane_tiles.size)
+            return "rows" if banded else None
+        if not split.tiled(vae, request.width, request.height):
+            return None
+        shares = self.vae_parallel == "on" or self.lane_tiles.size >= 4 or self._tiles(request)
+        return "tiles" if shares else None
 
     def _tiles(self, request: GenerationRequest) -> bool:
         """Whether ``vae_tiling`` tiles the decode of ``request`` on a rank decoding alone."""
@@ -45,19 +58,26 @@ class RequestSlots:
         # The instance attribute stands in for the class's tiled_decode: AutoencoderKL*._decode
         # calls self.tiled_decode when the frames exceed one tile.
         vars(vae).pop("tiled_decode", None)
-        if self.splits_decode(variant):
+        vars(vae).pop("_decode", None)
+        share = self.decode_share(variant)
+        if share == "rows":  # AutoencoderKL*.decode calls self._decode: the whole decode, by bands
+            vae.disable_tiling()
+            vae._decode = functools.partial(self._lane_decode, vae, decode_split_for(vae).rows)
+            return
+        if share == "tiles":
             vae.enable_tiling()
-            vae.tiled_decode = functools.partial(self._lane_tiled_decode, vae, decode_split_for(vae))
+            vae.tiled_decode = functools.partial(self._lane_decode, vae, decode_split_for(vae).decode)
             return
         if self._tiles(variant.request):
             vae.enable_tiling()
         else:
             vae.disable_tiling()
 
-    def _lane_tiled_decode(self, vae, split, z: torch.Tensor, return_dict: bool = True):
-        """The slot VAE's ``tiled_decode`` while its lane splits the decode: the leader returns
-        what ``tiled_decode`` returns; another rank, once its tiles are handed over, ends its part
-        of the request (``RequestCancelledError``, as at its last step without a split).
+    def _lane_decode(self, vae, decode, z: torch.Tensor, return_dict: bool = True):
+        """The slot VAE's ``tiled_decode`` (or ``_decode``) while its lane splits the decode
+        (``decode(vae, z, lane)``: the split's tiles or rows): the leader returns what the VAE's
+        own returns; another rank, once its share is handed over, ends its part of the request
+        (``RequestCancelledError``, as at its last step without a split).
 
         Raises:
             LaneCollectiveError: The decode failed: the lane's other ranks may wait in its
@@ -66,11 +86,11 @@ class RequestSlots:
         from diffusers.models.autoencoders.vae import DecoderOutput
 
         try:
-            sample = self.lane_tiles.run(lambda: split.decode(vae, z, self.lane_tiles))
+            sample = self.lane_tiles.run(lambda: decode(vae, z, self.lane_tiles))
         except Exception as err:
             raise LaneCollectiveError(f"the lane's split decode failed on rank {self.rank}: {err}") from err
         if sample is None:
-            raise RequestCancelledError(f"rank {self.rank} handed its decoded tiles to its lane's leader")
+            raise RequestCancelledError(f"rank {self.rank} handed its share of the decode to its lane's leader")
         return DecoderOutput(sample=sample) if return_dict else (sample,)
 
     def _slot_stream(self, pipe) -> torch.cuda.Stream | None:

@@ -44,6 +44,11 @@ def test_defaults_are_a_usable_group():
             {"attention_backend": "sage", "device": "cuda", "shard_size": 2, "ring_degree": 2},
             r"ring_degree > 1 with attention_backend other than auto, _native_cudnn, _native_flash \(e.g. sage\)",
         ),
+        ({"shard_size": 2, "vae_parallel": "rows", "vae_tiling": "on"}, "vae_tiling 'on' with vae_parallel 'rows'"),
+        (
+            {"shard_size": 4, "lane_sizes": [1, 2, 4], "vae_parallel": "rows"},
+            r"adaptive lanes \(lane_sizes\) with vae_parallel 'on' or 'rows'",
+        ),
     ],
 )
 def test_bad_group_config_names_the_problem(fields, message):

@@ -1,7 +1,8 @@
 """The VAE decode split over a lane (issue 25): each rank decodes some of the tiles of diffusers'
 tiled decode and the leader blends them, so the frames equal the one-rank tiled decode; on lanes of
 real groups (Ulysses, CFG x Ulysses, two lanes decoding at once) a request equals the unsharded
-pipeline with the VAE's tiling on."""
+pipeline with the VAE's tiling on. And the row split (issue 40, ``vae_parallel: rows``): each rank
+decodes a band of the picture's rows of the whole decode, equal to the untiled decode."""
 
 from __future__ import annotations
 
@@ -94,3 +95,55 @@ def test_two_lanes_split_their_decodes_at_once_and_equal_the_unsharded_tiled_run
         assert max_abs_diff(result.frames, reference_frames(tiled_pipe, request)) <= 1e-5, request.prompt
     assert sorted(r.rank for r in results) == [0, 0, 2, 2]  # the leaders of the two lanes answered
     assert answered_s < 30  # the denoising, then the failure (the collective timeout is minutes)
+
+
+def rows_against_whole(mesh, rank, model: str, latent: tuple[int, ...]):
+    """On every rank of a gloo group (one lane): the row split of seeded latents; the leader
+    returns its largest difference to the VAE's own whole decode, and the frames' shape."""
+    import torch
+    import torch.distributed as dist
+    from diffusers import AutoencoderKLWan
+
+    from ray_hsdp.lane_tiles import LaneTiles
+    from ray_hsdp.sharding.policy import decode_split_for
+
+    vae = AutoencoderKLWan.from_pretrained(f"{model}/vae").eval()
+    z = torch.randn((1, vae.config.z_dim, *latent), generator=torch.Generator().manual_seed(7))
+    lane = LaneTiles(dist.group.WORLD, rank, dist.get_world_size(), "cpu")
+    with torch.no_grad():
+        rows = decode_split_for(vae).rows(vae, z, lane)
+        if rows is None:
+            return None
+        whole = vae.decode(z).sample
+    return float((rows - whole).abs().max()), tuple(rows.shape)
+
+
+def test_a_lane_decodes_bands_of_rows_to_the_whole_decode(ray_cluster, tiny_model):
+    """Three ranks, latents of 5 frames by 7 x 6: bands of 2, 2 and 3 latent rows (the convolutions'
+    borrowed rows, the causal cache across frames and the middle block's attention over the whole
+    picture all cross a band's edge)."""
+    ranks, latent = 3, (5, 7, 6)
+    with GlooGroup(ranks) as group:
+        results = group.run(rows_against_whole, tiny_model, latent)
+    assert results[1:] == [None] * (ranks - 1)
+    diff, shape = results[0]
+    assert diff <= 1e-5
+    assert shape == (1, 3, 4 * (latent[0] - 1) + 1, 8 * latent[1], 8 * latent[2])
+
+
+def test_a_cfg_ulysses_lane_shares_its_decodes_by_rows_and_equals_the_unsharded_run(
+    ray_cluster, tiny_model, reference_pipe
+):
+    """A CFG x Ulysses lane of four with ``vae_parallel: rows``: requests of several latent frames
+    equal the unsharded pipeline (untiled); one too short for a row per rank decodes on the leader."""
+    config = GroupConfig(
+        model=tiny_model, device="cpu", shard_size=4, ulysses_degree=2, cfg_parallel=True, vae_parallel="rows"
+    )
+    requests = [
+        GenerationRequest(prompt="a red fox", seed=4, num_inference_steps=2, width=64, height=80, num_frames=9),
+        GenerationRequest(prompt="a lighthouse", seed=3, num_inference_steps=2, width=64, height=16, num_frames=5),
+    ]
+    with ShardGroup(config) as group:
+        results = group.generate(requests)
+    for request, result in zip(requests, results):
+        assert max_abs_diff(result.frames, reference_frames(reference_pipe, request)) <= 1e-5, request.prompt

@@ -118,7 +118,7 @@ def registered_policy(model: nn.Module) -> ShardingPolicy | None:
 
 @dataclass(frozen=True)
 class DecodeSplit:
-    """How the ranks of a lane share a VAE's tiled decode (per VAE class, like a sharding policy).
+    """How the ranks of a lane share a VAE's decode (per VAE class, like a sharding policy).
 
     Attributes:
         decode: ``decode(vae, z, lane)``: the VAE's own tiled decode of latents ``z`` with its
@@ -128,10 +128,17 @@ class DecodeSplit:
             on the other ranks.
         tiled: ``tiled(vae, width, height)``: whether the VAE's tiled decode of a request of that
             output size makes more than one tile (else the VAE decodes whole, on the leader alone).
+        rows: ``rows(vae, z, lane)``: the VAE's whole (untiled) decode with the picture's rows in
+            one band per rank (``lane.band``), exact to the whole decode; returns as ``decode``.
+            ``None``: this VAE has no row split.
+        banded: ``banded(vae, height, ranks)``: whether ``rows`` applies to this VAE (its config)
+            and a picture of ``height`` pixels over ``ranks`` ranks.
     """
 
     decode: Callable
     tiled: Callable
+    rows: Callable | None = None
+    banded: Callable | None = None
 
 
 _DECODE_SPLITS: dict[str, DecodeSplit] = {}

@@ -1,0 +1,182 @@
+"""The Wan VAE's decode shared over a lane, two ways.
+
+**Tiles**: diffusers' tiled decode with its tiles shared out; the leader blends them as the
+one-rank tiled decode does (equal to it).
+
+**Rows**: the whole (untiled) decode with the picture's rows cut into one band per rank. Every
+layer of the Wan2.1 decoder but two works on each pixel alone (the RMS norms normalise over
+channels, the upsamplers repeat pixels, the 1x1 convolutions and the causal cache work per pixel
+and frame): the convolutions with a 3x3 spatial kernel read one row across a band's edge, which
+the band's neighbours lend before each of them (``LaneTiles.halo_rows``), and the middle block's
+attention, over each frame's whole picture, takes every band's keys and values
+(``LaneTiles.all_rows``) for its own rows' queries. So each rank computes its rows exactly as the
+whole decode does, with a quarter of the work on a lane of four, and the leader stacks the bands.
+"""
+
+import functools
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ray_hsdp.sharding.policy import DecodeSplit, register_decode_split
+
+
+def _wan_vae_tiled(vae, width: int, height: int) -> bool:
+    # AutoencoderKLWan._decode tiles when the latents exceed one tile in either direction.
+    ratio = vae.spatial_compression_ratio
+    return width // ratio > vae.tile_sample_min_width // ratio or height // ratio > vae.tile_sample_min_height // ratio
+
+
+def _wan_vae_tile(vae, z: torch.Tensor) -> torch.Tensor:
+    """One spatial tile through the decoder, frame by frame with its causal cache, as
+    ``AutoencoderKLWan.tiled_decode`` (diffusers 0.42) decodes each of its tiles."""
+    vae.clear_cache()
+    frames = []
+    for k in range(z.shape[2]):
+        vae._conv_idx = [0]
+        tile = vae.post_quant_conv(z[:, :, k : k + 1])
+        frames.append(vae.decoder(tile, feat_cache=vae._feat_map, feat_idx=vae._conv_idx, first_chunk=k == 0))
+    vae.clear_cache()
+    return torch.cat(frames, dim=2)
+
+
+def _wan_vae_split_decode(vae, z: torch.Tensor, lane) -> torch.Tensor | None:
+    """``AutoencoderKLWan.tiled_decode`` with its tiles shared over the lane: the same tile grid,
+    sizes and overlaps; the leader blends with the VAE's own ``blend_v`` / ``blend_h``, crops,
+    unpatchifies and clamps as it does. The parity tests hold it to the one-rank tiled decode."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+    _, _, _, height, width = z.shape
+    ratio = vae.spatial_compression_ratio
+    tile_h, tile_w = vae.tile_sample_min_height // ratio, vae.tile_sample_min_width // ratio
+    stride_h, stride_w = vae.tile_sample_stride_height // ratio, vae.tile_sample_stride_width // ratio
+    sample_h, sample_w = height * ratio, width * ratio
+    out_h, out_w = vae.tile_sample_stride_height, vae.tile_sample_stride_width
+    patch = vae.config.patch_size
+    if patch is not None:
+        sample_h, sample_w, out_h, out_w = sample_h // patch, sample_w // patch, out_h // patch, out_w // patch
+        blend_h, blend_w = vae.tile_sample_min_height // patch - out_h, vae.tile_sample_min_width // patch - out_w
+    else:
+        blend_h, blend_w = vae.tile_sample_min_height - out_h, vae.tile_sample_min_width - out_w
+    starts = [(i, j) for i in range(0, height, stride_h) for j in range(0, width, stride_w)]
+    columns = len(range(0, width, stride_w))
+    mine = {
+        t: _wan_vae_tile(vae, z[:, :, :, starts[t][0] : starts[t][0] + tile_h, starts[t][1] : starts[t][1] + tile_w])
+        for t in lane.share(len(starts))
+    }
+    tiles = lane.gather(len(starts), mine, vae.dtype)
+    if tiles is None:
+        return None
+    rows = [[tiles[r * columns + c] for c in range(columns)] for r in range(len(starts) // columns)]
+    result_rows = []
+    for i, row in enumerate(rows):
+        result_row = []
+        for j, tile in enumerate(row):
+            if i > 0:
+                tile = vae.blend_v(rows[i - 1][j], tile, blend_h)
+            if j > 0:
+                tile = vae.blend_h(row[j - 1], tile, blend_w)
+            result_row.append(tile[:, :, :, :out_h, :out_w])
+        result_rows.append(torch.cat(result_row, dim=-1))
+    dec = torch.cat(result_rows, dim=3)[:, :, :, :sample_h, :sample_w]
+    if patch is not None:
+        dec = unpatchify(dec, patch_size=patch)
+    return torch.clamp(dec, min=-1.0, max=1.0)
+
+
+def _wan_vae_banded(vae, height: int, ranks: int) -> bool:
+    """Whether the row split applies: a Wan2.1 VAE (no patchified output, no residual upsampling:
+    the Wan2.2 5B VAE's layers are not checked here) and a latent row or more per rank."""
+    plain = vae.config.patch_size is None and not vae.config.is_residual
+    return plain and height // vae.spatial_compression_ratio >= ranks
+
+
+def _halo_causal_conv(conv, lane, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
+    """``WanCausalConv3d.forward`` (diffusers 0.42) on a band: the causal cache and the time and
+    width padding as there, the height padding from the neighbouring bands."""
+    padding = list(conv._padding)  # (left, right, top, bottom, front, back)
+    if cache_x is not None and conv._padding[4] > 0:
+        x = torch.cat([cache_x.to(x.device), x], dim=2)
+        padding[4] -= cache_x.shape[2]
+    x = F.pad(x, (padding[0], padding[1], 0, 0, padding[4], padding[5]))
+    return nn.Conv3d.forward(conv, lane.halo_rows(x, 3, padding[2]))
+
+
+def _halo_conv2d(conv: nn.Conv2d, lane, x: torch.Tensor) -> torch.Tensor:
+    """An upsampler's 3x3 ``Conv2d`` (zero padding 1) on a band of frames ``(b * t, c, h, w)``."""
+    pad_h, pad_w = conv.padding
+    x = lane.halo_rows(F.pad(x, (pad_w, pad_w, 0, 0)), 2, pad_h)
+    return F.conv2d(x, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
+
+
+def _band_attention(block, lane, x: torch.Tensor) -> torch.Tensor:
+    """``WanAttentionBlock.forward`` (diffusers 0.42) for a band's queries over the whole picture's
+    keys and values (one head; tokens in row-major order, as there)."""
+    identity = x
+    batch, channels, time, height, width = x.size()
+    x = block.norm(x.permute(0, 2, 1, 3, 4).reshape(batch * time, channels, height, width))
+    q, k, v = block.to_qkv(x).chunk(3, dim=1)
+    kv = lane.all_rows(torch.cat([k, v], dim=1), 2)
+
+    def tokens(t: torch.Tensor) -> torch.Tensor:  # (b * t, c, h, w) -> (b * t, 1, h * w, c)
+        return t.flatten(2).transpose(1, 2).unsqueeze(1).contiguous()
+
+    k, v = kv.chunk(2, dim=1)
+    x = F.scaled_dot_product_attention(tokens(q), tokens(k), tokens(v))
+    x = block.proj(x.squeeze(1).permute(0, 2, 1).reshape(batch * time, channels, height, width))
+    return x.view(batch, time, channels, height, width).permute(0, 2, 1, 3, 4) + identity
+
+
+@contextmanager
+def _banded(decoder: nn.Module, lane):
+    """The decoder's layers that read across rows, on bands while in the context (instance
+    ``forward``s, removed after: each request slot has a VAE of its own)."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanAttentionBlock, WanCausalConv3d, WanResample
+
+    patched = []
+    for module in decoder.modules():
+        if isinstance(module, WanCausalConv3d) and module._padding[2] > 0:
+            module.forward = functools.partial(_halo_causal_conv, module, lane)
+        elif isinstance(module, WanAttentionBlock):
+            module.forward = functools.partial(_band_attention, module, lane)
+        elif isinstance(module, WanResample) and module.mode.startswith("upsample"):
+            module = next(m for m in module.resample.modules() if isinstance(m, nn.Conv2d))
+            module.forward = functools.partial(_halo_conv2d, module, lane)
+        else:
+            continue
+        patched.append(module)
+    try:
+        yield
+    finally:
+        for module in patched:
+            del module.forward
+
+
+def _wan_vae_row_decode(vae, z: torch.Tensor, lane) -> torch.Tensor | None:
+    """``AutoencoderKLWan._decode`` (untiled) of this rank's band of ``z``'s rows; the leader
+    stacks every band and clamps as it does. Returns the sample on the leader, ``None`` elsewhere."""
+    start, stop = lane.band(z.shape[3])
+    frames = []
+    with _banded(vae.decoder, lane):
+        vae.clear_cache()
+        x = vae.post_quant_conv(z[:, :, :, start:stop])
+        for i in range(x.shape[2]):
+            vae._conv_idx = [0]
+            frames.append(
+                vae.decoder(x[:, :, i : i + 1], feat_cache=vae._feat_map, feat_idx=vae._conv_idx, first_chunk=i == 0)
+            )
+        vae.clear_cache()
+    bands = lane.gather(lane.size, {lane.index: torch.cat(frames, dim=2)}, vae.dtype)
+    if bands is None:
+        return None
+    return torch.clamp(torch.cat([bands[r] for r in range(lane.size)], dim=3), min=-1.0, max=1.0)
+
+
+WAN_VAE = register_decode_split(
+    "AutoencoderKLWan",
+    split=DecodeSplit(
+        decode=_wan_vae_split_decode, tiled=_wan_vae_tiled, rows=_wan_vae_row_decode, banded=_wan_vae_banded
+    ),
+)
