@@ -5,12 +5,14 @@ The ranks of a lane hold the same latents when their denoising ends, so each can
 disjoint share of a tiled decode's tiles (diffusers decodes every spatial tile on its own) and
 the leader blends them all; or each can decode a band of the picture's rows of the whole
 (untiled) decode, taking from its neighbours the rows a convolution reads across the band's edges
-(``halo_rows``) and the whole picture's keys where the decoder attends over it (``all_rows``). The collectives of that exchange run on a gloo process group of the
-lane's ranks alone, created for it and used by nothing else, from the request thread, while the
-tick thread goes on with the group's forwards on the group's own communicator: gloo works on the
-host, so the exchange never waits on a GPU kernel of the tick thread's NCCL collectives, nor they
-on it (two NCCL communicators in use at once from two threads hung a lane of 4 H100s). On CUDA the
-tiles decode on a stream of their own (see ``LaneTiles.run``).
+(``halo_rows``) and the whole picture's keys where the decoder attends over it (``all_rows``).
+
+The collectives of these exchanges run on a gloo process group of the lane's ranks alone, created
+for it and used by nothing else, from the request thread, while the tick thread goes on with the
+group's forwards on the group's own communicator: gloo works on the host, so the exchange never
+waits on a GPU kernel of the tick thread's NCCL collectives, nor they on it (two NCCL
+communicators in use at once from two threads hung a lane of 4 H100s). On CUDA a lane's decode
+runs on a stream of its own (see ``LaneTiles.run``).
 """
 
 from __future__ import annotations
