@@ -103,6 +103,29 @@ def lanes_by_size(plan: list[tuple[float, int]], records: dict, sizes: list[str]
     return given, means
 
 
+def per_request(plan, records: dict, done: dict[int, float], deadlines: list[float], sizes: list[str]) -> list[dict]:
+    """Each request of a window in arrival order: when it arrived (seconds into the window), its
+    size, the lane size it got, seconds queued and running (the group's ``RequestRecord``), its
+    latency and whether it met its deadline (``None``: not answered), so that a run's misses can be
+    traced to the lanes and neighbours they had."""
+    out = []
+    for index, (at, size_index) in enumerate(plan):
+        record = records.get(index)
+        latency = done[index] - at if index in done else None
+        out.append(
+            {
+                "at_s": round(at, 3),
+                "size": sizes[size_index],
+                "lane_size": record.lane_size if record is not None else None,
+                "queued_s": round(record.queued_s, 3) if record is not None and record.queued_s is not None else None,
+                "run_s": round(record.run_s, 3) if record is not None and record.run_s is not None else None,
+                "latency_s": round(latency, 3) if latency is not None else None,
+                "met": latency is not None and latency <= deadlines[size_index],
+            }
+        )
+    return out
+
+
 def run_load(group, rate: float, sizes, deadlines: list[float], args, seed: int) -> dict:
     """One Poisson window on ``group``; waits for every request (or ``--drain-s`` past the window)."""
     plan = arrivals(rate, args.window_s, sizes, seed)
@@ -149,6 +172,7 @@ def run_load(group, rate: float, sizes, deadlines: list[float], args, seed: int)
     by_index = {index: records.get(f"slo-{seed * 1000 + index}") for index in range(len(plan))}
     by_size, times = lanes_by_size(plan, by_index, args.sizes)
     return {
+        "per_request": per_request(plan, by_index, done, deadlines, args.sizes),
         "rate": rate,
         "requests": len(plan),
         "answered": len(done),
