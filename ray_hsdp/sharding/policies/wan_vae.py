@@ -4,7 +4,7 @@
 one-rank tiled decode does (equal to it).
 
 **Rows**: the whole (untiled) decode with the picture's rows cut into one band per rank. Every
-layer of the Wan2.1 decoder but two works on each pixel alone (the RMS norms normalise over
+kind of layer of the Wan2.1 decoder but two works on each pixel alone (the RMS norms normalise over
 channels, the upsamplers repeat pixels, the 1x1 convolutions and the causal cache work per pixel
 and frame): the convolutions with a 3x3 spatial kernel read one row across a band's edge, which
 the band's neighbours lend before each of them (``LaneTiles.halo_rows``), and the middle block's
@@ -89,7 +89,7 @@ def _wan_vae_split_decode(vae, z: torch.Tensor, lane) -> torch.Tensor | None:
 def _wan_vae_banded(vae, height: int, ranks: int) -> bool:
     """Whether the row split applies: a Wan2.1 VAE (no patchified output, no residual upsampling:
     the Wan2.2 5B VAE's layers are not checked here) and a latent row or more per rank."""
-    plain = vae.config.patch_size is None and not vae.config.is_residual
+    plain = vae.config.patch_size is None and not getattr(vae.config, "is_residual", False)
     return plain and height // vae.spatial_compression_ratio >= ranks
 
 
