@@ -11,7 +11,8 @@ layout and rate: SLO attainment (answered within the deadline), goodput (such re
 of the window), p50 / p95 latency from arrival, and, for adaptive lanes, the lane sizes given.
 Layouts (``--layouts``): ``batch`` (lanes of one rank), ``lanes2`` (fixed Ulysses lanes of 2),
 ``wide`` (one Ulysses lane of all the GPUs), ``adaptive`` (``lane_sizes``: 1, 2 and all),
-``adaptive-thrifty`` (the same with ``lane_policy: thrifty``). Results are written after every
+``adaptive-thrifty`` and ``adaptive-wide`` (the same with ``lane_policy: thrifty`` and
+``wide_first``). Results are written after every
 layout, each attainment with its 95% interval and the mean seconds queued and running per request
 size and lane size; ``--plot`` draws attainment and p95 against the rate from one or more results
 files, and ``--pool`` adds up the requests of several runs of one workload (runs spread over
@@ -31,7 +32,7 @@ from pathlib import Path
 
 from bench.common import ensure_model, environment, failure, start_ray, write_results
 
-LAYOUTS = ("wide", "lanes2", "batch", "adaptive", "adaptive-thrifty")
+LAYOUTS = ("wide", "lanes2", "batch", "adaptive", "adaptive-thrifty", "adaptive-wide")
 
 
 def layout_fields(layout: str, gpus: int) -> dict:
@@ -42,6 +43,7 @@ def layout_fields(layout: str, gpus: int) -> dict:
         "wide": {"ulysses_degree": gpus},
         "adaptive": {"lane_sizes": sorted({1, 2, gpus})},
         "adaptive-thrifty": {"lane_sizes": sorted({1, 2, gpus}), "lane_policy": "thrifty"},
+        "adaptive-wide": {"lane_sizes": sorted({1, 2, gpus}), "lane_policy": "wide_first"},
     }[layout]
 
 

@@ -204,13 +204,15 @@ class GroupLayout(BaseModel):
         "CFG halves of k/2 Ulysses ranks each. Empty: every lane is fixed by ulysses_degree, ring_degree and "
         "cfg_parallel.",
     )
-    lane_policy: Literal["lean", "thrifty"] = Field(
+    lane_policy: Literal["lean", "thrifty", "wide_first"] = Field(
         "lean",
         description="How adaptive lanes (lane_sizes) choose a lane for a request with a target (deadline). "
         "'lean': the narrowest lane within 10% of its fastest measured time, while the queue makes its targets on "
         "such lanes. 'thrifty': the lane of fewest rank-seconds (size x measured time) whose time, with a margin "
         "for neighbours in lock step, fits before its target: more requests side by side under load, at some "
-        "latency. Requests without a target and sizes not measured yet are served alike under both.",
+        "latency. 'wide_first': the widest lane, beside whatever runs there (as a fixed wide lane serves), while "
+        "the queue makes its targets on the widest lane; narrower lanes only for a backlog it would not clear in "
+        "time. Requests without a target and sizes not measured yet are served alike under all three.",
     )
     ulysses_degree: int = Field(
         1,

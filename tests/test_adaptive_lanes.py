@@ -296,6 +296,41 @@ def test_the_thrifty_policy_gives_the_lane_of_fewest_rank_seconds_that_fits_the_
         GroupConfig(model="tiny", shard_size=2, lane_policy="thrifty")
 
 
+def test_the_wide_first_policy_gives_the_widest_lane_beside_what_runs_while_the_queue_keeps_up():
+    one_each, busy = [1, 0, 0, 0], [2, 0, 0, 0]
+    # Keeping up on the widest lanes: the widest, beside a request running on rank 0 (lean would
+    # not open it beside unlike work), or it waits while a rank of it is full.
+    step = LockStep([4.0, 0.0, 0.0, 0.0], 1.0)
+    assert lane_for(DIMS, (1, 2, 4), None, one_each, 2, 1, 4.9, SMALL_TIMES, step, True, "wide_first") == range(0, 4)
+    assert lane_for(DIMS, (1, 2, 4), None, busy, 2, 1, 4.9, SMALL_TIMES, step, True, "wide_first") is None
+    # A backlog the widest lanes would not clear in time: served as under lean.
+    assert lane_for(DIMS, (1, 2, 4), None, one_each, 2, 3, 4.9, SMALL_TIMES, policy="wide_first") == lane_for(
+        DIMS, (1, 2, 4), None, one_each, 2, 3, 4.9, SMALL_TIMES
+    )
+    with pytest.raises(ValueError, match="lane_policy 'wide_first' chooses among adaptive lanes: set lane_sizes"):
+        GroupConfig(model="tiny", shard_size=2, lane_policy="wide_first")
+
+
+def test_a_wide_first_group_gives_a_targeted_request_the_widest_lane_where_lean_gives_one_rank(
+    ray_cluster, tiny_model, reference_pipe
+):
+    """Two CPU ranks, lanes of 1 and 2: with a lane of one measured as fast as the lane of two (lean
+    would give it), ``wide_first`` gives a request with a target the lane of two, its queue keeping
+    up there; the result equals the unsharded run."""
+    config = GroupConfig(model=tiny_model, device="cpu", shard_size=2, lane_sizes=(1, 2), lane_policy="wide_first")
+    targeted = dataclasses.replace(MIX[2], request_id="targeted", deadline=time.time() + 120)
+    records = []
+    with ShardGroup(config) as group:
+        group.listeners.append(records.append)
+        work = group.check(targeted).work
+        for _ in range(16):
+            for size in (1, 2):
+                group.lane_times.learn(size, work, 1.0)
+        (result,) = group.generate([targeted])
+    assert [r.lane_size for r in records if r.request_id == "targeted"] == [2]
+    assert max_abs_diff(result.frames, reference_frames(reference_pipe, targeted)) <= TOLERANCE
+
+
 def test_measured_times_are_kept_per_lane_size_and_work_and_follow_the_load():
     times = LaneTimes()
     assert times.estimate(4, 100) is None

@@ -204,7 +204,9 @@ class GroupScheduler:
                 len(self._pending), deadline - time.time() if deadline is not None else None,
                 self.lane_times.estimates(variant.lane_sizes, variant.work),
                 LockStep(self._rank_work(), variant.request.forward_cost),
-                deadline is not None and self.config.lane_policy == "lean" and self._keeps_up(order),
+                deadline is not None
+                and self.config.lane_policy in ("lean", "wide_first")
+                and self._keeps_up(order, widest=self.config.lane_policy == "wide_first"),
                 self.config.lane_policy,
             )  # fmt: skip
             if ranks is None:
@@ -213,10 +215,11 @@ class GroupScheduler:
             if job is not None:
                 self._offer(ranks, job)
 
-    def _keeps_up(self, order: list[int]) -> bool:
-        """``lanes.queue_keeps_up`` for the queued jobs in ``order`` (lock held): false while the
-        widest lane of one of them has no measured time for its work. The work running now delays
-        the queue by its remaining measured seconds, spread over the group's ranks."""
+    def _keeps_up(self, order: list[int], widest: bool = False) -> bool:
+        """``lanes.queue_keeps_up`` for the queued jobs in ``order`` (lock held), each on its lean
+        lane or, with ``widest``, on its widest: false while the widest lane of one of them has no
+        measured time for its work. The work running now delays the queue by its remaining
+        measured seconds, spread over the group's ranks."""
         wall, now, capacity = time.time(), time.monotonic(), self.config.requests_per_rank
         queue = []
         for index in order:
@@ -227,9 +230,9 @@ class GroupScheduler:
             times = self.lane_times.estimates(sizes, job.variant.work)
             if max(sizes) not in times:
                 return False
-            due_s, lean = job.request.deadline - wall, as_fast(sizes, times)[0]
+            due_s, lane = job.request.deadline - wall, max(sizes) if widest else as_fast(sizes, times)[0]
             if due_s >= min(times.values()):  # one that no lane makes is served behind the rest
-                queue.append((due_s, times[lean], lean))
+                queue.append((due_s, times[lane], lane))
         running = {id(job): job for _, job in self._inflight.values()}.values()
         rank_s = sum(
             max(0.0, (self.lane_times.estimate(len(job.ranks), job.variant.work) or 0.0) - (now - job.taken))
