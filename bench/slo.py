@@ -393,7 +393,7 @@ def main() -> None:
                 for seed, rate in enumerate(args.rates):
                     row = run_load(group, rate, sizes, payload["deadlines_s"], args, seed=seed + 1)
                     payload["rows"].append({"layout": layout, **row})
-                    print(json.dumps(payload["rows"][-1]), flush=True)
+                    print(json.dumps({k: v for k, v in payload["rows"][-1].items() if k != "per_request"}), flush=True)
                     write_results(Path(args.out), name, payload, markdown(payload))  # a run cut short keeps it
         except Exception as err:  # noqa: BLE001 - the next layout still runs
             payload["failed"].append({"layout": layout, "error": failure(err, args.drain_s)})
