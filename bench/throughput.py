@@ -112,6 +112,8 @@ OPTIONS = {
     # The decodes on the requests' own streams, the forwards and collectives on the highest priority.
     "batch-fp8-compile-fa3fp8-vaecl-streams": {**FA3_VAECL, "request_streams": True},
     "batch-fp8-compile-fa3fp8-vaecl-localtext": {**FA3_VAECL, "shard_components": LOCAL_TEXT},
+    # The FP8 transformer kept whole after its first gather (14 GB per GPU): no gathers in later forwards.
+    "batch-fp8-compile-fa3fp8-vaecl-keep100": {**FA3_VAECL, "keep_gathered": 1.0},
     # Unsharded replicas (one rank per GPU, the model whole on each: R x S=1) with the fastest options;
     # FP8 keeps the same linears whole (a 14B Wan transformer in FP8 is 14 GB).
     "ceiling-fp8-compile-fa3fp8-vaecl": FA3_VAECL,
