@@ -64,13 +64,37 @@ class LaneTiles:
         convolution of kernel ``2 * width + 1`` over the whole picture reads for this band.
         Every rank of the lane calls it at the same point of the decode with the same shapes
         but its band's rows; a band must hold at least ``width`` rows."""
-        rows = x.shape[dim]
-        edges = torch.cat([x.narrow(dim, 0, width), x.narrow(dim, rows - width, width)], dim).contiguous()
-        gathered = self._all_gather_host(edges)
-        above = gathered[self.index - 1].narrow(dim, width, width) if self.index > 0 else None
-        below = gathered[self.index + 1].narrow(dim, 0, width) if self.index < self.size - 1 else None
-        zeros = torch.zeros_like(x.narrow(dim, 0, width))
-        return torch.cat([above if above is not None else zeros, x, below if below is not None else zeros], dim)
+        top, bottom = x.narrow(dim, 0, width), x.narrow(dim, x.shape[dim] - width, width)
+        # Each rank sends its top rows to the band above and its bottom rows to the band below, and
+        # receives theirs (point to point: one exchange, not an all-gather's size - 1 steps).
+        sends = [(self.index - 1, top, 0), (self.index + 1, bottom, 1)]
+        neighbours = [i for i, _, _ in sends if 0 <= i < self.size]
+        received = {i: torch.empty(top.numel() * top.element_size(), dtype=torch.uint8) for i in neighbours}
+        ops = [
+            dist.P2POp(
+                dist.isend, rows.contiguous().cpu().reshape(-1).view(torch.uint8), self._peer(i), self.group, tag
+            )
+            for i, rows, tag in sends
+            if i in received
+        ]
+        # The band above sent its bottom rows (tag 1), the band below its top rows (tag 0).
+        ops += [
+            dist.P2POp(dist.irecv, buffer, self._peer(i), self.group, int(i < self.index))
+            for i, buffer in received.items()
+        ]
+        for work in dist.batch_isend_irecv(ops) if ops else ():
+            work.wait()
+
+        def lent(i: int) -> torch.Tensor:
+            if i not in received:
+                return torch.zeros_like(top)
+            return received[i].view(x.dtype).view(top.shape).to(x.device)
+
+        return torch.cat([lent(self.index - 1), x, lent(self.index + 1)], dim)
+
+    def _peer(self, index: int) -> int:
+        """The global rank of the lane's ``index``-th rank (point-to-point ops name global ranks)."""
+        return dist.get_global_rank(self.group, index)
 
     def all_rows(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's band of ``x`` along ``dim``, in order: the whole picture's rows (bands may
