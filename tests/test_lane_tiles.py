@@ -15,9 +15,11 @@ from ray_hsdp.group import ShardGroup
 from ray_hsdp.request import GenerationRequest
 
 
-def split_against_one_rank(mesh, rank, model: str, latent: tuple[int, ...], tile: int, stride: int):
-    """On every rank of a gloo group (one lane): the split decode of seeded latents; the leader
-    returns its largest difference to the VAE's own one-rank ``tiled_decode``."""
+def shared_against_one_rank(mesh, rank, model: str, latent: tuple[int, ...], tiles: tuple[int, int] | None):
+    """On every rank of a gloo group (one lane): the lane's decode of seeded latents, shared by
+    tiles (``tiles``: tile and stride in pixels, against the VAE's own one-rank ``tiled_decode``)
+    or, with ``None``, by bands of rows (against its whole decode); the leader returns its largest
+    difference and the frames' shape, the other ranks ``None``."""
     import torch
     import torch.distributed as dist
     from diffusers import AutoencoderKLWan
@@ -26,15 +28,17 @@ def split_against_one_rank(mesh, rank, model: str, latent: tuple[int, ...], tile
     from ray_hsdp.sharding.policy import decode_split_for
 
     vae = AutoencoderKLWan.from_pretrained(f"{model}/vae").eval()
-    vae.enable_tiling(tile, tile, stride, stride)
+    if tiles is not None:
+        vae.enable_tiling(tiles[0], tiles[0], tiles[1], tiles[1])
     z = torch.randn((1, vae.config.z_dim, *latent), generator=torch.Generator().manual_seed(7))
     lane = LaneTiles(dist.group.WORLD, rank, dist.get_world_size(), "cpu")
+    split = decode_split_for(vae)
     with torch.no_grad():
-        split = decode_split_for(vae).decode(vae, z, lane)
-        if split is None:
+        shared = (split.decode if tiles is not None else split.rows)(vae, z, lane)
+        if shared is None:
             return None
-        whole = vae.tiled_decode(z).sample
-    return float((split - whole).abs().max()), tuple(split.shape)
+        one_rank = vae.tiled_decode(z).sample if tiles is not None else vae.decode(z).sample
+    return float((shared - one_rank).abs().max()), tuple(shared.shape)
 
 
 def test_a_lane_decodes_its_tiles_to_the_one_rank_tiled_decode(ray_cluster, tiny_model):
@@ -42,7 +46,7 @@ def test_a_lane_decodes_its_tiles_to_the_one_rank_tiled_decode(ray_cluster, tiny
     tiles, shared 5 and 4. (Below, lanes of 2 and 4 ranks decode at the VAE's own tile size.)"""
     ranks, latent = 2, (3, 9, 9)
     with GlooGroup(ranks) as group:
-        results = group.run(split_against_one_rank, tiny_model, latent, 32, 24)
+        results = group.run(shared_against_one_rank, tiny_model, latent, (32, 24))
     assert results[1:] == [None] * (ranks - 1)  # only the leader holds the frames
     diff, shape = results[0]
     assert diff <= 1e-5
@@ -97,34 +101,13 @@ def test_two_lanes_split_their_decodes_at_once_and_equal_the_unsharded_tiled_run
     assert answered_s < 30  # the denoising, then the failure (the collective timeout is minutes)
 
 
-def rows_against_whole(mesh, rank, model: str, latent: tuple[int, ...]):
-    """On every rank of a gloo group (one lane): the row split of seeded latents; the leader
-    returns its largest difference to the VAE's own whole decode, and the frames' shape."""
-    import torch
-    import torch.distributed as dist
-    from diffusers import AutoencoderKLWan
-
-    from ray_hsdp.lane_tiles import LaneTiles
-    from ray_hsdp.sharding.policy import decode_split_for
-
-    vae = AutoencoderKLWan.from_pretrained(f"{model}/vae").eval()
-    z = torch.randn((1, vae.config.z_dim, *latent), generator=torch.Generator().manual_seed(7))
-    lane = LaneTiles(dist.group.WORLD, rank, dist.get_world_size(), "cpu")
-    with torch.no_grad():
-        rows = decode_split_for(vae).rows(vae, z, lane)
-        if rows is None:
-            return None
-        whole = vae.decode(z).sample
-    return float((rows - whole).abs().max()), tuple(rows.shape)
-
-
 def test_a_lane_decodes_bands_of_rows_to_the_whole_decode(ray_cluster, tiny_model):
     """Three ranks, latents of 5 frames by 7 x 6: bands of 2, 2 and 3 latent rows (the convolutions'
     borrowed rows, the causal cache across frames and the middle block's attention over the whole
     picture all cross a band's edge)."""
     ranks, latent = 3, (5, 7, 6)
     with GlooGroup(ranks) as group:
-        results = group.run(rows_against_whole, tiny_model, latent)
+        results = group.run(shared_against_one_rank, tiny_model, latent, None)
     assert results[1:] == [None] * (ranks - 1)
     diff, shape = results[0]
     assert diff <= 1e-5
