@@ -294,6 +294,17 @@ def markdown(payload: dict) -> str:
     if timed_rows:
         lines.append("\nMean seconds queued / running (from a lane taking it), per request size and lane size:")
         lines += [f"- {row['layout']} at {row['rate']} req/s: {row['queued_run_s_by_size']}" for row in timed_rows]
+    missed = [(row, r) for row in payload["rows"] for r in row.get("per_request", []) if not r["met"]]
+    if missed:
+        lines.append(
+            "\nRequests that missed their deadline (arrival s into the window, size, lane, s queued / running, "
+            "latency):"
+        )
+        lines += [
+            f"- {row['layout']} at {row['rate']} req/s: {r['at_s']} s, {r['size']}, lane {r['lane_size']}, "
+            f"{r['queued_s']} / {r['run_s']}, {r['latency_s']}"
+            for row, r in missed
+        ]
     for layout, times in payload.get("lane_times_s", {}).items():
         lines.append(f"\nSeconds per request after the warm-up ({layout}; lane size x work): {times}")
     for fail in payload["failed"]:
