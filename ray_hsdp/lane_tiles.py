@@ -26,6 +26,16 @@ import torch.distributed as dist
 _MAX_DIMS = 7
 
 
+def _host_bytes(x: torch.Tensor) -> torch.Tensor:
+    """``x`` flat in host memory as bytes: what the lane's gloo group sends (any dtype travels)."""
+    return x.contiguous().cpu().reshape(-1).view(torch.uint8)
+
+
+def _from_bytes(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Bytes received for a tensor of ``like``'s dtype and shape, back as that, on ``like``'s device."""
+    return buffer.view(like.dtype).view(like.shape).to(like.device)
+
+
 class LaneTiles:
     """One rank's side of its lane's shared decodes (tiles or bands of rows).
 
@@ -71,9 +81,7 @@ class LaneTiles:
         neighbours = [i for i, _, _ in sends if 0 <= i < self.size]
         received = {i: torch.empty(top.numel() * top.element_size(), dtype=torch.uint8) for i in neighbours}
         ops = [
-            dist.P2POp(
-                dist.isend, rows.contiguous().cpu().reshape(-1).view(torch.uint8), self._peer(i), self.group, tag
-            )
+            dist.P2POp(dist.isend, _host_bytes(rows), self._peer(i), self.group, tag)
             for i, rows, tag in sends
             if i in received
         ]
@@ -86,9 +94,7 @@ class LaneTiles:
             work.wait()
 
         def lent(i: int) -> torch.Tensor:
-            if i not in received:
-                return torch.zeros_like(top)
-            return received[i].view(x.dtype).view(top.shape).to(x.device)
+            return _from_bytes(received[i], top) if i in received else torch.zeros_like(top)
 
         return torch.cat([lent(self.index - 1), x, lent(self.index + 1)], dim)
 
@@ -108,10 +114,10 @@ class LaneTiles:
     def _all_gather_host(self, x: torch.Tensor) -> list[torch.Tensor]:
         """``all_gather`` of a tensor of one shape on every rank, over the lane's host (gloo)
         group, as bytes (any dtype travels); the results on ``x``'s device."""
-        flat = x.reshape(-1).cpu().view(torch.uint8)
+        flat = _host_bytes(x)
         out = [torch.empty_like(flat) for _ in range(self.size)]
         dist.all_gather(out, flat, group=self.group)
-        return [o.view(x.dtype).view(x.shape).to(x.device) for o in out]
+        return [_from_bytes(o, x) for o in out]
 
     def run(self, decode: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
         """Runs ``decode`` (which decodes this rank's share and calls ``gather``) apart from the
@@ -155,8 +161,7 @@ class LaneTiles:
         per_rank = [sum(nbytes[i] for i in range(r, count, self.size)) for r in range(self.size)]
         send = torch.zeros(max(per_rank), dtype=torch.uint8)
         if mine:
-            flat = torch.cat([mine[i].reshape(-1).to(dtype) for i in sorted(mine)]).cpu()
-            send[: per_rank[self.index]] = flat.view(torch.uint8)
+            send[: per_rank[self.index]] = _host_bytes(torch.cat([mine[i].reshape(-1).to(dtype) for i in sorted(mine)]))
         received = [torch.empty_like(send) for _ in range(self.size)] if self.leads else None
         dist.gather(send, received, group=self.group, group_dst=0)
         if not self.leads:

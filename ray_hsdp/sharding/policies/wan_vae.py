@@ -29,9 +29,10 @@ def _wan_vae_tiled(vae, width: int, height: int) -> bool:
     return width // ratio > vae.tile_sample_min_width // ratio or height // ratio > vae.tile_sample_min_height // ratio
 
 
-def _wan_vae_tile(vae, z: torch.Tensor) -> torch.Tensor:
-    """One spatial tile through the decoder, frame by frame with its causal cache, as
-    ``AutoencoderKLWan.tiled_decode`` (diffusers 0.42) decodes each of its tiles."""
+def _wan_vae_frames(vae, z: torch.Tensor) -> torch.Tensor:
+    """Latents ``z`` (one spatial tile, or one band of rows) through the decoder, frame by frame
+    with its causal cache, as ``AutoencoderKLWan.tiled_decode`` (diffusers 0.42) decodes each of its
+    tiles (``_decode`` runs the 1x1x1 ``post_quant_conv`` on every frame at once: the same values)."""
     vae.clear_cache()
     frames = []
     for k in range(z.shape[2]):
@@ -63,7 +64,7 @@ def _wan_vae_split_decode(vae, z: torch.Tensor, lane) -> torch.Tensor | None:
     starts = [(i, j) for i in range(0, height, stride_h) for j in range(0, width, stride_w)]
     columns = len(range(0, width, stride_w))
     mine = {
-        t: _wan_vae_tile(vae, z[:, :, :, starts[t][0] : starts[t][0] + tile_h, starts[t][1] : starts[t][1] + tile_w])
+        t: _wan_vae_frames(vae, z[:, :, :, starts[t][0] : starts[t][0] + tile_h, starts[t][1] : starts[t][1] + tile_w])
         for t in lane.share(len(starts))
     }
     tiles = lane.gather(len(starts), mine, vae.dtype)
@@ -158,17 +159,9 @@ def _wan_vae_row_decode(vae, z: torch.Tensor, lane) -> torch.Tensor | None:
     """``AutoencoderKLWan._decode`` (untiled) of this rank's band of ``z``'s rows; the leader
     stacks every band and clamps as it does. Returns the sample on the leader, ``None`` elsewhere."""
     start, stop = lane.band(z.shape[3])
-    frames = []
     with _banded(vae.decoder, lane):
-        vae.clear_cache()
-        x = vae.post_quant_conv(z[:, :, :, start:stop])
-        for i in range(x.shape[2]):
-            vae._conv_idx = [0]
-            frames.append(
-                vae.decoder(x[:, :, i : i + 1], feat_cache=vae._feat_map, feat_idx=vae._conv_idx, first_chunk=i == 0)
-            )
-        vae.clear_cache()
-    bands = lane.gather(lane.size, {lane.index: torch.cat(frames, dim=2)}, vae.dtype)
+        band = _wan_vae_frames(vae, z[:, :, :, start:stop])
+    bands = lane.gather(lane.size, {lane.index: band}, vae.dtype)
     if bands is None:
         return None
     return torch.clamp(torch.cat([bands[r] for r in range(lane.size)], dim=3), min=-1.0, max=1.0)
