@@ -108,7 +108,7 @@ def lanes_by_size(plan: list[tuple[float, int]], records: dict, sizes: list[str]
 def per_request(plan, records: dict, done: dict[int, float], deadlines: list[float], sizes: list[str]) -> list[dict]:
     """Each request of a window in arrival order: when it arrived (seconds into the window), its
     size, the lane size it got, seconds queued and running (the group's ``RequestRecord``), its
-    latency and whether it met its deadline (``None``: not answered), so that a run's misses can be
+    latency (``None``: not answered) and whether it met its deadline, so that a run's misses can be
     traced to the lanes and neighbours they had."""
     out = []
     for index, (at, size_index) in enumerate(plan):
