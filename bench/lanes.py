@@ -6,7 +6,8 @@
 A layout is ``plain`` (``DiffusionPipeline.from_pretrained(...).to("cuda")`` on one GPU: the
 baseline, in the same run) or ``s<S>-...`` (a shard group of S ranks whose lanes split requests by
 ``u<N>`` Ulysses, ``r<N>`` ring, ``cfg2`` CFG parallel; ``s4`` alone is 4 lanes of one rank).
-Each layout runs a 1-step warm-up, then one guided request per size; the denoising loop is timed
+Each layout runs a warm-up request of the first size (1 step, or as many as reach both experts of a
+two-expert model: ``steps_reaching_every_expert``), then one guided request per size; the denoising loop is timed
 from the first step's start to the last step's end (CUDA synchronised at each step), and the
 result's frames are compared with the plain run's (``--parity``). ``--throughput N`` then sends N
 requests at once to each group layout and reports the wall time and each request's latency.
@@ -132,6 +133,8 @@ def run_plain(model_dir: Path, requests: list, device: str, suffixes=()) -> tupl
     import numpy as np
     import torch
 
+    from ray_hsdp.sharded_pipeline import steps_reaching_every_expert
+
     pipe = load_plain(model_dir, device)
     backends = [SUFFIX_FIELDS[s]["attention_backend"] for s in suffixes if s in ATTENTION_SUFFIXES]
     backend = backends[-1] if backends else None  # the last named, as the group's fields take it
@@ -144,10 +147,12 @@ def run_plain(model_dir: Path, requests: list, device: str, suffixes=()) -> tupl
             torch.cuda.synchronize()
 
     first = requests[0]
-    # The same 1-step warm-up as the groups get: no row pays the first kernels' one-time costs.
+    # The same warm-up as the groups get: no row pays the first kernels' one-time costs (every
+    # expert's: a 1-step warm-up of a two-expert model reaches its first alone).
     size = {"width": first.width, "height": first.height, "num_frames": first.num_frames}
     warm = {"image": first.first_frame()} if first.image is not None else {}
-    pipe(prompt="warm up", num_inference_steps=1, output_type="latent", **size, **warm)
+    steps = steps_reaching_every_expert(pipe)
+    pipe(prompt="warm up", num_inference_steps=steps, output_type="latent", **size, **warm)
     rows, frames = [], []
     for request in requests:
         marks: list[float] = []
@@ -207,7 +212,8 @@ def run_group(model_dir: Path, layout: str, requests: list, args):
         memory = group.memory()
         first = requests[0] if requests else request_for(args.throughput_size, args.frames, 1, "w", image=args.image)
         first = dataclasses.replace(first, lora=lora)
-        warm = dataclasses.replace(first, num_inference_steps=1, request_id="warm-up")
+        steps = group.pipeline_facts["warm_up_steps"]  # every expert's first forwards
+        warm = dataclasses.replace(first, num_inference_steps=steps, request_id="warm-up")
         # A deadline on every wait: a layout that hangs is recorded as failed (its group shut
         # down) and the next layout runs, instead of the call's time running out on it.
         group.submit(warm).result(timeout=args.request_deadline)

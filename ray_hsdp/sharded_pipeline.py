@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import threading
@@ -33,6 +34,26 @@ from ray_hsdp.variant import RankFeatures, RequestVariant
 from ray_hsdp.variant.shift import shift_key
 
 logger = logging.getLogger("ray_hsdp")
+
+
+def steps_reaching_every_expert(pipe, most: int = 16) -> int:
+    """The fewest denoising steps whose timesteps reach every expert of a pipeline that switches
+    experts at a boundary (diffusers' ``boundary_ratio``: the first expert at timesteps at or above
+    ``boundary_ratio x num_train_timesteps``, the second below), at most ``most``; 1 for a pipeline
+    of one denoiser. A warm-up request of that many steps runs each expert's first forwards (its
+    compile, its first gathers) before a user's request would: a 1-step warm-up reaches the first
+    expert alone."""
+    ratio = getattr(pipe.config, "boundary_ratio", None)
+    scheduler = getattr(pipe, "scheduler", None)
+    if ratio is None or scheduler is None:
+        return 1
+    boundary = ratio * scheduler.config.num_train_timesteps
+    probe = copy.deepcopy(scheduler)  # set_timesteps changes the scheduler; the pipeline's stays as it is
+    for steps in range(1, most + 1):
+        probe.set_timesteps(steps)
+        if bool((probe.timesteps >= boundary).any()) and bool((probe.timesteps < boundary).any()):
+            return steps
+    return most
 
 
 def components(pipe) -> dict[str, nn.Module]:
@@ -196,6 +217,8 @@ class ShardedPipeline(RequestSlots):
             "image_input": "image" in self._call_params,
             # The scheduler key a request's flow_shift sets; None: the scheduler takes no shift.
             "flow_shift": shift_key(getattr(self.pipe, "scheduler", None)),
+            # Steps of a warm-up request that reaches every expert (one for one denoiser).
+            "warm_up_steps": steps_reaching_every_expert(self.pipe),
         }
 
     def guided(self) -> bool:

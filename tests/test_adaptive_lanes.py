@@ -160,9 +160,11 @@ def test_the_warm_up_fills_every_place_of_every_lane_of_each_size_in_turn():
     batches = warm_up_requests(DIMS, requests_per_rank=2, image_input=False)
     assert [[r.lane_size for r in batch] for batch in batches] == [[1] * 8, [2] * 4, [4] * 2]
     assert len({r.request_id for batch in batches for r in batch}) == 14
-    fixed = warm_up_requests(ParallelDims(1, 4, ulysses=2), requests_per_rank=2, image_input=True)
+    assert {r.num_inference_steps for batch in batches for r in batch} == {1}
+    fixed = warm_up_requests(ParallelDims(1, 4, ulysses=2), requests_per_rank=2, image_input=True, steps=2)
     assert [[r.lane_size for r in batch] for batch in fixed] == [[None, None]]  # one per lane
     assert all(r.image is not None for r in fixed[0])
+    assert all(r.num_inference_steps == 2 for r in fixed[0])  # a two-expert pipeline's warm-up reaches both
 
 
 def test_a_compiled_group_warms_every_lane_size_and_its_lanes_equal_unsharded(ray_cluster, tiny_model, adapted_pipe):

@@ -88,6 +88,7 @@ def test_two_experts_with_ulysses_2_equal_unsharded(ray_cluster, two_expert_mode
     ]
     with ShardGroup(config) as group:
         assert group.pipeline_facts["guidance_scale_2"] is True
+        assert group.pipeline_facts["warm_up_steps"] == 2  # the tiny's schedule crosses its boundary at step 2
         results = group.generate(requests)
     assert_parity(pipe, requests, results)
     # It is the expert's own guidance: without it, the same request comes out otherwise, by far

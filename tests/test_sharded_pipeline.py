@@ -5,8 +5,10 @@ from pathlib import Path
 
 import pytest
 
+from ray_hsdp.checkpoints.tiny import make_tiny
+from ray_hsdp.loading import load_pipeline
 from ray_hsdp.request import GenerationRequest, RequestCancelledError
-from ray_hsdp.sharded_pipeline import ShardedPipeline
+from ray_hsdp.sharded_pipeline import ShardedPipeline, steps_reaching_every_expert
 from ray_hsdp.variant import RequestVariant
 
 
@@ -46,6 +48,7 @@ def test_a_stopped_request_raises_at_its_step_and_skips_the_decode(tiny_model):
         "guidance_scale_2": False,  # one expert
         "image_input": False,  # text to video
         "flow_shift": "shift",  # the tiny model's flow-match Euler scheduler
+        "warm_up_steps": 1,  # one denoiser: a 1-step warm-up reaches it
     }
 
 
@@ -123,3 +126,24 @@ def test_a_channels_last_vae_decodes_the_same_frames(tiny_model):
     convs = [m for m in pipeline.pipe.vae.modules() if isinstance(m, torch.nn.Conv3d)]
     assert all(c.weight.is_contiguous(memory_format=torch.channels_last_3d) for c in convs)
     np.testing.assert_allclose(pipeline.run(RequestVariant.unchecked(request)).frames, before, atol=1e-5)
+
+
+def test_a_warm_up_of_the_steps_reaching_every_expert_runs_both_experts_and_one_step_fewer_does_not(tmp_path):
+    """A two-expert pipeline (Wan2.2's boundary) switches experts within a request: the warm-up's
+    steps are the fewest whose timesteps fall on both sides of the boundary, so the group's
+    compile warm-up runs the second expert's first forwards before a user's request does."""
+    pipe = load_pipeline(make_tiny(tmp_path / "wan22", two_experts=True), "float32")
+    pipe.set_progress_bar_config(disable=True)
+    ran = []
+    for name in ("transformer", "transformer_2"):
+        getattr(pipe, name).register_forward_pre_hook(lambda module, args, name=name: ran.append(name))
+
+    def experts_run(steps: int) -> set[str]:
+        ran.clear()
+        pipe(prompt="warm up", num_inference_steps=steps, width=32, height=32, num_frames=1, output_type="latent")
+        return set(ran)
+
+    steps = steps_reaching_every_expert(pipe)
+    assert steps > 1  # one step runs the high-noise expert alone
+    assert experts_run(steps) == {"transformer", "transformer_2"}
+    assert experts_run(steps - 1) == {"transformer"}

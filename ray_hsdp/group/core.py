@@ -38,17 +38,21 @@ logger = logging.getLogger("ray_hsdp")
 _RENDEZVOUS_TRIES = 3
 
 
-def warm_up_requests(dims: ParallelDims, requests_per_rank: int, image_input: bool) -> list[list[GenerationRequest]]:
+def warm_up_requests(
+    dims: ParallelDims, requests_per_rank: int, image_input: bool, steps: int = 1
+) -> list[list[GenerationRequest]]:
     """Small requests, in batches run one after the other, that compile a compiled group's first
     forwards at its start, not in a user's request: one per lane; with adaptive lanes, for each lane
     size in turn, one per place of every lane of that size (a rank compiles graphs of its own per
     lane size, and a lane fills its places before the next lane of its size takes one). An
-    image-to-video pipeline (``image_input``) takes no request without its first frame."""
+    image-to-video pipeline (``image_input``) takes no request without its first frame; each request
+    runs ``steps`` steps, enough to reach every expert of a two-expert pipeline (the pipeline's
+    ``warm_up_steps`` fact)."""
     image = _gray_png(64, 64) if image_input else None
 
     def warm(name: str, lane_size: int | None = None) -> GenerationRequest:
         return GenerationRequest(
-            prompt="warm up", num_inference_steps=1, request_id=f"warm-up-{name}", image=image, lane_size=lane_size
+            prompt="warm up", num_inference_steps=steps, request_id=f"warm-up-{name}", image=image, lane_size=lane_size
         )
 
     if not dims.adaptive:
@@ -192,8 +196,11 @@ class ShardGroup(GroupScheduler, GroupInspection):
         if self.config.compile:
             try:
                 with self.phases.phase("warm-up"):
-                    image_input = bool(self.pipeline_facts.get("image_input"))
-                    for warm in warm_up_requests(self.dims, self.config.requests_per_rank, image_input):
+                    facts = self.pipeline_facts
+                    batches = warm_up_requests(
+                        self.dims, self.config.requests_per_rank, bool(facts.get("image_input")), facts["warm_up_steps"]
+                    )
+                    for warm in batches:
                         self.generate(warm)
             except BaseException:
                 self.shutdown()
