@@ -319,8 +319,8 @@ class GroupKernels(BaseModel):
         False,
         description="torch.compile the transformers' repeated blocks on every rank (regional compile, in place, "
         "the gathers left eager); the group compiles with a warm-up request per lane before it serves (with "
-        "lane_sizes, per lane size on every lane: each size compiles graphs of its own), and each new request shape "
-        "compiles again once.",
+        "lane_sizes, per lane size on every lane: each size compiles graphs of its own; of as many steps as reach "
+        "every expert of a two-expert model), and each new request shape compiles again once.",
     )
     quantization: Literal["none", "fp8"] = Field(
         "none",
