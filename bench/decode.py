@@ -80,28 +80,37 @@ def _lane(vae, split, lane, z, warm, size: str, args, scratch: str) -> list[dict
     import torch
     import torch.distributed as dist
 
+    from ray_hsdp.sharding.policies import wan_vae
+
     out = []
-    for how, decode, tiling, reference in (
-        ("split", split.decode, True, "tiled"),
-        ("rows", split.rows, False, "whole"),
-    ):
+    runs = [("split", split.decode, True, "tiled", None)]
+    runs += [("rows", split.rows, False, "whole", extension) for extension in args.extensions]
+    for how, decode, tiling, reference, extension in runs:
         if how not in args.lane_decodes:
             continue
         vae.enable_tiling() if tiling else vae.disable_tiling()
+        if extension is not None:  # the rows a band carries at each scale after the latents'
+            wan_vae._EXTENSION = extension
 
         def shared(latents, decode=decode):
             return lane.run(lambda: decode(vae, latents, lane))
 
         shared(warm)
         dist.barrier()
+        exchanges = lane.exchanges
         frames, seconds, peak = _timed(args.device, shared, z)
+        per_frame = (lane.exchanges - exchanges) / z.shape[2]
         peaks = [None] * lane.size
         dist.all_gather_object(peaks, peak)
         if lane.leads:
             path, diff = Path(scratch) / f"{reference}-{size}.pt", None
             if path.exists():
                 diff = float((frames.float().cpu() - torch.load(path).float()).abs().max())
-            out.append({"size": size, "ranks": lane.size, "how": how, "seconds": seconds, "peaks": peaks, "diff": diff})
+            name = how if extension is None else f"{how} (extension {extension})"
+            out.append(
+                {"size": size, "ranks": lane.size, "how": name, "seconds": seconds, "peaks": peaks, "diff": diff}
+                | {"exchanges_per_latent_frame": per_frame if extension is not None else None}
+            )
         del frames
         if args.device == "cuda":
             torch.cuda.empty_cache()
@@ -155,8 +164,8 @@ def markdown(rows: list[dict], args) -> str:
         f"Command: `{env['command']}`",
         "",
         "| size | ranks | decode | seconds | vs one GPU whole | peak per rank GiB | max abs diff to one GPU's "
-        "(split: tiled; rows: whole) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "(split: tiled; rows: whole) | exchanges per latent frame |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     whole = {r["size"]: r["seconds"] for r in rows if r["how"] == "whole"}
     for r in sorted(rows, key=lambda r: (r["size"], r["ranks"], r["how"] != "whole")):
@@ -166,7 +175,7 @@ def markdown(rows: list[dict], args) -> str:
         diff = "" if r.get("diff") is None else f"{r['diff']:.2e}"
         lines.append(
             f"| {r['size']} | {r['ranks']} | {r['how']} | {r['seconds']:.2f} | {ratio} | "
-            f"{gib(peak) if peak is not None else ''} | {diff} |"
+            f"{gib(peak) if peak is not None else ''} | {diff} | {r.get('exchanges_per_latent_frame') or ''} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -178,6 +187,11 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=81)
     parser.add_argument("--device", default="cuda", help="cpu: a dry run with a narrow VAE on gloo")
     parser.add_argument("--lane-decodes", nargs="+", default=["split", "rows"], choices=["split", "rows"])
+    parser.add_argument(
+        "--extensions", nargs="+", type=int, default=[6],
+        help="rows: the rows a band carries on each side at each scale after the latents' (wan_vae._EXTENSION), "
+        "one timed decode each",
+    )  # fmt: skip
     parser.add_argument("--channels-last", action="store_true", help="the VAE's Conv3d weights channels-last")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--name", default="decode-wan2.1-vae")

@@ -5,7 +5,7 @@ The ranks of a lane hold the same latents when their denoising ends, so each can
 disjoint share of a tiled decode's tiles (diffusers decodes every spatial tile on its own) and
 the leader blends them all; or each can decode a band of the picture's rows of the whole
 (untiled) decode, taking from its neighbours the rows a convolution reads across the band's edges
-(``halo_rows``) and the whole picture's keys where the decoder attends over it (``all_rows``).
+(``lend_rows``) and the whole picture's keys where the decoder attends over it (``all_rows``).
 
 The collectives of these exchanges run on a gloo process group of the lane's ranks alone, created
 for it and used by nothing else, from the request thread, while the tick thread goes on with the
@@ -52,6 +52,7 @@ class LaneTiles:
         self.size = size
         self.device = device
         self.stream = torch.cuda.Stream() if device == "cuda" else None
+        self.exchanges = 0  # row exchanges (``lend_rows``, ``all_rows``) so far: what a row decode costs
 
     @property
     def leads(self) -> bool:
@@ -68,35 +69,31 @@ class LaneTiles:
         ``rows >= size``)."""
         return self.index * rows // self.size, (self.index + 1) * rows // self.size
 
-    def halo_rows(self, x: torch.Tensor, dim: int, width: int) -> torch.Tensor:
-        """``x`` (this rank's band) with ``width`` rows of the band above and of the band below
-        along ``dim`` (zeros at the picture's edges, as a convolution's zero padding): what a
-        convolution of kernel ``2 * width + 1`` over the whole picture reads for this band.
-        Every rank of the lane calls it at the same point of the decode with the same shapes
-        but its band's rows; a band must hold at least ``width`` rows."""
-        top, bottom = x.narrow(dim, 0, width), x.narrow(dim, x.shape[dim] - width, width)
-        # Each rank sends its top rows to the band above and its bottom rows to the band below, and
-        # receives theirs (point to point: one exchange, not an all-gather's size - 1 steps).
-        sends = [(self.index - 1, top, 0), (self.index + 1, bottom, 1)]
-        neighbours = [i for i, _, _ in sends if 0 <= i < self.size]
-        received = {i: torch.empty(top.numel() * top.element_size(), dtype=torch.uint8) for i in neighbours}
-        ops = [
-            dist.P2POp(dist.isend, _host_bytes(rows), self._peer(i), self.group, tag)
-            for i, rows, tag in sends
-            if i in received
-        ]
+    def lend_rows(self, top: torch.Tensor, bottom: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sends ``top`` (this rank's band's first rows) to the band above and ``bottom`` (its last
+        rows, of ``top``'s shape) to the band below, and returns what they lend in turn: the band
+        above's last rows and the band below's first rows (zeros at the picture's edges, where
+        there is no band). Every rank of the lane calls it at the same point of a decode, with
+        tensors of one shape."""
+        self.exchanges += 1
+        # One copy to the host for both edges and one back (each copy waits for the device).
+        stacked = torch.stack([top, bottom])
+        host = _host_bytes(stacked)
+        half = host.numel() // 2
+        received = torch.zeros_like(host)  # [from above, from below]
+        sends = [(self.index - 1, host[:half], 0), (self.index + 1, host[half:], 1)]
         # The band above sent its bottom rows (tag 1), the band below its top rows (tag 0).
-        ops += [
-            dist.P2POp(dist.irecv, buffer, self._peer(i), self.group, int(i < self.index))
-            for i, buffer in received.items()
+        receives = [(self.index - 1, received[:half], 1), (self.index + 1, received[half:], 0)]
+        ops = [
+            dist.P2POp(op, rows, self._peer(i), self.group, tag)
+            for op, pairs in ((dist.isend, sends), (dist.irecv, receives))
+            for i, rows, tag in pairs
+            if 0 <= i < self.size
         ]
         for work in dist.batch_isend_irecv(ops) if ops else ():
             work.wait()
-
-        def lent(i: int) -> torch.Tensor:
-            return _from_bytes(received[i], top) if i in received else torch.zeros_like(top)
-
-        return torch.cat([lent(self.index - 1), x, lent(self.index + 1)], dim)
+        above, below = _from_bytes(received, stacked).unbind(0)
+        return above, below
 
     def _peer(self, index: int) -> int:
         """The global rank of the lane's ``index``-th rank (point-to-point ops name global ranks)."""
@@ -105,6 +102,7 @@ class LaneTiles:
     def all_rows(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's band of ``x`` along ``dim``, in order: the whole picture's rows (bands may
         differ in rows by one; the other dims are alike on every rank)."""
+        self.exchanges += 1
         counts = self._all_gather_host(torch.tensor([x.shape[dim]]))
         most = max(int(c) for c in counts)
         padded = torch.cat([x, x.new_zeros((*x.shape[:dim], most - x.shape[dim], *x.shape[dim + 1 :]))], dim)

@@ -19,7 +19,7 @@ def shared_against_one_rank(mesh, rank, model: str, latent: tuple[int, ...], til
     """On every rank of a gloo group (one lane): the lane's decode of seeded latents, shared by
     tiles (``tiles``: tile and stride in pixels, against the VAE's own one-rank ``tiled_decode``)
     or, with ``None``, by bands of rows (against its whole decode); the leader returns its largest
-    difference and the frames' shape, the other ranks ``None``."""
+    difference, the frames' shape and its exchanges with the other ranks, the other ranks ``None``."""
     import torch
     import torch.distributed as dist
     from diffusers import AutoencoderKLWan
@@ -38,7 +38,7 @@ def shared_against_one_rank(mesh, rank, model: str, latent: tuple[int, ...], til
         if shared is None:
             return None
         one_rank = vae.tiled_decode(z).sample if tiles is not None else vae.decode(z).sample
-    return float((shared - one_rank).abs().max()), tuple(shared.shape)
+    return float((shared - one_rank).abs().max()), tuple(shared.shape), lane.exchanges
 
 
 def test_a_lane_decodes_its_tiles_to_the_one_rank_tiled_decode(ray_cluster, tiny_model):
@@ -48,9 +48,23 @@ def test_a_lane_decodes_its_tiles_to_the_one_rank_tiled_decode(ray_cluster, tiny
     with GlooGroup(ranks) as group:
         results = group.run(shared_against_one_rank, tiny_model, latent, (32, 24))
     assert results[1:] == [None] * (ranks - 1)  # only the leader holds the frames
-    diff, shape = results[0]
+    diff, shape, _ = results[0]
     assert diff <= 1e-5
     assert shape == (1, 3, 4 * (latent[0] - 1) + 1, 8 * latent[1], 8 * latent[2])
+
+
+def test_bands_carry_their_neighbours_rows_and_exchange_a_few_times_a_frame(ray_cluster, tiny_model):
+    """Four ranks, bands of 5 and 6 latent rows: each band carries rows of its neighbours' and
+    exchanges only when a scale's convolutions have spent them, a few times per latent frame (the
+    tiny decoder has 25 convolutions with a 3x3 kernel and an attention: an exchange before each
+    would be 26), and decodes to the whole decode."""
+    ranks, latent = 4, (3, 22, 4)
+    with GlooGroup(ranks) as group:
+        results = group.run(shared_against_one_rank, tiny_model, latent, None)
+    diff, shape, exchanges = results[0]
+    assert diff <= 1e-5
+    assert shape == (1, 3, 4 * (latent[0] - 1) + 1, 8 * latent[1], 8 * latent[2])
+    assert exchanges / latent[0] <= 6
 
 
 #: 320 x 320 pixels: 2 x 2 of the Wan VAE's default tiles (256 every 192), in one request.
@@ -109,7 +123,7 @@ def test_a_lane_decodes_bands_of_rows_to_the_whole_decode(ray_cluster, tiny_mode
     with GlooGroup(ranks) as group:
         results = group.run(shared_against_one_rank, tiny_model, latent, None)
     assert results[1:] == [None] * (ranks - 1)
-    diff, shape = results[0]
+    diff, shape, _ = results[0]
     assert diff <= 1e-5
     assert shape == (1, 3, 4 * (latent[0] - 1) + 1, 8 * latent[1], 8 * latent[2])
 
