@@ -41,30 +41,39 @@ def shared_against_one_rank(mesh, rank, model: str, latent: tuple[int, ...], til
     return float((shared - one_rank).abs().max()), tuple(shared.shape), lane.exchanges
 
 
-def test_a_lane_decodes_its_tiles_to_the_one_rank_tiled_decode(ray_cluster, tiny_model):
+@pytest.fixture(scope="module")
+def lane_of_four(ray_cluster):
+    """Four ranks of one gloo group: a lane that the decode tests below share."""
+    with GlooGroup(4) as group:
+        yield group
+
+
+def test_a_lane_decodes_its_tiles_to_the_one_rank_tiled_decode(lane_of_four, tiny_model):
     """Tiles of 32 pixels every 24 (latent 4 every 3) over latents of 3 frames by 9 x 9: 3 x 3
-    tiles, shared 5 and 4. (Below, lanes of 2 and 4 ranks decode at the VAE's own tile size.)"""
-    ranks, latent = 2, (3, 9, 9)
-    with GlooGroup(ranks) as group:
-        results = group.run(shared_against_one_rank, tiny_model, latent, (32, 24))
-    assert results[1:] == [None] * (ranks - 1)  # only the leader holds the frames
+    tiles, shared 3, 2, 2 and 2. (Below, lanes of 2 and 4 ranks decode at the VAE's own tile size.)"""
+    latent = (3, 9, 9)
+    results = lane_of_four.run(shared_against_one_rank, tiny_model, latent, (32, 24))
+    assert results[1:] == [None] * 3  # only the leader holds the frames
     diff, shape, _ = results[0]
     assert diff <= 1e-5
     assert shape == (1, 3, 4 * (latent[0] - 1) + 1, 8 * latent[1], 8 * latent[2])
 
 
-def test_bands_carry_their_neighbours_rows_and_exchange_a_few_times_a_frame(ray_cluster, tiny_model):
-    """Four ranks, bands of 5 and 6 latent rows: each band carries rows of its neighbours' and
-    exchanges only when a scale's convolutions have spent them, a few times per latent frame (the
-    tiny decoder has 25 convolutions with a 3x3 kernel and an attention: an exchange before each
-    would be 26), and decodes to the whole decode."""
-    ranks, latent = 4, (3, 22, 4)
-    with GlooGroup(ranks) as group:
-        results = group.run(shared_against_one_rank, tiny_model, latent, None)
+@pytest.mark.parametrize("latent", [(5, 7, 6), (3, 22, 4)])
+def test_a_lane_decodes_bands_of_rows_to_the_whole_decode(lane_of_four, tiny_model, latent):
+    """Bands of 1, 2, 2 and 2 latent rows (of 7), and of 5, 6, 5 and 6 (of 22): the convolutions'
+    rows across a band's edge, the causal cache across frames and the middle block's attention
+    over the whole picture all cross a band's edge. Each band carries rows of its neighbours' and
+    exchanges only when convolutions have spent them: a few times per latent frame where bands are
+    thick (the tiny decoder has 25 convolutions with a 3x3 kernel and an attention: an exchange
+    before each would be 26)."""
+    results = lane_of_four.run(shared_against_one_rank, tiny_model, latent, None)
+    assert results[1:] == [None] * 3
     diff, shape, exchanges = results[0]
     assert diff <= 1e-5
     assert shape == (1, 3, 4 * (latent[0] - 1) + 1, 8 * latent[1], 8 * latent[2])
-    assert exchanges / latent[0] <= 6
+    if latent[1] >= 4 * 5:
+        assert exchanges / latent[0] <= 6
 
 
 #: 320 x 320 pixels: 2 x 2 of the Wan VAE's default tiles (256 every 192), in one request.
@@ -113,19 +122,6 @@ def test_two_lanes_split_their_decodes_at_once_and_equal_the_unsharded_tiled_run
         assert max_abs_diff(result.frames, reference_frames(tiled_pipe, request)) <= 1e-5, request.prompt
     assert sorted(r.rank for r in results) == [0, 0, 2, 2]  # the leaders of the two lanes answered
     assert answered_s < 30  # the denoising, then the failure (the collective timeout is minutes)
-
-
-def test_a_lane_decodes_bands_of_rows_to_the_whole_decode(ray_cluster, tiny_model):
-    """Three ranks, latents of 5 frames by 7 x 6: bands of 2, 2 and 3 latent rows (the convolutions'
-    borrowed rows, the causal cache across frames and the middle block's attention over the whole
-    picture all cross a band's edge)."""
-    ranks, latent = 3, (5, 7, 6)
-    with GlooGroup(ranks) as group:
-        results = group.run(shared_against_one_rank, tiny_model, latent, None)
-    assert results[1:] == [None] * (ranks - 1)
-    diff, shape, _ = results[0]
-    assert diff <= 1e-5
-    assert shape == (1, 3, 4 * (latent[0] - 1) + 1, 8 * latent[1], 8 * latent[2])
 
 
 def test_a_cfg_ulysses_lane_shares_its_decodes_by_rows_and_equals_the_unsharded_run(
