@@ -72,3 +72,19 @@ def test_slo_runs_of_one_workload_pool_and_runs_of_another_do_not():
     assert "- 0.7 req/s: adaptive +18% against wide" in text
     with pytest.raises(ValueError, match="different deadlines"):
         pooled([d, e])  # run d's deadlines were 6.14 / 4.66 s
+
+
+def test_slo_arrivals_draw_the_load_they_name_with_exact_count():
+    """A Poisson window of 30 s at 0.9 req/s may draw 16 arrivals (run i's did); conditioned on its
+    count it draws 27, at times spread over the window, the same for the same seed."""
+    from bench.slo import arrivals
+
+    sizes = [(832, 480), (480, 320)]
+    free = [len(arrivals(0.9, 30.0, sizes, seed)) for seed in range(1, 40)]
+    assert min(free) < 27 < max(free)  # the count varies from window to window
+    for seed in range(1, 40):
+        plan = arrivals(0.9, 30.0, sizes, seed, exact_count=True)
+        times = [t for t, _ in plan]
+        assert len(plan) == 27 and times == sorted(times) and 0 <= times[0] and times[-1] < 30.0
+        assert {i for _, i in plan} <= {0, 1}
+    assert arrivals(0.9, 30.0, sizes, 3, exact_count=True) == arrivals(0.9, 30.0, sizes, 3, exact_count=True)
