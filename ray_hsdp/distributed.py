@@ -127,17 +127,26 @@ def host_tick_group(timeout_s: float):
     return group
 
 
-def lane_decode_group(dims: ParallelDims, timeout_s: float):
-    """A gloo process group of each lane's ranks, for its split decodes alone (every rank calls
-    this, in the same order); returns this rank's.
+def lane_decode_groups(dims: ParallelDims, rank: int, timeout_s: float) -> dict[int, object]:
+    """Lane size -> a gloo process group of the ranks of this rank's lane of that size, for the
+    lane's split decodes alone: the fixed lane's, or with adaptive lanes (``lane_sizes``) one per
+    aligned block of each size above one (every rank calls this, in the same order, at start, so
+    no request's decode creates a process group).
 
     Gloo on GPUs too: a decode's exchange runs on a request thread while the tick thread goes on
     with the group's NCCL collectives, and two NCCL communicators used at once from two threads
     can wait on each other (on 4 x H100 a lane of 4 that shared its decode over NCCL never
     finished its first request). Gloo's collectives run on the host, beside any GPU kernel."""
-    lanes = [list(dims.lane_ranks(lane)) for lane in range(dims.num_lanes)]
-    mine, _ = dist.new_subgroups_by_enumeration(lanes, timeout=timedelta(seconds=timeout_s), backend="gloo")
-    dist.all_reduce(torch.ones(1), group=mine)  # connects now rather than in a request's first decode
+    sizes = sorted(dims.lane_sizes) if dims.adaptive else [dims.lane_size]
+    mine = {}
+    for size in (s for s in sizes if s > 1):
+        blocks = dims.blocks(size) if dims.adaptive else [dims.lane_ranks(lane) for lane in range(dims.num_lanes)]
+        for block in blocks:
+            group = dist.new_group(list(block), timeout=timedelta(seconds=timeout_s), backend="gloo")
+            if rank in block:
+                mine[size] = group
+    for group in mine.values():  # connects now rather than in a request's first decode
+        dist.all_reduce(torch.ones(1), group=group)
     return mine
 
 

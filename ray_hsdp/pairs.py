@@ -102,13 +102,6 @@ REFUSALS: tuple[Refusal, ...] = (
         lambda c: c.ring_degree > 1 and _attention_outside(c, "RING_BACKENDS"),
     ),
     Refusal(
-        "adaptive lanes (lane_sizes)",
-        "vae_parallel 'on' or 'rows'",
-        "a lane's split decode uses process groups of fixed lanes",
-        "use vae_parallel 'off' or 'auto' (the leader decodes alone)",
-        lambda c: bool(c.lane_sizes) and c.vae_parallel in ("on", "rows"),
-    ),
-    Refusal(
         "vae_tiling 'on'",
         "vae_parallel 'rows'",
         "the row split shares the whole, untiled decode: the frames would not be the tiled decode's",

@@ -71,7 +71,7 @@ class Rank(RankStart):
         self.runtime: RankRuntime | None = None
         self.model_path = None
         self.lora_paths: dict = {}
-        self.decode_group = None  # the lane's own process group for its split decodes
+        self.decode_groups = {}  # lane size -> the process group of this rank's lane of that size, for split decodes
         self.tick_group = None  # with tick_exchange "host": the gloo group of the tick's all-gather
         self.phases = Phases(f"rank {rank}")  # where this rank's part of the group's start went
         self.load_s = 0.0
@@ -161,6 +161,10 @@ class Rank(RankStart):
             "device_allocated_bytes": device_allocated_bytes(self.config.device),
             "last_request_peak_device_bytes": self.last_request_peak_device_bytes,
             "compiled_graphs": compiled_graphs() if self.config.compile else 0,
+            # Exchanges of the split decodes this rank joined (rows lent, keys gathered).
+            "decode_exchanges": sum(lane.exchanges for lane in self.pipeline.lane_tiles.values())
+            if self.pipeline is not None
+            else 0,
         }
 
     @ray.method(concurrency_group="profile")
@@ -222,9 +226,10 @@ class Rank(RankStart):
         elif kind == "forward":
             runtime.modules = FailNextForward(runtime.modules)
         elif kind == "decode":
-            if self.pipeline.lane_tiles is None:
+            if not self.pipeline.lane_tiles:
                 raise RuntimeError("this rank's lane does not split its decodes")
-            self.pipeline.lane_tiles = FailNextSplitDecode(self.pipeline.lane_tiles)
+            tiles = self.pipeline.lane_tiles
+            self.pipeline.lane_tiles = {size: FailNextSplitDecode(lane) for size, lane in tiles.items()}
         else:
             raise ValueError(f"unknown fault {kind!r}; known: {', '.join(FAULTS)}")
 

@@ -73,8 +73,9 @@ class RankStart:
                 self.lane_meshes = distributed.adaptive_lane_meshes(self.config.device, self.dims)
                 if self.config.tick_exchange == "host":  # on CPUs too: the path GPUs take, tested here
                     self.tick_group = distributed.host_tick_group(self.config.collective_timeout_s)
-                if self.config.vae_parallel != "off" and self.dims.lane_size > 1:
-                    self.decode_group = distributed.lane_decode_group(self.dims, self.config.collective_timeout_s)
+                if self.config.vae_parallel != "off":
+                    timeout_s = self.config.collective_timeout_s
+                    self.decode_groups = distributed.lane_decode_groups(self.dims, self.rank, timeout_s)
         else:
             self.mesh = self.lane_mesh = None
             self.lane_meshes = {}
@@ -120,11 +121,14 @@ class RankStart:
             )
             modules, exchange = self._sharded_modules(features)
             self.pipeline.features = features
-            if self.decode_group is not None:
+            if self.decode_groups:
                 from ray_hsdp.lane_tiles import LaneTiles
 
-                index = self.rank % self.dims.lane_size
-                self.pipeline.lane_tiles = LaneTiles(self.decode_group, index, self.dims.lane_size, self.config.device)
+                # A lane is an aligned block of ranks: this rank's place in its lane of each size.
+                self.pipeline.lane_tiles = {
+                    size: LaneTiles(group, self.rank % size, size, self.config.device)
+                    for size, group in self.decode_groups.items()
+                }
             self.runtime = self._runtime(modules, exchange)
             if modules is not None:
                 split = CfgSplit(self.runtime.call, self._cfg_half, self.pipeline.guided)
@@ -213,7 +217,7 @@ class RankStart:
             modules=modules,
             exchange=exchange,
             max_batch=self.config.max_forward_batch,
-            lane_decodes=self.pipeline.splits_decode if self.decode_group is not None else None,
+            lane_decodes=self.pipeline.splits_decode if self.decode_groups else None,
         )
 
     def _cache_hooks(self) -> dict | None:

@@ -12,6 +12,7 @@ import torch
 
 from ray_hsdp.memory import module_memory
 from ray_hsdp.request import GenerationRequest, LaneCollectiveError, RequestCancelledError
+from ray_hsdp.runtime.protocol import lane_of
 from ray_hsdp.sharding.policy import decode_split_for
 from ray_hsdp.variant import RequestVariant
 
@@ -24,6 +25,13 @@ class RequestSlots:
         (``decode_share``); the same answer on every rank of the lane."""
         return self.decode_share(variant) is not None
 
+    def _lane_tiles_of(self, variant: RequestVariant):
+        """This rank's side of the split decodes of the lane ``variant``'s ticket names (its fixed
+        lane, or the adaptive lane it was given); ``None``: that lane does not split decodes."""
+        if not self.lane_tiles or variant.ticket is None:
+            return None
+        return self.lane_tiles.get(lane_of(variant.ticket)[1])
+
     def decode_share(self, variant: RequestVariant) -> str | None:
         """How the ranks of this rank's lane share the decode of ``variant``'s request: ``"rows"``
         (``vae_parallel`` "rows", a VAE whose split has bands of rows, and a latent row or more
@@ -31,17 +39,17 @@ class RequestSlots:
         than one tile, and ``vae_parallel`` "on", or "auto" where it measured faster than the
         leader alone: lanes of 4 or more, or a decode the leader would tile anyway), or ``None``:
         the leader decodes alone."""
-        request = variant.request
+        request, lane = variant.request, self._lane_tiles_of(variant)
         vae = getattr(self.pipe, "vae", None)
-        split = decode_split_for(vae) if self.lane_tiles is not None and vae is not None else None
+        split = decode_split_for(vae) if lane is not None and vae is not None else None
         if split is None:
             return None
         if self.vae_parallel == "rows":
-            banded = split.banded is not None and split.banded(vae, request.height, self.lane_tiles.size)
+            banded = split.banded is not None and split.banded(vae, request.height, lane.size)
             return "rows" if banded else None
         if not split.tiled(vae, request.width, request.height):
             return None
-        shares = self.vae_parallel == "on" or self.lane_tiles.size >= 4 or self._tiles(request)
+        shares = self.vae_parallel == "on" or lane.size >= 4 or self._tiles(request)
         return "tiles" if shares else None
 
     def _tiles(self, request: GenerationRequest) -> bool:
@@ -59,23 +67,23 @@ class RequestSlots:
         # calls self.tiled_decode when the frames exceed one tile.
         vars(vae).pop("tiled_decode", None)
         vars(vae).pop("_decode", None)
-        share = self.decode_share(variant)
+        share, lane = self.decode_share(variant), self._lane_tiles_of(variant)
         if share == "rows":  # AutoencoderKL*.decode calls self._decode: the whole decode, by bands
             vae.disable_tiling()
-            vae._decode = functools.partial(self._lane_decode, vae, decode_split_for(vae).rows)
+            vae._decode = functools.partial(self._lane_decode, vae, lane, decode_split_for(vae).rows)
             return
         if share == "tiles":
             vae.enable_tiling()
-            vae.tiled_decode = functools.partial(self._lane_decode, vae, decode_split_for(vae).decode)
+            vae.tiled_decode = functools.partial(self._lane_decode, vae, lane, decode_split_for(vae).decode)
             return
         if self._tiles(variant.request):
             vae.enable_tiling()
         else:
             vae.disable_tiling()
 
-    def _lane_decode(self, vae, decode, z: torch.Tensor, return_dict: bool = True):
-        """The slot VAE's ``tiled_decode`` (or ``_decode``) while its lane splits the decode
-        (``decode(vae, z, lane)``: the split's tiles or rows): the leader returns what the VAE's
+    def _lane_decode(self, vae, lane, decode, z: torch.Tensor, return_dict: bool = True):
+        """The slot VAE's ``tiled_decode`` (or ``_decode``) while its lane (``LaneTiles``) splits the
+        decode (``decode(vae, z, lane)``: the split's tiles or rows): the leader returns what the VAE's
         own returns; another rank, once its share is handed over, ends its part of the request
         (``RequestCancelledError``, as at its last step without a split).
 
@@ -86,7 +94,7 @@ class RequestSlots:
         from diffusers.models.autoencoders.vae import DecoderOutput
 
         try:
-            sample = self.lane_tiles.run(lambda: decode(vae, z, self.lane_tiles))
+            sample = lane.run(lambda: decode(vae, z, lane))
         except Exception as err:
             raise LaneCollectiveError(f"the lane's split decode failed on rank {self.rank}: {err}") from err
         if sample is None:

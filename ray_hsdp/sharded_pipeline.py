@@ -106,8 +106,9 @@ class ShardedPipeline(RequestSlots):
         #: What the rank loaded for per-request features (adapters, step caches), which each
         #: request's variant applies its choices to.
         self.features = RankFeatures()
-        #: This rank's side of its lane's split decodes (``LaneTiles``); ``None``: no split.
-        self.lane_tiles = None
+        #: Lane size -> this rank's side of its lane's split decodes on its lane of that size
+        #: (``LaneTiles``); empty: no split.
+        self.lane_tiles: dict[int, object] = {}
         self._call_params = set(inspect.signature(pipe.__call__).parameters)
         pipe.set_progress_bar_config(disable=True)
         self.modules = components(pipe)  # the real modules, also once proxies stand in for sharded ones

@@ -116,11 +116,12 @@ def adapted_pipe(tiny_model):
 
 def test_a_group_runs_lanes_of_one_and_two_at_once_and_equals_unsharded(ray_cluster, tiny_model, adapted_pipe):
     """Requests of every size at once, some naming their lane, some with an adapter, some with a
-    step cache (First Block Cache: its measure reduced over the request's own lane): each equals the
-    unsharded diffusers run of the same request."""
+    step cache (First Block Cache: its measure reduced over the request's own lane), those on the
+    lane of two decoding by bands of rows over it (``vae_parallel: rows``) while lanes of one decode
+    alone: each equals the unsharded diffusers run of the same request."""
     config = GroupConfig(
         model=tiny_model, device="cpu", shard_size=2, lane_sizes=(1, 2), loras=LORAS,
-        cache={"kind": "first_block", "every_request": False},
+        cache={"kind": "first_block", "every_request": False}, vae_parallel="rows",
     )  # fmt: skip
     records = []
     with ShardGroup(config) as group:
@@ -145,6 +146,8 @@ def test_a_group_runs_lanes_of_one_and_two_at_once_and_equals_unsharded(ray_clus
             group.submit(dataclasses.replace(MIX[0], lane_size=4))
         with pytest.raises(UnsplittableRequestError, match="lane_size=2: 48x48 with 1 frames does not split"):
             group.submit(dataclasses.replace(MIX[3], lane_size=2))
+        exchanges = [stats["decode_exchanges"] for stats in group.tick_stats()]
+    assert exchanges[0] == exchanges[1] > 0  # both ranks of the lane of two shared its decodes
     assert all(r.cached_forwards is not None for r, q in zip(results, [*burst, *named]) if q.cache)
     for request, result in zip([MIX[0], *burst, *named], [*alone, *results]):
         assert max_abs_diff(result.frames, reference_with(adapted_pipe, request)) <= TOLERANCE, request

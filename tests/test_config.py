@@ -45,10 +45,6 @@ def test_defaults_are_a_usable_group():
             r"ring_degree > 1 with attention_backend other than auto, _native_cudnn, _native_flash \(e.g. sage\)",
         ),
         ({"shard_size": 2, "vae_parallel": "rows", "vae_tiling": "on"}, "vae_tiling 'on' with vae_parallel 'rows'"),
-        (
-            {"shard_size": 4, "lane_sizes": [1, 2, 4], "vae_parallel": "rows"},
-            r"adaptive lanes \(lane_sizes\) with vae_parallel 'on' or 'rows'",
-        ),
     ],
 )
 def test_bad_group_config_names_the_problem(fields, message):
