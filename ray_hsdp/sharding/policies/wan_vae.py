@@ -111,15 +111,13 @@ class _Band:
     decoder has reached: its rows ``[start, stop)`` of ``height``, carried with ``ext`` rows more
     on each side, of which the ``valid`` nearest the band hold what the whole decode holds there
     (the rest are spent by convolutions; rows outside the picture are read as the convolutions'
-    zero padding). Every rank of the lane goes through the same states, so they exchange at the
-    same points."""
+    zero padding). Every rank of the lane goes through the same ``ext``, ``valid`` and
+    ``thinnest``, so they exchange at the same points."""
 
     def __init__(self, lane, rows: int):
         self.lane = lane
         self.latent = (*lane.band(rows), rows)
-        self.start, self.stop, self.height = self.latent
-        self.thinnest = rows // lane.size  # the thinnest band of the lane (``LaneTiles.band``)
-        self.ext = self.valid = _LATENT_EXTENSION
+        self.restart()
 
     def extend(self, z: torch.Tensor) -> torch.Tensor:
         """This band of the latents ``z`` (rows in dim 3) with ``ext`` rows of ``z`` on each side,
@@ -129,9 +127,9 @@ class _Band:
         return F.pad(band, (0, 0, self.ext - (self.start - top), self.ext - (bottom - self.stop)))
 
     def restart(self) -> None:
-        """Back at the latents' scale, its rows all valid: the decoder starts a frame."""
+        """At the latents' scale, its carried rows all valid: the decoder starts a frame."""
         self.start, self.stop, self.height = self.latent
-        self.thinnest = self.height // self.lane.size
+        self.thinnest = self.height // self.lane.size  # the lane's thinnest band (``LaneTiles.band``)
         self.ext = self.valid = _LATENT_EXTENSION
 
     def own(self, x: torch.Tensor, dim: int) -> torch.Tensor:
