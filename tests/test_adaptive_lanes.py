@@ -4,6 +4,7 @@ two ranks at once, each result equal to the unsharded diffusers pipeline's."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import signal
@@ -147,6 +148,13 @@ def test_a_group_runs_lanes_of_one_and_two_at_once_and_equals_unsharded(ray_clus
         with pytest.raises(UnsplittableRequestError, match="lane_size=2: 48x48 with 1 frames does not split"):
             group.submit(dataclasses.replace(MIX[3], lane_size=2))
         exchanges = [stats["decode_exchanges"] for stats in group.tick_stats()]
+        # A long request on a lane of one rank, then a short one on the lane of two beside it: the
+        # short one's shared decode does not wait for the long one (which its other rank never runs).
+        long = group.submit(dataclasses.replace(MIX[0], request_id="long", lane_size=1, num_inference_steps=150))
+        short = group.submit(dataclasses.replace(MIX[2], request_id="short", lane_size=2, num_inference_steps=2))
+        first, _ = concurrent.futures.wait([long, short], timeout=300, return_when=concurrent.futures.FIRST_COMPLETED)
+        assert first == {short}
+        assert long.result(timeout=300).frames is not None
     assert exchanges[0] == exchanges[1] > 0  # both ranks of the lane of two shared its decodes
     assert all(r.cached_forwards is not None for r, q in zip(results, [*burst, *named]) if q.cache)
     for request, result in zip([MIX[0], *burst, *named], [*alone, *results]):

@@ -7,7 +7,10 @@ The contract of :class:`RankRuntime`, which the ``Rank`` actor merely wraps:
   cheapest waiting call's module and request ticket, or a queued request to start), a stop, or
   ``BUSY`` / ``IDLE``. The smallest module among the lanes whose ranks all offered the same key
   runs for real on those lanes' ranks and as a ghost pass (the same unshard / reshard sequence,
-  no compute) on every other rank.
+  no compute) on every other rank. A key of a lane of several ranks that some of its ranks
+  offered and the lane did not agree on is offered first at the next tick by every rank that
+  can (the same set on every rank, read from the gather): a rank in two lanes (adaptive lanes)
+  thus never holds one lane back for as long as its other lane's request runs.
 - **Lanes.** The ranks of a lane (several in combined mode or when replicated) run each request
   together; they start it, run each of its calls and stop it at the same tick, because they act
   only on a key all of them offered, so a context-parallel all-to-all inside a forward always

@@ -102,6 +102,9 @@ class RankRuntime(TickLoop, RequestThreads):
         self.in_session = False
         self._local = threading.local()  # a request thread's job
         self._stops: deque[int] = deque()  # tickets this rank asks its lane to stop
+        # Keys of lanes of several ranks that some of their ranks offered at the last tick and the
+        # lane did not agree on (the same set on every rank): offered first at the next tick.
+        self._behind: set[int] = set()
         self._stopped: dict[int, None] = {}  # tickets stopped here (insertion-ordered, bounded)
         self._cancelled: dict[str, BaseException] = {}  # request id -> the error of a cancel that came first
 

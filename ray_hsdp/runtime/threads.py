@@ -25,14 +25,19 @@ class RequestThreads:
         thread.start()
 
     def _await_decode_turn(self, job: Job) -> None:
-        """Waits until no request this rank started before ``job`` (a smaller ticket) still runs:
-        the ranks of a lane run the same requests, so they enter its split decodes in one order.
+        """Waits until no request of a lane of several ranks that this rank started before ``job``
+        (a smaller ticket) still runs: every rank enters the split decodes it shares with others in
+        the order of their tickets, so no two of them wait on each other. A request of a lane of one
+        rank (adaptive lanes) decodes alone and is not waited for: the lane's other ranks, which
+        do not run it, would otherwise wait in the decode's collectives until it ends.
 
         Raises:
             SessionFailedError: The session failed meanwhile.
         """
         with self._cond:
-            while self._failure is None and any(other.ticket < job.ticket for other in self._running):
+            while self._failure is None and any(
+                other.ticket < job.ticket and other.lane_size > 1 for other in self._running
+            ):
                 self._cond.wait()
             if self._failure is not None:
                 raise SessionFailedError(str(self._failure))

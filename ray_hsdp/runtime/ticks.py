@@ -40,16 +40,29 @@ class TickLoop:
                     self._start(job)
 
     def _lane_state(self, busy: bool) -> int:
-        """What this rank offers at a tick: a stop it asks for, else its cheapest waiting call, else
-        the oldest queued request if it has room for it, else ``BUSY`` or ``IDLE``.
+        """What this rank offers at a tick: a stop it asks for, else the least of its waiting calls
+        of lanes of several ranks that did not agree at the last tick, else (with room) the least
+        of such starts, else its cheapest waiting call, else the oldest queued request if it has
+        room for it, else ``BUSY`` or ``IDLE``.
 
         Calls come before starts: the ranks of a lane run the same requests, so their calls
         agree, while a start waits until every rank of the lane has room (a leader still decoding
-        has none).
+        has none). A rank in two lanes (adaptive lanes: a request of its own lane of one rank and
+        one of a lane of two) would otherwise offer its older request's calls at every tick, and the
+        lane of two, whose other rank offers its call, would not run until the older one ended; the
+        calls left behind are the same on every rank (read from the tick's all-gather), so the
+        ranks of such a lane offer the call together at the next tick. Calls left behind come
+        before starts left behind: a start waits for every rank of its lane to have room, and a
+        rank without room offers its calls, which the others must join for it to make room.
         """
         with self._cond:
             if self._stops:
                 return STOP - self._stops.popleft()
+            if behind := {c.key for c in self._waiting} & self._behind:
+                return min(behind)
+            room = len(self._running) < self.slots
+            if room and (behind := {j.ticket % KEY_SPACE for j in self._inbox if j.lane_size > 1} & self._behind):
+                return min(behind)
             if self._waiting:
                 return min(c.key for c in self._waiting)
             lanes = [job.ticket for job in self._inbox if job.lane_size > 1]
@@ -89,6 +102,8 @@ class TickLoop:
         self.idle_ticks += state == IDLE
         self._apply_stops(STOP - g for g in gathered if g <= STOP)
         agreed = agreed_keys(gathered)
+        offered = {g for g in gathered if g >= 0 and lane_of(g % KEY_SPACE)[1] > 1}
+        self._behind = offered - set(agreed.values())  # lanes of several ranks that did not agree
         mine = agreed_mine(agreed, state, self.rank)
         if mine is not None and module_of(mine) < 0:
             self._start_agreed(mine)
