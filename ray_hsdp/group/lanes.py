@@ -45,7 +45,9 @@ tick more than ``ALIKE`` times its own ranks' work. A small request thus does no
 one rank beside a large request's lane of one (it would run at the large one's pace), nor a large
 one beside small ones (they would run at its pace): it waits until the running lanes drain, and
 requests of like work share the group. Measured on GPUs (run d, ``docs/performance.md``): lanes
-of unlike work side by side ran far slower than alone; this rule is not measured on GPUs yet.
+of unlike work side by side ran far slower than alone; this rule is not measured on GPUs yet. (Runs d
+to i also had a defect of the tick, since fixed: a rank holding requests of two lanes held the
+wider lane back until its other request ended.)
 """
 
 from __future__ import annotations
