@@ -140,8 +140,7 @@ def lane_decode_groups(dims: ParallelDims, rank: int, timeout_s: float) -> dict[
     sizes = sorted(dims.lane_sizes) if dims.adaptive else [dims.lane_size]
     mine = {}
     for size in (s for s in sizes if s > 1):
-        blocks = dims.blocks(size) if dims.adaptive else [dims.lane_ranks(lane) for lane in range(dims.num_lanes)]
-        for block in blocks:
+        for block in dims.blocks(size):  # a fixed group's lanes are its aligned blocks of lane_size too
             group = dist.new_group(list(block), timeout=timedelta(seconds=timeout_s), backend="gloo")
             if rank in block:
                 mine[size] = group
