@@ -211,8 +211,8 @@ class GroupLayout(BaseModel):
         "such lanes. 'thrifty': the lane of fewest rank-seconds (size x measured time) whose time, with a margin "
         "for neighbours in lock step, fits before its target: more requests side by side under load, at some "
         "latency. 'wide_first': the widest lane, beside whatever runs there (as a fixed wide lane serves), while "
-        "the queue makes its targets on the widest lane; narrower lanes only for a backlog it would not clear in "
-        "time. Requests without a target and sizes not measured yet are served alike under all three.",
+        "the queue makes its targets on the widest lane; a backlog it would not clear in time is served as under "
+        "'lean'. Requests without a target and sizes not measured yet are served alike under all three.",
     )
     ulysses_degree: int = Field(
         1,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import signal
 import time
@@ -21,6 +22,7 @@ from ray_hsdp.group.lanes import (
     Waiting,
     as_fast,
     lane_for,
+    policy_for_queue,
     queue_keeps_up,
     serving_order,
     thrifty,
@@ -322,6 +324,32 @@ def test_the_wide_first_policy_gives_the_widest_lane_beside_what_runs_while_the_
     )
     with pytest.raises(ValueError, match="lane_policy 'wide_first' chooses among adaptive lanes: set lane_sizes"):
         GroupConfig(model="tiny", shard_size=2, lane_policy="wide_first")
+
+
+def test_a_backlog_the_widest_lanes_would_not_clear_is_served_on_lean_lanes_under_wide_first():
+    asked = []
+
+    def keeps_up(on_widest: bool, widest: bool = True, lean: bool = True) -> bool:
+        asked.append(on_widest)
+        return widest if on_widest else lean
+
+    assert policy_for_queue("wide_first", keeps_up) == ("wide_first", True) and asked == [True]
+    asked.clear()
+    widest_behind = functools.partial(keeps_up, widest=False)
+    assert policy_for_queue("wide_first", widest_behind) == ("lean", True) and asked == [True, False]
+    assert policy_for_queue("wide_first", functools.partial(keeps_up, widest=False, lean=False)) == ("lean", False)
+    assert policy_for_queue("lean", keeps_up) == ("lean", True) and asked[-1] is False
+    asked.clear()
+    assert policy_for_queue("thrifty", keeps_up) == ("thrifty", False) and asked == []  # thrifty reads neither
+    # So a backlog of four large requests due in 5 s, which the lane of four (2.3 s) would clear at 2.3, 4.6, 6.9 and
+    # 9.2 s and lanes of two (2.4 s) at 2.4, 2.4, 4.8 and 4.8 s, gets a lane of two; not, as before run j, its share
+    # of the free ranks: a lane of one rank (4 s, the fewest rank-seconds).
+    times = {1: 4.0, 2: 2.4, 4: 2.3}
+    assert not queue_keeps_up([(5.0, times[4], 4)] * 4, 0.0, 4, 1)
+    assert queue_keeps_up([(5.0, times[2], 2)] * 4, 0.0, 4, 1)
+    policy, on_lean = policy_for_queue("wide_first", lambda widest: not widest)
+    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, 5.0, times, None, on_lean, policy) == range(0, 2)
+    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, 5.0, times, None, False, "wide_first") == range(0, 1)
 
 
 def test_a_wide_first_group_gives_a_targeted_request_the_widest_lane_where_lean_gives_one_rank(

@@ -4,6 +4,7 @@ answered (a result, its own error, a queue deadline, the group's failure)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -14,7 +15,15 @@ from dataclasses import dataclass
 import ray
 
 from ray_hsdp.group.errors import GroupFailedError, QueueTimeoutError, died, remote_cause
-from ray_hsdp.group.lanes import LockStep, Waiting, as_fast, lane_for, queue_keeps_up, serving_order
+from ray_hsdp.group.lanes import (
+    LockStep,
+    Waiting,
+    as_fast,
+    lane_for,
+    policy_for_queue,
+    queue_keeps_up,
+    serving_order,
+)
 from ray_hsdp.request import GenerationRequest
 from ray_hsdp.runtime import SessionFailedError
 from ray_hsdp.runtime.protocol import lane_ticket
@@ -199,15 +208,14 @@ class GroupScheduler:
             first = order[0]
             variant = self._pending[first].variant
             deadline = variant.request.deadline
+            policy, keeps_up = self.config.lane_policy, False
+            if deadline is not None:
+                policy, keeps_up = policy_for_queue(policy, functools.partial(self._keeps_up, order))
             ranks = lane_for(
                 self.dims, variant.lane_sizes, variant.request.lane_size, loads, self.config.requests_per_rank,
                 len(self._pending), deadline - time.time() if deadline is not None else None,
                 self.lane_times.estimates(variant.lane_sizes, variant.work),
-                LockStep(self._rank_work(), variant.request.forward_cost),
-                deadline is not None
-                and self.config.lane_policy in ("lean", "wide_first")
-                and self._keeps_up(order, widest=self.config.lane_policy == "wide_first"),
-                self.config.lane_policy,
+                LockStep(self._rank_work(), variant.request.forward_cost), keeps_up, policy,
             )  # fmt: skip
             if ranks is None:
                 return

@@ -102,8 +102,10 @@ _LATENT_EXTENSION = 12
 #: ... and at each scale after an upsampling, lent by the neighbouring bands when spent. Each
 #: convolution with a 3x3 spatial kernel spends one row of it on each side, so a band exchanges
 #: rows about once per this many convolutions instead of before each one (every exchange drains
-#: the device and goes through the host), for this many rows more work on each side.
-_EXTENSION = 6
+#: the device and goes through the host), for this many rows more work on each side. 12: at 720p on
+#: 4 H200s, 2 exchanges per latent frame and 2.29 s against 3.47 s at 6 (5 exchanges) and 3.78 s
+#: for the whole decode on one GPU (``bench/results/decode-wan2.1-vae-rows-carried-cl-4xH200.md``).
+_EXTENSION = 12
 
 
 class _Band:
