@@ -197,9 +197,9 @@ def policy_for_queue(policy: str, keeps_up: Callable[[bool], bool]) -> tuple[str
     its targets under it (``lane_for``'s ``policy`` and ``keeps_up``). ``keeps_up(widest)`` is
     ``queue_keeps_up`` with each request on its widest lane, or on its lean one. Under
     ``wide_first`` the widest lanes while the queue keeps up there; a backlog they would not clear
-    is served as under ``lean``: its lean lanes while the queue keeps up on those (run j: a backlog
-    given lanes of one rank at once, queued 10-11 s, ran 4 s on a rank, and the lanes of four
-    behind it waited; ``lean`` attained 0.857 at that load where ``wide_first`` did 0.393)."""
+    is served as under ``lean``: its lean lanes while the queue keeps up on those (run j, 1.1 req/s:
+    a backlog served by its share of the free ranks ran small requests on lanes of one rank in
+    3.2-4.5 s, 1.5 s alone, and all missed; ``lean`` attained 0.857 there, ``wide_first`` 0.393)."""
     if policy == "thrifty":
         return policy, False
     if policy == "wide_first" and keeps_up(True):
