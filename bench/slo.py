@@ -115,9 +115,11 @@ def lanes_by_size(plan: list[tuple[float, int]], records: dict, sizes: list[str]
 
 def per_request(plan, records: dict, done: dict[int, float], deadlines: list[float], sizes: list[str]) -> list[dict]:
     """Each request of a window in arrival order: when it arrived (seconds into the window), its
-    size, the lane size it got, seconds queued and running (the group's ``RequestRecord``), its
-    latency (``None``: not answered) and whether it met its deadline, so that a run's misses can be
-    traced to the lanes and neighbours they had."""
+    size, the lane size it got and its leader (the lane's first rank), seconds queued and running
+    and the mean seconds of its denoising steps (the group's ``RequestRecord``: a step slower than
+    alone was held by its neighbours' forwards, a run slower with steps as fast by what ran outside
+    the steps), its latency (``None``: not answered) and whether it met its deadline, so that a
+    run's misses can be traced to the lanes and neighbours they had."""
     out = []
     for index, (at, size_index) in enumerate(plan):
         record = records.get(index)
@@ -127,8 +129,10 @@ def per_request(plan, records: dict, done: dict[int, float], deadlines: list[flo
                 "at_s": round(at, 3),
                 "size": sizes[size_index],
                 "lane_size": record.lane_size if record is not None else None,
+                "leader": record.rank if record is not None else None,
                 "queued_s": round(record.queued_s, 3) if record is not None and record.queued_s is not None else None,
                 "run_s": round(record.run_s, 3) if record is not None and record.run_s is not None else None,
+                "step_s": round(record.step_s, 3) if record is not None and record.step_s is not None else None,
                 "latency_s": round(latency, 3) if latency is not None else None,
                 "met": latency is not None and latency <= deadlines[size_index],
             }
