@@ -311,12 +311,12 @@ def markdown(payload: dict) -> str:
     missed = [(row, r) for row in payload["rows"] for r in row.get("per_request", []) if not r["met"]]
     if missed:
         lines.append(
-            "\nRequests that missed their deadline (arrival s into the window, size, lane, s queued / running, "
-            "latency):"
+            "\nRequests that missed their deadline (arrival s into the window, size, lane (its leader), s queued / "
+            "running, s per step, latency):"
         )
         lines += [
-            f"- {row['layout']} at {row['rate']} req/s: {r['at_s']} s, {r['size']}, lane {r['lane_size']}, "
-            f"{r['queued_s']} / {r['run_s']}, {r['latency_s']}"
+            f"- {row['layout']} at {row['rate']} req/s: {r['at_s']} s, {r['size']}, lane {r['lane_size']} "
+            f"({r.get('leader')}), {r['queued_s']} / {r['run_s']}, {r.get('step_s')}, {r['latency_s']}"
             for row, r in missed
         ]
     for layout, times in payload.get("lane_times_s", {}).items():
