@@ -349,7 +349,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ray-hsdp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_make_tiny(sub)
+    _add_make_random(sub)
+    _add_make_random_lora(sub)
+    _add_demo(sub)
+    _add_serve(sub)
+    _add_generate(sub)
+    return parser
 
+
+def _add_make_tiny(sub) -> None:
+    """The ``make-tiny`` subcommand and its arguments."""
     p = sub.add_parser("make-tiny", help="write the tiny Wan pipeline (seeded random weights) to a folder")
     p.add_argument("directory")
     p.add_argument("--two-experts", action="store_true", help="a Wan2.2-style pipeline with transformer_2")
@@ -357,6 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_make_tiny)
 
+
+def _add_make_random(sub) -> None:
+    """The ``make-random`` subcommand and its arguments."""
     p = sub.add_parser("make-random", help="write a real-size architecture with seeded random weights")
     p.add_argument("arch", help="wan2.1-t2v-14b, wan2.2-t2v-a14b or flux.1-dev")
     p.add_argument("directory")
@@ -375,6 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_random)
 
+
+def _add_make_random_lora(sub) -> None:
+    """The ``make-random-lora`` subcommand and its arguments."""
     p = sub.add_parser("make-random-lora", help="write a LoRA with seeded random weights (diffusers format)")
     p.add_argument("target", help="an architecture of make-random (wan2.1-t2v-14b, ...) or a pipeline folder")
     p.add_argument("directory")
@@ -384,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_random_lora)
 
+
+def _add_demo(sub) -> None:
+    """The ``demo`` subcommand and its arguments."""
     p = sub.add_parser("demo", help="serve the tiny model on one group of 2 CPU ranks, generate, print memory")
     p.add_argument("--model", default=TINY_MODEL)
     p.add_argument("--prompt", default="A cat and a dog baking a cake together in a kitchen.")
@@ -396,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help="show the ranks' logs")
     p.set_defaults(func=cmd_demo)
 
+
+def _add_serve(sub) -> None:
+    """The ``serve`` subcommand and its arguments."""
     p = sub.add_parser("serve", help="serve a diffusers pipeline folder over HTTP")
     p.add_argument("model", help="diffusers pipeline folder, or 'tiny'")
     p.add_argument("--use-hsdp", action="store_true", help="shard the weights over each group's GPUs")
@@ -419,6 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
     _group_options(p)
     p.set_defaults(func=cmd_serve)
 
+
+def _add_generate(sub) -> None:
+    """The ``generate`` subcommand and its arguments."""
     p = sub.add_parser("generate", help="run one request on a shard group without Serve")
     p.add_argument("model", nargs="?", default=TINY_MODEL)
     p.add_argument("--prompt", required=True)
@@ -441,7 +466,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora", default=None, help="adapters to run with: 'name', 'name:scale,other' (registered ones)")
     p.add_argument("--verbose", action="store_true")
     p.set_defaults(func=cmd_generate)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
