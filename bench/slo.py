@@ -115,11 +115,12 @@ def lanes_by_size(plan: list[tuple[float, int]], records: dict, sizes: list[str]
 
 def per_request(plan, records: dict, done: dict[int, float], deadlines: list[float], sizes: list[str]) -> list[dict]:
     """Each request of a window in arrival order: when it arrived (seconds into the window), its
-    size, the lane size it got and its leader (the lane's first rank), seconds queued and running
-    and the mean seconds of its denoising steps (the group's ``RequestRecord``: a step slower than
-    alone was held by its neighbours' forwards, a run slower with steps as fast by what ran outside
-    the steps), its latency (``None``: not answered) and whether it met its deadline, so that a
-    run's misses can be traced to the lanes and neighbours they had."""
+    size, the lane size it got and its leader (the lane's first rank), seconds queued and running,
+    the mean seconds of its denoising steps and the seconds before and after its loop (the group's
+    ``RequestRecord``: a step slower than alone was held by its neighbours' forwards; time before
+    the loop is its encodings and the ticks it waited for, after it its decode), its latency
+    (``None``: not answered) and whether it met its deadline, so that a run's misses can be traced
+    to the lanes and neighbours they had."""
     out = []
     for index, (at, size_index) in enumerate(plan):
         record = records.get(index)
@@ -132,7 +133,10 @@ def per_request(plan, records: dict, done: dict[int, float], deadlines: list[flo
                 "leader": record.rank if record is not None else None,
                 "queued_s": round(record.queued_s, 3) if record is not None and record.queued_s is not None else None,
                 "run_s": round(record.run_s, 3) if record is not None and record.run_s is not None else None,
-                "step_s": round(record.step_s, 3) if record is not None and record.step_s is not None else None,
+                **{
+                    key: round(value, 3) if (value := getattr(record, key, None)) is not None else None
+                    for key in ("step_s", "before_loop_s", "after_loop_s")
+                },
                 "latency_s": round(latency, 3) if latency is not None else None,
                 "met": latency is not None and latency <= deadlines[size_index],
             }
@@ -312,11 +316,12 @@ def markdown(payload: dict) -> str:
     if missed:
         lines.append(
             "\nRequests that missed their deadline (arrival s into the window, size, lane (its leader), s queued / "
-            "running, s per step, latency):"
+            "running, s per step, s before / after the loop, latency):"
         )
         lines += [
             f"- {row['layout']} at {row['rate']} req/s: {r['at_s']} s, {r['size']}, lane {r['lane_size']} "
-            f"({r.get('leader')}), {r['queued_s']} / {r['run_s']}, {r.get('step_s')}, {r['latency_s']}"
+            f"({r.get('leader')}), {r['queued_s']} / {r['run_s']}, {r.get('step_s')}, "
+            f"{r.get('before_loop_s')} / {r.get('after_loop_s')}, {r['latency_s']}"
             for row, r in missed
         ]
     for layout, times in payload.get("lane_times_s", {}).items():

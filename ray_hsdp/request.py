@@ -226,6 +226,11 @@ class GenerationResult:
         peak_device_bytes: Peak device memory allocated on the rank since this request started (0 on
             CPU; requests running at once on one rank share the counter, so each sees the joint peak).
         step_s: Mean seconds between two denoising steps' ends; ``None`` for a one-step request.
+        before_loop_s: Seconds from the rank's start of the request to its denoising loop's start
+            (the first step's end less ``step_s``, at least 0): the text and image encodings, and
+            the ticks the rank waited for meanwhile; ``None`` for a one-step request.
+        after_loop_s: Seconds from the last step's end to the frames on the host: the decode;
+            ``None`` when no step reported its end.
         cached_forwards: Of the request's transformer forwards on the rank that answered, those
             that reused its step cache instead of running every block; ``None``: no step cache.
     """
@@ -237,4 +242,6 @@ class GenerationResult:
     request_id: str = ""
     peak_device_bytes: int = 0
     step_s: float | None = None
+    before_loop_s: float | None = None
+    after_loop_s: float | None = None
     cached_forwards: int | None = None

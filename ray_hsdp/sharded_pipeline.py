@@ -316,14 +316,18 @@ class ShardedPipeline(RequestSlots):
                 f"{host.frames.size} in its frames (a numeric fault of the model or its kernels, e.g. its quantization "
                 "or attention backend; not of the request)"
             )
+        end = time.perf_counter()
+        step_s = (step_ends[-1] - step_ends[0]) / (len(step_ends) - 1) if len(step_ends) > 1 else None
         return GenerationResult(
             frames=host.frames,
             seed=request.seed,
             rank=self.rank,
-            elapsed_s=time.perf_counter() - start,
+            elapsed_s=end - start,
             request_id=request.request_id,
             peak_device_bytes=peak_device_bytes(self.device),
-            step_s=(step_ends[-1] - step_ends[0]) / (len(step_ends) - 1) if len(step_ends) > 1 else None,
+            step_s=step_s,
+            before_loop_s=max(0.0, step_ends[0] - start - step_s) if step_s is not None else None,
+            after_loop_s=end - step_ends[-1] if step_ends else None,
             cached_forwards=released.get("cached_forwards"),
         )
 

@@ -158,6 +158,10 @@ def test_a_group_runs_lanes_of_one_and_two_at_once_and_equals_unsharded(ray_clus
         assert first == {short}
         assert long.result(timeout=300).frames is not None
     assert exchanges[0] == exchanges[1] > 0  # both ranks of the lane of two shared its decodes
+    # Each record says where its run went: before the loop, its steps, after it (the decode).
+    for record in (r for r in records if r.status == "ok" and r.steps > 1):
+        assert 0 <= record.before_loop_s < record.run_s and 0 < record.after_loop_s < record.run_s, record
+        assert record.before_loop_s + record.steps * record.step_s + record.after_loop_s < 1.5 * record.run_s, record
     assert all(r.cached_forwards is not None for r, q in zip(results, [*burst, *named]) if q.cache)
     for request, result in zip([MIX[0], *burst, *named], [*alone, *results]):
         assert max_abs_diff(result.frames, reference_with(adapted_pipe, request)) <= TOLERANCE, request

@@ -90,19 +90,22 @@ def test_slo_arrivals_draw_the_load_they_name_with_exact_count():
     assert arrivals(0.9, 30.0, sizes, 3, exact_count=True) == arrivals(0.9, 30.0, sizes, 3, exact_count=True)
 
 
-def test_slo_records_each_request_with_its_lane_leader_and_step_time():
+def test_slo_records_each_request_with_its_lane_leader_and_where_its_time_went():
     from bench.slo import per_request
     from ray_hsdp.group.scheduler import RequestRecord
 
     plan = [(0.5, 0), (1.0, 1), (2.0, 0)]
     records = {
-        0: RequestRecord("slo-0", "ok", 2, 0.1, run_s=1.2, lane=0, rank=2, lane_size=2, step_s=0.25),
+        0: RequestRecord(
+            "slo-0", "ok", 2, 0.1, run_s=1.2, lane=0, rank=2, lane_size=2, step_s=0.25, before_loop_s=0.2,
+            after_loop_s=0.5,
+        ),  # fmt: skip
         1: RequestRecord("slo-1", "ok", 2, 3.0, run_s=2.0, lane=0, rank=0, lane_size=4, step_s=0.5),
     }
     rows = per_request(plan, records, {0: 1.8, 1: 7.0}, [2.0, 5.0], ["832x480", "480x320"])
     assert rows[0] == {
         "at_s": 0.5, "size": "832x480", "lane_size": 2, "leader": 2, "queued_s": 0.1, "run_s": 1.2, "step_s": 0.25,
-        "latency_s": 1.3, "met": True,
+        "before_loop_s": 0.2, "after_loop_s": 0.5, "latency_s": 1.3, "met": True,
     }  # fmt: skip
     assert (rows[1]["latency_s"], rows[1]["met"]) == (6.0, False)  # 6 s against its 5 s deadline
     assert rows[2]["leader"] is None and rows[2]["latency_s"] is None and rows[2]["met"] is False  # never answered

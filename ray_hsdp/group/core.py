@@ -340,6 +340,8 @@ class ShardGroup(GroupScheduler, GroupInspection):
             lane_size=len(job.ranks) if job.taken is not None else None,
             rank=result.rank if result is not None else None,
             step_s=result.step_s if result is not None else None,
+            before_loop_s=result.before_loop_s if result is not None else None,
+            after_loop_s=result.after_loop_s if result is not None else None,
             error=describe_error(error) if error is not None else None,
         )
         if status == "ok":

@@ -76,6 +76,8 @@ class RequestRecord:
         lane: The lane that ran it, and ``rank`` its leader (the rank that answered);
             ``lane_size`` its ranks.
         step_s: Mean seconds per denoising step, as the rank measured them.
+        before_loop_s: Seconds the leader ran before the denoising loop (encodings, and ticks it
+            waited for), and ``after_loop_s`` after it (the decode); ``GenerationResult``'s.
         error: The error's type and first line, when it did not succeed.
     """
 
@@ -88,6 +90,8 @@ class RequestRecord:
     rank: int | None = None
     lane_size: int | None = None
     step_s: float | None = None
+    before_loop_s: float | None = None
+    after_loop_s: float | None = None
     error: str | None = None
 
 
