@@ -60,14 +60,14 @@ class TickLoop:
                 return STOP - self._stops.popleft()
             if behind := {c.key for c in self._waiting} & self._behind:
                 return min(behind)
-            room = len(self._running) < self.slots
-            if room and (behind := {j.ticket % KEY_SPACE for j in self._inbox if j.lane_size > 1} & self._behind):
+            # Starts of lanes of several ranks this rank has room for (a lane of one starts alone).
+            starts = [j.ticket for j in self._inbox if j.lane_size > 1] if len(self._running) < self.slots else []
+            if behind := {ticket % KEY_SPACE for ticket in starts} & self._behind:
                 return min(behind)
             if self._waiting:
                 return min(c.key for c in self._waiting)
-            lanes = [job.ticket for job in self._inbox if job.lane_size > 1]
-            if lanes and len(self._running) < self.slots:
-                return min(lanes) % KEY_SPACE
+            if starts:
+                return min(starts) % KEY_SPACE
         return BUSY if busy else IDLE
 
     def _start_agreed(self, key: int) -> None:
