@@ -212,16 +212,7 @@ class GroupLayout(BaseModel):
         "for neighbours in lock step, fits before its target: more requests side by side under load, at some "
         "latency. 'wide_first': the widest lane, beside whatever runs there (as a fixed wide lane serves), while "
         "the queue makes its targets on the widest lane; a backlog it would not clear in time is served as under "
-        "'lean', and so is all that follows for lean_hold_s. Requests without a target and sizes not measured yet "
-        "are served alike under all three.",
-    )
-    lean_hold_s: float = Field(
-        15.0,
-        ge=0,
-        description="Under lane_policy 'wide_first': once the widest lanes would not clear the queue by its "
-        "targets, the group serves as under 'lean' for this many seconds before it tries the widest lanes again "
-        "(each switch between the wide lane and narrow lanes waits for the running lanes to drain). 0: it asks "
-        "for every request.",
+        "'lean'. Requests without a target and sizes not measured yet are served alike under all three.",
     )
     ulysses_degree: int = Field(
         1,

@@ -139,7 +139,6 @@ class ShardGroup(GroupScheduler, GroupInspection):
         self._tickets = itertools.count()
         #: Seconds its requests ran, per lane size and work (the serving order and the lane policy read it).
         self.lane_times = LaneTimes()
-        self._lean_until = 0.0  # time.monotonic() until which wide_first serves as lean (lean_hold_s)
         self._pg = placement_group
         self._owns_pg = placement_group is None
         self.ranks: list = []

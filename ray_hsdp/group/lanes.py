@@ -30,8 +30,7 @@ clear by its targets. Under ``lane_policy: wide_first`` a request with a target 
 lane, beside whatever runs there (a fixed wide lane's way: run h measured the wide lane at 1.0 of
 40 requests where lean lanes met 0.925, their large requests waiting for narrow lanes to drain),
 or waits for it, while the queue makes its targets on the widest lanes; a backlog that would not
-is served as under ``lean``, and so is all that follows for ``lean_hold_s``. Under
-``lane_policy: thrifty`` a request with a target instead gets, once
+is served as under ``lean``. Under ``lane_policy: thrifty`` a request with a target instead gets, once
 every lane size has a measured time for its work, the free lane of fewest rank-seconds whose time
 with a margin (``MARGIN``) fits before its target (``thrifty``), or waits for one; when none fits,
 it is served as above. A request that
@@ -193,21 +192,17 @@ def thrifty(sizes: Sequence[int], estimates: Mapping[int, float], due_s: float) 
     return sorted(fitting, key=lambda s: (s * estimates[s], s))
 
 
-def policy_for_queue(policy: str, keeps_up: Callable[[bool], bool], lean_held: bool = False) -> tuple[str, bool]:
+def policy_for_queue(policy: str, keeps_up: Callable[[bool], bool]) -> tuple[str, bool]:
     """The policy that gives the first request with a target its lane, and whether the queue makes
     its targets under it (``lane_for``'s ``policy`` and ``keeps_up``). ``keeps_up(widest)`` is
     ``queue_keeps_up`` with each request on its widest lane, or on its lean one. Under
     ``wide_first`` the widest lanes while the queue keeps up there; a backlog they would not clear
     is served as under ``lean``: its lean lanes while the queue keeps up on those (run j, 1.1 req/s:
     a backlog served by its share of the free ranks ran small requests on lanes of one rank in
-    3.2-4.5 s, 1.5 s alone, and all missed; ``lean`` attained 0.857 there, ``wide_first`` 0.393).
-    ``lean_held``: the group fell behind on the widest lanes less than ``lean_hold_s`` ago, and
-    serves as under ``lean`` without asking (run k, 1.1 req/s: asked per request, ``wide_first``
-    switched between the wide lane and lean lanes 14 times in 28 requests, each switch waiting for
-    the running lanes to drain, and attained 0.75 where ``lean`` attained 0.964)."""
+    3.2-4.5 s, 1.5 s alone, and all missed; ``lean`` attained 0.857 there, ``wide_first`` 0.393)."""
     if policy == "thrifty":
         return policy, False
-    if policy == "wide_first" and not lean_held and keeps_up(True):
+    if policy == "wide_first" and keeps_up(True):
         return policy, True
     return "lean", keeps_up(False)
 

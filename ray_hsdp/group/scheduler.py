@@ -214,10 +214,7 @@ class GroupScheduler:
             deadline = variant.request.deadline
             policy, keeps_up = self.config.lane_policy, False
             if deadline is not None:
-                held = time.monotonic() < self._lean_until
-                policy, keeps_up = policy_for_queue(policy, functools.partial(self._keeps_up, order), held)
-                if policy != self.config.lane_policy and not held:  # wide_first fell behind: hold lean
-                    self._lean_until = time.monotonic() + self.config.lean_hold_s
+                policy, keeps_up = policy_for_queue(policy, functools.partial(self._keeps_up, order))
             ranks = lane_for(
                 self.dims, variant.lane_sizes, variant.request.lane_size, loads, self.config.requests_per_rank,
                 len(self._pending), deadline - time.time() if deadline is not None else None,
