@@ -113,13 +113,16 @@ def lanes_by_size(plan: list[tuple[float, int]], records: dict, sizes: list[str]
     return given, means
 
 
-def per_request(plan, records: dict, done: dict[int, float], deadlines: list[float], sizes: list[str]) -> list[dict]:
+def per_request(
+    plan, records: dict, done: dict[int, float], deadlines: list[float], sizes: list[str], errors: dict[int, str]
+) -> list[dict]:
     """Each request of a window in arrival order: when it arrived (seconds into the window), its
     size, the lane size it got and its leader (the lane's first rank), seconds queued and running,
     the mean seconds of its denoising steps and the seconds before and after its loop (the group's
     ``RequestRecord``: a step slower than alone was held by its neighbours' forwards; time before
     the loop is its encodings and the ticks it waited for, after it its decode), its latency
-    (``None``: not answered) and whether it met its deadline, so that a run's misses can be traced
+    (``None``: not answered), why it was not answered (``errors``: its error's type, or the bench's
+    own stop past the drain) and whether it met its deadline, so that a run's misses can be traced
     to the lanes and neighbours they had."""
     out = []
     for index, (at, size_index) in enumerate(plan):
@@ -138,6 +141,7 @@ def per_request(plan, records: dict, done: dict[int, float], deadlines: list[flo
                     for key in ("step_s", "before_loop_s", "after_loop_s")
                 },
                 "latency_s": round(latency, 3) if latency is not None else None,
+                "error": errors.get(index),
                 "met": latency is not None and latency <= deadlines[size_index],
             }
         )
@@ -177,8 +181,12 @@ def run_load(group, rate: float, sizes, deadlines: list[float], args, seed: int)
         submit(index, size_index)
     while len(done) + len(errors) < len(plan) and time.monotonic() - start < args.window_s + args.drain_s:
         time.sleep(0.05)
-    for index in set(range(len(plan))) - set(done) - set(errors):  # past the drain: missed, and stopped
+    with lock:  # past the drain: missed, and stopped (their cancellations are not the group's errors)
+        unanswered = set(range(len(plan))) - set(done) - set(errors)
+    for index in unanswered:
         group.cancel(f"slo-{seed * 1000 + index}")
+    with lock:
+        failed = {index: error for index, error in errors.items() if index not in unanswered}
     group.listeners.pop()
     latencies, met = [], 0
     for index, (at, size_index) in enumerate(plan):
@@ -190,11 +198,14 @@ def run_load(group, rate: float, sizes, deadlines: list[float], args, seed: int)
     by_index = {index: records.get(f"slo-{seed * 1000 + index}") for index in range(len(plan))}
     by_size, times = lanes_by_size(plan, by_index, args.sizes)
     return {
-        "per_request": per_request(plan, by_index, done, deadlines, args.sizes),
+        "per_request": per_request(
+            plan, by_index, done, deadlines, args.sizes, failed | dict.fromkeys(unanswered, "unanswered past the drain")
+        ),
         "rate": rate,
         "requests": len(plan),
         "answered": len(done),
-        "errors": len(errors),
+        "errors": len(failed),
+        "unanswered": len(unanswered),
         "met": met,
         "slo_attainment": round(met / len(plan), 3) if plan else None,
         "goodput_per_s": round(met / args.window_s, 3),
@@ -316,12 +327,12 @@ def markdown(payload: dict) -> str:
     if missed:
         lines.append(
             "\nRequests that missed their deadline (arrival s into the window, size, lane (its leader), s queued / "
-            "running, s per step, s before / after the loop, latency):"
+            "running, s per step, s before / after the loop, latency or why it was not answered):"
         )
         lines += [
             f"- {row['layout']} at {row['rate']} req/s: {r['at_s']} s, {r['size']}, lane {r['lane_size']} "
             f"({r.get('leader')}), {r['queued_s']} / {r['run_s']}, {r.get('step_s')}, "
-            f"{r.get('before_loop_s')} / {r.get('after_loop_s')}, {r['latency_s']}"
+            f"{r.get('before_loop_s')} / {r.get('after_loop_s')}, {r['latency_s'] or r.get('error')}"
             for row, r in missed
         ]
     for layout, times in payload.get("lane_times_s", {}).items():
