@@ -206,6 +206,7 @@ def run_load(group, rate: float, sizes, deadlines: list[float], args, seed: int)
         "answered": len(done),
         "errors": len(failed),
         "unanswered": len(unanswered),
+        "tick_floor": round(group.tick_model.floor()),  # the neighbour rule's floor after the window
         "met": met,
         "slo_attainment": round(met / len(plan), 3) if plan else None,
         "goodput_per_s": round(met / args.window_s, 3),

@@ -19,6 +19,7 @@ from ray_hsdp.group import GroupFailedError, ShardGroup
 from ray_hsdp.group.lanes import (
     LaneTimes,
     LockStep,
+    TickModel,
     Waiting,
     as_fast,
     lane_for,
@@ -91,6 +92,35 @@ def test_lock_step_alike_compares_the_tick_with_the_running_one_and_the_lane_s_o
     assert not LockStep([10.0, 0.0], 5.0).alike(range(1, 2))  # it would run at twice its own pace
     assert not LockStep([5.0, 0.0], 10.0).alike(range(1, 2))  # the running lane would run at half its pace
     assert LockStep([6.0, 0.0], 5.0).alike(range(1, 2))  # 1.2x apart: within ALIKE
+    # A second request of like work on the ranks of a running wide lane doubles its work: refused while a
+    # tick is its work alone, let in once a step's fixed part (the floor) is worth more than the work.
+    wide = LockStep([2.5] * 4, 10.0)
+    assert not wide.alike(range(0, 4)) and LockStep([2.5] * 4, 10.0, floor=10.0).alike(range(0, 4))
+    assert max(wide.with_lane(range(0, 2))) == 7.5
+
+
+def test_the_tick_model_fits_a_step_s_fixed_part_and_reads_it_as_work():
+    model = TickModel()
+    for work in (100.0, 200.0, 300.0, 400.0) * 2:
+        model.learn(work, 0.3 + 0.001 * work)  # 0.3 s fixed, 1 ms per unit of work
+    assert model.floor() == pytest.approx(300.0)
+    unknown = TickModel()
+    for work in [100.0] * 7:
+        unknown.learn(work, 0.4)
+    assert unknown.floor() == 0.0  # too few runs
+    unknown.learn(120.0, 0.4)
+    assert unknown.floor() == 0.0  # eight runs, but their work spread less than SPREAD times
+    flat = TickModel()
+    for work in (100.0, 400.0) * 4:
+        flat.learn(work, 0.45)  # a step that does not grow with the work: the cap
+    assert flat.floor() == TickModel.CAP * 400.0
+    bound = TickModel()
+    for work in (100.0, 400.0) * 4:
+        bound.learn(work, 0.002 * work)  # no fixed part: the rule as without a floor
+    assert bound.floor() == 0.0
+    for _ in range(TickModel.KEPT):
+        bound.learn(0.0, 1.0)  # nothing measured: not learnt
+    assert bound.floor() == 0.0 and len(bound) == 8
 
 
 def test_lane_sizes_refuse_fixed_lanes_and_sizes_that_do_not_divide_the_group():
@@ -158,6 +188,8 @@ def test_a_group_runs_lanes_of_one_and_two_at_once_and_equals_unsharded(ray_clus
         assert first == {short}
         assert long.result(timeout=300).frames is not None
     assert exchanges[0] == exchanges[1] > 0  # both ranks of the lane of two shared its decodes
+    # The tick model read every answered request's mean step against the work it was taken beside.
+    assert len(group.tick_model) == sum(1 for r in records if r.status == "ok" and r.step_s) > 0
     # Each record says where its run went: before the loop, its steps, after it (the decode).
     for record in (r for r in records if r.status == "ok" and r.steps > 1):
         assert 0 <= record.before_loop_s < record.run_s and 0 < record.after_loop_s < record.run_s, record

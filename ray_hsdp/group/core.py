@@ -25,7 +25,7 @@ from ray_hsdp import deadlines
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.group.errors import GroupFailedError, GroupOverloadedError, GroupUnplaceableError, describe_error
 from ray_hsdp.group.inspection import GroupInspection
-from ray_hsdp.group.lanes import LaneTimes
+from ray_hsdp.group.lanes import LaneTimes, TickModel
 from ray_hsdp.group.scheduler import GroupScheduler, QueuedJob, RequestRecord, resolve
 from ray_hsdp.phases import Phases
 from ray_hsdp.rank import CONCURRENCY_GROUPS, Rank
@@ -139,6 +139,8 @@ class ShardGroup(GroupScheduler, GroupInspection):
         self._tickets = itertools.count()
         #: Seconds its requests ran, per lane size and work (the serving order and the lane policy read it).
         self.lane_times = LaneTimes()
+        #: A step's fixed part and its part that grows with the work (the neighbour rule reads it).
+        self.tick_model = TickModel()
         self._pg = placement_group
         self._owns_pg = placement_group is None
         self.ranks: list = []
@@ -202,6 +204,8 @@ class ShardGroup(GroupScheduler, GroupInspection):
                     )
                     for warm in batches:
                         self.generate(warm)
+                    with self._cond:  # steps that compiled are not the group's pace
+                        self.tick_model = TickModel()
             except BaseException:
                 self.shutdown()
                 raise
@@ -345,7 +349,7 @@ class ShardGroup(GroupScheduler, GroupInspection):
             error=describe_error(error) if error is not None else None,
         )
         if status == "ok":
-            self._learn_time(job, now - job.taken)
+            self._learn_time(job, now - job.taken, result.step_s)
         line = {"event": "request", "group": self.group_id, **self.labels, **dataclasses.asdict(record)}
         logger.info("request %s", json.dumps(line))
         for listener in list(self.listeners):

@@ -38,21 +38,26 @@ names its ``lane_size`` waits for a free lane of that size (alike its neighbours
 for it). A lane is an aligned block of ranks (``ParallelDims.blocks``), all of them free.
 
 **Neighbours** (adaptive groups): the lanes of a group run in one lock step, so a tick lasts as long
-as its busiest rank's forwards (every request a rank runs adds its share of a forward's work), and
-every lane waits for it. A lane opens only where it is alike its neighbours (``LockStep.alike``):
+as its busiest rank's forwards (every request a rank runs adds its share of a forward's work), plus
+a part that does not grow with the work (the weight gathers and exchanges every tick pays, which
+the group fits from its requests' measured steps: ``TickModel``), and every lane waits for it. A
+lane opens only where it is alike its neighbours (``LockStep.alike``):
 it neither lengthens the tick the running lanes have by more than ``ALIKE`` times, nor runs at a
 tick more than ``ALIKE`` times its own ranks' work. A small request thus does not open a lane of
 one rank beside a large request's lane of one (it would run at the large one's pace), nor a large
 one beside small ones (they would run at its pace): it waits until the running lanes drain, and
-requests of like work share the group. Measured on GPUs (run d, ``docs/performance.md``): lanes
-of unlike work side by side ran far slower than alone; this rule is not measured on GPUs yet. (Runs d
+requests of like work share the group. Where the fixed part dominates, a second request on a
+running lane's ranks is alike it (run k: the fixed wide lane ran two requests at once at nearly one's
+pace; without the fixed part the rule refused that). Measured on GPUs (run d, ``docs/performance.md``):
+lanes of unlike work side by side ran far slower than alone; this rule, and its fixed part, are not
+measured on GPUs yet. (Runs d
 to i also had a defect of the tick, since fixed: a rank holding requests of two lanes held the
 wider lane back until its other request ended.)
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -78,20 +83,74 @@ class LockStep:
         rank_work: Each rank's share of the forwards that its denoising requests put into every
             tick (``GenerationRequest.forward_cost`` over the lane's ranks, summed per rank).
         cost: The waiting request's ``forward_cost``.
+        floor: The part of a step that does not grow with the work, in the same units
+            (``TickModel.floor``: the weight gathers and exchanges every tick pays); 0: none known.
     """
 
     rank_work: Sequence[float]
     cost: float
+    floor: float = 0.0
 
     def alike(self, block: range) -> bool:
         """Whether a lane of the ranks ``block`` for the waiting request is alike its neighbours:
-        the tick it makes is at most ``ALIKE`` times the tick the group runs now (when it runs one)
-        and at most ``ALIKE`` times its own ranks' work (it does not wait on heavier neighbours)."""
+        the tick it makes (its floor plus its busiest rank's work) is at most ``ALIKE`` times the
+        tick the group runs now (when it runs one) and at most ``ALIKE`` times its own ranks' (it
+        does not wait on heavier neighbours)."""
+        after = self.with_lane(block)
+        running = max(self.rank_work, default=0.0)
+        tick, before = self.floor + max(after), self.floor + running
+        own = self.floor + max(after[rank] for rank in block)
+        return tick <= ALIKE * own and (running <= 0 or tick <= ALIKE * before)
+
+    def with_lane(self, block: range) -> list[float]:
+        """Each rank's work once the waiting request runs on the ranks ``block``."""
         share = self.cost / len(block)
-        after = [work + (share if rank in block else 0.0) for rank, work in enumerate(self.rank_work)]
-        tick, before = max(after), max(self.rank_work, default=0.0)
-        own = max(after[rank] for rank in block)
-        return tick <= ALIKE * own and (before <= 0 or tick <= ALIKE * before)
+        return [work + (share if rank in block else 0.0) for rank, work in enumerate(self.rank_work)]
+
+
+class TickModel:
+    """A step's seconds as a part that does not grow with the work and one that does:
+    ``step_s = fixed_s + per_work_s x work``, where ``work`` is the group's busiest rank's work
+    (``LockStep.rank_work``) when a request was taken and ``step_s`` its mean seconds per step,
+    fitted by least squares over the ``KEPT`` most recent requests. On 4 x H200 (run k) the wide lane
+    ran two requests at once at 0.45-0.55 s a step and one alone at 0.42-0.6: the fixed part
+    dominates there, which a tick modelled as work alone (floor 0) does not know."""
+
+    KEPT = 64
+    #: Requests, and how many times the most work exceeds the least among them, before a fit is used.
+    MIN_RUNS = 8
+    SPREAD = 1.5
+    #: The floor is at most this many times the most work measured (a fit whose step does not grow
+    #: with the work, or barely, means: neighbours cost a step little).
+    CAP = 4.0
+
+    def __init__(self) -> None:
+        self._runs: deque[tuple[float, float]] = deque(maxlen=self.KEPT)
+
+    def __len__(self) -> int:
+        """Requests the fit reads."""
+        return len(self._runs)
+
+    def learn(self, work: float, step_s: float) -> None:
+        if work > 0 and step_s > 0:
+            self._runs.append((work, step_s))
+
+    def floor(self) -> float:
+        """``fixed_s / per_work_s`` in work units: the work a step's fixed part is worth; 0 while
+        fewer than ``MIN_RUNS`` requests, or work spread less than ``SPREAD`` times, were measured."""
+        runs = list(self._runs)  # one copy: a reader outside the group's lock sees one state
+        works = [work for work, _ in runs]
+        if len(works) < self.MIN_RUNS or max(works) < self.SPREAD * min(works):
+            return 0.0
+        mean_w = sum(works) / len(works)
+        mean_s = sum(step for _, step in runs) / len(works)
+        variance = sum((w - mean_w) ** 2 for w in works)
+        per_work_s = sum((w - mean_w) * (step - mean_s) for w, step in runs) / variance
+        fixed_s = mean_s - per_work_s * mean_w
+        if fixed_s <= 0:
+            return 0.0
+        cap = self.CAP * max(works)
+        return cap if per_work_s <= 0 else min(cap, fixed_s / per_work_s)
 
 
 class LaneTimes:

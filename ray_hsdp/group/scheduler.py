@@ -56,6 +56,7 @@ class QueuedJob:
     taken: float | None = None  # when a lane took it
     lane: int | None = None  # the lane's index among the group's lanes of its size
     ranks: range = range(0)  # the lane's ranks; the first leads it
+    tick_work: float = 0.0  # adaptive lanes: the busiest rank's work once it was taken (TickModel)
 
     @property
     def request(self) -> GenerationRequest:
@@ -195,12 +196,15 @@ class GroupScheduler:
             waiting.append(Waiting(now - job.enqueued, due_s, min(times.values(), default=None)))
         return serving_order(waiting, self.config.queue_max_skip_s)
 
-    def _learn_time(self, job: QueuedJob, run_s: float) -> None:
-        """Folds a finished request's run into the group's measured times (``lane_times``; under the
-        lock, as the scheduler reads them there)."""
+    def _learn_time(self, job: QueuedJob, run_s: float, step_s: float | None) -> None:
+        """Folds a finished request's run into the group's measured times (``lane_times``, and its
+        mean step against the work it ran beside: ``tick_model``; under the lock, as the scheduler
+        reads them there)."""
         if job.variant.work:
             with self._cond:
                 self.lane_times.learn(len(job.ranks), job.variant.work, run_s)
+                if step_s is not None:
+                    self.tick_model.learn(job.tick_work, step_s)
 
     def _assign_adaptive(self) -> None:
         """Adaptive lanes: the first request in the serving order, on the lane ``lanes.lane_for``
@@ -215,16 +219,17 @@ class GroupScheduler:
             policy, keeps_up = self.config.lane_policy, False
             if deadline is not None:
                 policy, keeps_up = policy_for_queue(policy, functools.partial(self._keeps_up, order))
+            lock_step = LockStep(self._rank_work(), variant.request.forward_cost, self.tick_model.floor())
             ranks = lane_for(
                 self.dims, variant.lane_sizes, variant.request.lane_size, loads, self.config.requests_per_rank,
                 len(self._pending), deadline - time.time() if deadline is not None else None,
-                self.lane_times.estimates(variant.lane_sizes, variant.work),
-                LockStep(self._rank_work(), variant.request.forward_cost), keeps_up, policy,
+                self.lane_times.estimates(variant.lane_sizes, variant.work), lock_step, keeps_up, policy,
             )  # fmt: skip
             if ranks is None:
                 return
             job = self._take(first)
             if job is not None:
+                job.tick_work = max(lock_step.with_lane(ranks))
                 self._offer(ranks, job)
 
     def _keeps_up(self, order: list[int], widest: bool = False) -> bool:
