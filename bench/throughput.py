@@ -290,7 +290,7 @@ def offload_baseline(model_dir: str, requests, device: str) -> dict:
     return ray.get(run.remote(model_dir, requests))
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--arch", default="wan2.1-t2v-14b")
     parser.add_argument("--model-dir", required=True)
@@ -328,62 +328,15 @@ def main() -> None:
         default=600,
         help="seconds to wait for each next answer before the setup is recorded as failed and the next runs",
     )
-    args = parser.parse_args()
+    return parser
 
-    import ray
 
-    from ray_hsdp.config import GroupConfig, StepCacheConfig
-    from ray_hsdp.group import ShardGroup
-
-    model_dir = Path(args.model_dir)
-    ensure_model(args.arch, model_dir, args.device)
-    start_ray(args.ray_cpus)
-    n = args.requests_per_gpu * args.gpus
-
-    def requests(frames, steps=None, count=n, loras=(), cache=None):
-        made = fox_requests(
-            count, width=args.width, height=args.height, frames=frames, steps=steps or args.steps,
-            guidance_scale=args.guidance,
-        )  # fmt: skip
-        made = [dataclasses.replace(r, cache=cache) for r in made]
-        # Request i runs with adapter i mod len(loras), at scale 1.
-        if not loras:
-            return made
-        return [dataclasses.replace(r, lora=((loras[i % len(loras)], 1.0),)) for i, r in enumerate(made)]
-
-    def random_loras(count: int) -> dict[str, str]:
-        return common_random_loras(args.arch, Path(args.lora_dir), count, args.lora_rank, args.device)
-
-    def group(**fields):
-        return ShardGroup(GroupConfig(model=str(model_dir), device=args.device, **fields)).start()
-
-    rows: list[dict] = []
-    failed: list[dict] = []  # setups that raised or ran past --request-deadline
-    name = f"throughput-{args.arch}"
-
-    def record(setup, frames, result, groups=()):
-        memory = [r for g in groups for r in g.memory()]
-        rows.append(
-            {
-                "setup": setup,
-                "frames": frames,
-                "tokens": latent_tokens(args.width, args.height, frames),
-                **result,
-                **(gpus.figures(*result["window"]) if "window" in result else {}),
-                "weights_per_gpu_bytes": max((r["device_allocated_bytes"] for r in memory), default=None),
-                "peak_per_gpu_bytes": result.get("peak_device_bytes")
-                or max((r["last_request_peak_device_bytes"] for r in memory), default=None),
-            }
-        )
-        write()
-
-    def write():
-        payload = {"rows": rows, "failed": failed, "environment": environment(), "steps": args.steps}
-        write_results(Path(args.out), name, payload, table(rows, args, failed))
-
+def planned_runs(args, parser: argparse.ArgumentParser) -> list[tuple[str, str, int, int]]:
+    """The runs of ``--setups``, each as (row name, setup, replicas R, shard size S); a ``batch``
+    setup runs once per ``--layouts`` entry."""
     if unknown := sorted(set(args.setups) - SETUPS):
         parser.error(f"unknown setups {unknown}; known: {sorted(SETUPS)}")
-    runs = []  # (row name, setup, R, S)
+    runs = []
     for setup in args.setups:
         if setup == "batch":
             for layout in args.layouts or [f"1x{args.gpus}"]:
@@ -395,69 +348,155 @@ def main() -> None:
             runs.append((setup, setup, args.gpus, 1))
         else:
             runs.append((setup, setup, 1, args.gpus))
+    return runs
 
-    unquantized = {}  # frames -> the first request's frames on ``batch`` (run it before a quantized setup)
 
-    def run_setup(row, setup, replicas, shard_size):
+class ThroughputRun:
+    """One run's requests, groups and rows (written after every setup, so that a run cut short
+    keeps what it measured)."""
+
+    def __init__(self, args, model_dir: Path, gpus: GpuSampler) -> None:
+        self.args, self.model_dir, self.gpus = args, model_dir, gpus
+        self.count = args.requests_per_gpu * args.gpus
+        self.rows: list[dict] = []
+        self.failed: list[dict] = []  # setups that raised or ran past --request-deadline
+        self.name = f"throughput-{args.arch}"
+        self.unquantized: dict = {}  # frames -> the first request's frames on ``batch`` (run before a quantized setup)
+
+    def requests(self, frames, steps=None, count=None, loras=(), cache=None) -> list:
+        """The run's requests at ``frames``; request i with adapter i mod len(loras), at scale 1."""
+        args = self.args
+        made = fox_requests(
+            count or self.count, width=args.width, height=args.height, frames=frames, steps=steps or args.steps,
+            guidance_scale=args.guidance,
+        )  # fmt: skip
+        made = [dataclasses.replace(r, cache=cache) for r in made]
+        if not loras:
+            return made
+        return [dataclasses.replace(r, lora=((loras[i % len(loras)], 1.0),)) for i, r in enumerate(made)]
+
+    def random_loras(self, count: int) -> dict[str, str]:
+        args = self.args
+        return common_random_loras(args.arch, Path(args.lora_dir), count, args.lora_rank, args.device)
+
+    def group(self, **fields):
+        from ray_hsdp.config import GroupConfig
+        from ray_hsdp.group import ShardGroup
+
+        return ShardGroup(GroupConfig(model=str(self.model_dir), device=self.args.device, **fields)).start()
+
+    def record(self, setup: str, frames: int, result: dict, groups=()) -> None:
+        memory = [r for g in groups for r in g.memory()]
+        self.rows.append(
+            {
+                "setup": setup,
+                "frames": frames,
+                "tokens": latent_tokens(self.args.width, self.args.height, frames),
+                **result,
+                **(self.gpus.figures(*result["window"]) if "window" in result else {}),
+                "weights_per_gpu_bytes": max((r["device_allocated_bytes"] for r in memory), default=None),
+                "peak_per_gpu_bytes": result.get("peak_device_bytes")
+                or max((r["last_request_peak_device_bytes"] for r in memory), default=None),
+            }
+        )
+        self.write()
+
+    def write(self) -> None:
+        payload = {"rows": self.rows, "failed": self.failed, "environment": environment(), "steps": self.args.steps}
+        write_results(Path(self.args.out), self.name, payload, table(self.rows, self.args, self.failed))
+
+    def run_setup(self, row: str, setup: str, replicas: int, shard_size: int) -> None:
+        args = self.args
         if setup in PLAIN:
+            compiled, backend = PLAIN[setup]
             for frames in args.frames:
-                compiled, backend = PLAIN[setup]
                 outcome = plain_baseline(
-                    str(model_dir), requests(frames), args.gpus, args.device, compiled, backend, args.warm_steps
-                )
-                record(setup, frames, outcome)
-            return
-        if setup == "offload":
+                    str(self.model_dir), self.requests(frames), args.gpus, args.device, compiled, backend,
+                    args.warm_steps,
+                )  # fmt: skip
+                self.record(setup, frames, outcome)
+        elif setup == "offload":
             for frames in args.offload_frames:
-                record(setup, frames, offload_baseline(str(model_dir), requests(frames, count=2), args.device))
-            return
+                outcome = offload_baseline(str(self.model_dir), self.requests(frames, count=2), args.device)
+                self.record(setup, frames, outcome)
+        else:
+            self.run_groups_of(row, setup, replicas, shard_size)
+
+    def options_of(self, setup: str) -> tuple[dict, tuple[str, ...], object]:
+        """The group fields of ``setup``, the adapters its requests take and their step cache."""
+        from ray_hsdp.config import StepCacheConfig
+
         options = OPTIONS.get(setup, {})
         if setup in ("batch-lora", "batch-lora4"):
-            options = {"loras": random_loras(4 if setup == "batch-lora4" else 1)}
+            options = {"loras": self.random_loras(4 if setup == "batch-lora4" else 1)}
         if setup.startswith("batch-fused"):
-            options = {**options, "loras": random_loras(1), "fuse_loras": {"lora0": 1.0}}
+            options = {**options, "loras": self.random_loras(1), "fuse_loras": {"lora0": 1.0}}
         adapters = tuple(name for name in options.get("loras", {}) if name not in options.get("fuse_loras", {}))
         cache = StepCacheConfig(**options["cache"]).settings() if "cache" in options else None
+        return options, adapters, cache
+
+    def run_groups_of(self, row: str, setup: str, replicas: int, shard_size: int) -> None:
+        """``setup`` on ``replicas`` groups of ``shard_size`` ranks, at each frame count."""
+        args = self.args
+        options, adapters, cache = self.options_of(setup)
         mode = "replicated" if setup == "replicated" else "batch"
+        mixed_steps = [2 * args.steps, 4 * args.steps]
         groups = []
         try:
             for _ in range(replicas):
-                groups.append(group(shard_size=shard_size, replicate_size=replicas, mode=mode, **options))
+                groups.append(self.group(shard_size=shard_size, replicate_size=replicas, mode=mode, **options))
             for frames in args.mixed_frames if setup == "mixed" else args.frames:
                 if setup == "mixed":
-                    work = requests(frames, steps=[2 * args.steps, 4 * args.steps], count=2 * n)
+                    work = self.requests(frames, steps=mixed_steps, count=2 * self.count)
                 else:
-                    work = requests(frames, loras=adapters, cache=cache)
+                    work = self.requests(frames, loras=adapters, cache=cache)
                 # Warm-up: one request per GPU (with the adapters, each of them).
-                warm = requests(frames, steps=args.warm_steps, count=args.gpus, loras=adapters, cache=cache)
+                warm = self.requests(frames, steps=args.warm_steps, count=args.gpus, loras=adapters, cache=cache)
                 run_groups(groups, warm, args.request_deadline)
-                results: list = []
-                result = run_groups(groups, work, args.request_deadline, results)
-                result["forwards"] = sum(forwards_of(r) for r in work)
-                if cache is not None:
-                    result.update(cache_figures(groups[0], work, results, args.request_deadline))
-                if row == "batch":  # what a quantized setup's first request drifts from
-                    unquantized[frames] = results[0].frames
-                elif "quantization" in options and frames in unquantized:
-                    result.update(drift(results[0].frames, unquantized[frames]))
-                record(row, frames, result, groups)
+                self.record(row, frames, self.measure(row, frames, groups, work, options, cache), groups)
             if setup == "ceiling":  # the mixed workload's ideal: the same work on unsharded replicas
                 for frames in args.mixed_frames if "mixed" in args.setups else []:
-                    work = requests(frames, steps=[2 * args.steps, 4 * args.steps], count=2 * n)
-                    record("ceiling-mixed", frames, run_groups(groups, work, args.request_deadline), groups)
+                    work = self.requests(frames, steps=mixed_steps, count=2 * self.count)
+                    self.record("ceiling-mixed", frames, run_groups(groups, work, args.request_deadline), groups)
         finally:
             for g in groups:
                 g.shutdown()
 
+    def measure(self, row: str, frames: int, groups, work, options: dict, cache) -> dict:
+        """One measured run of ``work`` on ``groups``: its figures, the share of forwards that reused
+        a step cache, and a quantized setup's drift from ``batch``'s first request."""
+        results: list = []
+        result = run_groups(groups, work, self.args.request_deadline, results)
+        result["forwards"] = sum(forwards_of(r) for r in work)
+        if cache is not None:
+            result.update(cache_figures(groups[0], work, results, self.args.request_deadline))
+        if row == "batch":  # what a quantized setup's first request drifts from
+            self.unquantized[frames] = results[0].frames
+        elif "quantization" in options and frames in self.unquantized:
+            result.update(drift(results[0].frames, self.unquantized[frames]))
+        return result
+
+
+def main() -> None:
+    parser = build_parser()
+    args = parser.parse_args()
+    runs = planned_runs(args, parser)
+
+    import ray
+
+    model_dir = Path(args.model_dir)
+    ensure_model(args.arch, model_dir, args.device)
+    start_ray(args.ray_cpus)
     with GpuSampler() as gpus:
+        run = ThroughputRun(args, model_dir, gpus)
         for row, setup, replicas, shard_size in runs:
             try:
-                run_setup(row, setup, replicas, shard_size)
+                run.run_setup(row, setup, replicas, shard_size)
             except Exception as err:  # noqa: BLE001 - a setup that fails is a result of its own; the next runs
-                failed.append({"setup": row, "error": failure(err, args.request_deadline)})
-                print(f"{row} failed: {failed[-1]['error']}")
-                write()
-    gpus.write_csv(Path(args.out) / f"{name}-gpu-samples.csv")
+                run.failed.append({"setup": row, "error": failure(err, args.request_deadline)})
+                print(f"{row} failed: {run.failed[-1]['error']}")
+                run.write()
+    gpus.write_csv(Path(args.out) / f"{run.name}-gpu-samples.csv")
     ray.shutdown()
 
 
