@@ -36,7 +36,7 @@ def phases(record: dict) -> dict:
     }
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--arch", default="wan2.1-t2v-14b")
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/wan14b"))
@@ -53,79 +53,49 @@ def main() -> None:
     parser.add_argument("--ray-cpus", type=int, default=None, help="a Ray of its own with this many CPUs (CPU runs)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--name", default="video-wan2.1-t2v-14b")
-    args = parser.parse_args()
+    return parser
 
-    import ray
 
-    from ray_hsdp.config import GroupConfig, parse_size
-    from ray_hsdp.group import ShardGroup
+def measure(group, size: str, tiling: str, args) -> dict:
+    """One request of ``size`` on ``group``, profiled: its phases, its MP4 encode, or its error."""
+    from ray_hsdp.config import parse_size
     from ray_hsdp.request import GenerationRequest
     from ray_hsdp.serve.media import encode_mp4
 
-    written_s = ensure_model(args.arch, args.model_dir, args.device)
-    if args.warmup:
-        print("warming up with one 1-step request", flush=True)
-    start_ray(args.ray_cpus)
-    rows = []
-    for tiling in args.tiling:
-        config = GroupConfig(
-            model=str(args.model_dir),
-            device=args.device,
-            shard_size=args.shard_size,
-            requests_per_rank=1,
-            vae_tiling=tiling,
-        )
-        with ShardGroup(config) as group:
-            memory = group.memory()
-            if args.warmup:
-                width, height = parse_size(args.sizes[0])
-                warm = GenerationRequest(prompt="warm up", width=width, height=height, num_frames=args.frames)
-                group.generate([dataclasses.replace(warm, num_inference_steps=1, uint8_frames=True)])
-            for size in args.tiled_sizes or args.sizes if tiling == "on" else args.sizes:
-                width, height = parse_size(size)
-                request = GenerationRequest(
-                    prompt="A red fox runs through fresh snow at dawn, cinematic",
-                    width=width,
-                    height=height,
-                    num_frames=args.frames,
-                    num_inference_steps=args.steps,
-                    guidance_scale=5.0,
-                    seed=0,
-                    request_id=f"{size}-{tiling}",
-                    uint8_frames=True,
-                )
-                group.start_profile()
-                started = time.perf_counter()
-                try:
-                    result = group.submit(request).result()
-                    error = None
-                except Exception as err:  # noqa: BLE001 - an out-of-memory decode is a result here
-                    result, error = None, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-                total_s = time.perf_counter() - started
-                profiles = group.stop_profile()
-                record = next(
-                    p["requests"][request.request_id] for p in profiles if request.request_id in p["requests"]
-                )
-                row = {"size": size, "frames": args.frames, "steps": args.steps, "vae_tiling": tiling}
-                row.update(total_s=round(total_s, 3), error=error)
-                if result is not None:
-                    row.update(phases(record))
-                    encode_started = time.perf_counter()
-                    mp4 = encode_mp4(result.frames[0], 16)
-                    row.update(mp4_encode_s=round(time.perf_counter() - encode_started, 3), mp4_bytes=len(mp4))
-                rows.append(row)
-                print(row, flush=True)
-            weights = [r["total"]["sharded_local"] + r["total"]["replicated"] for r in memory]
-        if group.failure:
-            break
-    payload = {
-        "environment": environment(),
-        "arch": args.arch,
-        "shard_size": args.shard_size,
-        "checkpoint_written_s": written_s,
-        "parameter_bytes_per_rank": weights,
-        "rows": rows,
-    }
+    width, height = parse_size(size)
+    request = GenerationRequest(
+        prompt="A red fox runs through fresh snow at dawn, cinematic",
+        width=width,
+        height=height,
+        num_frames=args.frames,
+        num_inference_steps=args.steps,
+        guidance_scale=5.0,
+        seed=0,
+        request_id=f"{size}-{tiling}",
+        uint8_frames=True,
+    )
+    group.start_profile()
+    started = time.perf_counter()
+    try:
+        result = group.submit(request).result()
+        error = None
+    except Exception as err:  # noqa: BLE001 - an out-of-memory decode is a result here
+        result, error = None, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    total_s = time.perf_counter() - started
+    profiles = group.stop_profile()
+    record = next(p["requests"][request.request_id] for p in profiles if request.request_id in p["requests"])
+    row = {"size": size, "frames": args.frames, "steps": args.steps, "vae_tiling": tiling}
+    row.update(total_s=round(total_s, 3), error=error)
+    if result is not None:
+        row.update(phases(record))
+        encode_started = time.perf_counter()
+        mp4 = encode_mp4(result.frames[0], 16)
+        row.update(mp4_encode_s=round(time.perf_counter() - encode_started, 3), mp4_bytes=len(mp4))
+    return row
+
+
+def markdown(payload: dict, args) -> str:
+    weights, rows = payload["parameter_bytes_per_rank"], payload["rows"]
     lines = [
         f"# Video end to end: {args.arch}, S={args.shard_size}, {args.frames} frames, {args.steps} steps, guidance on",
         "",
@@ -149,7 +119,49 @@ def main() -> None:
             f"| {r['size']} | {r['vae_tiling']} | {r['text_encoding_s']} | {r['denoising_s']} ({r['step_s']}) | "
             f"{r['vae_decode_s']} | {r['mp4_encode_s']} | {r['total_s']} | {peaks} | |"
         )
-    write_results(args.out, args.name, payload, "\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+
+    import ray
+
+    from ray_hsdp.config import GroupConfig, parse_size
+    from ray_hsdp.group import ShardGroup
+    from ray_hsdp.request import GenerationRequest
+
+    written_s = ensure_model(args.arch, args.model_dir, args.device)
+    if args.warmup:
+        print("warming up with one 1-step request", flush=True)
+    start_ray(args.ray_cpus)
+    rows, weights = [], []
+    for tiling in args.tiling:
+        config = GroupConfig(
+            model=str(args.model_dir), device=args.device, shard_size=args.shard_size, requests_per_rank=1,
+            vae_tiling=tiling,
+        )  # fmt: skip
+        with ShardGroup(config) as group:
+            memory = group.memory()
+            if args.warmup:
+                width, height = parse_size(args.sizes[0])
+                warm = GenerationRequest(prompt="warm up", width=width, height=height, num_frames=args.frames)
+                group.generate([dataclasses.replace(warm, num_inference_steps=1, uint8_frames=True)])
+            for size in args.tiled_sizes or args.sizes if tiling == "on" else args.sizes:
+                rows.append(measure(group, size, tiling, args))
+                print(rows[-1], flush=True)
+            weights = [r["total"]["sharded_local"] + r["total"]["replicated"] for r in memory]
+        if group.failure:
+            break
+    payload = {
+        "environment": environment(),
+        "arch": args.arch,
+        "shard_size": args.shard_size,
+        "checkpoint_written_s": written_s,
+        "parameter_bytes_per_rank": weights,
+        "rows": rows,
+    }
+    write_results(args.out, args.name, payload, markdown(payload, args))
     ray.shutdown()
 
 
