@@ -20,7 +20,7 @@ def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--arch", default="wan2.1-t2v-14b")
     parser.add_argument("--model-dir", required=True)
@@ -31,67 +31,63 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--ray-cpus", type=int, default=None, help="logical CPUs of the local Ray (CPU dry runs)")
     parser.add_argument("--out", default="bench/results")
-    args = parser.parse_args()
+    return parser
 
-    import ray
 
+def measure(model_dir: Path, shard_size: int, args) -> dict:
+    """A group of ``shard_size`` ranks: its start, one request per rank (after a warm-up one), and
+    each rank's memory report."""
     from ray_hsdp.config import GroupConfig
     from ray_hsdp.group import ShardGroup
 
-    model_dir = Path(args.model_dir)
-    write_s = ensure_model(args.arch, model_dir, args.device)
-    transformer_bytes = folder_bytes(model_dir / "transformer")
-    checkpoint_bytes = folder_bytes(model_dir)
-    start_ray(args.ray_cpus)
-    runs = []
-    for shard_size in args.shard_sizes:
-        config = GroupConfig(model=str(model_dir), device=args.device, shard_size=shard_size, mode="batch")
-        start = time.perf_counter()
-        group = ShardGroup(config).start()
-        start_s = time.perf_counter() - start
-        try:
-            requests = fox_requests(
-                shard_size, width=args.width, height=args.height, frames=args.frames, steps=1, guidance_scale=1.0
-            )
-            group.generate(requests)  # warm-up: kernels, allocator
-            start = time.perf_counter()
-            results = group.generate(requests)
-            request_s = time.perf_counter() - start
-            ranks = group.memory()
-        finally:
-            group.shutdown()
-        runs.append(
-            {
-                "shard_size": shard_size,
-                "group_start_s": round(start_s, 2),
-                "request_s": round(request_s, 3),
-                "ranks": [
-                    {
-                        "rank": r["rank"],
-                        "weights_device_bytes": r["device_allocated_bytes"],
-                        # Both experts of a two-expert pipeline (transformer and transformer_2).
-                        "transformer_local_bytes": sum(
-                            c["sharded_local"] + c["replicated"]
-                            for name, c in r["components"].items()
-                            if name.startswith("transformer")
-                        ),
-                        "param_bytes": r["total"]["sharded_local"] + r["total"]["replicated"],
-                        "peak_request_bytes": res.peak_device_bytes,
-                        "load_s": r["load_s"],
-                        "load_peak_rss_bytes": r["load_peak_rss_bytes"],
-                    }
-                    for r, res in zip(ranks, results)
-                ],
-            }
+    config = GroupConfig(model=str(model_dir), device=args.device, shard_size=shard_size, mode="batch")
+    start = time.perf_counter()
+    group = ShardGroup(config).start()
+    start_s = time.perf_counter() - start
+    try:
+        requests = fox_requests(
+            shard_size, width=args.width, height=args.height, frames=args.frames, steps=1, guidance_scale=1.0
         )
-    ray.shutdown()
+        group.generate(requests)  # warm-up: kernels, allocator
+        start = time.perf_counter()
+        results = group.generate(requests)
+        request_s = time.perf_counter() - start
+        ranks = group.memory()
+    finally:
+        group.shutdown()
+    return {
+        "shard_size": shard_size,
+        "group_start_s": round(start_s, 2),
+        "request_s": round(request_s, 3),
+        "ranks": [
+            {
+                "rank": r["rank"],
+                "weights_device_bytes": r["device_allocated_bytes"],
+                # Both experts of a two-expert pipeline (transformer and transformer_2).
+                "transformer_local_bytes": sum(
+                    c["sharded_local"] + c["replicated"]
+                    for name, c in r["components"].items()
+                    if name.startswith("transformer")
+                ),
+                "param_bytes": r["total"]["sharded_local"] + r["total"]["replicated"],
+                "peak_request_bytes": res.peak_device_bytes,
+                "load_s": r["load_s"],
+                "load_peak_rss_bytes": r["load_peak_rss_bytes"],
+            }
+            for r, res in zip(ranks, results)
+        ],
+    }
 
+
+def markdown(payload: dict, args) -> str:
+    runs, checkpoint_bytes = payload["runs"], payload["checkpoint_bytes"]
     base = max(runs[0]["ranks"][0]["param_bytes"], 1)
     lines = [
         f"# Memory per GPU: {args.arch}, random bf16 weights, {args.width}x{args.height}, {args.frames} frames",
         "",
-        f"GPU: {', '.join(sorted(set(environment()['gpus']))) or 'none'}; checkpoint {gib(checkpoint_bytes)} GiB "
-        f"(transformer {gib(transformer_bytes)} GiB). One request per rank, one step, no guidance.",
+        f"GPU: {', '.join(sorted(set(payload['environment']['gpus']))) or 'none'}; checkpoint "
+        f"{gib(checkpoint_bytes)} GiB (transformer {gib(payload['transformer_bytes'])} GiB). One request per rank, "
+        "one step, no guidance.",
         "",
         "| S | rank | parameters on GPU (GiB) | vs S=first | allocated after load (GiB) | peak in request (GiB) "
         "| load (s) | host RSS rise while loading (GiB) | RSS / checkpoint |",
@@ -104,16 +100,29 @@ def main() -> None:
                 f"| {gib(r['weights_device_bytes'])} | {gib(r['peak_request_bytes'])} | {r['load_s']:.1f} "
                 f"| {gib(r['load_peak_rss_bytes'])} | {r['load_peak_rss_bytes'] / checkpoint_bytes:.1%} |"
             )
-    lines += ["", f"Command: `{environment()['command']}`", ""]
+    lines += ["", f"Command: `{payload['environment']['command']}`", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+
+    import ray
+
+    model_dir = Path(args.model_dir)
+    write_s = ensure_model(args.arch, model_dir, args.device)
+    start_ray(args.ray_cpus)
+    runs = [measure(model_dir, shard_size, args) for shard_size in args.shard_sizes]
+    ray.shutdown()
     payload = {
         "arch": args.arch,
-        "checkpoint_bytes": checkpoint_bytes,
-        "transformer_bytes": transformer_bytes,
+        "checkpoint_bytes": folder_bytes(model_dir),
+        "transformer_bytes": folder_bytes(model_dir / "transformer"),
         "write_s": write_s,
         "runs": runs,
         "environment": environment(),
     }
-    write_results(Path(args.out), f"memory-{args.arch}", payload, "\n".join(lines))
+    write_results(Path(args.out), f"memory-{args.arch}", payload, markdown(payload, args))
 
 
 if __name__ == "__main__":
