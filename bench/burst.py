@@ -33,7 +33,7 @@ def _replicas() -> dict[str, int]:
     return dict(app.deployments["HSDPServer"].replica_states)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", default="tiny", help="'tiny' or a checkpoint folder")
@@ -54,23 +54,11 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--name", default="burst-cpu")
     parser.add_argument("--plot", default=None, help="write the plot to this PNG")
-    args = parser.parse_args()
+    return parser
 
-    import ray
-    import requests
-    from ray import serve
 
-    from ray_hsdp.distributed import free_port
-    from ray_hsdp.serve import build_app
-
-    ray.init(
-        address="local",
-        include_dashboard=False,
-        log_to_driver=False,
-        num_cpus=args.ray_cpus if args.device == "cpu" else None,
-    )
-    port = free_port("127.0.0.1")
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+def _deployment_config(args) -> dict:
+    """The deployment's config: ``args``' group and its autoscaling."""
     config = {
         "model": args.model,
         "device": args.device,
@@ -89,6 +77,51 @@ def main() -> None:
     }
     if args.device == "cpu":
         config["cpus_per_rank"] = 0.5
+    return config
+
+
+def _sample(base: str, ids: list[str], jobs: dict, now: float) -> dict:
+    """The groups' states and the jobs' statuses at ``now``; notes in ``jobs`` when each job was
+    first seen running, on which group, and when it ended."""
+    import requests
+
+    states = _replicas()
+    videos = [requests.get(f"{base}/v1/videos/{i}", timeout=30).json() for i in list(ids)]
+    for video in videos:
+        job = jobs.setdefault(video["id"], {"replica": None, "running_s": None, "ended_s": None})
+        if video["status"] != "queued" and job["running_s"] is None:
+            job["running_s"] = round(now, 2)
+        job["replica"] = video.get("replica") or job["replica"]
+        if video["status"] in ("completed", "failed") and job["ended_s"] is None:
+            job["ended_s"] = round(now, 2)
+    statuses = [video["status"] for video in videos]
+    return {
+        "t_s": round(now, 2),
+        "groups_running": states.get("RUNNING", 0),
+        "groups_starting": states.get("STARTING", 0),
+        "groups_stopping": states.get("STOPPING", 0),
+        **{status: statuses.count(status) for status in ("queued", "in_progress", "completed", "failed")},
+    }
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+
+    import ray
+    from ray import serve
+
+    from ray_hsdp.distributed import free_port
+    from ray_hsdp.serve import build_app
+
+    ray.init(
+        address="local",
+        include_dashboard=False,
+        log_to_driver=False,
+        num_cpus=args.ray_cpus if args.device == "cpu" else None,
+    )
+    port = free_port("127.0.0.1")
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    config = _deployment_config(args)
     serve.run(build_app(config), name=APP, route_prefix=f"/{APP}")
     base = f"http://127.0.0.1:{port}/{APP}"
     ids: list[str] = []
@@ -98,24 +131,7 @@ def main() -> None:
     samples, jobs = [], {}
     while True:
         now = time.monotonic() - start
-        states = _replicas()
-        videos = [requests.get(f"{base}/v1/videos/{i}", timeout=30).json() for i in list(ids)]
-        for video in videos:  # when each job was first seen running, on which group, and ended
-            job = jobs.setdefault(video["id"], {"replica": None, "running_s": None, "ended_s": None})
-            if video["status"] != "queued" and job["running_s"] is None:
-                job["running_s"] = round(now, 2)
-            job["replica"] = video.get("replica") or job["replica"]
-            if video["status"] in ("completed", "failed") and job["ended_s"] is None:
-                job["ended_s"] = round(now, 2)
-        statuses = [video["status"] for video in videos]
-        sample = {
-            "t_s": round(now, 2),
-            "groups_running": states.get("RUNNING", 0),
-            "groups_starting": states.get("STARTING", 0),
-            "groups_stopping": states.get("STOPPING", 0),
-            **{status: statuses.count(status) for status in ("queued", "in_progress", "completed", "failed")},
-        }
-        samples.append(sample)
+        samples.append(sample := _sample(base, ids, jobs, now))
         ended = not sender.is_alive() and sample["completed"] + sample["failed"] == args.jobs
         settled = sample["groups_running"] == args.min_groups and not sample["groups_stopping"]
         if (ended and settled) or now > args.deadline:
