@@ -55,7 +55,7 @@ def phases(profile: dict) -> dict:
     return out
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--arch", default="wan2.1-t2v-14b")
     parser.add_argument("--model-dir", required=True)
@@ -73,7 +73,44 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="suffix of the result files")
     parser.add_argument("--traces", default=None, help="folder for gzipped chrome traces (largest window only)")
     parser.add_argument("--out", default="bench/results")
-    args = parser.parse_args()
+    return parser
+
+
+def profile_windows(group, setup: str, frames: int, args) -> list[dict]:
+    """After a warm-up, one request alone and a throughput window of two per GPU, each profiled."""
+    per_gpu = args.gpus // group.dims.shard_size  # the ceiling's one rank takes one GPU's share
+
+    def requests(count: int) -> list:
+        return fox_requests(
+            count, width=args.width, height=args.height, frames=frames, steps=args.steps,
+            guidance_scale=args.guidance, id_prefix=f"f{frames}-r",
+        )  # fmt: skip
+
+    group.generate(requests(group.dims.shard_size))  # warm-up
+    rows = []
+    for window, count in (("one request", 1), ("throughput", 2 * args.gpus // per_gpu)):
+        traces = f"{args.traces}/{setup}-{frames}" if args.traces and window == "throughput" else None
+        group.start_profile(traces)
+        start = time.perf_counter()
+        group.generate(requests(count))
+        wall = time.perf_counter() - start
+        ranks = group.stop_profile()
+        rows.append(
+            {
+                "setup": setup,
+                "frames": frames,
+                "tokens": latent_tokens(args.width, args.height, frames),
+                "window": window,
+                "requests": count,
+                "wall_s": round(wall, 3),
+                "ranks": [{**r, "phases": phases(r)} for r in ranks],
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    args = build_parser().parse_args()
 
     import ray
 
@@ -84,58 +121,20 @@ def main() -> None:
     ensure_model(args.arch, model_dir, args.device)
     env_vars = dict(item.split("=", 1) for item in args.env)
     start_ray(env_vars=env_vars)
-
-    def requests(frames, count):
-        return fox_requests(
-            count,
-            width=args.width,
-            height=args.height,
-            frames=frames,
-            steps=args.steps,
-            guidance_scale=args.guidance,
-            id_prefix=f"f{frames}-r",
-        )
-
     rows: list[dict] = []
     name = f"profile-{args.arch}{args.tag}"
     for setup in args.setups:
         fields = dict(SETUPS[setup])
         fields.setdefault("shard_size", args.gpus)
         group = ShardGroup(GroupConfig(model=str(model_dir), device=args.device, **fields)).start()
-        per_gpu = args.gpus // group.dims.shard_size  # the ceiling's one rank takes one GPU's share
         try:
             for frames in args.frames:
-                group.generate(requests(frames, group.dims.shard_size))  # warm-up
-                for window, count in (("one request", 1), ("throughput", 2 * args.gpus // per_gpu)):
-                    traces = f"{args.traces}/{setup}-{frames}" if args.traces and window == "throughput" else None
-                    group.start_profile(traces)
-                    start = time.perf_counter()
-                    group.generate(requests(frames, count))
-                    wall = time.perf_counter() - start
-                    ranks = group.stop_profile()
-                    rows.append(
-                        {
-                            "setup": setup,
-                            "frames": frames,
-                            "tokens": latent_tokens(args.width, args.height, frames),
-                            "window": window,
-                            "requests": count,
-                            "wall_s": round(wall, 3),
-                            "ranks": [{**r, "phases": phases(r)} for r in ranks],
-                        }
-                    )
-                    write_results(
-                        Path(args.out),
-                        name,
-                        {
-                            "rows": rows,
-                            "environment": environment(),
-                            "steps": args.steps,
-                            "guidance": args.guidance,
-                            "rank_env": env_vars,
-                        },
-                        table(rows),
-                    )
+                rows += profile_windows(group, setup, frames, args)
+                payload = {
+                    "rows": rows, "environment": environment(), "steps": args.steps, "guidance": args.guidance,
+                    "rank_env": env_vars,
+                }  # fmt: skip
+                write_results(Path(args.out), name, payload, table(rows))
         finally:
             group.shutdown()
     ray.shutdown()
