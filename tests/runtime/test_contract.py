@@ -136,9 +136,8 @@ def make_request(rng: random.Random, name: str, own_errors: bool) -> FakeRequest
     return FakeRequest(name, tuple(calls), own_error_at)
 
 
-def run_group(rng: random.Random, world_size: int, fault: str | None):
-    """One group of ``world_size`` thread ranks running a random mix; returns what happened."""
-    gather = FakeAllGather(world_size)
+def build_ranks(rng: random.Random, world_size: int, fault: str | None, gather: FakeAllGather):
+    """``world_size`` thread ranks over ``gather``, one of them failing as ``fault`` says."""
     failing_rank = rng.randrange(world_size)
     runtimes: list[RankRuntime] = []
     modules: list[FakeModules] = []
@@ -176,7 +175,13 @@ def run_group(rng: random.Random, world_size: int, fault: str | None):
         holder["runtime"] = runtime
         runtimes.append(runtime)
         modules.append(mods)
+    return runtimes, modules
 
+
+def run_group(rng: random.Random, world_size: int, fault: str | None):
+    """One group of ``world_size`` thread ranks running a random mix; returns what happened."""
+    gather = FakeAllGather(world_size)
+    runtimes, modules = build_ranks(rng, world_size, fault, gather)
     jobs: list[tuple[FakeRequest, object]] = []
     lock = threading.Lock()
 
