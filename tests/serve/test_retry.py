@@ -117,6 +117,38 @@ def requests_counted(status: str) -> float:
     return total(scrape(), "ray_hsdp_requests_total", application=APP, status=status)
 
 
+def send_while_killing(pool: str, url: str, bodies: list[dict], send_at: list[float], kill_at: list[float]):
+    """Each body posted at its ``send_at`` second, and a rank of a serving group killed at each
+    ``kill_at`` second; returns each answer (when sent and answered, status, payload) and the kills'
+    seconds."""
+    start = time.monotonic()
+
+    def client(i: int) -> dict:
+        time.sleep(max(0.0, start + send_at[i] - time.monotonic()))
+        sent = time.monotonic() - start
+        response = requests.post(url, json=bodies[i], timeout=300)
+        return {
+            "i": i,
+            "sent": sent,
+            "answered": time.monotonic() - start,
+            "status": response.status_code,
+            "payload": response.json(),
+        }
+
+    kills = []
+    with ThreadPoolExecutor(max_workers=len(bodies)) as executor:
+        futures = [executor.submit(client, i) for i in range(len(bodies))]
+        for k, planned in enumerate(kill_at):
+            time.sleep(max(0.0, start + planned - time.monotonic()))
+            # Rank 0, then rank 1, of a group that serves now (the router answers from a healthy
+            # one when it can).
+            ranks = serving_ranks(pool)
+            os.kill(ranks[k % len(ranks)]["pid"], signal.SIGKILL)
+            kills.append(time.monotonic() - start)
+        results = [f.result(timeout=600) for f in futures]  # none hangs
+    return results, kills
+
+
 def test_chaos_every_request_is_answered_exactly_once(pool, reference_pipe):
     """12 seeded requests over 8 s on 2 groups of 2 CPU ranks, 2 rank kills at random moments.
 
@@ -140,31 +172,7 @@ def test_chaos_every_request_is_answered_exactly_once(pool, reference_pipe):
     send_at = sorted(rng.uniform(0, CHAOS_WINDOW_S) for _ in bodies)
     kill_at = sorted(rng.uniform(1, CHAOS_WINDOW_S - 1) for _ in range(2))
     live_groups(pool)
-    start = time.monotonic()
-
-    def client(i: int) -> dict:
-        time.sleep(max(0.0, start + send_at[i] - time.monotonic()))
-        sent = time.monotonic() - start
-        response = requests.post(url, json=bodies[i], timeout=300)
-        return {
-            "i": i,
-            "sent": sent,
-            "answered": time.monotonic() - start,
-            "status": response.status_code,
-            "payload": response.json(),
-        }
-
-    kills = []
-    with ThreadPoolExecutor(max_workers=CHAOS_REQUESTS) as executor:
-        futures = [executor.submit(client, i) for i in range(CHAOS_REQUESTS)]
-        for k, planned in enumerate(kill_at):
-            time.sleep(max(0.0, start + planned - time.monotonic()))
-            # Rank 0, then rank 1, of a group that serves now (the router answers from a healthy
-            # one when it can).
-            ranks = serving_ranks(pool)
-            os.kill(ranks[k % len(ranks)]["pid"], signal.SIGKILL)
-            kills.append(time.monotonic() - start)
-        results = [f.result(timeout=600) for f in futures]  # none hangs
+    results, kills = send_while_killing(pool, url, bodies, send_at, kill_at)
 
     assert sorted(r["i"] for r in results) == list(range(CHAOS_REQUESTS))
     touched = []
