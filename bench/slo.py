@@ -14,9 +14,12 @@ Layouts (``--layouts``): ``batch`` (lanes of one rank), ``lanes2`` (fixed Ulysse
 ``adaptive-thrifty`` and ``adaptive-wide`` (the same with ``lane_policy: thrifty`` and
 ``wide_first``). Results are written after every
 layout, each attainment with its 95% interval and the mean seconds queued and running per request
-size and lane size; ``--plot`` draws attainment and p95 against the rate from one or more results
-files, and ``--pool`` adds up the requests of several runs of one workload (runs spread over
-sessions), each layout's attainment and interval then taken over all of them.
+size and lane size, each window's requests one by one (lane, leader, seconds queued, running, per
+step, before and after the loop, latency, why one was not answered) and the neighbour rule's
+fitted tick floor after it (``tick_floor``, ``TickModel``); ``--plot`` draws attainment and p95
+against the rate from one or more results files, and ``--pool`` adds up the requests of several
+runs of one workload (runs spread over sessions), each layout's attainment and interval then taken
+over all of them.
 """
 
 from __future__ import annotations
