@@ -478,3 +478,32 @@ def test_lanes_of_one_two_and_four_with_cfg_halves_run_at_once_and_equal_unshard
         assert max_abs_diff(result.frames, reference_frames(reference_pipe, request)) <= TOLERANCE, request
     sizes = {r.request_id: r.lane_size for r in records}
     assert [sizes[r.request_id] for r in requests if r.lane_size] == [r.lane_size for r in requests if r.lane_size]
+
+
+def test_a_fitted_floor_lets_a_second_request_run_beside_one_on_the_wide_lane(ray_cluster, tiny_model):
+    """A long request holds the idle group's wide lane. With no floor known, the neighbour rule keeps
+    a second one of like work waiting (it would double the tick's work), so it is answered after the
+    long one; once the group's tick model has fitted a step that does not grow with the work, the
+    second runs beside the long one at once and is answered first."""
+    config = GroupConfig(model=tiny_model, device="cpu", shard_size=2, lane_sizes=(1, 2), requests_per_rank=2)
+    long = dataclasses.replace(MIX[2], num_inference_steps=60, lane_size=2)
+    short = dataclasses.replace(MIX[2], seed=7)  # the same work per forward, the group chooses its lane
+
+    def answered_first(group: ShardGroup, tag: str) -> str:
+        futures = {group.submit(dataclasses.replace(long, request_id=f"long-{tag}")): "long"}
+        wait_until(lambda: group.progress().get(f"long-{tag}", {}).get("step", 0) >= 1, 120, "the long one runs")
+        futures[group.submit(dataclasses.replace(short, request_id=f"short-{tag}"))] = "short"
+        done, _ = concurrent.futures.wait(futures, timeout=300, return_when=concurrent.futures.FIRST_COMPLETED)
+        concurrent.futures.wait(futures, timeout=300)
+        assert all(f.result().frames is not None for f in futures)
+        return futures[next(iter(done))]
+
+    with ShardGroup(config) as group:
+        assert group.tick_model.floor() == 0.0
+        assert answered_first(group, "no-floor") == "long"
+        cost = group.check(long).request.forward_cost
+        fitted = TickModel()
+        for work in (cost, 2 * cost) * 4:
+            fitted.learn(work, 0.5)  # a step of 0.5 s whatever the work: the floor is capped at 8 x cost
+        group.tick_model = fitted
+        assert answered_first(group, "floor") == "short"
