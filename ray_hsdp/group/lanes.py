@@ -50,9 +50,8 @@ requests of like work share the group. Where the fixed part dominates, a second 
 running lane's ranks is alike it (run k: the fixed wide lane ran two requests at once at nearly one's
 pace; without the fixed part the rule refused that). Measured on GPUs (run d, ``docs/performance.md``):
 lanes of unlike work side by side ran far slower than alone; this rule, and its fixed part, are not
-measured on GPUs yet. (Runs d
-to i also had a defect of the tick, since fixed: a rank holding requests of two lanes held the
-wider lane back until its other request ended.)
+measured on GPUs yet. (Runs d to i also had a defect of the tick, since fixed: a rank holding
+requests of two lanes held the wider lane back until its other request ended.)
 """
 
 from __future__ import annotations
@@ -126,6 +125,7 @@ class TickModel:
 
     def __init__(self) -> None:
         self._runs: deque[tuple[float, float]] = deque(maxlen=self.KEPT)
+        self._floor = 0.0  # fitted once per request learnt: the scheduler reads it at every assignment
 
     def __len__(self) -> int:
         """Requests the fit reads."""
@@ -134,11 +134,16 @@ class TickModel:
     def learn(self, work: float, step_s: float) -> None:
         if work > 0 and step_s > 0:
             self._runs.append((work, step_s))
+            self._floor = self._fit()
 
     def floor(self) -> float:
         """``fixed_s / per_work_s`` in work units: the work a step's fixed part is worth; 0 while
         fewer than ``MIN_RUNS`` requests, or work spread less than ``SPREAD`` times, were measured."""
-        runs = list(self._runs)  # one copy: a reader outside the group's lock sees one state
+        return self._floor
+
+    def _fit(self) -> float:
+        """``floor``'s value from the requests kept now."""
+        runs = self._runs
         works = [work for work, _ in runs]
         if len(works) < self.MIN_RUNS or max(works) < self.SPREAD * min(works):
             return 0.0
