@@ -214,6 +214,14 @@ class GroupLayout(BaseModel):
         "the queue makes its targets on the widest lane; a backlog it would not clear in time is served as under "
         "'lean'. Requests without a target and sizes not measured yet are served alike under all three.",
     )
+    lane_widening: bool = Field(
+        False,
+        description="Adaptive lanes (lane_sizes): while no request waits, a running request's forwards also run on "
+        "the idle ranks of the widest aligned lane around its own that its tokens split over. Those ranks join at "
+        "its next forward and take each forward's inputs from its lane (a broadcast); its loop, decode and answer "
+        "stay on its own lane. A request that arrives takes them back at the next tick. Not for a request that "
+        "names its lane_size.",
+    )
     ulysses_degree: int = Field(
         1,
         ge=1,
@@ -468,6 +476,8 @@ class GroupConfig(RequestFeatures, GroupQueue, GroupKernels, GroupLayout, Served
                 raise ValueError(f"fuse_loras names {name!r}, which loras does not register")
             if scale != scale or abs(scale) == float("inf"):
                 raise ValueError(f"fuse_loras {name!r}: the scale must be finite, got {scale}")
+        if self.lane_widening and not self.lane_sizes:
+            raise ValueError("lane_widening widens adaptive lanes: set lane_sizes too")
         if self.lane_policy != "lean" and not self.lane_sizes:
             raise ValueError(f"lane_policy {self.lane_policy!r} chooses among adaptive lanes: set lane_sizes too")
         refuse_config(self)

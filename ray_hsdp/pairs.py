@@ -65,6 +65,22 @@ def _switched(config) -> bool:
 
 REFUSALS: tuple[Refusal, ...] = (
     Refusal(
+        "lane_widening",
+        "cfg_parallel",
+        "a widened forward runs on the wider lane's Ulysses ranks, while a CFG lane's halves exchange their "
+        "predictions over the request's own lane",
+        "leave lane_widening off, or cfg_parallel",
+        lambda c: c.lane_widening and c.cfg_parallel,
+    ),
+    Refusal(
+        "lane_widening",
+        "a step cache (cache kind)",
+        "a step cache keeps its state on the request's own ranks, and the ranks that help a widened forward "
+        "hold none to decide a skip with",
+        "leave lane_widening off, or the cache kind 'none'",
+        lambda c: c.lane_widening and c.cache.kind != "none",
+    ),
+    Refusal(
         "lanes of several ranks (ulysses_degree, ring_degree, cfg_parallel)",
         "a sharded VAE (shard_components names 'vae')",
         "only a lane's leader decodes, so a sharded VAE's gathers would wait for ranks that never join them",

@@ -28,9 +28,9 @@ logger = logging.getLogger("ray_hsdp")
 
 #: Sessions (the tick thread) run on the default thread. ``offer`` calls wait on "intake" threads,
 #: one per request handed over; ``ping``, ``memory``, ``progress``, ``tick_stats``, ``cancel``,
-#: ``inject_fault`` and ``leave`` answer on "control" while a long request runs. The torch profiler
-#: must stop on the thread that started it: "profile". The group's ``watch`` call waits on "watch"
-#: for as long as the rank lives.
+#: ``help``, ``release``, ``inject_fault`` and ``leave`` answer on "control" while a long request
+#: runs. The torch profiler must stop on the thread that started it: "profile". The group's
+#: ``watch`` call waits on "watch" for as long as the rank lives.
 CONCURRENCY_GROUPS = {"control": 2, "intake": MAX_REQUESTS_PER_RANK, "profile": 1, "watch": 1}
 
 #: Faults ``inject_fault`` knows: a rank hung before its next collective, a forward that raises,
@@ -146,11 +146,12 @@ class Rank(RankStart):
     @ray.method(concurrency_group="control")
     def tick_stats(self) -> dict[str, int]:
         """What this rank did since it loaded (ticks, idle ticks, real forwards, ghost passes,
-        batched calls) and its device memory: allocated now, and the peak of its latest request."""
+        batched calls, forwards it ran as a helper of a widened lane) and its device memory: allocated
+        now, and the peak of its latest request."""
         from ray_hsdp.memory import device_allocated_bytes
 
         runtime = self.runtime
-        counts = ("ticks", "idle_ticks", "forwards", "ghosts", "batched")
+        counts = ("ticks", "idle_ticks", "forwards", "ghosts", "batched", "helped")
         caches = self.pipeline.features.step_caches if self.pipeline is not None else None
         return {
             "rank": self.rank,
@@ -240,6 +241,18 @@ class Rank(RankStart):
         starts. Returns whether the cancel answered a request held here."""
         error = RequestCancelledError(f"request {request_id!r} was cancelled")
         return self.runtime.cancel(request_id, error) if self.runtime is not None else False
+
+    @ray.method(concurrency_group="control")
+    def help(self, variant: RequestVariant, ticket: int, source: int) -> None:
+        """Helps a request of another lane on the wider lane ``ticket`` (lane widening) until
+        ``release``: this rank joins the request's forwards there, their inputs from the lane's
+        rank ``source`` (``RankRuntime.help``). Returns at once."""
+        self._loaded().help(variant, ticket, source)
+
+    @ray.method(concurrency_group="control")
+    def release(self, ticket: int) -> None:
+        """Ends this rank's help of the wider lane ``ticket`` at its next tick."""
+        self._loaded().release(ticket)
 
     @ray.method(concurrency_group="control")
     def ping(self) -> int:

@@ -27,6 +27,7 @@ from ray_hsdp.group.errors import GroupFailedError, GroupOverloadedError, GroupU
 from ray_hsdp.group.inspection import GroupInspection
 from ray_hsdp.group.lanes import LaneTimes, TickModel
 from ray_hsdp.group.scheduler import GroupScheduler, QueuedJob, RequestRecord, resolve
+from ray_hsdp.group.widening import GroupWidening
 from ray_hsdp.phases import Phases
 from ray_hsdp.rank import CONCURRENCY_GROUPS, Rank
 from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
@@ -103,7 +104,7 @@ def check_placeable(bundles: list[dict[str, float]]) -> None:
     )
 
 
-class ShardGroup(GroupScheduler, GroupInspection):
+class ShardGroup(GroupScheduler, GroupWidening, GroupInspection):
     """S ranks that together hold one copy of the pipeline and run requests from one queue.
 
     The ranks form lanes (``ParallelDims``): a lane runs each of its requests on all its ranks
@@ -342,6 +343,7 @@ class ShardGroup(GroupScheduler, GroupInspection):
             run_s=round(now - job.taken, 4) if job.taken is not None else None,
             lane=job.lane,
             lane_size=len(job.ranks) if job.taken is not None else None,
+            widened_to=job.widened_to,
             rank=result.rank if result is not None else None,
             step_s=result.step_s if result is not None else None,
             before_loop_s=result.before_loop_s if result is not None else None,

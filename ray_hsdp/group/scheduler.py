@@ -57,6 +57,9 @@ class QueuedJob:
     lane: int | None = None  # the lane's index among the group's lanes of its size
     ranks: range = range(0)  # the lane's ranks; the first leads it
     tick_work: float = 0.0  # adaptive lanes: the busiest rank's work once it was taken (TickModel)
+    wide: range = range(0)  # lane widening: the wider lane its forwards run on while helped
+    helpers: tuple[int, ...] = ()  # the ranks of ``wide`` that help it now
+    widened_to: int | None = None  # the size of the wider lane it was given, once widened
 
     @property
     def request(self) -> GenerationRequest:
@@ -80,6 +83,8 @@ class RequestRecord:
         before_loop_s: Seconds the leader ran before the denoising loop (encodings, and ticks it
             waited for), and ``after_loop_s`` after it (the decode); ``GenerationResult``'s.
         error: The error's type and first line, when it did not succeed.
+        widened_to: The size of the wider lane its forwards ran on for a while (``lane_widening``),
+            when it was widened.
     """
 
     request_id: str
@@ -94,6 +99,7 @@ class RequestRecord:
     before_loop_s: float | None = None
     after_loop_s: float | None = None
     error: str | None = None
+    widened_to: int | None = None
 
 
 def pick_next(
@@ -200,7 +206,7 @@ class GroupScheduler:
         """Folds a finished request's run into the group's measured times (``lane_times``, and its
         mean step against the work it ran beside: ``tick_model``; under the lock, as the scheduler
         reads them there)."""
-        if job.variant.work:
+        if job.variant.work and job.widened_to is None:  # a widened run mixes two lane sizes
             with self._cond:
                 self.lane_times.learn(len(job.ranks), job.variant.work, run_s)
                 if step_s is not None:
@@ -208,10 +214,16 @@ class GroupScheduler:
 
     def _assign_adaptive(self) -> None:
         """Adaptive lanes: the first request in the serving order, on the lane ``lanes.lane_for``
-        gives it (it waits while there is none, and the requests behind it with it); called with the
-        lock held."""
-        while self._pending:
+        gives it (it waits while there is none, and the requests behind it with it; helpers of a
+        widened request are given back first); with none waiting, the running requests widened
+        (``widening``). Called with the lock held."""
+        while True:
             loads = [sum(1 for i, _ in self._inflight.values() if i == r) for r in range(self.dims.shard_size)]
+            for rank in self._helping_ranks():
+                loads[rank] += 1
+            if not self._pending:
+                self._widen(loads)
+                return
             order = self._serving_order()
             first = order[0]
             variant = self._pending[first].variant
@@ -226,6 +238,8 @@ class GroupScheduler:
                 self.lane_times.estimates(variant.lane_sizes, variant.work), lock_step, keeps_up, policy,
             )  # fmt: skip
             if ranks is None:
+                if self._release_all():  # helpers leave at their next tick: their ranks are free
+                    continue
                 return
             job = self._take(first)
             if job is not None:
@@ -262,15 +276,13 @@ class GroupScheduler:
         """Each rank's share of the forwards its denoising requests put into a tick (lock held): a
         request's ``forward_cost`` over its lane's ranks, on each rank still running it. A lane's
         leader that alone still holds a request of several ranks is decoding it and adds none."""
-        holders: dict[int, tuple[QueuedJob, list[int]]] = {}
-        for rank_index, job in self._inflight.values():
-            holders.setdefault(id(job), (job, []))[1].append(rank_index)
         work = [0.0] * self.dims.shard_size
-        for job, ranks in holders.values():
+        for job, ranks in self._running_jobs().values():
             if len(job.ranks) > 1 and len(ranks) == 1:
                 continue
-            for rank_index in ranks:
-                work[rank_index] += job.request.forward_cost / len(job.ranks)
+            lane = job.wide if job.helpers else job.ranks  # a widened request's helpers share its work
+            for rank_index in lane if job.helpers else ranks:
+                work[rank_index] += job.request.forward_cost / len(lane)
         return work
 
     def _load(self, lane: int) -> int:
@@ -344,6 +356,8 @@ class GroupScheduler:
         if entry is None:
             return  # the group failed or shut down meanwhile, and answered the request then
         rank_index, job = entry
+        with self._cond:
+            self._release(job)  # a rank of its lane is done: its forwards are over
         error = future.exception()
         if isinstance(error, ray.exceptions.RayActorError):
             self._fail(died(rank_index, error), also=job)

@@ -29,15 +29,17 @@ from ray_hsdp.runtime.protocol import (  # noqa: F401 (the runtime's names, impo
 )
 from ray_hsdp.runtime.threads import RequestThreads
 from ray_hsdp.runtime.ticks import TickLoop
+from ray_hsdp.runtime.widening import RankWidening
 
 
-class RankRuntime(TickLoop, RequestThreads):
+class RankRuntime(TickLoop, RequestThreads, RankWidening):
     """One rank's execution (see the package docstring for the contract).
 
     A request runs on the lane its ticket names (``lane_ticket``): its rank alone, or a block of
     consecutive ranks that runs it on all of them: a call runs only at a tick where every rank of
     the lane offers it, stops act at one tick on all of them, and only the lane's first rank
-    decodes and answers. Requests on lanes of different sizes run side by side.
+    decodes and answers. Requests on lanes of different sizes run side by side, and a request's
+    forwards may run on a wider lane while its other ranks help (``runtime.widening``).
 
     Args:
         run_request: ``run_request(request, on_step)`` computes a request on a request thread;
@@ -107,6 +109,7 @@ class RankRuntime(TickLoop, RequestThreads):
         self._behind: set[int] = set()
         self._stopped: dict[int, None] = {}  # tickets stopped here (insertion-ordered, bounded)
         self._cancelled: dict[str, BaseException] = {}  # request id -> the error of a cancel that came first
+        self._init_widening()
 
     # ---- callers' side ---------------------------------------------------------------------
 
@@ -278,6 +281,7 @@ class RankRuntime(TickLoop, RequestThreads):
             self._inbox.clear()
             self._calls.clear()
             self._waiting, self._current = [], []
+            self._help = None
             self._cond.notify_all()
         # Jobs first: a request thread woken by its call's error must find its job answered.
         for job in jobs:

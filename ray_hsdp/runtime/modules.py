@@ -28,6 +28,40 @@ def _tensors(obj):
             yield from _tensors(value)
 
 
+class _Slot:
+    """Where a tensor stood in a structure sent without its tensors (``_without_tensors``)."""
+
+
+def _without_tensors(obj, tensors: list):
+    """``(obj with each tensor replaced by a _Slot, [(shape, dtype)] in order)``; the tensors
+    (contiguous) appended to ``tensors``. Structures: tuples, lists and dicts."""
+    shapes: list = []
+
+    def strip(value):
+        if isinstance(value, torch.Tensor):
+            tensors.append(value.contiguous())
+            shapes.append((tuple(value.shape), value.dtype))
+            return _Slot()
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items()}
+        if isinstance(value, (tuple, list)):
+            return type(value)(strip(v) for v in value)
+        return value
+
+    return strip(obj), shapes
+
+
+def _with_tensors(obj, tensors):
+    """``obj`` with its slots filled from the iterator ``tensors``, in order."""
+    if isinstance(obj, _Slot):
+        return next(tensors)
+    if isinstance(obj, dict):
+        return {k: _with_tensors(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_with_tensors(v, tensors) for v in obj)
+    return obj
+
+
 class TickedModule:
     """Stands in a pipeline for a sharded root module: calls go to the tick thread, attributes
     (``config``, ``dtype``, ...) to the module itself.
@@ -145,9 +179,13 @@ class ShardedModules:
             if "ready" in call.context:
                 torch.cuda.current_stream().wait_event(call.context["ready"])
         module = self.modules[calls[0].module_id]
+        if "widened" in calls[0].context:  # one call: lanes of several ranks run no batches
+            self._share_inputs(calls[0])
         # A batch's calls share their batch key (adapters, step cache): the first one's variant
-        # stands for all.
+        # stands for all; a widened call runs it on its wider lane.
         variant = calls[0].request or NO_REQUEST
+        if calls[0].request is not None and calls[0].ticket != variant.ticket:
+            variant = variant.with_ticket(calls[0].ticket)
         with variant.forward(module, calls[0].context.get("cache"), self.features):
             if len(calls) == 1:
                 results = [module(*calls[0].args, **calls[0].kwargs)]
@@ -169,6 +207,24 @@ class ShardedModules:
                     finished.record()
                 call.context["finished"] = finished
         return results
+
+    def _share_inputs(self, call: ForwardCall) -> None:
+        """A widened call's inputs, from its wider lane's source rank to the lane's other ranks
+        (``runtime.widening``): their structure and the tensors' shapes first, then each tensor."""
+        size, source = call.context["widened"]
+        group = self.features.lane_parallel.sequence_groups(size)[0]
+        device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+        tensors: list[torch.Tensor] = []
+        sends = dist.get_rank(group) == source
+        box = [_without_tensors((call.args, call.kwargs, call.context.get("cache")), tensors) if sends else None]
+        dist.broadcast_object_list(box, group=group, group_src=source, device=device)
+        if not sends:
+            tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in box[0][1]]
+        for tensor in tensors:
+            dist.broadcast(tensor, group=group, group_src=source)
+        call.args, call.kwargs, cache = _with_tensors(box[0][0], iter(tensors))
+        if cache is not None:
+            call.context["cache"] = cache
 
     def _exchange_cfg(self, output, group) -> tuple[torch.Tensor, torch.Tensor]:
         """All-gathers a forward's prediction between the lane's two CFG halves (``group``, which

@@ -24,6 +24,11 @@ LANE_BITS = 16
 #: that request at this tick; every rank that sees it applies it at the same tick.
 STOP = -3
 
+#: The module id of a help key (``help_key``): a rank that helps a request's lane (lane widening)
+#: offers it for the wider lane's ticket, and the wider lane agrees on a call when every other rank
+#: of it offers that call's key.
+HELP_MODULE = (1 << 14) - 2
+
 #: Stopped tickets (and cancelled request ids) a rank remembers, so that a request whose stop or
 #: cancel came before its offer never starts.
 STOPPED_MEMORY = 4096
@@ -64,6 +69,23 @@ def lane_ticket(sequence: int, first: int = 0, size: int = 1) -> int:
     return (sequence % (KEY_SPACE >> LANE_BITS)) << LANE_BITS | first << 8 | size
 
 
+def help_key(ticket: int) -> int:
+    """The key a helper offers for the wider lane ``ticket`` of a widened request: it joins any of
+    that lane's calls."""
+    return key_of(HELP_MODULE, ticket)
+
+
+def widened(ticket: int, first: int, size: int) -> int:
+    """The ticket of ``ticket``'s request on the wider lane of ``size`` ranks from ``first`` on: the
+    same request (its sequence), another lane."""
+    return lane_ticket(sequence_of(ticket), first, size)
+
+
+def sequence_of(ticket: int) -> int:
+    """The group's number of a ticket's request, without its lane."""
+    return ticket >> LANE_BITS
+
+
 def lane_of(ticket: int) -> tuple[int | None, int]:
     """``(first rank, size)`` of a ticket's lane; ``(None, 1)`` for a lane of one rank (its own)."""
     size = ticket & 0xFF
@@ -75,19 +97,25 @@ def agreed_keys(gathered: Sequence[int]) -> dict[int, int]:
     that agree.
 
     A key's lane is its ticket's (``lane_of``). A lane agrees when all its ranks offer the same key
-    and none of the gathered states asks to stop that key's request; a lane of one rank agrees
-    with itself. Lanes that agree never overlap: a rank offers one key. Every rank computes this
-    from the same gathered list.
+    (or, on a widened request's wider lane, the key's ``help_key``, as long as one rank offers the
+    call itself) and none of the gathered states asks to stop that key's request (on a wider lane:
+    the request's own lane's ticket); a lane of one rank agrees with itself. Lanes that agree never
+    overlap: a rank offers one key. Every rank computes this from the same gathered list.
     """
-    stopped = {STOP - state for state in gathered if state <= STOP}
+    stops = [STOP - state for state in gathered if state <= STOP]
+    stopped = set(stops)
+    # Only lanes of several ranks send stops; their widened tickets share their sequence.
+    stopped_sequences = {sequence_of(ticket) for ticket in stops if lane_of(ticket)[1] > 1}
     agreed = {}
     for rank, key in enumerate(gathered):
-        if key < 0 or key % KEY_SPACE in stopped:
+        if key < 0 or key % KEY_SPACE in stopped or module_of(key) == HELP_MODULE:
             continue
         first, size = lane_of(key % KEY_SPACE)
         if first is None:
             agreed[rank] = key
-        elif rank == first and all(state == key for state in gathered[first : first + size]):
+        elif sequence_of(key % KEY_SPACE) not in stopped_sequences and all(
+            state in (key, help_key(key)) for state in gathered[first : first + size]
+        ):
             agreed[first] = key
     return agreed
 
@@ -198,11 +226,24 @@ class ForwardCall(Completion):
         self.batch_key = request.batch_key if request is not None else None
         self.args = args
         self.kwargs = kwargs
+        #: The ticket of the request's own lane (stops name it), and ``ticket`` the lane this call
+        #: runs on: the same, or a wider one while the request is widened (``retarget``).
+        self.home_ticket = ticket
         self.ticket = ticket
         self.key = key_of(module_id, ticket)
         #: What the modules need to hand inputs and outputs between threads (CUDA streams, events,
         #: the CFG exchange).
         self.context: dict = dict(context or {})
+
+    def retarget(self, ticket: int, source: int | None = None) -> None:
+        """Runs the call on the lane of ``ticket``: its own lane's, or a wider one whose forward
+        takes its inputs from the rank ``source`` of that lane (``"widened"`` in its context:
+        ``(lane size, source)``)."""
+        self.ticket, self.key = ticket, key_of(self.module_id, ticket)
+        if ticket == self.home_ticket:
+            self.context.pop("widened", None)
+        else:
+            self.context["widened"] = (lane_of(ticket)[1], source)
 
 
 class Modules(Protocol):

@@ -8,6 +8,7 @@ import time
 
 from ray_hsdp.runtime.protocol import (
     BUSY,
+    HELP_MODULE,
     IDLE,
     KEY_SPACE,
     QUIET_TICK_S,
@@ -56,8 +57,10 @@ class TickLoop:
         rank without room offers its calls, which the others must join for it to make room.
         """
         with self._cond:
+            self._offered_help = None
             if self._stops:
                 return STOP - self._stops.popleft()
+            self._retarget_waiting()
             if behind := {c.key for c in self._waiting} & self._behind:
                 return min(behind)
             # Starts of lanes of several ranks this rank has room for (a lane of one starts alone).
@@ -66,6 +69,8 @@ class TickLoop:
                 return min(behind)
             if self._waiting:
                 return min(c.key for c in self._waiting)
+            if (help := self._offer_help()) is not None:
+                return help
             if starts:
                 return min(starts) % KEY_SPACE
         return BUSY if busy else IDLE
@@ -102,7 +107,8 @@ class TickLoop:
         self.idle_ticks += state == IDLE
         self._apply_stops(STOP - g for g in gathered if g <= STOP)
         agreed = agreed_keys(gathered)
-        offered = {g for g in gathered if g >= 0 and lane_of(g % KEY_SPACE)[1] > 1}
+        self._note_helpers(gathered)
+        offered = {g for g in gathered if g >= 0 and lane_of(g % KEY_SPACE)[1] > 1 and module_of(g) != HELP_MODULE}
         self._behind = offered - set(agreed.values())  # lanes of several ranks that did not agree
         mine = agreed_mine(agreed, state, self.rank)
         if mine is not None and module_of(mine) < 0:
@@ -114,6 +120,9 @@ class TickLoop:
             if batch:
                 self._where = f"the forward of {self.modules.names[module_id]}"
                 self._forward(batch)
+            elif self._helps_in(agreed, module_id):
+                self._where = f"a helper's forward of {self.modules.names[module_id]}"
+                self._help_forward(module_id)
             else:
                 self._where = f"a ghost pass of {self.modules.names[module_id]}"
                 self.modules.ghost(module_id)
@@ -163,7 +172,7 @@ class TickLoop:
                         self._inbox.remove(job)
                         dropped.append(job)
                 for queue in (self._calls, self._waiting):
-                    for call in [c for c in queue if c.ticket == ticket]:
+                    for call in [c for c in queue if c.home_ticket == ticket]:
                         queue.remove(call)
                         failed.append(call)
         for job in dropped:

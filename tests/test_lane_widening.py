@@ -1,0 +1,81 @@
+"""Lane widening (issue 39, resizing at step boundaries): while no request waits, a running
+request's forwards also run on the idle ranks of a wider lane around its own, and a request that
+arrives takes them back. The protocol's agreement with helpers, the refusals, and a group whose
+widened request still equals the unsharded diffusers pipeline's result."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+
+import pytest
+from support import max_abs_diff, reference_frames, wait_until
+
+from ray_hsdp.config import GroupConfig
+from ray_hsdp.group import ShardGroup
+from ray_hsdp.request import GenerationRequest
+from ray_hsdp.runtime.protocol import STOP, agreed_keys, help_key, key_of, lane_ticket, widened
+
+TOLERANCE = 1e-5
+
+
+def test_a_wider_lane_agrees_on_a_call_its_helpers_offer_their_help_to():
+    home = lane_ticket(5, 2, 2)  # ranks 2 and 3
+    wide = widened(home, 0, 4)
+    call = key_of(1, wide)
+    assert agreed_keys([help_key(wide), help_key(wide), call, call]) == {0: call}
+    # A helper that leads the wider lane, for a request of a lane of one rank (rank 1).
+    alone = widened(lane_ticket(6), 0, 2)
+    assert agreed_keys([help_key(alone), key_of(0, alone)]) == {0: key_of(0, alone)}
+    assert agreed_keys([help_key(wide)] * 4) == {}  # helpers alone agree on nothing
+    assert agreed_keys([help_key(wide), -1, call, call]) == {}  # a helper missing
+    assert agreed_keys([help_key(wide), help_key(wide), call, key_of(0, wide)]) == {}  # two calls
+    # A stop of the request's own lane stops its calls on the wider lane at the same tick.
+    assert agreed_keys([help_key(wide), help_key(wide), call, call, STOP - home]) == {}
+
+
+def test_lane_widening_needs_adaptive_lanes_and_refuses_cfg_halves_and_step_caches():
+    with pytest.raises(ValueError, match="lane_widening widens adaptive lanes: set lane_sizes too"):
+        GroupConfig(model="tiny", shard_size=2, lane_widening=True)
+    with pytest.raises(ValueError, match="lane_widening with cfg_parallel"):
+        GroupConfig(model="tiny", shard_size=4, lane_sizes=(1, 2, 4), cfg_parallel=True, lane_widening=True)
+    with pytest.raises(ValueError, match=r"lane_widening with a step cache \(cache kind\)"):
+        GroupConfig(model="tiny", shard_size=2, lane_sizes=(1, 2), cache={"kind": "first_block"}, lane_widening=True)
+
+
+def test_a_request_on_a_lane_of_one_is_widened_when_its_neighbour_ends_and_gives_the_rank_back(
+    ray_cluster, tiny_model, reference_pipe
+):
+    """Rank 0 runs a short request that names a lane of one, rank 1 a long one the group gave a
+    lane of one (its neighbour took the other rank). Once the short one ends and nothing waits,
+    rank 0 helps the long one: its forwards run on the lane of two. A third request then takes rank
+    0 back at once, and is answered before the long one. Each result equals the unsharded run."""
+    config = GroupConfig(
+        model=tiny_model, device="cpu", shard_size=2, lane_sizes=(1, 2), lane_widening=True, requests_per_rank=1
+    )
+    # Of like work per forward: a lane of one opens beside the other (``lanes.LockStep``).
+    long = GenerationRequest(prompt="rain at night", seed=5, num_inference_steps=80, width=64, height=32, num_frames=9)
+    short = dataclasses.replace(long, prompt="a dog", seed=4, num_inference_steps=2, lane_size=1)
+    third = dataclasses.replace(short, prompt="a cat", seed=6, lane_size=None)
+    records = []
+    with ShardGroup(config) as group:
+        group.listeners.append(records.append)
+        futures = {
+            "short": group.submit(dataclasses.replace(short, request_id="short")),
+            "long": group.submit(dataclasses.replace(long, request_id="long")),
+        }
+        wait_until(lambda: group.tick_stats()[0]["helped"] > 0, 120, "rank 0 helps the long request")
+        assert group.progress()["long"]["step"] < long.num_inference_steps
+        futures["third"] = group.submit(dataclasses.replace(third, request_id="third"))
+        done, _ = concurrent.futures.wait(futures.values(), timeout=300, return_when=concurrent.futures.FIRST_COMPLETED)
+        assert futures["long"] not in done
+        assert futures["third"].result(timeout=300).frames is not None
+        assert not futures["long"].done()  # the third took rank 0 back while the long one ran
+        results = {name: future.result(timeout=300) for name, future in futures.items()}
+        stats = group.tick_stats()
+    by_id = {record.request_id: record for record in records}
+    assert (by_id["long"].lane_size, by_id["long"].widened_to) == (1, 2)
+    assert by_id["short"].widened_to is None and by_id["third"].widened_to is None
+    assert stats[0]["helped"] > 0 and stats[1]["helped"] == 0
+    for name, request in (("short", short), ("long", long), ("third", third)):
+        assert max_abs_diff(results[name].frames, reference_frames(reference_pipe, request)) <= TOLERANCE, name
