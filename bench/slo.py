@@ -12,9 +12,10 @@ of the window), p50 / p95 latency from arrival, and, for adaptive lanes, the lan
 Layouts (``--layouts``): ``batch`` (lanes of one rank), ``lanes2`` (fixed Ulysses lanes of 2),
 ``wide`` (one Ulysses lane of all the GPUs), ``adaptive`` (``lane_sizes``: 1, 2 and all),
 ``adaptive-thrifty`` and ``adaptive-wide`` (the same with ``lane_policy: thrifty`` and
-``wide_first``). Results are written after every
+``wide_first``), ``adaptive-widen`` (``adaptive`` with ``lane_widening``: the requests widened are
+counted). Results are written after every
 layout, each attainment with its 95% interval and the mean seconds queued and running per request
-size and lane size, each window's requests one by one (lane, leader, seconds queued, running, per
+size and lane size, each window's requests one by one (lane, wider lane, leader, seconds queued, running, per
 step, before and after the loop, latency, why one was not answered) and the neighbour rule's
 fitted tick floor after it (``tick_floor``, ``TickModel``); ``--plot`` draws attainment and p95
 against the rate from one or more results files, and ``--pool`` adds up the requests of several
@@ -35,7 +36,7 @@ from pathlib import Path
 
 from bench.common import ensure_model, environment, failure, start_ray, write_results
 
-LAYOUTS = ("wide", "lanes2", "batch", "adaptive", "adaptive-thrifty", "adaptive-wide")
+LAYOUTS = ("wide", "lanes2", "batch", "adaptive", "adaptive-thrifty", "adaptive-wide", "adaptive-widen")
 
 
 def layout_fields(layout: str, gpus: int) -> dict:
@@ -47,6 +48,7 @@ def layout_fields(layout: str, gpus: int) -> dict:
         "adaptive": {"lane_sizes": sorted({1, 2, gpus})},
         "adaptive-thrifty": {"lane_sizes": sorted({1, 2, gpus}), "lane_policy": "thrifty"},
         "adaptive-wide": {"lane_sizes": sorted({1, 2, gpus}), "lane_policy": "wide_first"},
+        "adaptive-widen": {"lane_sizes": sorted({1, 2, gpus}), "lane_widening": True},
     }[layout]
 
 
@@ -136,6 +138,7 @@ def per_request(
                 "at_s": round(at, 3),
                 "size": sizes[size_index],
                 "lane_size": record.lane_size if record is not None else None,
+                "widened_to": record.widened_to if record is not None else None,
                 "leader": record.rank if record is not None else None,
                 "queued_s": round(record.queued_s, 3) if record is not None and record.queued_s is not None else None,
                 "run_s": round(record.run_s, 3) if record is not None and record.run_s is not None else None,
@@ -216,6 +219,7 @@ def run_load(group, rate: float, sizes, deadlines: list[float], args, seed: int)
         "p50_s": round(statistics.median(latencies), 2) if latencies else None,
         "p95_s": round(sorted(latencies)[math.ceil(0.95 * len(latencies)) - 1], 2) if latencies else None,
         "lane_sizes_given": {str(k): given.count(k) for k in sorted(set(given))},
+        "widened": sum(1 for record in records.values() if record.widened_to is not None),
         "lane_sizes_by_size": by_size,
         "queued_run_s_by_size": times,
     }

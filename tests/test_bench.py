@@ -100,14 +100,16 @@ def test_slo_records_each_request_with_its_lane_leader_and_where_its_time_went()
             "slo-0", "ok", 2, 0.1, run_s=1.2, lane=0, rank=2, lane_size=2, step_s=0.25, before_loop_s=0.2,
             after_loop_s=0.5,
         ),  # fmt: skip
-        1: RequestRecord("slo-1", "ok", 2, 3.0, run_s=2.0, lane=0, rank=0, lane_size=4, step_s=0.5),
+        1: RequestRecord("slo-1", "ok", 2, 3.0, run_s=2.0, lane=0, rank=0, lane_size=1, step_s=0.5, widened_to=4),
     }
     errors = {2: "unanswered past the drain"}
     rows = per_request(plan, records, {0: 1.8, 1: 7.0}, [2.0, 5.0], ["832x480", "480x320"], errors)
     assert rows[0] == {
-        "at_s": 0.5, "size": "832x480", "lane_size": 2, "leader": 2, "queued_s": 0.1, "run_s": 1.2, "step_s": 0.25,
-        "before_loop_s": 0.2, "after_loop_s": 0.5, "latency_s": 1.3, "error": None, "met": True,
+        "at_s": 0.5, "size": "832x480", "lane_size": 2, "widened_to": None, "leader": 2, "queued_s": 0.1,
+        "run_s": 1.2, "step_s": 0.25, "before_loop_s": 0.2, "after_loop_s": 0.5, "latency_s": 1.3, "error": None,
+        "met": True,
     }  # fmt: skip
     assert (rows[1]["latency_s"], rows[1]["met"]) == (6.0, False)  # 6 s against its 5 s deadline
+    assert (rows[1]["lane_size"], rows[1]["widened_to"]) == (1, 4)  # a lane of one, widened to four
     assert rows[2]["leader"] is None and rows[2]["latency_s"] is None and rows[2]["met"] is False  # never answered
     assert rows[2]["error"] == "unanswered past the drain"

@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import os
+import signal
+import time
 
 import pytest
-from support import max_abs_diff, reference_frames, wait_until
+from support import max_abs_diff, pipeline_with_adapters, reference_with, wait_until
 
 from ray_hsdp.config import GroupConfig
-from ray_hsdp.group import ShardGroup
-from ray_hsdp.request import GenerationRequest
+from ray_hsdp.group import GroupFailedError, ShardGroup
+from ray_hsdp.request import GenerationRequest, RequestCancelledError
 from ray_hsdp.runtime.protocol import STOP, agreed_keys, help_key, key_of, lane_ticket, widened
 
 TOLERANCE = 1e-5
+LORAS = {"style": "tiny-style"}
 
 
 def test_a_wider_lane_agrees_on_a_call_its_helpers_offer_their_help_to():
@@ -43,19 +47,32 @@ def test_lane_widening_needs_adaptive_lanes_and_refuses_cfg_halves_and_step_cach
         GroupConfig(model="tiny", shard_size=2, lane_sizes=(1, 2), cache={"kind": "first_block"}, lane_widening=True)
 
 
-def test_a_request_on_a_lane_of_one_is_widened_when_its_neighbour_ends_and_gives_the_rank_back(
-    ray_cluster, tiny_model, reference_pipe
-):
+def test_a_request_on_a_lane_of_one_is_widened_when_its_neighbour_ends_and_gives_the_rank_back(ray_cluster, tiny_model):
     """Rank 0 runs a short request that names a lane of one, rank 1 a long one the group gave a
     lane of one (its neighbour took the other rank). Once the short one ends and nothing waits,
     rank 0 helps the long one: its forwards run on the lane of two. A third request then takes rank
-    0 back at once, and is answered before the long one. Each result equals the unsharded run."""
+    0 back at once, and is answered before the long one. Each result equals the unsharded run (the
+    long one's with its adapter, which the helper's forwards select too)."""
     config = GroupConfig(
-        model=tiny_model, device="cpu", shard_size=2, lane_sizes=(1, 2), lane_widening=True, requests_per_rank=1
+        model=tiny_model,
+        device="cpu",
+        shard_size=2,
+        lane_sizes=(1, 2),
+        lane_widening=True,
+        requests_per_rank=1,
+        loras=LORAS,
     )
     # Of like work per forward: a lane of one opens beside the other (``lanes.LockStep``).
-    long = GenerationRequest(prompt="rain at night", seed=5, num_inference_steps=80, width=64, height=32, num_frames=9)
-    short = dataclasses.replace(long, prompt="a dog", seed=4, num_inference_steps=2, lane_size=1)
+    long = GenerationRequest(
+        prompt="rain at night",
+        seed=5,
+        num_inference_steps=80,
+        width=64,
+        height=32,
+        num_frames=9,
+        lora=(("style", 0.7),),
+    )
+    short = dataclasses.replace(long, prompt="a dog", seed=4, num_inference_steps=2, lane_size=1, lora=())
     third = dataclasses.replace(short, prompt="a cat", seed=6, lane_size=None)
     records = []
     with ShardGroup(config) as group:
@@ -65,7 +82,8 @@ def test_a_request_on_a_lane_of_one_is_widened_when_its_neighbour_ends_and_gives
             "long": group.submit(dataclasses.replace(long, request_id="long")),
         }
         wait_until(lambda: group.tick_stats()[0]["helped"] > 0, 120, "rank 0 helps the long request")
-        assert group.progress()["long"]["step"] < long.num_inference_steps
+        progress = group.progress()["long"]
+        assert progress["step"] < long.num_inference_steps and progress["helpers"] == [0], progress
         futures["third"] = group.submit(dataclasses.replace(third, request_id="third"))
         done, _ = concurrent.futures.wait(futures.values(), timeout=300, return_when=concurrent.futures.FIRST_COMPLETED)
         assert futures["long"] not in done
@@ -77,5 +95,40 @@ def test_a_request_on_a_lane_of_one_is_widened_when_its_neighbour_ends_and_gives
     assert (by_id["long"].lane_size, by_id["long"].widened_to) == (1, 2)
     assert by_id["short"].widened_to is None and by_id["third"].widened_to is None
     assert stats[0]["helped"] > 0 and stats[1]["helped"] == 0
+    pipe = pipeline_with_adapters(tiny_model, LORAS)
     for name, request in (("short", short), ("long", long), ("third", third)):
-        assert max_abs_diff(results[name].frames, reference_frames(reference_pipe, request)) <= TOLERANCE, name
+        assert max_abs_diff(results[name].frames, reference_with(pipe, request)) <= TOLERANCE, name
+
+
+def test_a_widened_request_is_cancelled_and_a_helper_s_death_fails_the_group_at_once(ray_cluster, tiny_model):
+    """A widened request is cancelled like any other (its helpers go back, and the next request runs
+    on the group); a helper killed while it helps fails the group at once, not at a collective's
+    timeout."""
+    config = GroupConfig(
+        model=tiny_model, device="cpu", shard_size=2, lane_sizes=(1, 2), lane_widening=True, requests_per_rank=1,
+        collective_timeout_s=120,
+    )  # fmt: skip
+    long = GenerationRequest(prompt="long", num_inference_steps=2000, width=32, height=32)
+    short = dataclasses.replace(long, prompt="short", num_inference_steps=2, lane_size=1)
+
+    def widened_long(group: ShardGroup, name: str) -> concurrent.futures.Future:
+        """A long request on rank 1's lane of one, helped by rank 0 once a short one there ended."""
+        group.submit(dataclasses.replace(short, request_id=f"short-{name}"))
+        future = group.submit(dataclasses.replace(long, request_id=name))
+        wait_until(lambda: group.progress().get(name, {}).get("helpers") == [0], 60, f"{name} is widened")
+        return future
+
+    with ShardGroup(config) as group:
+        future = widened_long(group, "cancelled")
+        assert group.cancel("cancelled")
+        with pytest.raises(RequestCancelledError):
+            future.result(timeout=60)
+        # On a lane of one: a measured lane of two no faster here (CPU) would end widening.
+        after = group.generate([dataclasses.replace(short, request_id="after")])[0]
+        assert after.frames.shape == (1, 1, 32, 32, 3)
+        doomed = widened_long(group, "doomed")
+        killed_at = time.monotonic()
+        os.kill(group.placement[0]["pid"], signal.SIGKILL)  # the helper
+        with pytest.raises(GroupFailedError, match="rank 0 died"):
+            doomed.result(timeout=60)
+        assert time.monotonic() - killed_at < 30  # not the collective timeout

@@ -76,19 +76,21 @@ class GroupInspection:
 
     def progress(self) -> dict[str, dict]:
         """Request id -> ``{"state": "queued"}`` or ``{"state": "running", "rank": i, "lane": l,
-        "lane_size": k, "step": s, "total": n}`` (``rank`` is the lane's leader, which answers;
-        ``lane`` its index among the group's lanes of ``lane_size`` ranks)."""
+        "lane_size": k, "step": s, "total": n, "helpers": [h, ...]}`` (``rank`` is the lane's leader,
+        which answers; ``lane`` its index among the group's lanes of ``lane_size`` ranks;
+        ``helpers`` the ranks that join its forwards on a wider lane now, ``lane_widening``)."""
         with self._cond:
             out = {j.request.request_id: {"state": "queued"} for j in self._pending}
             running = {
-                j.request.request_id: (i, j.lane, len(j.ranks), j.request.num_inference_steps)
+                j.request.request_id: (i, j.lane, len(j.ranks), j.request.num_inference_steps, list(j.helpers))
                 for i, j in self._inflight.values()
                 if i == j.ranks.start
             }
             ranks = list(self.ranks)
-        for request_id, (rank_index, lane, size, total) in running.items():
+        for request_id, (rank_index, lane, size, total, helpers) in running.items():
             out[request_id] = {
                 "state": "running", "rank": rank_index, "lane": lane, "lane_size": size, "step": 0, "total": total,
+                "helpers": helpers,
             }  # fmt: skip
         leaders = sorted({rank_index for rank_index, *_ in running.values()})
         reports = ray.get([ranks[i].progress.remote() for i in leaders], timeout=self.config.request_timeout_s)
