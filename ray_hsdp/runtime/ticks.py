@@ -44,7 +44,8 @@ class TickLoop:
         """What this rank offers at a tick: a stop it asks for, else the least of its waiting calls
         of lanes of several ranks that did not agree at the last tick, else (with room) the least
         of such starts, else its cheapest waiting call, else the oldest queued request if it has
-        room for it, else ``BUSY`` or ``IDLE``.
+        room for it, else the help key of the wider lane it helps (``runtime.widening``), else
+        ``BUSY`` or ``IDLE``.
 
         Calls come before starts: the ranks of a lane run the same requests, so their calls
         agree, while a start waits until every rank of the lane has room (a leader still decoding
@@ -54,7 +55,9 @@ class TickLoop:
         calls left behind are the same on every rank (read from the tick's all-gather), so the
         ranks of such a lane offer the call together at the next tick. Calls left behind come
         before starts left behind: a start waits for every rank of its lane to have room, and a
-        rank without room offers its calls, which the others must join for it to make room.
+        rank without room offers its calls, which the others must join for it to make room. Help
+        comes last: a rank offers it only when none of its own lanes waits on it, so two ranks
+        that help each other's lanes still start and run their own requests.
         """
         with self._cond:
             self._offered_help = None
@@ -69,10 +72,10 @@ class TickLoop:
                 return min(behind)
             if self._waiting:
                 return min(c.key for c in self._waiting)
-            if (help := self._offer_help()) is not None:
-                return help
             if starts:
                 return min(starts) % KEY_SPACE
+            if (help := self._offer_help()) is not None:
+                return help
         return BUSY if busy else IDLE
 
     def _start_agreed(self, key: int) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from ray_hsdp.runtime import ForwardCall, RankRuntime, SessionFailedError
 from ray_hsdp.runtime.core import Completion
-from ray_hsdp.runtime.protocol import KEY_SPACE, lane_ticket
+from ray_hsdp.runtime.protocol import KEY_SPACE, lane_ticket, widened
 
 MODULES = ("text_encoder", "transformer", "transformer_2")
 DEADLINE_S = 60
@@ -630,3 +630,86 @@ def test_lanes_of_one_two_and_four_ranks_run_side_by_side(seed):
             assert job.value == pytest.approx(request.expected()) and request.request_id not in cancelled
         elif rank != ranks[0]:
             assert job.value is None  # followers never answer: the leader does
+
+
+class WideningModules(LaneModules):
+    """Lane modules that log each real forward's key with its tick's place in ``ran`` (every rank
+    appends one module per tick that runs one), so that the ranks of a wider lane can be checked to
+    run a widened forward at the same tick. A helper's call carries no inputs (the real modules
+    broadcast them from the source rank); its output is dropped."""
+
+    def __init__(self):
+        super().__init__()
+        self.at: list[tuple[int, int]] = []
+
+    def forward(self, calls: list[ForwardCall]) -> list:
+        self.at.append((len(self.ran), calls[0].key))
+        if not calls[0].args:  # a helper's
+            self.keys.append(calls[0].key)
+            self.forwards += 1
+            self.ran.append(calls[0].module_id)
+            return [None]
+        return super().forward(calls)
+
+
+@pytest.mark.parametrize("seed", range(LANE_SEEDS // 3))
+def test_widened_requests_run_their_forwards_with_their_helpers_at_the_same_ticks(seed):
+    """Lane widening's runtime: on 4 ranks, requests on lanes of one and two ranks; some are widened
+    at random moments (the other ranks of the aligned lane of 2 or 4 around theirs help, whatever
+    those run themselves) and released at random moments or once they end; leaders cancel at
+    random. Every request and call completes once, nothing hangs, a leader's uncancelled request
+    returns its real result, and every forward a request ran on its wider lane ran on every rank of
+    that lane at the same tick."""
+    rng = random.Random(9000 + seed)
+    plan = random.Random(seed)  # the feed's choices alone: the request threads draw from rng meanwhile
+    world_size = 4
+    runtimes, _ = lane_runtimes(rng, world_size)
+    modules = [WideningModules() for _ in range(world_size)]
+    for runtime, mods in zip(runtimes, modules):
+        runtime.modules = mods
+    requests = [make_request(rng, f"q{i}", own_errors=False) for i in range(12)]
+    jobs: list[tuple[FakeRequest, int, object]] = []
+    cancelled: set[str] = set()
+    wide_tickets: dict[int, list[int]] = {}  # wider lane's ticket -> its ranks
+
+    def feed() -> None:
+        helping: dict[int, tuple[int, object]] = {}  # helper rank -> (ticket, the leader's job)
+        for sequence, request in enumerate(requests):
+            size = plan.choice((1, 2))
+            ranks = list(range(plan.randrange(world_size // size) * size, world_size))[:size]
+            ticket = lane_ticket(sequence, ranks[0], size)
+            for rank in plan.sample(ranks, size):
+                jobs.append((request, rank, runtimes[rank].submit(request, ticket)))
+            leader = next(job for _, rank, job in jobs[-size:] if rank == ranks[0])
+            for helper, (wide, job) in list(helping.items()):  # some helpers go back, done or not
+                if plan.random() < 0.15 or job.done:
+                    runtimes[helper].release(wide)
+                    del helping[helper]
+            wide_size = plan.choice((2, 4)) if size == 1 else 4
+            lane = list(range(ranks[0] // wide_size * wide_size, ranks[0] // wide_size * wide_size + wide_size))
+            helpers = [r for r in lane if r not in ranks]
+            if plan.random() < 0.6 and not set(helpers) & set(helping):
+                wide = widened(ticket, lane[0], wide_size)
+                wide_tickets[wide] = lane
+                for helper in helpers:
+                    runtimes[helper].help(request, wide, ranks[0] - lane[0])
+                    helping[helper] = (wide, leader)
+            time.sleep(plan.random() * 0.02)
+            if plan.random() < 0.2 and runtimes[ranks[0]].cancel(request.request_id, InjectedError("cancelled")):
+                cancelled.add(request.request_id)
+        while helping:  # the group gives every helper back once its request ends
+            for helper, (wide, job) in list(helping.items()):
+                if job.wait(0.01):
+                    runtimes[helper].release(wide)
+                    del helping[helper]
+
+    run_lanes(runtimes, feed, jobs)
+    for mods in modules:
+        assert all(call.done for call in mods.calls) and not mods.wrong_results, mods.wrong_results
+    for request, rank, job in jobs:
+        if job.lane_first in (None, rank) and job.error is None:
+            assert job.value == pytest.approx(request.expected()) and request.request_id not in cancelled
+    assert wide_tickets, "no request was widened"
+    for wide, lane in wide_tickets.items():
+        ran = [[(at, key) for at, key in modules[r].at if key % KEY_SPACE == wide] for r in lane]
+        assert all(forwards == ran[0] for forwards in ran), (wide, lane, ran)
