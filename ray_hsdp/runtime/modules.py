@@ -62,6 +62,23 @@ def _with_tensors(obj, tensors):
     return obj
 
 
+def broadcast_inputs(inputs, group, source: int, device: torch.device):
+    """``inputs`` (tuples, lists and dicts of tensors and picklable values) of the rank ``source``
+    of ``group`` (its index there), on every rank of ``group``: the structure and the tensors'
+    shapes first, in one object broadcast, then each tensor. Each rank passes its own ``inputs``;
+    only the source's are read."""
+    tensors: list[torch.Tensor] = []
+    sends = dist.get_rank(group) == source
+    box = [_without_tensors(inputs, tensors) if sends else None]
+    dist.broadcast_object_list(box, group=group, group_src=source, device=device)
+    structure, shapes = box[0]
+    if not sends:
+        tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes]
+    for tensor in tensors:
+        dist.broadcast(tensor, group=group, group_src=source)
+    return _with_tensors(structure, iter(tensors))
+
+
 class TickedModule:
     """Stands in a pipeline for a sharded root module: calls go to the tick thread, attributes
     (``config``, ``dtype``, ...) to the module itself.
@@ -210,19 +227,13 @@ class ShardedModules:
 
     def _share_inputs(self, call: ForwardCall) -> None:
         """A widened call's inputs, from its wider lane's source rank to the lane's other ranks
-        (``runtime.widening``): their structure and the tensors' shapes first, then each tensor."""
+        (``runtime.widening``)."""
         size, source = call.context["widened"]
         group = self.features.lane_parallel.sequence_groups(size)[0]
         device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
-        tensors: list[torch.Tensor] = []
-        sends = dist.get_rank(group) == source
-        box = [_without_tensors((call.args, call.kwargs, call.context.get("cache")), tensors) if sends else None]
-        dist.broadcast_object_list(box, group=group, group_src=source, device=device)
-        if not sends:
-            tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in box[0][1]]
-        for tensor in tensors:
-            dist.broadcast(tensor, group=group, group_src=source)
-        call.args, call.kwargs, cache = _with_tensors(box[0][0], iter(tensors))
+        call.args, call.kwargs, cache = broadcast_inputs(
+            (call.args, call.kwargs, call.context.get("cache")), group, source, device
+        )
         if cache is not None:
             call.context["cache"] = cache
 

@@ -50,7 +50,8 @@ class RankWidening:
 
     def help(self, request: Any, ticket: int, source: int) -> None:
         """Helps ``request`` on the wider lane ``ticket`` until ``release(ticket)``: this rank offers
-        the lane's help key at every tick it has no call of its own waiting, and joins each forward
+        the lane's help key at every tick it has no call or start of its own waiting (so that lanes
+        of its own never wait on it), and joins each forward
         of the request the lane agrees on, its inputs from the lane's rank ``source``. A help whose
         release came first is dropped.
 
