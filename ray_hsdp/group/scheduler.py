@@ -280,9 +280,10 @@ class GroupScheduler:
         for job, ranks in self._running_jobs().values():
             if len(job.ranks) > 1 and len(ranks) == 1:
                 continue
-            lane = job.wide if job.helpers else job.ranks  # a widened request's helpers share its work
-            for rank_index in lane if job.helpers else ranks:
-                work[rank_index] += job.request.forward_cost / len(lane)
+            if job.helpers:  # a widened request's forwards run on its wider lane, helpers included
+                ranks = job.wide
+            for rank_index in ranks:
+                work[rank_index] += job.request.forward_cost / len(job.wide or job.ranks)
         return work
 
     def _load(self, lane: int) -> int:

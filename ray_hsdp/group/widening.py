@@ -36,10 +36,10 @@ class GroupWidening:
             if sorted(holders) != list(job.ranks) or any(loads[r] != 1 for r in job.ranks):
                 continue  # part of its lane is done (decoding), or its ranks run others too
             for size in sorted(job.variant.lane_sizes, reverse=True):
-                start = job.ranks.start // size * size
-                lane = range(start, start + size)
                 if size <= len(job.ranks):
                     break
+                start = job.ranks.start // size * size
+                lane = range(start, start + size)
                 if all(loads[r] == 0 for r in lane if r not in job.ranks) and self._widening_pays(job, size):
                     self._help(job, lane)
                     for rank in job.helpers:

@@ -107,16 +107,19 @@ def agreed_keys(gathered: Sequence[int]) -> dict[int, int]:
     # Only lanes of several ranks send stops; their widened tickets share their sequence.
     stopped_sequences = {sequence_of(ticket) for ticket in stops if lane_of(ticket)[1] > 1}
     agreed = {}
+    checked = set()  # first ranks of the lanes of several ranks read at this tick
     for rank, key in enumerate(gathered):
         if key < 0 or key % KEY_SPACE in stopped or module_of(key) == HELP_MODULE:
             continue
         first, size = lane_of(key % KEY_SPACE)
         if first is None:
             agreed[rank] = key
-        elif sequence_of(key % KEY_SPACE) not in stopped_sequences and all(
-            state in (key, help_key(key)) for state in gathered[first : first + size]
-        ):
-            agreed[first] = key
+        elif first not in checked:  # its first rank may be a helper: read the lane at its first call
+            checked.add(first)
+            if sequence_of(key % KEY_SPACE) not in stopped_sequences and all(
+                state in (key, help_key(key)) for state in gathered[first : first + size]
+            ):
+                agreed[first] = key
     return agreed
 
 
