@@ -11,9 +11,7 @@ layout and rate: SLO attainment (answered within the deadline), goodput (such re
 of the window), p50 / p95 latency from arrival, and, for adaptive lanes, the lane sizes given.
 Layouts (``--layouts``): ``batch`` (lanes of one rank), ``lanes2`` (fixed Ulysses lanes of 2),
 ``wide`` (one Ulysses lane of all the GPUs), ``adaptive`` (``lane_sizes``: 1, 2 and all),
-``adaptive-thrifty`` and ``adaptive-wide`` (the same with ``lane_policy: thrifty`` and
-``wide_first``), ``adaptive-widen`` (``adaptive`` with ``lane_widening``: the requests widened are
-counted). Results are written after every
+``adaptive-widen`` (``adaptive`` with ``lane_widening``: the requests widened are counted). Results are written after every
 layout, each attainment with its 95% interval and the mean seconds queued and running per request
 size and lane size, each window's requests one by one (lane, wider lane, leader, seconds queued, running, per
 step, before and after the loop, latency, why one was not answered) and the neighbour rule's
@@ -36,7 +34,7 @@ from pathlib import Path
 
 from bench.common import ensure_model, environment, failure, start_ray, write_results
 
-LAYOUTS = ("wide", "lanes2", "batch", "adaptive", "adaptive-thrifty", "adaptive-wide", "adaptive-widen")
+LAYOUTS = ("wide", "lanes2", "batch", "adaptive", "adaptive-widen")
 
 
 def layout_fields(layout: str, gpus: int) -> dict:
@@ -46,8 +44,6 @@ def layout_fields(layout: str, gpus: int) -> dict:
         "lanes2": {"ulysses_degree": 2},
         "wide": {"ulysses_degree": gpus},
         "adaptive": {"lane_sizes": sorted({1, 2, gpus})},
-        "adaptive-thrifty": {"lane_sizes": sorted({1, 2, gpus}), "lane_policy": "thrifty"},
-        "adaptive-wide": {"lane_sizes": sorted({1, 2, gpus}), "lane_policy": "wide_first"},
         "adaptive-widen": {"lane_sizes": sorted({1, 2, gpus}), "lane_widening": True},
     }[layout]
 

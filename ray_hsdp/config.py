@@ -204,16 +204,6 @@ class GroupLayout(BaseModel):
         "CFG halves of k/2 Ulysses ranks each. Empty: every lane is fixed by ulysses_degree, ring_degree and "
         "cfg_parallel.",
     )
-    lane_policy: Literal["lean", "thrifty", "wide_first"] = Field(
-        "lean",
-        description="How adaptive lanes (lane_sizes) choose a lane for a request with a target (deadline). "
-        "'lean': the narrowest lane within 10% of its fastest measured time, while the queue makes its targets on "
-        "such lanes. 'thrifty': the lane of fewest rank-seconds (size x measured time) whose time, with a margin "
-        "for neighbours in lock step, fits before its target: more requests side by side under load, at some "
-        "latency. 'wide_first': the widest lane, beside whatever runs there (as a fixed wide lane serves), while "
-        "the queue makes its targets on the widest lane; a backlog it would not clear in time is served as under "
-        "'lean'. Requests without a target and sizes not measured yet are served alike under all three.",
-    )
     lane_widening: bool = Field(
         False,
         description="Adaptive lanes (lane_sizes): while no request waits, a running request's forwards also run on "
@@ -478,8 +468,6 @@ class GroupConfig(RequestFeatures, GroupQueue, GroupKernels, GroupLayout, Served
                 raise ValueError(f"fuse_loras {name!r}: the scale must be finite, got {scale}")
         if self.lane_widening and not self.lane_sizes:
             raise ValueError("lane_widening widens adaptive lanes: set lane_sizes too")
-        if self.lane_policy != "lean" and not self.lane_sizes:
-            raise ValueError(f"lane_policy {self.lane_policy!r} chooses among adaptive lanes: set lane_sizes too")
         refuse_config(self)
         return self
 

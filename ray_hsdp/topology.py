@@ -67,6 +67,15 @@ class ParallelDims:
                 raise ValueError(f"lane_sizes: a lane of {size} ranks must divide shard_size={self.shard_size}")
             if self.cfg == 2 and size > 1 and size % 2:
                 raise ValueError(f"lane_sizes with cfg_parallel: a lane of {size} ranks cannot hold 2 CFG halves")
+        sizes = sorted(set(self.lane_sizes))
+        for narrow, wide in zip(sizes, sizes[1:]):
+            if wide % narrow:
+                # A request's lane must lie inside every wider aligned lane: widening and the lanes'
+                # blocks both assume that lanes nest.
+                raise ValueError(
+                    f"lane_sizes {sizes}: a lane of {narrow} ranks must divide a lane of {wide}, so that every lane "
+                    "lies inside each wider one (e.g. [1, 2, 4] or [1, 3, 6])"
+                )
         if self.shard_size % self.split_size:
             raise ValueError(
                 f"a lane of cfg x ring x ulysses = {self.cfg} x {self.ring} x {self.ulysses} = {self.split_size} "

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import os
 import signal
 import time
@@ -17,16 +16,16 @@ from support import max_abs_diff, pipeline_with_adapters, reference_frames, refe
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.group import GroupFailedError, ShardGroup
 from ray_hsdp.group.lanes import (
+    LaneAsk,
+    LaneRoom,
     LaneTimes,
+    LeanLanes,
     LockStep,
     TickModel,
     Waiting,
     as_fast,
-    lane_for,
-    policy_for_queue,
     queue_keeps_up,
     serving_order,
-    thrifty,
 )
 from ray_hsdp.request import GenerationRequest, InvalidRequestError, RequestCancelledError, StepCache
 from ray_hsdp.topology import ParallelDims
@@ -36,28 +35,33 @@ TOLERANCE = 1e-5
 DIMS = ParallelDims(1, 4, lane_sizes=(1, 2, 4))
 
 
+def lane_for(sizes, loads, capacity=1, waiting=1, lock_step=None, **ask) -> range | None:
+    """The lane ``LeanLanes`` gives a request of ``sizes`` (and ``ask``'s other fields) on ``DIMS``."""
+    return LeanLanes(DIMS, capacity).lane(LaneAsk(sizes, **ask), LaneRoom(loads, waiting, lock_step))
+
+
 def test_an_idle_group_gives_a_lone_request_its_widest_lane():
-    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, waiting=1) == range(0, 4)
-    assert lane_for(DIMS, (1, 2), None, [0, 0, 0, 0], 1, waiting=1) == range(0, 2)  # its tokens split over 2 at most
+    assert lane_for((1, 2, 4), [0, 0, 0, 0]) == range(0, 4)
+    assert lane_for((1, 2), [0, 0, 0, 0]) == range(0, 2)  # its tokens split over 2 at most
     # A narrower lane measured faster (a split that costs more than it saves) is the lone request's.
-    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 1, estimates={1: 1.0, 2: 1.5, 4: 2.0}) == range(0, 1)
+    assert lane_for((1, 2, 4), [0, 0, 0, 0], estimates={1: 1.0, 2: 1.5, 4: 2.0}) == range(0, 1)
     # Within EFFICIENT of the fastest, the narrowest (measured on 4 x H200: 480x320 at 21 frames, 2 steps,
     # bound by the weight gathers): as fast, and three ranks stay free for the next request.
-    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 1, estimates={1: 1.60, 2: 1.62, 4: 1.66}) == range(0, 1)
-    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 1, estimates={1: 5.29, 2: 3.21, 4: 3.01}) == range(0, 2)
+    assert lane_for((1, 2, 4), [0, 0, 0, 0], estimates={1: 1.60, 2: 1.62, 4: 1.66}) == range(0, 1)
+    assert lane_for((1, 2, 4), [0, 0, 0, 0], estimates={1: 5.29, 2: 3.21, 4: 3.01}) == range(0, 2)
 
 
 def test_a_backlog_gets_lanes_of_one_rank_and_free_ranks_are_shared():
-    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, waiting=4) == range(0, 1)
-    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, waiting=2) == range(0, 2)
-    assert lane_for(DIMS, (1, 2, 4), None, [1, 0, 0, 0], 1, waiting=1) == range(2, 4)  # an aligned free block
-    assert lane_for(DIMS, (1, 2, 4), None, [1, 1, 1, 1], 1, waiting=1) is None  # it waits
+    assert lane_for((1, 2, 4), [0, 0, 0, 0], waiting=4) == range(0, 1)
+    assert lane_for((1, 2, 4), [0, 0, 0, 0], waiting=2) == range(0, 2)
+    assert lane_for((1, 2, 4), [1, 0, 0, 0]) == range(2, 4)  # an aligned free block
+    assert lane_for((1, 2, 4), [1, 1, 1, 1]) is None  # it waits
 
 
 def test_a_request_s_own_lane_size_is_honoured_and_waited_for():
-    assert lane_for(DIMS, (1, 2, 4), 1, [0, 0, 0, 0], 1, waiting=1) == range(0, 1)
-    assert lane_for(DIMS, (1, 2, 4), 4, [0, 0, 0, 0], 1, waiting=5) == range(0, 4)
-    assert lane_for(DIMS, (1, 2, 4), 4, [0, 1, 0, 0], 1, waiting=1) is None  # a lane of 4 waits for all four
+    assert lane_for((1, 2, 4), [0, 0, 0, 0], named=1) == range(0, 1)
+    assert lane_for((1, 2, 4), [0, 0, 0, 0], waiting=5, named=4) == range(0, 4)
+    assert lane_for((1, 2, 4), [0, 1, 0, 0], named=4) is None  # a lane of 4 waits for all four
 
 
 # Per-forward work in output pixels (GenerationRequest.forward_cost) at 21 frames: the mix of run d.
@@ -69,21 +73,21 @@ def test_lanes_open_only_beside_lanes_of_like_work():
     make one of them run at the other's pace, so the request waits for the running lanes to drain."""
     large_on_one = [LARGE, 0, 0, 0]  # a large request on a lane of one rank (rank 0)
     # A small request beside it would run at its pace: it waits, though three ranks are free.
-    assert lane_for(DIMS, (1, 2, 4), None, [1, 0, 0, 0], 1, 3, lock_step=LockStep(large_on_one, SMALL)) is None
+    assert lane_for((1, 2, 4), [1, 0, 0, 0], waiting=3, lock_step=LockStep(large_on_one, SMALL)) is None
     # Another large one opens beside it.
-    assert lane_for(DIMS, (1, 2, 4), None, [1, 0, 0, 0], 1, 3, lock_step=LockStep(large_on_one, LARGE)) == range(1, 2)
+    assert lane_for((1, 2, 4), [1, 0, 0, 0], waiting=3, lock_step=LockStep(large_on_one, LARGE)) == range(1, 2)
     # A small request opens a lane of one rank beside a large one on a lane of two (work 1.3x apart).
     large_on_two = [LARGE / 2, LARGE / 2, 0, 0]
-    assert lane_for(DIMS, (1, 2, 4), None, [1, 1, 0, 0], 1, 2, lock_step=LockStep(large_on_two, SMALL)) == range(2, 3)
+    assert lane_for((1, 2, 4), [1, 1, 0, 0], waiting=2, lock_step=LockStep(large_on_two, SMALL)) == range(2, 3)
     # A large request does not join ranks that run small ones (they would run at its pace).
     small_on_four = [SMALL / 4] * 4
-    assert lane_for(DIMS, (1, 2, 4), None, [1, 1, 1, 1], 2, 1, lock_step=LockStep(small_on_four, LARGE)) is None
+    assert lane_for((1, 2, 4), [1, 1, 1, 1], capacity=2, lock_step=LockStep(small_on_four, LARGE)) is None
     # A small one joins a large one's lane of four (the wide lane's next request, as a fixed wide lane runs).
     large_on_four = [LARGE / 4] * 4
-    assert lane_for(DIMS, (1, 2, 4), None, [1, 1, 1, 1], 2, 1, lock_step=LockStep(large_on_four, SMALL)) == range(0, 4)
+    assert lane_for((1, 2, 4), [1, 1, 1, 1], capacity=2, lock_step=LockStep(large_on_four, SMALL)) == range(0, 4)
     # An idle group opens any lane; a request that names its lane size gets it regardless.
-    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 1, lock_step=LockStep([0.0] * 4, SMALL)) == range(0, 4)
-    assert lane_for(DIMS, (1, 2, 4), 1, [1, 0, 0, 0], 1, 1, lock_step=LockStep(large_on_one, SMALL)) == range(1, 2)
+    assert lane_for((1, 2, 4), [0, 0, 0, 0], lock_step=LockStep([0.0] * 4, SMALL)) == range(0, 4)
+    assert lane_for((1, 2, 4), [1, 0, 0, 0], named=1, lock_step=LockStep(large_on_one, SMALL)) == range(1, 2)
 
 
 def test_lock_step_alike_compares_the_tick_with_the_running_one_and_the_lane_s_own_work():
@@ -128,6 +132,10 @@ def test_lane_sizes_refuse_fixed_lanes_and_sizes_that_do_not_divide_the_group():
         GroupConfig(model="tiny", shard_size=2, lane_sizes=(1, 2), ulysses_degree=2)
     with pytest.raises(ValueError, match="a lane of 3 ranks must divide shard_size=2"):
         GroupConfig(model="tiny", shard_size=2, lane_sizes=(1, 3))
+    # Lanes that do not nest: a request on ranks 2-3 would lie across the lanes of three (0-2, 3-5).
+    with pytest.raises(ValueError, match=r"lane_sizes \[2, 3\]: a lane of 2 ranks must divide a lane of 3"):
+        GroupConfig(model="tiny", shard_size=6, lane_sizes=(2, 3))
+    assert GroupConfig(model="tiny", shard_size=6, lane_sizes=(1, 3, 6)).parallel_dims().lane_sizes == (1, 3, 6)
     assert GroupConfig(model="tiny", shard_size=2, lane_sizes=(1, 2), compile=True).compile  # compiles per lane size
 
 
@@ -274,23 +282,23 @@ def test_a_backlog_keeps_a_wide_lane_when_its_split_costs_no_throughput():
     """Measured on 4 x H100 (Wan2.1-14B, 21 frames): a lane of 4 ran a request in about a quarter of
     the time of a lane of 1, so lanes of one rank under a backlog only lost latency."""
     scales = {1: 7.0, 2: 3.6, 4: 1.85}  # seconds on each lane: rank-seconds 7.0, 7.2, 7.4
-    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, estimates=scales) == range(0, 4)
+    assert lane_for((1, 2, 4), [0, 0, 0, 0], waiting=4, estimates=scales) == range(0, 4)
     sublinear = {1: 7.0, 4: 3.0}  # rank-seconds 7 against 12: the backlog's lanes of one
-    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, estimates=sublinear) == range(0, 1)
+    assert lane_for((1, 2, 4), [0, 0, 0, 0], waiting=4, estimates=sublinear) == range(0, 1)
 
 
 def test_a_request_with_a_target_gets_a_lane_that_its_measured_time_says_makes_it():
     times = {1: 4.0, 2: 2.4, 4: 1.5}  # seconds on each lane: rank-seconds 4.0, 4.8, 6.0
     # A backlog would get lanes of one rank; one that would then miss its target gets a wider one.
-    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, due_s=3.0, estimates=times) == range(0, 2)
-    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, due_s=5.0, estimates=times) == range(0, 1)
+    assert lane_for((1, 2, 4), [0, 0, 0, 0], waiting=4, due_s=3.0, estimates=times) == range(0, 2)
+    assert lane_for((1, 2, 4), [0, 0, 0, 0], waiting=4, due_s=5.0, estimates=times) == range(0, 1)
     # No free lane makes it but a busy wider one would: it waits.
-    assert lane_for(DIMS, (1, 2, 4), None, [0, 1, 1, 1], 1, 1, due_s=3.0, estimates=times) is None
+    assert lane_for((1, 2, 4), [0, 1, 1, 1], due_s=3.0, estimates=times) is None
     # None would: it is served like a request without a target (its share of the free ranks).
-    assert lane_for(DIMS, (1, 2, 4), None, [0, 1, 1, 1], 1, 1, due_s=1.0, estimates=times) == range(0, 1)
-    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, due_s=1.0, estimates=times) == range(0, 1)
+    assert lane_for((1, 2, 4), [0, 1, 1, 1], due_s=1.0, estimates=times) == range(0, 1)
+    assert lane_for((1, 2, 4), [0, 0, 0, 0], waiting=4, due_s=1.0, estimates=times) == range(0, 1)
     # A size not measured yet counts as in time (the group learns it from the first request on it).
-    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, due_s=3.0, estimates={1: 4.0}) == range(0, 2)
+    assert lane_for((1, 2, 4), [0, 0, 0, 0], waiting=4, due_s=3.0, estimates={1: 4.0}) == range(0, 2)
 
 
 def test_lean_lanes_are_the_narrowest_as_fast_as_the_fastest():
@@ -310,102 +318,18 @@ def test_a_backlog_that_the_lean_lanes_clear_in_time_runs_there():
     assert not queue_keeps_up([(2.5, 2.0, 1)] * 5, 0.0, 4, 1)  # the fifth waits for a rank
     times = {1: 4.0, 2: 2.4, 4: 1.5}
     # A backlog of four would get lanes of one rank (4 s, in time); keeping up, they run on the lean lane.
-    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, due_s=5.0, estimates=times) == range(0, 1)
-    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, 5.0, times, keeps_up=True) == range(0, 4)
+    assert lane_for((1, 2, 4), [0, 0, 0, 0], waiting=4, due_s=5.0, estimates=times) == range(0, 1)
+    assert lane_for((1, 2, 4), [0, 0, 0, 0], waiting=4, due_s=5.0, estimates=times, keeps_up=True) == range(0, 4)
     # ... or wait for it while it is busy, rather than open a slower narrow lane beside it.
-    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 1, 1], 1, 4, 5.0, times, keeps_up=True) is None
+    assert lane_for((1, 2, 4), [0, 0, 1, 1], waiting=4, due_s=5.0, estimates=times, keeps_up=True) is None
     # A lane as fast as the lean one is taken while the lean one is busy.
     flat = {1: 1.60, 2: 1.62, 4: 1.66}
-    assert lane_for(DIMS, (1, 2, 4), None, [1, 0, 0, 0], 1, 4, 5.0, flat, keeps_up=True) == range(1, 2)
-    assert lane_for(DIMS, (2, 4), None, [1, 0, 0, 0], 1, 4, 5.0, flat, keeps_up=True) == range(2, 4)
+    assert lane_for((1, 2, 4), [1, 0, 0, 0], waiting=4, due_s=5.0, estimates=flat, keeps_up=True) == range(1, 2)
+    assert lane_for((2, 4), [1, 0, 0, 0], waiting=4, due_s=5.0, estimates=flat, keeps_up=True) == range(2, 4)
     # A request without a target, or one that names its size, is not held to it.
-    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, estimates=times, keeps_up=True) == range(0, 1)
-    assert lane_for(DIMS, (1, 2, 4), 1, [0, 0, 0, 0], 1, 4, 5.0, times, keeps_up=True) == range(0, 1)
-
-
-#: Measured under load on 4 x H200 (run e): 480x320 and 832x480, 21 frames, 2 steps, on lanes of 1 / 2 / 4.
-SMALL_TIMES, LARGE_TIMES = {1: 1.554, 2: 1.312, 4: 1.523}, {1: 4.993, 2: 2.9, 4: 2.696}
-
-
-def test_the_thrifty_policy_gives_the_lane_of_fewest_rank_seconds_that_fits_the_target():
-    assert thrifty((1, 2, 4), SMALL_TIMES, 4.9) == [1, 2, 4]
-    assert thrifty((1, 2, 4), LARGE_TIMES, 5.3) == [2, 4]  # a lane of one leaves no margin (4.99 s of 5.3)
-    assert thrifty((1, 2, 4), LARGE_TIMES, 3.5) == [4]
-    assert thrifty((1, 2, 4), LARGE_TIMES, 3.0) == []
-    idle = [0, 0, 0, 0]
-    assert lane_for(DIMS, (1, 2, 4), None, idle, 1, 1, 4.9, SMALL_TIMES, policy="thrifty") == range(0, 1)
-    assert lane_for(DIMS, (1, 2, 4), None, idle, 1, 1, 5.3, LARGE_TIMES, policy="thrifty") == range(0, 2)
-    assert lane_for(DIMS, (1, 2, 4), None, [1, 0, 0, 0], 1, 1, 5.3, LARGE_TIMES, policy="thrifty") == range(2, 4)
-    # Every lane that fits is busy: it waits; none fits: served as under the lean policy.
-    assert lane_for(DIMS, (1, 2, 4), None, [1, 0, 1, 0], 1, 1, 5.3, LARGE_TIMES, policy="thrifty") is None
-    assert lane_for(DIMS, (1, 2, 4), None, idle, 1, 1, 3.0, LARGE_TIMES, policy="thrifty") == lane_for(
-        DIMS, (1, 2, 4), None, idle, 1, 1, 3.0, LARGE_TIMES
-    )
-    # A size not measured yet: served as under the lean policy (the group learns it).
-    assert lane_for(DIMS, (1, 2, 4), None, idle, 1, 1, 4.9, {1: 1.5}, policy="thrifty") == range(0, 4)
-    with pytest.raises(ValueError, match="lane_policy 'thrifty' chooses among adaptive lanes: set lane_sizes"):
-        GroupConfig(model="tiny", shard_size=2, lane_policy="thrifty")
-
-
-def test_the_wide_first_policy_gives_the_widest_lane_beside_what_runs_while_the_queue_keeps_up():
-    one_each, busy = [1, 0, 0, 0], [2, 0, 0, 0]
-    # Keeping up on the widest lanes: the widest, beside a request running on rank 0 (lean would
-    # not open it beside unlike work), or it waits while a rank of it is full.
-    step = LockStep([4.0, 0.0, 0.0, 0.0], 1.0)
-    assert lane_for(DIMS, (1, 2, 4), None, one_each, 2, 1, 4.9, SMALL_TIMES, step, True, "wide_first") == range(0, 4)
-    assert lane_for(DIMS, (1, 2, 4), None, busy, 2, 1, 4.9, SMALL_TIMES, step, True, "wide_first") is None
-    # A backlog the widest lanes would not clear in time: served as under lean.
-    assert lane_for(DIMS, (1, 2, 4), None, one_each, 2, 3, 4.9, SMALL_TIMES, policy="wide_first") == lane_for(
-        DIMS, (1, 2, 4), None, one_each, 2, 3, 4.9, SMALL_TIMES
-    )
-    with pytest.raises(ValueError, match="lane_policy 'wide_first' chooses among adaptive lanes: set lane_sizes"):
-        GroupConfig(model="tiny", shard_size=2, lane_policy="wide_first")
-
-
-def test_a_backlog_the_widest_lanes_would_not_clear_is_served_on_lean_lanes_under_wide_first():
-    asked = []
-
-    def keeps_up(on_widest: bool, widest: bool = True, lean: bool = True) -> bool:
-        asked.append(on_widest)
-        return widest if on_widest else lean
-
-    assert policy_for_queue("wide_first", keeps_up) == ("wide_first", True) and asked == [True]
-    asked.clear()
-    widest_behind = functools.partial(keeps_up, widest=False)
-    assert policy_for_queue("wide_first", widest_behind) == ("lean", True) and asked == [True, False]
-    assert policy_for_queue("wide_first", functools.partial(keeps_up, widest=False, lean=False)) == ("lean", False)
-    assert policy_for_queue("lean", keeps_up) == ("lean", True) and asked[-1] is False
-    asked.clear()
-    assert policy_for_queue("thrifty", keeps_up) == ("thrifty", False) and asked == []  # thrifty reads neither
-    # So a backlog of four large requests due in 5 s, which the lane of four (2.3 s) would clear at 2.3, 4.6, 6.9 and
-    # 9.2 s and lanes of two (2.4 s) at 2.4, 2.4, 4.8 and 4.8 s, gets a lane of two; not, as before run j, its share
-    # of the free ranks: a lane of one rank (4 s, the fewest rank-seconds).
-    times = {1: 4.0, 2: 2.4, 4: 2.3}
-    assert not queue_keeps_up([(5.0, times[4], 4)] * 4, 0.0, 4, 1)
-    assert queue_keeps_up([(5.0, times[2], 2)] * 4, 0.0, 4, 1)
-    policy, on_lean = policy_for_queue("wide_first", lambda widest: not widest)
-    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, 5.0, times, None, on_lean, policy) == range(0, 2)
-    assert lane_for(DIMS, (1, 2, 4), None, [0, 0, 0, 0], 1, 4, 5.0, times, None, False, "wide_first") == range(0, 1)
-
-
-def test_a_wide_first_group_gives_a_targeted_request_the_widest_lane_where_lean_gives_one_rank(
-    ray_cluster, tiny_model, reference_pipe
-):
-    """Two CPU ranks, lanes of 1 and 2: with a lane of one measured as fast as the lane of two (lean
-    would give it), ``wide_first`` gives a request with a target the lane of two, its queue keeping
-    up there; the result equals the unsharded run."""
-    config = GroupConfig(model=tiny_model, device="cpu", shard_size=2, lane_sizes=(1, 2), lane_policy="wide_first")
-    targeted = dataclasses.replace(MIX[2], request_id="targeted", deadline=time.time() + 120)
-    records = []
-    with ShardGroup(config) as group:
-        group.listeners.append(records.append)
-        work = group.check(targeted).work
-        for _ in range(16):
-            for size in (1, 2):
-                group.lane_times.learn(size, work, 1.0)
-        (result,) = group.generate([targeted])
-    assert [r.lane_size for r in records if r.request_id == "targeted"] == [2]
-    assert max_abs_diff(result.frames, reference_frames(reference_pipe, targeted)) <= TOLERANCE
+    assert lane_for((1, 2, 4), [0, 0, 0, 0], waiting=4, estimates=times, keeps_up=True) == range(0, 1)
+    named = lane_for((1, 2, 4), [0, 0, 0, 0], waiting=4, named=1, due_s=5.0, estimates=times, keeps_up=True)
+    assert named == range(0, 1)
 
 
 def test_measured_times_are_kept_per_lane_size_and_work_and_follow_the_load():
@@ -446,13 +370,9 @@ def test_lanes_of_one_two_and_four_with_cfg_halves_run_at_once_and_equal_unshard
 ):
     """On 4 CPU ranks (the tiny model has 2 heads: a lane of 4 is CFG 2 x Ulysses 2, a lane of 2 is
     CFG 2): requests on lanes of every size at once, guided and not (an unguided request runs on
-    both CFG halves), each equal to the unsharded run. Under ``lane_policy: thrifty`` a request
-    with a target gets the lane of fewest rank-seconds by the group's measured times (here set to
-    the large request's of run e: 10 / 2 / 1.5 s on lanes of 1 / 2 / 4 give a lane of 2, where the
-    lean policy would give the lane of 4)."""
-    config = GroupConfig(
-        model=tiny_model, device="cpu", shard_size=4, lane_sizes=(1, 2, 4), cfg_parallel=True, lane_policy="thrifty"
-    )
+    both CFG halves), each equal to the unsharded run. A request with a target gets its lean lane
+    by the group's measured times (here set to 10 / 2 / 1.5 s on lanes of 1 / 2 / 4: the lane of 4)."""
+    config = GroupConfig(model=tiny_model, device="cpu", shard_size=4, lane_sizes=(1, 2, 4), cfg_parallel=True)
     requests = [
         dataclasses.replace(MIX[0], request_id="four", lane_size=4),
         dataclasses.replace(MIX[3], request_id="two-9-tokens", lane_size=2),  # no Ulysses split on a lane of 2
@@ -473,7 +393,7 @@ def test_lanes_of_one_two_and_four_with_cfg_halves_run_at_once_and_equal_unshard
             for size, seconds in {1: 10.0, 2: 2.0, 4: 1.5}.items():
                 group.lane_times.learn(size, work, seconds)
         requests, results = [*requests, targeted], [*results, *group.generate([targeted])]
-    assert next(r.lane_size for r in records if r.request_id == "targeted") == 2
+    assert next(r.lane_size for r in records if r.request_id == "targeted") == 4
     for request, result in zip(requests, results):
         assert max_abs_diff(result.frames, reference_frames(reference_pipe, request)) <= TOLERANCE, request
     sizes = {r.request_id: r.lane_size for r in records}

@@ -6,7 +6,7 @@
 # 832x480 and 480x320, deadlines 3 x alone on the wide lane, exactly rate x 25 s arrivals per window
 # (the seeds follow the position in --rates: 0.9, 1.1 and 1.3 keep runs j-m's arrivals).
 #   n: adaptive (lean, with the tick floor) against wide
-#   o: adaptive-wide (wide_first) against lanes2
+#   o: adaptive against lanes2
 #   p: adaptive-widen (lean with lane_widening)
 set -euo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -16,7 +16,7 @@ export PYTHONPATH=/tmp/site:$PWD
 run=${1:?which run: n, o or p}
 case $run in
   n) layouts="adaptive wide" ;;
-  o) layouts="adaptive-wide lanes2" ;;
+  o) layouts="adaptive lanes2" ;;
   p) layouts="adaptive-widen" ;;
   *) echo "unknown run $run" >&2; exit 2 ;;
 esac

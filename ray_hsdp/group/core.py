@@ -25,7 +25,7 @@ from ray_hsdp import deadlines
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.group.errors import GroupFailedError, GroupOverloadedError, GroupUnplaceableError, describe_error
 from ray_hsdp.group.inspection import GroupInspection
-from ray_hsdp.group.lanes import LaneTimes, TickModel
+from ray_hsdp.group.lanes import LaneTimes, LeanLanes, TickModel
 from ray_hsdp.group.scheduler import GroupScheduler, QueuedJob, RequestRecord, resolve
 from ray_hsdp.group.widening import GroupWidening
 from ray_hsdp.phases import Phases
@@ -142,6 +142,8 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection):
         self.lane_times = LaneTimes()
         #: A step's fixed part and its part that grows with the work (the neighbour rule reads it).
         self.tick_model = TickModel()
+        #: Adaptive lanes: which lane the first waiting request gets (``lanes.LeanLanes``).
+        self.lane_policy = LeanLanes(self.dims, config.requests_per_rank)
         self._pg = placement_group
         self._owns_pg = placement_group is None
         self.ranks: list = []

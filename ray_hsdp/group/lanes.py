@@ -1,5 +1,5 @@
 """Which waiting request a group serves first, and, with adaptive lanes (``lane_sizes``), which
-lane it gives it.
+lane it gives it (``LeanLanes``).
 
 **Order** (every group): a request that carries a target (``deadline``, counted from its arrival)
 is served before one that does not, earliest target first, unless the group's measured times say
@@ -13,62 +13,46 @@ gets the fastest lane within its share (by the group's measured times for its wo
 ``EFFICIENT`` of the fastest, the narrowest: ``as_fast``; a size never measured counts as fastest,
 so the group learns it). A lone request on an idle group thus gets the widest lane its tokens split
 over where that is faster, and a lane of one where it is not (a small request, bound by the weight
-gathers that every rank joins, runs as fast on one rank and leaves three to others); a backlog gets
+gathers that every rank joins, runs as fast on one rank and leaves the others free); a backlog gets
 lanes of one rank (the most requests at once), unless the group measured that a wider lane costs no
-more rank-seconds for a request of this work (within ``EFFICIENT``: its split scales), which then
-costs no throughput and is given. A request with a target is given a lane only where the group's
-measured time for its work on that lane size says it finishes in time: the fastest such lane within
-its share, else the narrowest such lane free; when no free lane would make it but a busy wider one
-would, it waits for that one; when none would, it is served like a request without a target.
-**Lean lanes first**: while every waiting request that can still make its target would make it on
-its *lean* lane (the narrowest as fast as its fastest), the group's ranks taken in turn
-(``queue_keeps_up``, from the measured times), a request with a target gets its lean lane (or
-another as fast), or waits for one: slower narrow lanes side by side slow each other in lock step
-(run d: lanes of one and two ranks given under a backlog that the wide lane cleared in time lost to
-the fixed wide lane at 0.7 req/s), so they are given only to a backlog that the lean lanes cannot
-clear by its targets. Under ``lane_policy: wide_first`` a request with a target gets the widest
-lane, beside whatever runs there (a fixed wide lane's way: run h measured the wide lane at 1.0 of
-40 requests where lean lanes met 0.925, their large requests waiting for narrow lanes to drain),
-or waits for it, while the queue makes its targets on the widest lanes; a backlog that would not
-is served as under ``lean``. Under ``lane_policy: thrifty`` a request with a target instead gets, once
-every lane size has a measured time for its work, the free lane of fewest rank-seconds whose time
-with a margin (``MARGIN``) fits before its target (``thrifty``), or waits for one; when none fits,
-it is served as above. A request that
-names its ``lane_size`` waits for a free lane of that size (alike its neighbours or not: it asked
-for it). A lane is an aligned block of ranks (``ParallelDims.blocks``), all of them free.
+more rank-seconds for a request of this work (within ``EFFICIENT``: its split scales). A request
+with a target is given a lane only where the group's measured time for its work on that lane size
+says it finishes in time: the fastest such lane within its share, else the narrowest such lane
+free; when no free lane would make it but a busy wider one would, it waits for that one; when none
+would, it is served like a request without a target. **Lean lanes first**: while every waiting
+request that can still make its target would make it on its *lean* lane (the narrowest as fast as
+its fastest), the group's ranks taken in turn (``queue_keeps_up``), a request with a target gets
+its lean lane (or another as fast), or waits for one: slower narrow lanes side by side slow each
+other in lock step, so they are given only to a backlog that the lean lanes cannot clear by its
+targets. A request that names its ``lane_size`` waits for a free lane of that size (alike its
+neighbours or not: it asked for it). A lane is an aligned block of ranks (``ParallelDims.blocks``),
+all of them free. The runs that chose this policy over others are in
+``bench/results/slo-lane-policy-history.md``.
 
 **Neighbours** (adaptive groups): the lanes of a group run in one lock step, so a tick lasts as long
 as its busiest rank's forwards (every request a rank runs adds its share of a forward's work), plus
 a part that does not grow with the work (the weight gathers and exchanges every tick pays, which
 the group fits from its requests' measured steps: ``TickModel``), and every lane waits for it. A
-lane opens only where it is alike its neighbours (``LockStep.alike``):
-it neither lengthens the tick the running lanes have by more than ``ALIKE`` times, nor runs at a
-tick more than ``ALIKE`` times its own ranks' work. A small request thus does not open a lane of
-one rank beside a large request's lane of one (it would run at the large one's pace), nor a large
-one beside small ones (they would run at its pace): it waits until the running lanes drain, and
-requests of like work share the group. Where the fixed part dominates, a second request on a
-running lane's ranks is alike it (run k: the fixed wide lane ran two requests at once at nearly one's
-pace; without the fixed part the rule refused that). Measured on GPUs (run d, ``docs/performance.md``):
-lanes of unlike work side by side ran far slower than alone; this rule, and its fixed part, are not
-measured on GPUs yet. (Runs d to i also had a defect of the tick, since fixed: a rank holding
-requests of two lanes held the wider lane back until its other request ended.)
+lane opens only where it is alike its neighbours (``LockStep.alike``): it neither lengthens the
+tick the running lanes have by more than ``ALIKE`` times, nor runs at a tick more than ``ALIKE``
+times its own ranks' work. A small request thus does not open a lane of one rank beside a large
+request's lane of one (it would run at the large one's pace), nor a large one beside small ones
+(they would run at its pace): it waits until the running lanes drain, and requests of like work
+share the group. Where the fixed part dominates, a second request on a running lane's ranks is
+alike it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from ray_hsdp.topology import ParallelDims
 
 #: A lane size is as efficient as the best when its rank-seconds for a request are at most this
 #: many times the best measured size's, and as fast as the fastest (``as_fast``) when its seconds are.
 EFFICIENT = 1.1
-#: Under ``lane_policy: thrifty``, a lane fits a request with a target when its measured time times
-#: this is within the time left to the target: room for neighbours that slow it in lock step and
-#: for measured times that lag the load.
-MARGIN = 1.25
 #: A lane opens beside running ones only when the tick it makes is at most this many times both the
 #: running lanes' tick and its own ranks' work (``LockStep.alike``).
 ALIKE = 1.5
@@ -248,98 +232,91 @@ def queue_keeps_up(queue: Sequence[tuple[float, float, int]], backlog_s: float, 
     return True
 
 
-def thrifty(sizes: Sequence[int], estimates: Mapping[int, float], due_s: float) -> list[int]:
-    """The lane sizes of ``sizes`` whose measured time, times ``MARGIN``, fits in ``due_s``, fewest
-    rank-seconds (size x measured time) first, narrowest first among equals; sizes never measured
-    are left out."""
-    fitting = [s for s in sizes if s in estimates and MARGIN * estimates[s] <= due_s]
-    return sorted(fitting, key=lambda s: (s * estimates[s], s))
+@dataclass(frozen=True)
+class LaneAsk:
+    """What the lane policy reads of the first request in the serving order.
 
-
-def policy_for_queue(policy: str, keeps_up: Callable[[bool], bool]) -> tuple[str, bool]:
-    """The policy that gives the first request with a target its lane, and whether the queue makes
-    its targets under it (``lane_for``'s ``policy`` and ``keeps_up``). ``keeps_up(widest)`` is
-    ``queue_keeps_up`` with each request on its widest lane, or on its lean one. Under
-    ``wide_first`` the widest lanes while the queue keeps up there; a backlog they would not clear
-    is served as under ``lean``: its lean lanes while the queue keeps up on those (run j, 1.1 req/s:
-    a backlog served by its share of the free ranks ran small requests on lanes of one rank in
-    3.2-4.5 s, 1.5 s alone, and all missed; ``lean`` attained 0.857 there, ``wide_first`` 0.393)."""
-    if policy == "thrifty":
-        return policy, False
-    if policy == "wide_first" and keeps_up(True):
-        return policy, True
-    return "lean", keeps_up(False)
-
-
-def lane_for(
-    dims: ParallelDims,
-    sizes: Sequence[int],
-    named: int | None,
-    loads: Sequence[int],
-    capacity: int,
-    waiting: int,
-    due_s: float | None = None,
-    estimates: Mapping[int, float] | None = None,
-    lock_step: LockStep | None = None,
-    keeps_up: bool = False,
-    policy: str = "lean",
-) -> range | None:
-    """The ranks of the lane to give the first request in the serving order, or ``None``: it waits.
-
-    Args:
-        dims: The group's mesh arithmetic (its lanes: ``blocks``).
-        sizes: The lane sizes the request's tokens split over (``RequestVariant.lane_sizes``).
-        named: The size the request asks for (``lane_size``); ``None``: the group chooses.
-        loads: Requests each rank runs now.
-        capacity: Requests a rank runs at once (``requests_per_rank``).
-        waiting: Requests waiting for a lane, this one included.
+    Attributes:
+        sizes: The lane sizes its tokens split over (``RequestVariant.lane_sizes``).
+        named: The size it asks for (``lane_size``); ``None``: the group chooses.
         due_s: Seconds until its target; ``None``: none.
         estimates: Lane size -> the seconds the group measured a request of its work takes there
             (``LaneTimes.estimates``); sizes that never ran one are absent.
-        lock_step: The tick's work and the request's; ``None``: lanes open wherever ranks are free.
-        keeps_up: Whether the queue makes its targets on its lean lanes (``queue_keeps_up``), or
-            under ``wide_first`` on its widest; not read under ``thrifty``.
-        policy: ``lean``, ``thrifty`` or ``wide_first`` (``GroupConfig.lane_policy``; the module doc).
+        keeps_up: Whether the queue makes its targets on its lean lanes (``queue_keeps_up``).
     """
-    free = [load < capacity for load in loads]
 
-    def block(size: int, beside_any: bool = False) -> range | None:
-        """The first free aligned lane of ``size``: one alike its neighbours unless ``beside_any``."""
-        alike = lock_step.alike if lock_step is not None and not beside_any else (lambda b: True)
-        return next((b for b in dims.blocks(size) if all(free[r] for r in b) and alike(b)), None)
+    sizes: Sequence[int]
+    named: int | None = None
+    due_s: float | None = None
+    estimates: Mapping[int, float] = field(default_factory=dict)
+    keeps_up: bool = False
 
-    if named is not None:
-        return block(named, beside_any=True)
-    if due_s is not None and policy == "thrifty" and estimates and all(s in estimates for s in sizes):
-        fitting = thrifty(sizes, estimates, due_s)
-        if fitting:  # the first free of them, or it waits for one; none fits: served as below
-            return next((block(s) for s in fitting if block(s) is not None), None)
-    elif due_s is not None and keeps_up and policy == "wide_first":  # the widest, beside what runs there
-        return block(max(sizes), beside_any=True)
-    elif due_s is not None and keeps_up:  # its lean lane, or it waits for one, in time for its target
-        return next((block(s) for s in as_fast(sizes, estimates or {}) if block(s) is not None), None)
-    share = max(1, sum(free) // max(1, waiting))
-    open_sizes = [s for s in sorted(sizes) if block(s) is not None]
-    estimates = estimates or {}
-    best = min((s * estimates[s] for s in sizes if s in estimates), default=None)
 
-    def allowed(size: int) -> bool:  # within the request's share, or costing no throughput
-        return size <= share or (size in estimates and size * estimates[size] <= EFFICIENT * best)
+@dataclass(frozen=True)
+class LaneRoom:
+    """What the lane policy reads of the group now.
 
-    def in_time(size: int) -> bool:
-        return size not in estimates or estimates[size] <= due_s
+    Attributes:
+        loads: Requests each rank runs now.
+        waiting: Requests waiting for a lane, the asking one included.
+        lock_step: The tick's work and the request's; ``None``: lanes open wherever ranks are free.
+    """
 
-    def fastest(candidates: list[int]) -> range:
-        """The first of ``as_fast(candidates)``: the narrowest lane as fast as the fastest."""
-        return block(as_fast(candidates, estimates)[0])
+    loads: Sequence[int]
+    waiting: int = 1
+    lock_step: LockStep | None = None
 
-    if due_s is not None and estimates and any(in_time(s) for s in sizes):
-        timely = [s for s in open_sizes if in_time(s)]
-        within = [s for s in timely if allowed(s)]
-        if within:
-            return fastest(within)
-        if timely:
-            return block(timely[0])
-        return None  # a busy lane would make it: wait for it
-    fitting = [s for s in open_sizes if allowed(s)]  # no target, or none that any lane makes
-    return fastest(fitting) if fitting else None
+
+@dataclass(frozen=True)
+class LeanLanes:
+    """The group's lane policy (the module doc's **Lane**): ``lane`` gives the first request in the
+    serving order its lane, or ``None`` while it waits.
+
+    Attributes:
+        dims: The group's mesh arithmetic (its lanes: ``blocks``).
+        capacity: Requests a rank runs at once (``requests_per_rank``).
+    """
+
+    dims: ParallelDims
+    capacity: int
+
+    def lane(self, ask: LaneAsk, room: LaneRoom) -> range | None:
+        """The ranks of the lane to give ``ask``'s request now, or ``None``: it waits."""
+        if ask.named is not None:
+            return self._block(room, ask.named, beside_any=True)
+        if ask.due_s is not None and ask.keeps_up:  # its lean lane, or it waits for one, in time for its target
+            lean = as_fast(ask.sizes, ask.estimates)
+            return next((b for b in (self._block(room, s) for s in lean) if b is not None), None)
+        open_sizes = [s for s in sorted(ask.sizes) if self._block(room, s) is not None]
+        if ask.due_s is not None and ask.estimates and any(self._in_time(ask, s) for s in ask.sizes):
+            timely = [s for s in open_sizes if self._in_time(ask, s)]
+            within = [s for s in timely if self._allowed(ask, room, s)]
+            if within:
+                return self._block(room, as_fast(within, ask.estimates)[0])
+            if timely:
+                return self._block(room, timely[0])
+            return None  # a busy lane would make it: wait for it
+        fitting = [s for s in open_sizes if self._allowed(ask, room, s)]  # no target, or none that a lane makes
+        return self._block(room, as_fast(fitting, ask.estimates)[0]) if fitting else None
+
+    def _block(self, room: LaneRoom, size: int, beside_any: bool = False) -> range | None:
+        """The first aligned lane of ``size`` whose ranks all have room: one alike its neighbours
+        unless ``beside_any``."""
+        alike = room.lock_step.alike if room.lock_step is not None and not beside_any else (lambda block: True)
+        return next(
+            (b for b in self.dims.blocks(size) if all(room.loads[r] < self.capacity for r in b) and alike(b)), None
+        )
+
+    def _allowed(self, ask: LaneAsk, room: LaneRoom, size: int) -> bool:
+        """Whether ``size`` is within the request's share of the free ranks, or costs no throughput
+        (its rank-seconds within ``EFFICIENT`` of the best measured size's)."""
+        free = sum(load < self.capacity for load in room.loads)
+        share = max(1, free // max(1, room.waiting))
+        measured = ask.estimates
+        best = min((s * measured[s] for s in ask.sizes if s in measured), default=None)
+        return size <= share or (size in measured and size * measured[size] <= EFFICIENT * best)
+
+    @staticmethod
+    def _in_time(ask: LaneAsk, size: int) -> bool:
+        """Whether a lane of ``size`` makes the target by its measured time (unmeasured: it may)."""
+        return size not in ask.estimates or ask.estimates[size] <= ask.due_s

@@ -4,7 +4,6 @@ answered (a result, its own error, a queue deadline, the group's failure)."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import time
@@ -15,15 +14,7 @@ from dataclasses import dataclass
 import ray
 
 from ray_hsdp.group.errors import GroupFailedError, QueueTimeoutError, died, remote_cause
-from ray_hsdp.group.lanes import (
-    LockStep,
-    Waiting,
-    as_fast,
-    lane_for,
-    policy_for_queue,
-    queue_keeps_up,
-    serving_order,
-)
+from ray_hsdp.group.lanes import LaneAsk, LaneRoom, LockStep, Waiting, as_fast, queue_keeps_up, serving_order
 from ray_hsdp.request import GenerationRequest
 from ray_hsdp.runtime import SessionFailedError
 from ray_hsdp.runtime.protocol import lane_ticket
@@ -213,44 +204,50 @@ class GroupScheduler:
                     self.tick_model.learn(job.tick_work, step_s)
 
     def _assign_adaptive(self) -> None:
-        """Adaptive lanes: the first request in the serving order, on the lane ``lanes.lane_for``
-        gives it (it waits while there is none, and the requests behind it with it; helpers of a
-        widened request are given back first); with none waiting, the running requests widened
-        (``widening``). Called with the lock held."""
+        """Adaptive lanes: the first request in the serving order, on the lane the group's
+        ``LeanLanes`` gives it (it waits while there is none, and the requests behind it with it);
+        with none waiting, the running requests widened (``widening``). A request that waits takes
+        every helper back first, whatever lane it then gets: its ranks are free at their next tick.
+        Called with the lock held."""
         while True:
-            loads = [sum(1 for i, _ in self._inflight.values() if i == r) for r in range(self.dims.shard_size)]
-            for rank in self._helping_ranks():
-                loads[rank] += 1
             if not self._pending:
-                self._widen(loads)
+                self._widen(self._rank_loads())
                 return
+            self._release_all()
+            loads = self._rank_loads()
             order = self._serving_order()
             first = order[0]
             variant = self._pending[first].variant
             deadline = variant.request.deadline
-            policy, keeps_up = self.config.lane_policy, False
-            if deadline is not None:
-                policy, keeps_up = policy_for_queue(policy, functools.partial(self._keeps_up, order))
+            ask = LaneAsk(
+                variant.lane_sizes,
+                variant.request.lane_size,
+                deadline - time.time() if deadline is not None else None,
+                self.lane_times.estimates(variant.lane_sizes, variant.work),
+                keeps_up=deadline is not None and self._keeps_up(order),
+            )
             lock_step = LockStep(self._rank_work(), variant.request.forward_cost, self.tick_model.floor())
-            ranks = lane_for(
-                self.dims, variant.lane_sizes, variant.request.lane_size, loads, self.config.requests_per_rank,
-                len(self._pending), deadline - time.time() if deadline is not None else None,
-                self.lane_times.estimates(variant.lane_sizes, variant.work), lock_step, keeps_up, policy,
-            )  # fmt: skip
+            ranks = self.lane_policy.lane(ask, LaneRoom(loads, len(self._pending), lock_step))
             if ranks is None:
-                if self._release_all():  # helpers leave at their next tick: their ranks are free
-                    continue
                 return
             job = self._take(first)
             if job is not None:
                 job.tick_work = max(lock_step.with_lane(ranks))
                 self._offer(ranks, job)
 
-    def _keeps_up(self, order: list[int], widest: bool = False) -> bool:
+    def _rank_loads(self) -> list[int]:
+        """Requests each rank runs now, a helper's help counted as one (lock held)."""
+        loads = [0] * self.dims.shard_size
+        for rank_index, _ in self._inflight.values():
+            loads[rank_index] += 1
+        for rank_index in self._helping_ranks():
+            loads[rank_index] += 1
+        return loads
+
+    def _keeps_up(self, order: list[int]) -> bool:
         """``lanes.queue_keeps_up`` for the queued jobs in ``order`` (lock held), each on its lean
-        lane or, with ``widest``, on its widest: false while the widest lane of one of them has no
-        measured time for its work. The work running now delays the queue by its remaining
-        measured seconds, spread over the group's ranks."""
+        lane: false while the widest lane of one of them has no measured time for its work. The work
+        running now delays the queue by its remaining measured seconds, spread over the group's ranks."""
         wall, now, capacity = time.time(), time.monotonic(), self.config.requests_per_rank
         queue = []
         for index in order:
@@ -261,7 +258,7 @@ class GroupScheduler:
             times = self.lane_times.estimates(sizes, job.variant.work)
             if max(sizes) not in times:
                 return False
-            due_s, lane = job.request.deadline - wall, max(sizes) if widest else as_fast(sizes, times)[0]
+            due_s, lane = job.request.deadline - wall, as_fast(sizes, times)[0]
             if due_s >= min(times.values()):  # one that no lane makes is served behind the rest
                 queue.append((due_s, times[lane], lane))
         running = {id(job): job for _, job in self._inflight.values()}.values()
