@@ -12,10 +12,11 @@ import signal
 import time
 
 import pytest
-from support import max_abs_diff, pipeline_with_adapters, reference_with, wait_until
+from support import max_abs_diff, pipeline_with_adapters, reference_frames, reference_with, wait_until
 
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.group import GroupFailedError, ShardGroup
+from ray_hsdp.group.lanes import LaneTimes, TickModel
 from ray_hsdp.request import GenerationRequest, RequestCancelledError
 from ray_hsdp.runtime.protocol import STOP, agreed_keys, help_key, key_of, lane_ticket, widened
 
@@ -132,3 +133,40 @@ def test_a_widened_request_is_cancelled_and_a_helper_s_death_fails_the_group_at_
         with pytest.raises(GroupFailedError, match="rank 0 died"):
             doomed.result(timeout=60)
         assert time.monotonic() - killed_at < 30  # not the collective timeout
+
+
+def test_a_request_the_neighbour_rule_admits_beside_a_widened_one_takes_its_helpers_back(
+    ray_cluster, tiny_model, reference_pipe
+):
+    """With two places per rank and a fitted tick floor, a newcomer is admitted on the ranks of a
+    widened request's wider lane (a helper's load of one is below capacity): the helpers still go
+    back at their next tick, and both results equal the unsharded run."""
+    config = GroupConfig(
+        model=tiny_model, device="cpu", shard_size=2, lane_sizes=(1, 2), lane_widening=True, requests_per_rank=2
+    )
+    long = GenerationRequest(prompt="rain at night", seed=5, num_inference_steps=100, width=32, height=32)
+    short = dataclasses.replace(long, prompt="a dog", seed=4, num_inference_steps=10, lane_size=1)
+    third = dataclasses.replace(long, prompt="a cat", seed=6, num_inference_steps=3)
+    with ShardGroup(config) as group:
+        work = group.check(long).work
+        for size in (1, 2):  # a lane of one as fast as the lane of two: the long one gets rank 1
+            group.lane_times.learn(size, work, 1.0)
+        short_future = group.submit(dataclasses.replace(short, request_id="short"))
+        long_future = group.submit(dataclasses.replace(long, request_id="long"))
+        wait_until(lambda: group.progress().get("long", {}).get("step", 0) >= 1, 60, "the long one runs")
+        with group._cond:  # nothing measured: widening is tried once the short one ends
+            group.lane_times = LaneTimes()
+        assert short_future.result(timeout=120).frames is not None
+        wait_until(lambda: group.progress()["long"]["helpers"] == [0], 60, "rank 0 helps the long one")
+        cost = group.check(long).request.forward_cost
+        fitted = TickModel()
+        for step_work in (cost, 4 * cost) * 4:
+            fitted.learn(step_work, 0.5)  # a step that does not grow with the work: the floor is capped
+        with group._cond:
+            group.tick_model = fitted
+        third_future = group.submit(dataclasses.replace(third, request_id="third"))
+        wait_until(lambda: group.progress().get("third", {}).get("state") == "running", 60, "the third one runs")
+        assert group.progress()["long"]["helpers"] == [], "the helper was not given back"
+        results = {"third": third_future.result(timeout=120), "long": long_future.result(timeout=300)}
+    for name, request in (("third", third), ("long", long)):
+        assert max_abs_diff(results[name].frames, reference_frames(reference_pipe, request)) <= TOLERANCE, name
