@@ -8,6 +8,7 @@ builder, the job table's replica, a notebook) then start without importing torch
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 
@@ -111,6 +112,9 @@ class Rank(RankStart):
         """
         runtime = self._loaded()
         request = variant.request
+        # A compile on this rank while the request ran (its own new shape, or a neighbour's) held
+        # every forward of it back: the run is marked, so the group learns no time from it.
+        graphs_before = compiled_graphs() if self.config.compile else 0
         job = runtime.submit(variant, variant.ticket)
         if not job.leads(self.rank):
             try:
@@ -131,6 +135,8 @@ class Rank(RankStart):
             runtime.cancel_job(job, error)
         result = job.get()
         self.last_request_peak_device_bytes = result.peak_device_bytes
+        if self.config.compile and compiled_graphs() > graphs_before:
+            result = dataclasses.replace(result, compiled=True)
         return result
 
     def session(self) -> dict:

@@ -233,6 +233,8 @@ class GenerationResult:
             ``None`` when no step reported its end.
         cached_forwards: Of the request's transformer forwards on the rank that answered, those
             that reused its step cache instead of running every block; ``None``: no step cache.
+        compiled: Whether ``torch.compile`` built graphs on the answering rank while it ran (a new
+            shape or lane size): its times include the compile, and the group learns none of them.
     """
 
     frames: np.ndarray
@@ -245,3 +247,4 @@ class GenerationResult:
     before_loop_s: float | None = None
     after_loop_s: float | None = None
     cached_forwards: int | None = None
+    compiled: bool = False

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import io
 import os
 import signal
 import time
 
 import pytest
+from PIL import Image
 from support import max_abs_diff, pipeline_with_adapters, reference_frames, reference_with, wait_until
 
 from ray_hsdp.config import GroupConfig
@@ -29,7 +31,7 @@ from ray_hsdp.group.lanes import (
 )
 from ray_hsdp.request import GenerationRequest, InvalidRequestError, RequestCancelledError, StepCache
 from ray_hsdp.topology import ParallelDims
-from ray_hsdp.variant.lane import UnsplittableRequestError
+from ray_hsdp.variant.lane import UnsplittableRequestError, sequence_tokens
 
 TOLERANCE = 1e-5
 DIMS = ParallelDims(1, 4, lane_sizes=(1, 2, 4))
@@ -222,13 +224,29 @@ def test_the_warm_up_fills_every_place_of_every_lane_of_each_size_in_turn():
     assert [[r.lane_size for r in batch] for batch in fixed] == [[None, None]]  # one per lane
     assert all(r.image is not None for r in fixed[0])
     assert all(r.num_inference_steps == 2 for r in fixed[0])  # a two-expert pipeline's warm-up reaches both
+    # Each warm-up splits over its lane's sequence ranks (Wan's token grid: 16 pixels a token): a lane of
+    # 3 or 6 Ulysses ranks, or a fixed lane of 5, gets no 64x64 request (16 tokens), which none of them splits.
+    wan = {"spatial_stride": 16, "temporal_stride": 4, "temporal_patch": 1}
+    odd = warm_up_requests(ParallelDims(1, 6, lane_sizes=(1, 3, 6)), 1, image_input=True, sequence=wan)
+    for batch in odd:
+        for r in batch:
+            tokens = sequence_tokens(wan, r.height, r.width, r.num_frames)
+            assert tokens % r.lane_size == 0 and r.width * r.height <= 96 * 64, r
+            assert Image.open(io.BytesIO(r.image)).size == (r.width, r.height)
+    assert {(r.width, r.height) for r in odd[1]} == {(96, 64)}
+    (fifths,) = warm_up_requests(ParallelDims(1, 5, ulysses=5), 1, image_input=False, sequence=wan)
+    assert [(r.width, r.height) for r in fifths] == [(80, 64)]
 
 
-def test_a_compiled_group_warms_every_lane_size_and_its_lanes_equal_unsharded(ray_cluster, tiny_model, adapted_pipe):
+def test_a_compiled_group_warms_every_lane_size_and_learns_no_time_from_a_run_that_compiled(
+    ray_cluster, tiny_model, adapted_pipe
+):
     """``compile`` with ``lane_sizes``: the start compiles each lane size on every rank (warm-up
     requests named for each size), each size's forwards its own graphs (its parallel config), and
     requests of the warm-up's shape on a lane of one, on the lane of two, and where the group puts
-    them equal the unsharded run."""
+    them equal the unsharded run without compiling. The warm-up is no user's request (no listener
+    hears of it) and teaches the group's lane times and tick model nothing; nor does a request of a
+    new shape, which compiles (its record says so); the next request of that shape does teach."""
     config = GroupConfig(model=tiny_model, device="cpu", shard_size=2, lane_sizes=(1, 2), compile=True)
     shape = {"width": 64, "height": 64, "num_frames": 1}  # the warm-up's: nothing compiles in a request
     requests = [
@@ -237,16 +255,29 @@ def test_a_compiled_group_warms_every_lane_size_and_its_lanes_equal_unsharded(ra
         GenerationRequest(prompt="rain", seed=9, lane_size=2, request_id="two", **shape),
         GenerationRequest(prompt="snow", seed=10, request_id="placed", **shape),
     ]
+    new_shape = GenerationRequest(prompt="hail", seed=11, lane_size=1, width=96, height=64, request_id="new-shape")
     records = []
-    with ShardGroup(config) as group:
-        group.listeners.append(records.append)
+    group = ShardGroup(config)
+    group.listeners.append(records.append)  # before the start, as a Serve replica attaches its metrics
+    with group:
+        assert records == [] and group.lane_times.as_dict() == {} and len(group.tick_model) == 0
         warmed = [stats["compiled_graphs"] for stats in group.tick_stats()]
         results = group.generate(requests)
         assert [stats["compiled_graphs"] for stats in group.tick_stats()] == warmed  # no compile in a request
+        learnt = group.lane_times.as_dict()
+        (compiled,) = group.generate([new_shape])
+        assert group.lane_times.as_dict() == learnt  # the run that compiled taught nothing
+        work = group.check(new_shape).work
+        group.generate([dataclasses.replace(new_shape, request_id="new-shape-again")])
+        assert f"1x{work}" in group.lane_times.as_dict()
     assert all(count > 0 for count in warmed)
-    sizes = {r.request_id: r.lane_size for r in records}
+    by_id = {r.request_id: r for r in records}
+    assert not any(name.startswith("warm-up") for name in by_id)
+    assert by_id["new-shape"].compiled and not by_id["new-shape-again"].compiled
+    assert not any(by_id[r.request_id].compiled for r in requests)
+    sizes = {name: r.lane_size for name, r in by_id.items()}
     assert sizes["one-a"] == sizes["one-b"] == 1 and sizes["two"] == 2
-    for request, result in zip(requests, results):
+    for request, result in zip([*requests, new_shape], [*results, compiled]):
         assert max_abs_diff(result.frames, reference_with(adapted_pipe, request)) <= TOLERANCE, request
 
 

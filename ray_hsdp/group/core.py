@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 
 import ray
@@ -33,33 +33,66 @@ from ray_hsdp.rank import CONCURRENCY_GROUPS, Rank
 from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
 from ray_hsdp.topology import PLACEMENT_STRATEGY, ParallelDims
 from ray_hsdp.variant import RequestVariant
+from ray_hsdp.variant.lane import sequence_tokens
 
 logger = logging.getLogger("ray_hsdp")
 
 _RENDEZVOUS_TRIES = 3
 
 
+#: The warm-up's height, in tokens of the pipeline's token grid (64 pixels at Wan's stride of 16):
+#: small, as its time is part of the group's start.
+WARM_UP_SIDE = 4
+
+
+def warm_up_size(sequence: Mapping | None, degree: int) -> tuple[int, int]:
+    """``(width, height)`` of a one-frame warm-up request whose tokens split over ``degree``
+    sequence ranks, from the pipeline's token grid (``sequence``: ``ShardedPipeline.facts``):
+    ``WARM_UP_SIDE`` tokens high and the least multiple of ``degree`` at least that wide.
+
+    Raises:
+        ValueError: Not even that splits (the message names the degree and the tokens).
+    """
+    if not sequence or degree == 1:
+        return 64, 64
+    stride = sequence["spatial_stride"]
+    width, height = -(-WARM_UP_SIDE // degree) * degree * stride, WARM_UP_SIDE * stride
+    tokens = sequence_tokens(sequence, height, width, 1)
+    if tokens % degree:
+        raise ValueError(
+            f"compile: the warm-up of a lane of {degree} sequence ranks ({width}x{height}, one frame) is {tokens} "
+            f"tokens, which do not split over {degree}; leave compile off or choose lanes that split it"
+        )
+    return width, height
+
+
 def warm_up_requests(
-    dims: ParallelDims, requests_per_rank: int, image_input: bool, steps: int = 1
+    dims: ParallelDims, requests_per_rank: int, image_input: bool, steps: int = 1, sequence: Mapping | None = None
 ) -> list[list[GenerationRequest]]:
     """Small requests, in batches run one after the other, that compile a compiled group's first
     forwards at its start, not in a user's request: one per lane; with adaptive lanes, for each lane
     size in turn, one per place of every lane of that size (a rank compiles graphs of its own per
-    lane size, and a lane fills its places before the next lane of its size takes one). An
-    image-to-video pipeline (``image_input``) takes no request without its first frame; each request
-    runs ``steps`` steps, enough to reach every expert of a two-expert pipeline (the pipeline's
-    ``warm_up_steps`` fact)."""
-    image = _gray_png(64, 64) if image_input else None
+    lane size, and a lane fills its places before the next lane of its size takes one). Each is of a
+    size whose tokens split over its lane's sequence ranks (``warm_up_size`` of the pipeline's token
+    grid ``sequence``). An image-to-video pipeline (``image_input``) takes no request without its
+    first frame; each request runs ``steps`` steps, enough to reach every expert of a two-expert
+    pipeline (the pipeline's ``warm_up_steps`` fact).
 
-    def warm(name: str, lane_size: int | None = None) -> GenerationRequest:
+    Raises:
+        ValueError: A lane's sequence ranks split no warm-up size (``warm_up_size``).
+    """
+
+    def warm(name: str, degree: int, lane_size: int | None = None) -> GenerationRequest:
+        width, height = warm_up_size(sequence, degree)
         return GenerationRequest(
-            prompt="warm up", num_inference_steps=steps, request_id=f"warm-up-{name}", image=image, lane_size=lane_size
-        )
+            prompt="warm up", num_inference_steps=steps, request_id=f"warm-up-{name}", width=width, height=height,
+            num_frames=1, image=_gray_png(width, height) if image_input else None, lane_size=lane_size,
+        )  # fmt: skip
 
     if not dims.adaptive:
-        return [[warm(str(lane)) for lane in range(dims.num_lanes)]]
+        return [[warm(str(lane), dims.ring * dims.ulysses) for lane in range(dims.num_lanes)]]
     return [
-        [warm(f"{size}-{i}", size) for i in range(len(dims.blocks(size)) * requests_per_rank)]
+        [warm(f"{size}-{i}", dims.lane_shape(size)[1], size) for i in range(len(dims.blocks(size)) * requests_per_rank)]
         for size in sorted(dims.lane_sizes)
     ]
 
@@ -203,12 +236,12 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection):
                 with self.phases.phase("warm-up"):
                     facts = self.pipeline_facts
                     batches = warm_up_requests(
-                        self.dims, self.config.requests_per_rank, bool(facts.get("image_input")), facts["warm_up_steps"]
-                    )
+                        self.dims, self.config.requests_per_rank, bool(facts.get("image_input")),
+                        facts["warm_up_steps"], facts.get("sequence"),
+                    )  # fmt: skip
                     for warm in batches:
-                        self.generate(warm)
-                    with self._cond:  # steps that compiled are not the group's pace
-                        self.tick_model = TickModel()
+                        for future in [self._enqueue(request, warm_up=True) for request in warm]:
+                            future.result()
             except BaseException:
                 self.shutdown()
                 raise
@@ -307,6 +340,10 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection):
             GroupOverloadedError: Every rank is busy and ``max_queue`` requests are already waiting.
             InvalidRequestError: The group cannot run what the request asks (see ``check``).
         """
+        return self._enqueue(request)
+
+    def _enqueue(self, request: GenerationRequest, warm_up: bool = False) -> Future:
+        """``submit``; a ``warm_up`` request (the compile warm-up) is logged, but no listener hears of it."""
         variant = self.check(request)
         future: Future = Future()
         with self._cond:
@@ -319,7 +356,7 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection):
                     f"(max_queue={self.config.max_queue}); retry later"
                 )
             deadline = deadlines.queue_deadline(request, self.config)
-            job = QueuedJob(variant, future, time.monotonic(), deadline)
+            job = QueuedJob(variant, future, time.monotonic(), deadline, warm_up=warm_up)
             self._pending.append(job)
             self._wake = True
             self._cond.notify_all()
@@ -351,12 +388,14 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection):
             before_loop_s=result.before_loop_s if result is not None else None,
             after_loop_s=result.after_loop_s if result is not None else None,
             error=describe_error(error) if error is not None else None,
+            compiled=result is not None and result.compiled,
         )
         if status == "ok":
-            self._learn_time(job, now - job.taken, result.step_s)
-        line = {"event": "request", "group": self.group_id, **self.labels, **dataclasses.asdict(record)}
-        logger.info("request %s", json.dumps(line))
-        for listener in list(self.listeners):
+            self._learn_time(job, now - job.taken, result)
+        event = "warm-up" if job.warm_up else "request"
+        line = {"event": event, "group": self.group_id, **self.labels, **dataclasses.asdict(record)}
+        logger.info("%s %s", event, json.dumps(line))
+        for listener in [] if job.warm_up else list(self.listeners):
             try:
                 listener(record)
             except Exception:  # noqa: BLE001 - a listener's bug must not break the answer path

@@ -15,7 +15,7 @@ import ray
 
 from ray_hsdp.group.errors import GroupFailedError, QueueTimeoutError, died, remote_cause
 from ray_hsdp.group.lanes import LaneAsk, LaneRoom, LockStep, Waiting, as_fast, queue_keeps_up, serving_order
-from ray_hsdp.request import GenerationRequest
+from ray_hsdp.request import GenerationRequest, GenerationResult
 from ray_hsdp.runtime import SessionFailedError
 from ray_hsdp.runtime.protocol import lane_ticket
 from ray_hsdp.variant import RequestVariant
@@ -51,6 +51,7 @@ class QueuedJob:
     wide: range = range(0)  # lane widening: the wider lane its forwards run on while helped
     helpers: tuple[int, ...] = ()  # the ranks of ``wide`` that help it now
     widened_to: int | None = None  # the size of the wider lane it was given, once widened
+    warm_up: bool = False  # a compiled group's warm-up at its start: not a user's request
 
     @property
     def request(self) -> GenerationRequest:
@@ -76,6 +77,8 @@ class RequestRecord:
         error: The error's type and first line, when it did not succeed.
         widened_to: The size of the wider lane its forwards ran on for a while (``lane_widening``),
             when it was widened.
+        compiled: Whether ``torch.compile`` built graphs while it ran (``GenerationResult.compiled``):
+            its times are not the group's pace.
     """
 
     request_id: str
@@ -91,6 +94,7 @@ class RequestRecord:
     after_loop_s: float | None = None
     error: str | None = None
     widened_to: int | None = None
+    compiled: bool = False
 
 
 def pick_next(
@@ -193,11 +197,13 @@ class GroupScheduler:
             waiting.append(Waiting(now - job.enqueued, due_s, min(times.values(), default=None)))
         return serving_order(waiting, self.config.queue_max_skip_s)
 
-    def _learn_time(self, job: QueuedJob, run_s: float, step_s: float | None) -> None:
+    def _learn_time(self, job: QueuedJob, run_s: float, result: GenerationResult) -> None:
         """Folds a finished request's run into the group's measured times (``lane_times``, and its
         mean step against the work it ran beside: ``tick_model``; under the lock, as the scheduler
-        reads them there)."""
-        if job.variant.work and job.widened_to is None:  # a widened run mixes two lane sizes
+        reads them there). The warm-up, a run that compiled (``result.compiled``: a new shape) and
+        a widened one (it mixed two lane sizes) teach nothing."""
+        step_s = result.step_s
+        if job.variant.work and job.widened_to is None and not (job.warm_up or result.compiled):
             with self._cond:
                 self.lane_times.learn(len(job.ranks), job.variant.work, run_s)
                 if step_s is not None:

@@ -99,7 +99,7 @@ class ReplicaMetrics:
         tags = {"model": self.model, "status": record.status}
         self._m["ray_hsdp_requests_total"].inc(1, tags=tags)
         self._m["ray_hsdp_queue_seconds"].observe(record.queued_s, tags=tags)
-        if record.step_s is not None:
+        if record.step_s is not None and not record.compiled:  # a compile's steps are not the pace
             self._m["ray_hsdp_step_seconds"].observe(record.step_s, tags={"model": self.model})
         if record.lane_size is not None:
             self._m["ray_hsdp_lane_size"].observe(record.lane_size, tags={"model": self.model})
