@@ -11,14 +11,14 @@ layout and rate: SLO attainment (answered within the deadline), goodput (such re
 of the window), p50 / p95 latency from arrival, and, for adaptive lanes, the lane sizes given.
 Layouts (``--layouts``): ``batch`` (lanes of one rank), ``lanes2`` (fixed Ulysses lanes of 2),
 ``wide`` (one Ulysses lane of all the GPUs), ``adaptive`` (``lane_sizes``: 1, 2 and all),
-``adaptive-widen`` (``adaptive`` with ``lane_widening``: the requests widened are counted). Results are written after every
-layout, each attainment with its 95% interval and the mean seconds queued and running per request
-size and lane size, each window's requests one by one (lane, wider lane, leader, seconds queued, running, per
-step, before and after the loop, latency, why one was not answered) and the neighbour rule's
-fitted tick floor after it (``tick_floor``, ``TickModel``); ``--plot`` draws attainment and p95
-against the rate from one or more results files, and ``--pool`` adds up the requests of several
-runs of one workload (runs spread over sessions), each layout's attainment and interval then taken
-over all of them.
+``adaptive-widen`` (``adaptive`` with ``lane_widening``: the requests widened are counted). Results
+are written after every layout, each attainment with its 95% interval and the mean seconds queued
+and running per request size and lane size, each window's requests one by one (lane, wider lane,
+leader, seconds queued, running, per step, before and after the loop, latency, why one was not
+answered) and the neighbour rule's fitted tick floor after it (``tick_floor``, ``TickModel``);
+``--plot`` draws attainment and p95 against the rate from one or more results files, and ``--pool``
+adds up the requests of several runs of one workload (runs spread over sessions), each layout's
+attainment and interval then taken over all of them.
 """
 
 from __future__ import annotations

@@ -582,7 +582,7 @@ class AutoscalingSpec(BaseModel):
         2.0,
         gt=0,
         description="Requests (queued and running, video jobs included) one lane should hold on average; more "
-        "adds groups, fewer removes them.",
+        "adds groups, fewer removes them. With adaptive lanes (lane_sizes) a lane is one of the widest size.",
     )
     upscale_delay_s: float = Field(10.0, ge=0, description="How long the load must call for more groups first.")
     downscale_delay_s: float = Field(

@@ -116,6 +116,13 @@ class ParallelDims:
         """Lanes of one group; each runs its own requests."""
         return self.shard_size // self.lane_size
 
+    @property
+    def widest_lanes(self) -> int:
+        """Lanes of one group when each request runs on its widest lane: ``num_lanes`` for fixed
+        lanes; with adaptive lanes ``shard_size / max(lane_sizes)`` (a lone request gets the widest;
+        ``num_lanes`` counts lanes of one rank, which only a backlog gets)."""
+        return self.shard_size // max(self.lane_sizes) if self.adaptive else self.num_lanes
+
     def lane_of(self, rank: int) -> int:
         """The lane of group rank ``rank`` (lanes are consecutive blocks of ranks)."""
         return rank // self.lane_size

@@ -74,6 +74,19 @@ class GroupInspection:
         with self._cond:
             return len(self._pending), len({id(job) for _, job in self._inflight.values()})
 
+    def idle_lanes(self) -> int:
+        """Lanes where a request would start at once and alone, less the requests waiting for one:
+        lanes none of whose ranks runs a request (with adaptive lanes, ranks that run none, each a
+        lane of one; a helper's rank counts as idle, as a newcomer takes it back). A rank's further
+        places (``requests_per_rank``) do not count: a request there runs beside another."""
+        with self._cond:
+            busy = {rank_index for rank_index, _ in self._inflight.values()}
+            waiting = len(self._pending)
+        lanes = [range(r, r + 1) for r in range(self.dims.shard_size)] if self.dims.adaptive else [
+            self.dims.lane_ranks(lane) for lane in range(self.dims.num_lanes)
+        ]  # fmt: skip
+        return max(0, sum(1 for lane in lanes if not busy.intersection(lane)) - waiting)
+
     def progress(self) -> dict[str, dict]:
         """Request id -> ``{"state": "queued"}`` or ``{"state": "running", "rank": i, "lane": l,
         "lane_size": k, "step": s, "total": n, "helpers": [h, ...]}`` (``rank`` is the lane's leader,

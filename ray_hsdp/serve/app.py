@@ -35,7 +35,7 @@ def build_app(args: dict) -> Application:
     check_placeable(bundles)  # else Serve waits forever for a node that could hold the replica
     # A fixed pool of replicate_size groups, or as many as the load calls for.
     if config.autoscaling is not None:
-        scale = {"autoscaling_config": autoscaling_config(config.autoscaling, dims.num_lanes)}
+        scale = {"autoscaling_config": autoscaling_config(config.autoscaling, dims.widest_lanes)}
     else:
         scale = {"num_replicas": dims.replicate_size}
     return HSDPServer.options(

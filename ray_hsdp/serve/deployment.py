@@ -12,7 +12,8 @@ import uuid
 import ray
 from ray import serve
 from ray.serve.exceptions import BackPressureError
-from ray.serve.handle import DeploymentHandle
+from ray.serve.exceptions import RequestCancelledError as ServeCancelledError
+from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from ray_hsdp import deadlines
 from ray_hsdp.config import AppConfig
@@ -71,6 +72,8 @@ class HSDPServer(OpenAIRoutes, VideoJobs):
         self._videos: dict[str, VideoRun] = {}
         #: Ids this replica cancelled lately (ids are unique: a bounded memory is enough).
         self._cancelled: collections.deque[str] = collections.deque(maxlen=4096)
+        #: Request id -> its retry on another replica, while it runs there (a stop cancels it there).
+        self._retries: dict[str, DeploymentResponse] = {}
         self._draining = False
         self._stopping = threading.Event()
         self.keeper: GroupKeeper | None = None  # while None, the group is starting
@@ -143,28 +146,34 @@ class HSDPServer(OpenAIRoutes, VideoJobs):
         is remembered too, so that a request waiting for its group's rebuild is never handed to the
         rebuilt group."""
         self._cancelled.append(request_id)
+        retry = self._retries.get(request_id)
+        if retry is not None:  # it runs on another replica's group: Serve cancels it there (run_request)
+            retry.cancel()
         try:
             self.group.cancel(request_id)
         except Exception as err:  # noqa: BLE001 - a failed group answers the request itself
             logger.warning("Cancelling %s failed: %s", request_id, err)
 
-    async def _result(self, job: GenerationRequest, future=None) -> tuple[GenerationResult, str | None]:
+    async def _result(
+        self, job: GenerationRequest, future=None, retry: bool = True
+    ) -> tuple[GenerationResult, str | None]:
         """The result of ``job`` (awaiting ``future``, or submitting it), and the failure it was
-        retried after, if any: a job whose group fails under it is retried once on another replica's
-        group (every request has a seed, drawn on arrival if the client sent none: the same seed
-        gives the same output). A caller that goes away (its HTTP
-        client disconnects) cancels it."""
+        retried after, if any: with ``retry``, a job whose group fails under it is retried once on
+        another replica's group (every request has a seed, drawn on arrival if the client sent none:
+        the same seed gives the same output). A caller that goes away (its HTTP client disconnects)
+        cancels it, on this group or where its retry runs."""
         try:
-            if future is None:
-                future = await self._submit(job)
-            return await asyncio.shield(asyncio.wrap_future(future)), None
+            try:
+                if future is None:
+                    future = await self._submit(job)
+                return await asyncio.shield(asyncio.wrap_future(future)), None
+            except GroupFailedError as err:
+                if not retry or serve.get_replica_context().world_size < 2:
+                    raise
+                return await self._retry_elsewhere(job, err), str(err)
         except asyncio.CancelledError:
             self._cancel(job.request_id)
             raise
-        except GroupFailedError as err:
-            if serve.get_replica_context().world_size < 2:
-                raise
-            return await self._retry_elsewhere(job, err), str(err)
 
     async def _retry_elsewhere(self, job: GenerationRequest, error: GroupFailedError) -> GenerationResult:
         logger.warning("Retrying a request on another shard group after: %s", error)
@@ -172,8 +181,12 @@ class HSDPServer(OpenAIRoutes, VideoJobs):
             job = deadlines.waits_anew(job, self.config)
         context = serve.get_replica_context()
         handle = serve.get_deployment_handle(context.deployment, context.app_name)
+        response = handle.run_request.remote(job, avoid_replica=context.replica_id.unique_id)
+        self._retries[job.request_id] = response
         try:
-            return await handle.run_request.remote(job, avoid_replica=context.replica_id.unique_id)
+            return await response
+        except ServeCancelledError:  # stopped here (``_cancel``): a DELETE, or its caller gone
+            raise RequestCancelledError(f"request {job.request_id!r} was cancelled during its retry") from None
         except ray.exceptions.RayTaskError as err:
             # The other replica's own error (429, 503, ...), without the remote traceback.
             cause = remote_cause(err)
@@ -182,6 +195,8 @@ class HSDPServer(OpenAIRoutes, VideoJobs):
             raise cause from None
         except BackPressureError as err:  # every other replica's queue is full
             raise GroupFailedError(f"{error}; no other shard group could take the retry now: {err}") from None
+        finally:
+            self._retries.pop(job.request_id, None)
 
     async def run_request(self, job: GenerationRequest, avoid_replica: str | None = None) -> GenerationResult:
         """Runs a prepared request on this replica's group: how another replica retries one.
@@ -193,7 +208,8 @@ class HSDPServer(OpenAIRoutes, VideoJobs):
         """
         if avoid_replica == serve.get_replica_context().replica_id.unique_id:
             raise GroupFailedError("no other shard group could take the retry")
-        return await asyncio.wrap_future(await self._submit(job))
+        result, _ = await self._result(job, retry=False)  # Serve cancelling this call stops the run
+        return result
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

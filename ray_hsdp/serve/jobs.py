@@ -159,7 +159,8 @@ class JobTable:
     ) -> bool:
         """A job's report from the ``replica`` that runs it (also its heartbeat, queued or
         running): ``running`` once a lane took it; progress never goes down; ``retried`` when this
-        replica takes it over from a group being removed (a drain).
+        replica adopts it (from a group being removed, or one that failed under it): the owner
+        changes, and a wait for a takeover (``take_waiting``) counts from now.
 
         Returns:
             False when the job is gone or finished (deleted, expired, failed by the sweep) or
@@ -169,9 +170,10 @@ class JobTable:
             job = self.jobs.get(video_id)
             if job is None or job["status"] not in ("queued", "in_progress"):
                 return False
-            if retried:
+            if retried:  # an adoption: the job is this replica's now, and waits here from now
                 job["retried"] = True
                 job["_owner"] = replica
+                job["_waiting_since"] = time.time()
             elif job["_owner"] != replica:
                 return False
             job["_heartbeat"] = time.time()

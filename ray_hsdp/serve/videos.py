@@ -41,11 +41,13 @@ def _application_going() -> bool:
 
 
 class VideoRun(NamedTuple):
-    """A video job this replica runs: its task, and what another replica needs to take it over."""
+    """A video job this replica runs: its task, and what another replica needs to take it over
+    (``movable``: another replica may; a job a caller waits for here is not)."""
 
     task: asyncio.Task
     job: GenerationRequest
     fps: int
+    movable: bool = True
 
 
 class VideoJobs:
@@ -116,18 +118,19 @@ class VideoJobs:
                 raise
             except GroupFailedError:
                 pass  # it failed just now: the job's task waits for the rebuild, or retries elsewhere
-        self._start_video(created["id"], job, fps, future)
+        self._start_video(created["id"], job, fps, future, movable)
         return created
 
-    def _start_video(self, video_id: str, job: GenerationRequest, fps: int, future=None) -> None:
+    def _start_video(self, video_id: str, job: GenerationRequest, fps: int, future=None, movable: bool = True) -> None:
         """Runs a video job in the background on this replica's group, to its MP4 in the table."""
-        task = asyncio.create_task(self._run_video(video_id, job, fps, future))
-        self._videos[video_id] = VideoRun(task, job, fps)
+        task = asyncio.create_task(self._run_video(video_id, job, fps, future, movable))
+        self._videos[video_id] = VideoRun(task, job, fps, movable)
         task.add_done_callback(lambda _: self._videos.pop(video_id, None))
 
     async def adopt_video(self, video_id: str, job: GenerationRequest, fps: int, avoid_replica: str) -> bool:
-        """Takes over a video job from a replica being removed (its drain timed out): its seed
-        makes the same video here. Returns once the job runs here (False: the job is gone).
+        """Takes over a video job from a replica being removed (its drain timed out) or whose group
+        failed under it (a retry): the job table makes this replica its owner, and its seed makes
+        the same video here. Returns once the job runs here (False: the job is gone).
 
         Raises:
             GroupFailedError: This is the replica to avoid, or it is being removed too.
@@ -142,17 +145,16 @@ class VideoJobs:
         return True
 
     async def _take_waiting_jobs(self, waited_s: float) -> None:
-        """While this group has free lanes and nothing queued: takes over the video jobs that have
-        waited queued for ``waited_s`` on other, busy groups, one per free lane (the job table
-        picks the oldest; their first replicas stop their copies at their next report)."""
+        """While this group has idle lanes (``ShardGroup.idle_lanes``: nothing runs there, and
+        nothing waits for them): takes over the video jobs that have waited queued for ``waited_s``
+        on other, busy groups, one per idle lane (the job table picks the oldest; their first
+        replicas stop their copies at their next report)."""
         while not self._stopping.is_set():
             await asyncio.sleep(waited_s / 2)
             if self._draining or self.keeper is None or not self.keeper.ready:
                 continue
             group = self.keeper.group
-            queued, running = group.load()
-            # The group's requests, and this replica's jobs not handed to it yet.
-            for _ in range(group.running_capacity - max(queued + running, len(self._videos))):
+            for _ in range(group.idle_lanes()):
                 try:
                     taken = await self.jobs.take_waiting.remote(self._replica, waited_s)
                 except Exception as err:  # noqa: BLE001 - the table answers again at the next round
@@ -173,11 +175,24 @@ class VideoJobs:
                 logger.info("Took over video job %s, which waited queued on a busy shard group", video_id)
                 self._start_video(video_id, job, fps, future)
 
-    async def _run_video(self, video_id: str, job: GenerationRequest, fps: int, future) -> BaseException | None:
-        """Runs a job to its MP4 in the table; returns the error that failed it, if any."""
+    async def _run_video(
+        self, video_id: str, job: GenerationRequest, fps: int, future, movable: bool = True
+    ) -> BaseException | None:
+        """Runs a job to its MP4 in the table; returns the error that failed it, if any. A
+        ``movable`` job whose group fails under it moves to another replica, which owns it from
+        then on (``_move_video``); one that is not is retried from here (``_result``). Its MP4 is
+        encoded only by the replica that still owns it."""
         try:
-            result, _ = await self._result(job, future)
-            await self.jobs.update.remote(video_id, self._replica, progress=DECODED)
+            try:
+                result, _ = await self._result(job, future, retry=not movable)
+            except GroupFailedError as err:
+                if not movable or serve.get_replica_context().world_size < 2 or not await self._move_video(
+                    video_id, job, fps, err
+                ):
+                    raise
+                return None  # another replica owns and runs it now
+            if not await self.jobs.update.remote(video_id, self._replica, progress=DECODED):
+                return None  # deleted, or another replica owns it: its video is not this run's
             frames = result.frames[0]
             mp4 = await asyncio.to_thread(encode_mp4, frames, fps)  # off the event loop, far from any tick
             await self.jobs.complete.remote(video_id, mp4, encode_png(frames[0]), self._replica)
@@ -189,6 +204,17 @@ class VideoJobs:
             logger.warning("Video job %s failed: %s", video_id, err)
             await self.jobs.fail.remote(video_id, job_error_code(err), str(err), self._replica)
             return err
+
+    async def _move_video(self, video_id: str, job: GenerationRequest, fps: int, error: GroupFailedError) -> bool:
+        """A job whose group failed under it: another replica adopts it (``adopt_video``: the job
+        table's owner changes, so one replica reports, stops and encodes it); whether one did."""
+        logger.warning("Moving video job %s to another shard group after: %s", video_id, error)
+        context = serve.get_replica_context()
+        handle = serve.get_deployment_handle(context.deployment, context.app_name)
+        try:
+            return await handle.adopt_video.remote(video_id, job, fps, self._replica)
+        except Exception as err:  # noqa: BLE001 - the job then fails here with both reasons
+            raise GroupFailedError(f"{error}; no other shard group could take it over: {remote_cause(err)}") from None
 
     async def _poll_progress(self) -> None:
         """The replica's one progress poller: every ``PROGRESS_INTERVAL_S``, one look at the

@@ -57,6 +57,12 @@ def test_the_policy_sizes_the_pool_on_the_groups_own_load():
     config = autoscaling_config(AutoscalingSpec(min_groups=1, max_groups=4, target_per_lane=2), lanes_per_group=2)
     assert (config["min_replicas"], config["max_replicas"], config["target_ongoing_requests"]) == (1, 4, 4)
     assert config["policy"] == {"policy_function": "ray_hsdp.serve.autoscaling:group_load_policy"}
+    # An adaptive group's lanes for scaling are its widest: a group of 4 ranks with lanes of 1, 2 and 4
+    # holds one request at a time on its widest lane, not four (issue 54).
+    adaptive = AppConfig(model="tiny", shard_size=4, lane_sizes=[1, 2, 4]).parallel_dims()
+    assert (adaptive.num_lanes, adaptive.widest_lanes) == (4, 1)
+    assert AppConfig(model="tiny", shard_size=4, lane_sizes=[1, 2]).parallel_dims().widest_lanes == 2
+    assert AppConfig(model="tiny", shard_size=4, ulysses_degree=2).parallel_dims().widest_lanes == 2
     with pytest.raises(ValueError, match="max_groups=1 is below min_groups=2"):
         AppConfig(model="tiny", autoscaling={"min_groups": 2, "max_groups": 1})
 
