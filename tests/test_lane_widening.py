@@ -113,10 +113,13 @@ def test_a_widened_request_is_cancelled_and_a_helper_s_death_fails_the_group_at_
     short = dataclasses.replace(long, prompt="short", num_inference_steps=2, lane_size=1)
 
     def widened_long(group: ShardGroup, name: str) -> concurrent.futures.Future:
-        """A long request on rank 1's lane of one, helped by rank 0 once a short one there ended."""
+        """A long request on rank 1's lane of one, helped by rank 0 once a short one there ended:
+        returned once rank 0 ran one of its forwards on the lane of two."""
+        helped = group.tick_stats()[0]["helped"]
         group.submit(dataclasses.replace(short, request_id=f"short-{name}"))
         future = group.submit(dataclasses.replace(long, request_id=name))
         wait_until(lambda: group.progress().get(name, {}).get("helpers") == [0], 60, f"{name} is widened")
+        wait_until(lambda: group.tick_stats()[0]["helped"] > helped, 60, f"{name} runs a forward widened")
         return future
 
     with ShardGroup(config) as group:

@@ -53,11 +53,12 @@ class RankWidening:
         the lane's help key at every tick it has no call or start of its own waiting (so that lanes
         of its own never wait on it), and joins each forward
         of the request the lane agrees on, its inputs from the lane's rank ``source``. A help whose
-        release came first is dropped.
+        release came first is dropped. A help replaces the one this rank gives now: its group gives
+        a rank one help at a time and releases it before the next, but Ray runs the two calls on
+        this rank's threaded control group in either order (the late release is then dropped).
 
         Raises:
             SessionFailedError: This rank's session failed.
-            RuntimeError: It helps another request already (its group gives a rank one at a time).
         """
         with self._cond:
             if self._failure is not None:
@@ -65,8 +66,6 @@ class RankWidening:
             if ticket in self._released:
                 del self._released[ticket]
                 return
-            if self._help is not None:
-                raise RuntimeError(f"rank {self.rank} already helps the lane of ticket {self._help.ticket}")
             self._help = Help(request, ticket, source)
             self._cond.notify_all()
 
