@@ -295,6 +295,7 @@ def test_a_request_on_a_lane_of_two_is_cancelled_and_a_rank_s_death_fails_the_gr
         future = group.submit(long)
         wait_until(lambda: group.progress().get("long", {}).get("step", 0) >= 1, 60, "the request runs")
         assert group.progress()["long"]["lane_size"] == 2  # a lone request: the widest lane
+        assert group.idle_lanes() == 0  # its lane holds every rank: no lane for a video job taken over
         assert group.cancel("long")
         with pytest.raises(RequestCancelledError):
             future.result(timeout=60)

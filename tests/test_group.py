@@ -153,6 +153,24 @@ def test_a_cancelled_request_stops_at_its_next_step_without_decoding(batch_group
     assert not batch_group.cancel("cancel-me")  # gone
 
 
+def test_idle_lanes_are_lanes_that_run_nothing_not_free_places(batch_group):
+    """What video takeover takes jobs for (issue 54): a lane whose rank runs a request is not idle,
+    though ``requests_per_rank`` (2) leaves it a second place: a job taken there would run beside
+    another at its pace."""
+    from ray_hsdp.request import RequestCancelledError
+
+    assert batch_group.idle_lanes() == 2
+    names = ["idle-0", "idle-1"]
+    futures = [batch_group.submit(request(name, 3, num_inference_steps=500, request_id=name)) for name in names]
+    wait_until(lambda: all(batch_group.progress().get(n, {}).get("state") == "running" for n in names), 60, "both run")
+    assert batch_group.running_capacity == 4 and batch_group.idle_lanes() == 0
+    for name, future in zip(names, futures):
+        batch_group.cancel(name)
+        with pytest.raises(RequestCancelledError):
+            future.result(timeout=60)
+    wait_until(lambda: batch_group.idle_lanes() == 2, 30, "both lanes idle again")
+
+
 def test_a_queued_request_keeps_the_deadline_it_arrived_with(batch_group):
     """Issue 37: one deadline from arrival. A request that already waited elsewhere (a rebuild, a
     queue on another group) comes with its ``queue_deadline``; this group's queue ends its wait

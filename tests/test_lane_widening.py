@@ -161,6 +161,7 @@ def test_a_request_the_neighbour_rule_admits_beside_a_widened_one_takes_its_help
             group.lane_times = LaneTimes()
         assert short_future.result(timeout=120).frames is not None
         wait_until(lambda: group.progress()["long"]["helpers"] == [0], 60, "rank 0 helps the long one")
+        assert group.idle_lanes() == 1  # the helper's rank: a newcomer takes it back at once
         cost = group.check(long).request.forward_cost
         fitted = TickModel()
         for step_work in (cost, 4 * cost) * 4:

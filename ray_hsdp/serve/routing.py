@@ -7,7 +7,8 @@ import random
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-#: Keyword argument of ``HSDPServer.run_request`` naming the replica a retried request must avoid.
+#: Keyword argument of ``HSDPServer.run_request`` and ``adopt_video`` naming the replica a retried
+#: request or a moved video job must avoid.
 AVOID_REPLICA = "avoid_replica"
 
 #: Routing stat a replica reports: ``False`` while its shard group is failed or being rebuilt.

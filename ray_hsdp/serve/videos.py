@@ -212,7 +212,7 @@ class VideoJobs:
         context = serve.get_replica_context()
         handle = serve.get_deployment_handle(context.deployment, context.app_name)
         try:
-            return await handle.adopt_video.remote(video_id, job, fps, self._replica)
+            return await handle.adopt_video.remote(video_id, job, fps, avoid_replica=self._replica)
         except Exception as err:  # noqa: BLE001 - the job then fails here with both reasons
             raise GroupFailedError(f"{error}; no other shard group could take it over: {remote_cause(err)}") from None
 
@@ -296,7 +296,7 @@ class VideoJobs:
         context = serve.get_replica_context()
         handle = serve.get_deployment_handle(context.deployment, context.app_name)
         try:
-            handed = await handle.adopt_video.remote(video_id, job, fps, self._replica)
+            handed = await handle.adopt_video.remote(video_id, job, fps, avoid_replica=self._replica)
         except Exception as err:  # noqa: BLE001 - the job then fails here with the reason
             reason = f"no other shard group could take it over ({remote_cause(err)})"
         task.cancel()

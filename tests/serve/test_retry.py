@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import requests
-from support import METRICS_EXPORT_S, reference_frames
+from support import METRICS_EXPORT_S, reference_frames, wait_until
 
 from ray_hsdp.request import GenerationRequest
 
@@ -286,3 +286,63 @@ def test_a_video_job_is_polled_downloaded_and_deleted_through_the_other_replica(
     else:
         raise AssertionError("every DELETE landed on the replica that created the job")
     assert through_other("GET", f"{url}/{video_id}", "nobody").status_code == 404
+
+
+def steps_on(ranks: list[dict]) -> dict[str, int]:
+    """Request id -> its denoising steps done, of the requests a group's ranks run now (what the
+    ranks themselves say)."""
+    import ray
+
+    reports = ray.get([rank_actor(r).progress.remote() for r in ranks], timeout=10)
+    return {request_id: step for report in reports for request_id, (step, _) in report.items()}
+
+
+def last_step_before_it_left(ranks: list[dict], request_id: str) -> int:
+    """Polls a group's ranks until ``request_id`` leaves them; the last step it was seen at."""
+    seen = [0]
+
+    def left() -> bool:
+        steps = steps_on(ranks)
+        seen[0] = steps.get(request_id, seen[0])
+        return request_id not in steps
+
+    wait_until(left, 120, f"{request_id} leaving its group", 0.05)
+    return seen[0]
+
+
+def test_a_retried_request_and_a_moved_video_job_stop_where_they_run(pool):
+    """Issue 54: a group dies under an image request (a handle call) and a video job. The request is
+    retried on the other group and the job moves there: the other replica owns it in the job table
+    (``retried``, its ``replica``). Cancelling the handle's call stops the retry where it runs, and a
+    DELETE stops the moved job there: neither runs its 200 steps to the end."""
+    from ray import serve
+
+    groups = live_groups(pool)
+    time.sleep(2)  # the router has seen both groups healthy (routing stats come every second)
+    handle = serve.get_app_handle(APP)
+    image = handle.generate.remote({"prompt": "retried, then cancelled", "num_inference_steps": 200, "seed": 3})
+    victim = running_on(groups)
+    assert victim is not None, "the image request did not start within 60 s"
+    (other,) = [replica for replica in groups if replica != victim]
+    url = f"{pool}/v1/videos"
+    body = {"prompt": "moved", "num_frames": 9, "num_inference_steps": 200, "seed": 4, "size": "64x64"}
+    for _ in range(40):  # the router picks a replica at random: a job elsewhere is deleted again
+        created = requests.post(url, json=body, timeout=60)
+        assert created.status_code == 200, created.text
+        video_id = created.json()["id"]
+        if created.headers["X-Ray-Hsdp-Replica"] == victim:
+            break
+        assert requests.delete(f"{url}/{video_id}", timeout=60).status_code == 200
+    else:
+        raise AssertionError("no video job landed on the image request's group")
+    wait_until(lambda: video_id in steps_on(groups[victim]), 60, "the job runs on the victim's group", 0.05)
+    os.kill(groups[victim][0]["pid"], signal.SIGKILL)
+    moved = wait_until(lambda: len(steps_on(groups[other])) == 2 and steps_on(groups[other]), 60, "both move", 0.05)
+    (image_id,) = set(moved) - {video_id}
+    wait_until(lambda: requests.get(f"{url}/{video_id}", timeout=60).json()["replica"] == other, 30, "it moved")
+    assert requests.get(f"{url}/{video_id}", timeout=60).json()["retried"] is True
+    image.cancel()
+    assert last_step_before_it_left(groups[other], image_id) < 150  # stopped, not run to its end
+    assert requests.delete(f"{url}/{video_id}", timeout=60).status_code == 200
+    assert last_step_before_it_left(groups[other], video_id) < 150
+    live_groups(pool)  # the victim's group is rebuilt: later tests find both serving

@@ -361,6 +361,23 @@ def test_a_job_waiting_on_a_busy_group_moves_once_to_a_group_with_a_free_lane():
     assert table.take_waiting("b", waited_s=60) == (own["id"], ("spec own", 16, True))
 
 
+def test_a_job_adopted_after_its_group_failed_is_its_adopter_s_and_waits_anew():
+    """A retry of a video job is an ownership transfer (``adopt_video``): its first replica's
+    reports and MP4 are refused from then on, and a takeover counts its wait from the adoption, not
+    from the job's creation (issue 54: a third replica took a job the second ran, so it ran twice)."""
+    from ray_hsdp.serve.jobs import JobTable
+
+    table = JobTable(max_jobs=8, max_bytes=2**20, ttl_s=60, stale_after_s=60)
+    _, job = table.create({"prompt": "retried"}, "a", ("spec", 16, True))
+    time.sleep(0.2)  # it waited queued on a's group, which then failed
+    assert table.update(job["id"], "b", retried=True)  # b adopts it
+    assert table.take_waiting("c", waited_s=0.15) is None  # it waits on b's group from now
+    assert table.update(job["id"], "a") is False and table.complete(job["id"], b"a's", b"png", "a") is False
+    assert table.update(job["id"], "b", running=True)
+    adopted = table.get(job["id"])
+    assert (adopted["status"], adopted["replica"], adopted["retried"]) == ("in_progress", "b", True)
+
+
 def test_a_redeploy_applies_new_limits_and_serve_delete_removes_the_table(limited, server):
     """The table belongs to the app: a redeploy's limits apply, and the app's deletion takes the
     table and its MP4s with it."""
