@@ -32,7 +32,9 @@ logger = logging.getLogger("ray_hsdp")
 #: ``help``, ``release``, ``inject_fault`` and ``leave`` answer on "control" while a long request
 #: runs. The torch profiler must stop on the thread that started it: "profile". The group's
 #: ``watch`` call waits on "watch" for as long as the rank lives.
-CONCURRENCY_GROUPS = {"control": 2, "intake": MAX_REQUESTS_PER_RANK, "profile": 1, "watch": 1}
+CONCURRENCY_GROUPS = {
+    "control": 2, "intake": MAX_REQUESTS_PER_RANK, "loops": MAX_REQUESTS_PER_RANK, "profile": 1, "watch": 1,
+}  # fmt: skip
 
 #: Faults ``inject_fault`` knows: a rank hung before its next collective, a forward that raises,
 #: a split decode that raises.
@@ -138,6 +140,12 @@ class Rank(RankStart):
         if self.config.compile and compiled_graphs() > graphs_before:
             result = dataclasses.replace(result, compiled=True)
         return result
+
+    @ray.method(concurrency_group="loops")
+    def denoised(self, request_id: str) -> bool:
+        """Returns once ``request_id``'s denoising loop ended on this rank (``RankRuntime.loop_end``):
+        True, or False after ``request_timeout_s``."""
+        return self._loaded().loop_end(request_id).wait(self.config.request_timeout_s)
 
     def session(self) -> dict:
         """Runs the requests handed over, in lock step with the other ranks, until all are idle

@@ -112,12 +112,13 @@ def test_a_widened_request_is_cancelled_and_a_helper_s_death_fails_the_group_at_
     long = GenerationRequest(prompt="long", num_inference_steps=2000, width=32, height=32)
     short = dataclasses.replace(long, prompt="short", num_inference_steps=2, lane_size=1)
 
-    def widened_long(group: ShardGroup, name: str) -> concurrent.futures.Future:
+    def widened_long(group: ShardGroup, name: str, request: GenerationRequest = long) -> concurrent.futures.Future:
         """A long request on rank 1's lane of one, helped by rank 0 once a short one there ended:
         returned once rank 0 ran one of its forwards on the lane of two."""
         helped = group.tick_stats()[0]["helped"]
-        group.submit(dataclasses.replace(short, request_id=f"short-{name}"))
-        future = group.submit(dataclasses.replace(long, request_id=name))
+        # Of like work: a lane of one opens beside the other (``lanes.LockStep``).
+        group.submit(dataclasses.replace(request, request_id=f"short-{name}", num_inference_steps=2, lane_size=1))
+        future = group.submit(dataclasses.replace(request, request_id=name))
         wait_until(lambda: group.progress().get(name, {}).get("helpers") == [0], 60, f"{name} is widened")
         wait_until(lambda: group.tick_stats()[0]["helped"] > helped, 60, f"{name} runs a forward widened")
         return future
@@ -130,6 +131,14 @@ def test_a_widened_request_is_cancelled_and_a_helper_s_death_fails_the_group_at_
         # On a lane of one: a measured lane of two no faster here (CPU) would end widening.
         after = group.generate([dataclasses.replace(short, request_id="after")])[0]
         assert after.frames.shape == (1, 1, 32, 32, 3)
+        # The helper goes back when the widened request's loop ends: its decode (about a second here)
+        # runs on its own lane of one.
+        large = dataclasses.replace(long, num_inference_steps=60, width=128, height=128, num_frames=17)
+        decoded = widened_long(group, "decoded", large)
+        wait_until(lambda: decoded.done() or group.progress()["decoded"]["step"] >= 60, 120, "its loop ends")
+        wait_until(lambda: decoded.done() or group.progress()["decoded"]["helpers"] == [], 60, "the helper goes back")
+        assert not decoded.done(), "the helper stayed through the decode"
+        print("decode", decoded.result(timeout=120).after_loop_s)
         doomed = widened_long(group, "doomed")
         killed_at = time.monotonic()
         os.kill(group.placement[0]["pid"], signal.SIGKILL)  # the helper

@@ -188,6 +188,7 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection):
         self._sessions: dict[ray.ObjectRef, int] | None = None  # running session -> rank index
         self._sessions_done: set[ray.ObjectRef] = set()
         self._watchers: dict[ray.ObjectRef, int] = {}  # each rank's open ``watch`` call -> rank index
+        self._loop_watches: dict[ray.ObjectRef, QueuedJob] = {}  # a widened request's ``denoised`` call -> it
         # Offers and sessions that completed, as Ray reports them; the scheduler handles them.
         self._events: deque[tuple[str, ray.ObjectRef, Future]] = deque()
         self._wake = False  # a request was submitted

@@ -316,6 +316,8 @@ class GroupScheduler:
                         self._offer_done(ref, future)
                     elif kind == "session":
                         self._session_done(ref, future)
+                    elif kind == "denoised":
+                        self._denoised(ref)
                     elif isinstance(future.exception(), ray.exceptions.RayActorError):  # a rank, idle or not
                         rank_index = self._watchers[ref]
                         self._fail(died(rank_index, future.exception()))

@@ -60,6 +60,18 @@ class GroupWidening:
         job.helpers = tuple(r for r in lane if r not in job.ranks)
         for rank in job.helpers:
             self.ranks[rank].help.remote(job.variant, ticket, job.ranks.start - lane.start)
+        # Its decode runs on its own lane: the helpers go back once its loop ends on its leader
+        # (a lane of several ranks also says so when its other ranks' offers end).
+        ended = self.ranks[job.ranks.start].denoised.remote(job.request.request_id)
+        self._loop_watches[ended] = job
+        self._watch("denoised", ended)
+
+    def _denoised(self, ended) -> None:
+        """A widened request's loop ended on its leader (``Rank.denoised``): its helpers go back."""
+        with self._cond:
+            job = self._loop_watches.pop(ended, None)
+            if job is not None:
+                self._release(job)
 
     def _release(self, job) -> bool:
         """Gives ``job``'s helpers back (they leave its lane at their next tick); whether it had any."""

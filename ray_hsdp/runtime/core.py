@@ -131,6 +131,7 @@ class RankRuntime(TickLoop, RequestThreads, RankWidening):
                 self._cond.notify_all()
                 return job
             message = str(self._failure) if self._failure is not None else None
+        self._note_loop_end(request.request_id)  # it never runs here
         if message is not None:
             job.complete(error=SessionFailedError(message))
         elif cancelled is not None:

@@ -51,6 +51,7 @@ class RequestThreads:
         decodes_together = False
 
         def stop_expecting() -> None:
+            self._note_loop_end(request_id)  # (its group may wait for it: a widened request's helpers)
             if expecting[0]:
                 expecting[0] = False
                 with self._cond:

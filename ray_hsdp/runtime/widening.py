@@ -17,6 +17,7 @@ from ray_hsdp.runtime.protocol import (
     HELP_MODULE,
     KEY_SPACE,
     STOPPED_MEMORY,
+    Completion,
     ForwardCall,
     SessionFailedError,
     help_key,
@@ -47,6 +48,27 @@ class RankWidening:
         #: the requests whose helpers all offered their help at the last tick.
         self._widened: dict[int, tuple[int, int]] = {}
         self.helped = 0  # forwards this rank ran as a helper
+        #: Request id -> completed once its denoising loop ended here (insertion-ordered, bounded).
+        self._loop_ends: dict[str, Completion] = {}
+
+    def loop_end(self, request_id: str) -> Completion:
+        """Completes once ``request_id``'s denoising loop ended on this rank (it decodes from there,
+        or it stopped): what the group of a widened request waits for to give its helpers back, as
+        its decode runs on its own lane. A request that has not come yet is waited for."""
+        with self._cond:
+            end = self._loop_ends.get(request_id)
+            if end is None:
+                end = self._loop_ends[request_id] = Completion()
+            return end
+
+    def _note_loop_end(self, request_id: str) -> None:
+        """``request_id``'s loop ended here; the oldest ended loops beyond ``STOPPED_MEMORY`` are forgotten."""
+        self.loop_end(request_id).complete()
+        with self._cond:
+            excess = len(self._loop_ends) - STOPPED_MEMORY
+            if excess > 0:
+                for ended in [key for key, end in self._loop_ends.items() if end.done][:excess]:
+                    del self._loop_ends[ended]
 
     def help(self, request: Any, ticket: int, source: int) -> None:
         """Helps ``request`` on the wider lane ``ticket`` until ``release(ticket)``: this rank offers

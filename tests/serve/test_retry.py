@@ -337,10 +337,10 @@ def test_a_retried_request_and_a_moved_video_job_stop_where_they_run(pool):
         raise AssertionError("no video job landed on the image request's group")
     wait_until(lambda: video_id in steps_on(groups[victim]), 60, "the job runs on the victim's group", 0.05)
     os.kill(groups[victim][0]["pid"], signal.SIGKILL)
+    wait_until(lambda: requests.get(f"{url}/{video_id}", timeout=60).json()["replica"] == other, 30, "the job moved")
+    assert requests.get(f"{url}/{video_id}", timeout=60).json()["retried"] is True
     moved = wait_until(lambda: len(steps_on(groups[other])) == 2 and steps_on(groups[other]), 60, "both move", 0.05)
     (image_id,) = set(moved) - {video_id}
-    wait_until(lambda: requests.get(f"{url}/{video_id}", timeout=60).json()["replica"] == other, 30, "it moved")
-    assert requests.get(f"{url}/{video_id}", timeout=60).json()["retried"] is True
     image.cancel()
     assert last_step_before_it_left(groups[other], image_id) < 150  # stopped, not run to its end
     assert requests.delete(f"{url}/{video_id}", timeout=60).status_code == 200
