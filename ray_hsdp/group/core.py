@@ -6,9 +6,7 @@ deployment wraps one group per replica.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import json
 import logging
 import threading
 import time
@@ -23,9 +21,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_hsdp import deadlines
 from ray_hsdp.config import GroupConfig
-from ray_hsdp.group.errors import GroupFailedError, GroupOverloadedError, GroupUnplaceableError, describe_error
+from ray_hsdp.group.errors import GroupFailedError, GroupOverloadedError, GroupUnplaceableError
 from ray_hsdp.group.inspection import GroupInspection
 from ray_hsdp.group.lanes import LaneTimes, LeanLanes, TickModel
+from ray_hsdp.group.records import GroupRecords
 from ray_hsdp.group.scheduler import GroupScheduler, QueuedJob, RequestRecord, resolve
 from ray_hsdp.group.widening import GroupWidening
 from ray_hsdp.phases import Phases
@@ -137,7 +136,7 @@ def check_placeable(bundles: list[dict[str, float]]) -> None:
     )
 
 
-class ShardGroup(GroupScheduler, GroupWidening, GroupInspection):
+class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords):
     """S ranks that together hold one copy of the pipeline and run requests from one queue.
 
     The ranks form lanes (``ParallelDims``): a lane runs each of its requests on all its ranks
@@ -363,44 +362,6 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection):
             self._cond.notify_all()
         future.add_done_callback(lambda done: self._record(job, done))
         return future
-
-    def _record(self, job: QueuedJob, future: Future) -> None:
-        """Logs the request's one structured line and tells the listeners."""
-        now = time.monotonic()
-        error = None if future.cancelled() else future.exception()
-        result = future.result() if not future.cancelled() and error is None else None
-        if result is not None:
-            status = "ok"
-        elif future.cancelled() or isinstance(error, RequestCancelledError):
-            status = "cancelled"
-        else:
-            status = "failed" if isinstance(error, GroupFailedError) else "error"
-        record = RequestRecord(
-            request_id=job.request.request_id,
-            status=status,
-            steps=job.request.num_inference_steps,
-            queued_s=round((job.taken or now) - job.enqueued, 4),
-            run_s=round(now - job.taken, 4) if job.taken is not None else None,
-            lane=job.lane,
-            lane_size=len(job.ranks) if job.taken is not None else None,
-            widened_to=job.widened_to,
-            rank=result.rank if result is not None else None,
-            step_s=result.step_s if result is not None else None,
-            before_loop_s=result.before_loop_s if result is not None else None,
-            after_loop_s=result.after_loop_s if result is not None else None,
-            error=describe_error(error) if error is not None else None,
-            compiled=result is not None and result.compiled,
-        )
-        if status == "ok":
-            self._learn_time(job, now - job.taken, result)
-        event = "warm-up" if job.warm_up else "request"
-        line = {"event": event, "group": self.group_id, **self.labels, **dataclasses.asdict(record)}
-        logger.info("%s %s", event, json.dumps(line))
-        for listener in [] if job.warm_up else list(self.listeners):
-            try:
-                listener(record)
-            except Exception:  # noqa: BLE001 - a listener's bug must not break the answer path
-                logger.exception("A request listener failed")
 
     def check(self, request: GenerationRequest) -> RequestVariant:
         """The request's variant: every per-request choice read and checked once

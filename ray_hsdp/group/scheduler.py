@@ -15,7 +15,7 @@ import ray
 
 from ray_hsdp.group.errors import GroupFailedError, QueueTimeoutError, died, remote_cause
 from ray_hsdp.group.lanes import LaneAsk, LaneRoom, LockStep, Waiting, as_fast, queue_keeps_up, serving_order
-from ray_hsdp.request import GenerationRequest, GenerationResult
+from ray_hsdp.request import GenerationRequest
 from ray_hsdp.runtime import SessionFailedError
 from ray_hsdp.runtime.protocol import lane_ticket
 from ray_hsdp.variant import RequestVariant
@@ -196,18 +196,6 @@ class GroupScheduler:
             times = self.lane_times.estimates(self._lane_sizes_of(job.variant), job.variant.work)
             waiting.append(Waiting(now - job.enqueued, due_s, min(times.values(), default=None)))
         return serving_order(waiting, self.config.queue_max_skip_s)
-
-    def _learn_time(self, job: QueuedJob, run_s: float, result: GenerationResult) -> None:
-        """Folds a finished request's run into the group's measured times (``lane_times``, and its
-        mean step against the work it ran beside: ``tick_model``; under the lock, as the scheduler
-        reads them there). The warm-up, a run that compiled (``result.compiled``: a new shape) and
-        a widened one (it mixed two lane sizes) teach nothing."""
-        step_s = result.step_s
-        if job.variant.work and job.widened_to is None and not (job.warm_up or result.compiled):
-            with self._cond:
-                self.lane_times.learn(len(job.ranks), job.variant.work, run_s)
-                if step_s is not None:
-                    self.tick_model.learn(job.tick_work, step_s)
 
     def _assign_adaptive(self) -> None:
         """Adaptive lanes: the first request in the serving order, on the lane the group's
