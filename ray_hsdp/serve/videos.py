@@ -127,10 +127,14 @@ class VideoJobs:
         self._videos[video_id] = VideoRun(task, job, fps, movable)
         task.add_done_callback(lambda _: self._videos.pop(video_id, None))
 
-    async def adopt_video(self, video_id: str, job: GenerationRequest, fps: int, avoid_replica: str) -> bool:
+    async def adopt_video(
+        self, video_id: str, job: GenerationRequest, fps: int, avoid_replica: str, ran: bool = True
+    ) -> bool:
         """Takes over a video job from a replica being removed (its drain timed out) or whose group
         failed under it (a retry): the job table makes this replica its owner, and its seed makes
-        the same video here. Returns once the job runs here (False: the job is gone).
+        the same video here. A job that ``ran`` there gets a wait of its own here; one that never
+        ran keeps the queue deadline of its arrival. Returns once the job runs here (False: the job
+        is gone).
 
         Raises:
             GroupFailedError: This is the replica to avoid, or it is being removed too.
@@ -139,8 +143,8 @@ class VideoJobs:
             raise GroupFailedError("this shard group is being removed too; it cannot take the job over")
         if not await self.jobs.update.remote(video_id, self._replica, retried=True):
             return False  # deleted or expired meanwhile: nothing to take over
-        # It ran on the removed group: here it gets a wait of its own.
-        job = deadlines.waits_anew(job, self.config)
+        if ran:
+            job = deadlines.waits_anew(job, self.config)
         self._start_video(video_id, job, fps)
         return True
 
@@ -212,7 +216,7 @@ class VideoJobs:
         context = serve.get_replica_context()
         handle = serve.get_deployment_handle(context.deployment, context.app_name)
         try:
-            return await handle.adopt_video.remote(video_id, job, fps, avoid_replica=self._replica)
+            return await handle.adopt_video.remote(video_id, job, fps, avoid_replica=self._replica, ran=error.ran)
         except Exception as err:  # noqa: BLE001 - the job then fails here with both reasons
             raise GroupFailedError(f"{error}; no other shard group could take it over: {remote_cause(err)}") from None
 
