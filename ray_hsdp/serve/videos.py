@@ -190,9 +190,10 @@ class VideoJobs:
             try:
                 result, _ = await self._result(job, future, retry=not movable)
             except GroupFailedError as err:
-                if not movable or serve.get_replica_context().world_size < 2 or not await self._move_video(
-                    video_id, job, fps, err
-                ):
+                # (A replica being removed hands its jobs over itself: ``_hand_over``.)
+                if not movable or self._draining or serve.get_replica_context().world_size < 2:
+                    raise
+                if not await self._move_video(video_id, job, fps, err):
                     raise
                 return None  # another replica owns and runs it now
             if not await self.jobs.update.remote(video_id, self._replica, progress=DECODED):
@@ -293,7 +294,7 @@ class VideoJobs:
         run = self._videos.get(video_id)
         if run is None:  # it ended meanwhile
             return
-        _, job, fps = run
+        job, fps = run.job, run.fps
         handed = False
         reason = "no other shard group took it over"
         # (The replica context's world size already counts this replica out.)
