@@ -156,7 +156,7 @@ def test_a_request_the_neighbour_rule_admits_beside_a_widened_one_takes_its_help
     config = GroupConfig(
         model=tiny_model, device="cpu", shard_size=2, lane_sizes=(1, 2), lane_widening=True, requests_per_rank=2
     )
-    long = GenerationRequest(prompt="rain at night", seed=5, num_inference_steps=100, width=32, height=32)
+    long = GenerationRequest(prompt="rain at night", seed=5, num_inference_steps=60, width=32, height=32)
     short = dataclasses.replace(long, prompt="a dog", seed=4, num_inference_steps=10, lane_size=1)
     third = dataclasses.replace(long, prompt="a cat", seed=6, num_inference_steps=3)
     with ShardGroup(config) as group:
