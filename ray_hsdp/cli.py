@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import base64
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -208,51 +209,43 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """Deploys the application under its own name; Ctrl-C removes that application only (and stops
+    Ray only where this command started it)."""
+    from pydantic import ValidationError
+
+    from ray_hsdp.serve_cli import UsageError, default_app_name, serve_config
+
+    try:
+        config = serve_config(args)
+    except (UsageError, ValidationError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     import ray
     from ray import serve
 
-    from ray_hsdp.request import parse_lora
     from ray_hsdp.serve import build_app
 
-    shard_size = args.hsdp_shard_size if args.use_hsdp else 1
-    replicate_size = args.hsdp_replicate_size if args.use_hsdp else 1
-    if (args.usp > 1 or args.ring > 1 or args.cfg_parallel) and not args.use_hsdp:
-        print(
-            "error: --usp, --ring and --cfg-parallel split requests over the ranks of a shard group, whose weights "
-            "are sharded over them: add --use-hsdp (the shard size then defaults to the lane size)",
-            file=sys.stderr,
-        )
-        return 2
+    name = args.name or default_app_name(args.model)
+    started_ray = not ray.is_initialized() and not (args.address or os.environ.get("RAY_ADDRESS"))
     ray.init(address=args.address, ignore_reinit_error=True)
     serve.start(http_options={"host": args.host, "port": args.port})
-    config = {
-        "model": args.model,
-        "device": args.device,
-        "dtype": args.dtype,
-        "mode": args.mode,
-        "shard_size": shard_size,
-        "replicate_size": replicate_size,
-        "ulysses_degree": args.usp,
-        "ring_degree": args.ring,
-        "cfg_parallel": args.cfg_parallel,
-        "loras": _lora_files(args.lora_file),
-        "fuse_loras": dict(parse_lora(args.fuse_lora)),
-        "cache": {"kind": args.cache},
-        "quantization": args.quantization,
-    }
-    if args.default_size:
-        config["default_size"] = args.default_size
-    if args.default_steps:
-        config["default_steps"] = args.default_steps
-    serve.run(build_app(config), name="ray_hsdp", route_prefix="/")
-    print(f"Serving {args.model} on http://{args.host}:{args.port} (POST /v1/images/generations); Ctrl-C stops")
+    serve.run(build_app(config.model_dump(exclude_unset=True)), name=name, route_prefix=args.route_prefix)
+    print(
+        f"Serving {args.model} as application {name!r} on http://{args.host}:{args.port}{args.route_prefix.rstrip('/')}"
+        " (POST /v1/images/generations); Ctrl-C removes it"
+    )
     try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:
-        serve.shutdown()
+        try:
+            serve.delete(name)
+        except Exception as err:  # noqa: BLE001 - Serve itself may be gone already
+            print(f"could not remove application {name!r}: {err}", file=sys.stderr)
+        if started_ray:
+            ray.shutdown()
     return 0
 
 
@@ -417,28 +410,17 @@ def _add_demo(sub) -> None:
 
 
 def _add_serve(sub) -> None:
-    """The ``serve`` subcommand and its arguments."""
+    """The ``serve`` subcommand: where it serves, and every configuration field (``serve_cli``)."""
+    from ray_hsdp.serve_cli import add_serve_options
+
     p = sub.add_parser("serve", help="serve a diffusers pipeline folder over HTTP")
     p.add_argument("model", help="diffusers pipeline folder, or 'tiny'")
-    p.add_argument("--use-hsdp", action="store_true", help="shard the weights over each group's GPUs")
-    p.add_argument(
-        "--hsdp-shard-size", type=int, default=-1, help="ranks per shard group (-1: the lane size, or 2 without lanes)"
-    )
-    p.add_argument("--hsdp-replicate-size", type=int, default=1, help="number of shard groups")
-    p.add_argument("--usp", type=int, default=1, help="Ulysses sequence-parallel degree of a lane (combined mode)")
-    p.add_argument("--ring", type=int, default=1, help="ring-attention degree of a lane (CUDA backends only)")
-    p.add_argument(
-        "--cfg-parallel", action="store_true", help="run the cond and uncond forwards of a step on two ranks at once"
-    )
-    p.add_argument("--mode", choices=["batch", "replicated"], default="batch")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    p.add_argument("--default-size", help="image size when a request gives none, 'WxH'")
-    p.add_argument("--default-steps", type=int, help="denoising steps when a request gives none")
+    p.add_argument("--name", help="the Serve application's name (default: the model folder's name)")
+    p.add_argument("--route-prefix", default="/", help="the application's HTTP route prefix")
     p.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1 unless told otherwise)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local cluster)")
-    _group_options(p)
+    add_serve_options(p)
     p.set_defaults(func=cmd_serve)
 
 

@@ -88,7 +88,9 @@ def test_usp_without_use_hsdp_is_refused_with_the_fix(capsys):
 
 
 def test_make_random_tiny_then_serve_it_over_http_with_usp_2(ray_cluster, tmp_path, capsys):
-    """As vllm-omni users type it: --use-hsdp --usp 2, no shard size (it defaults to the lane's 2)."""
+    """As vllm-omni users type it: --use-hsdp --usp 2, no shard size (it defaults to the lane's 2),
+    with a field reached by --set. The application is named after the model folder, and Ctrl-C
+    removes it alone: another application on the same Serve keeps running."""
     import requests
 
     folder = tmp_path / "wan14b-tiny"
@@ -113,6 +115,8 @@ def test_make_random_tiny_then_serve_it_over_http_with_usp_2(ray_cluster, tmp_pa
             "64x64",
             "--default-steps",
             "2",
+            "--set",
+            "max_steps=50",
             "--port",
             str(port),
         ],
@@ -130,14 +134,19 @@ def test_make_random_tiny_then_serve_it_over_http_with_usp_2(ray_cluster, tmp_pa
         pool = requests.get(f"{base}/v1/pool", timeout=60).json()
         assert pool["shard_size"] == 2 and pool["model"] == "wan14b-tiny"
         assert (pool["lanes"], pool["lane_size"], pool["ulysses_degree"]) == (1, 2, 2)
-    finally:
-        # Serve shut down from here first (its Ctrl-C path then has nothing left to wait for), so
-        # later tests find the cluster's CPUs free.
-        serve.shutdown()
+        too_many = requests.post(f"{base}/v1/images/generations", json={"prompt": "a", "num_inference_steps": 51})
+        assert too_many.status_code == 400 and "max_steps=50" in too_many.text
+        bystander = serve.deployment(lambda request: "still here", ray_actor_options={"num_cpus": 0})
+        serve.run(bystander.bind(), name="bystander", route_prefix="/bystander")
+        assert set(serve.status().applications) >= {"wan14b-tiny", "bystander"}
         proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
+        assert proc.wait(timeout=60) == 0
+        assert "wan14b-tiny" not in serve.status().applications
+        assert requests.get(f"{base}/bystander", timeout=30).text == "still here"
+    finally:
+        # Later tests find the cluster's CPUs free.
+        serve.shutdown()
+        if proc.poll() is None:
             proc.kill()
 
 

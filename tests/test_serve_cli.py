@@ -1,0 +1,116 @@
+"""``ray-hsdp serve``'s options (``ray_hsdp.serve_cli``): every configuration field reachable by a
+flag and by ``--set``, a file of args or a Serve YAML to start from, vllm-omni's spellings, and the
+refusals, each with its message; no Ray needed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from ray_hsdp.config import AppConfig
+from ray_hsdp.serve_cli import UsageError, add_serve_options, default_app_name, field_flag, serve_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parsed(*argv: str) -> argparse.Namespace:
+    from ray_hsdp.cli import build_parser
+
+    return build_parser().parse_args(["serve", *argv])
+
+
+def config_of(*argv: str) -> AppConfig:
+    return serve_config(parsed(*argv))
+
+
+def test_every_field_has_a_flag_and_is_reachable_by_set():
+    parser = argparse.ArgumentParser()
+    add_serve_options(parser)
+    flags = {option for action in parser._actions for option in action.option_strings}
+    defaults = AppConfig(model="tiny").model_dump(mode="json")
+    for name in AppConfig.model_fields:
+        if name == "model":
+            continue
+        assert field_flag(name) in flags, name
+        # Each field set by --set to its default (as JSON) and by its flag: the same configuration.
+        by_set = config_of("tiny", "--set", f"{name}={json.dumps(defaults[name])}")
+        by_flag = config_of("tiny", field_flag(name), json.dumps(defaults[name]))
+        assert getattr(by_set, name) == getattr(by_flag, name) == getattr(AppConfig(model="tiny"), name), name
+
+
+def test_flags_set_values_nested_fields_and_json():
+    config = config_of(
+        "tiny", "--use-hsdp", "--device", "cpu", "--default-size", "64x64", "--default-steps", "4",
+        "--vae-channels-last", "true",
+        "--set", "autoscaling.max_groups=4", "--set", "loras={\"style\": \"/loras/style\"}",
+        "--set", "model_name=wan",
+    )  # fmt: skip
+    assert (config.device, config.default_size, config.default_steps) == ("cpu", "64x64", 4)
+    assert config.vae_channels_last
+    assert config.autoscaling.max_groups == 4 and config.autoscaling.min_groups == 1  # the rest at its defaults
+    assert config.loras == {"style": "/loras/style"} and config.model_name == "wan"
+    assert config_of("tiny").shard_size == 1  # without --use-hsdp each GPU holds the whole model
+    # --set is applied last: over the flags and the file.
+    assert config_of("tiny", "--default-steps", "4", "--set", "default_steps=8").default_steps == 8
+
+
+def test_vllm_omni_spellings():
+    config = config_of(
+        "tiny", "--use-hsdp", "--hsdp-shard-size", "4", "--hsdp-replicate-size", "2", "--ulysses-degree", "2",
+        "--cfg-parallel-size", "2", "--cache-backend", "first_block",
+    )  # fmt: skip
+    assert (config.shard_size, config.replicate_size, config.ulysses_degree) == (4, 2, 2)
+    assert config.cfg_parallel and config.cache.kind == "first_block"
+    assert not config_of("tiny", "--cfg-parallel-size", "1").cfg_parallel
+    assert config_of("tiny", "--use-hsdp", "--usp", "2").resolved_shard_size == 2  # the lane's size
+    with pytest.raises(UsageError, match="--hsdp-shard-size shard the weights: add --use-hsdp"):
+        config_of("tiny", "--hsdp-shard-size", "2")
+    with pytest.raises(UsageError, match="--cfg-parallel-size 3: CFG parallel splits a step in 2"):
+        config_of("tiny", "--use-hsdp", "--cfg-parallel-size", "3")
+    with pytest.raises(UsageError, match="--cache-backend tea_cache: not served here; the step caches: none"):
+        config_of("tiny", "--cache-backend", "tea_cache")
+    with pytest.raises(UsageError, match="add --use-hsdp"):
+        config_of("tiny", "--ulysses-degree", "2")
+
+
+def test_refusals_name_the_field():
+    with pytest.raises(UsageError, match="--set nope: no such configuration field"):
+        config_of("tiny", "--set", "nope=1")
+    with pytest.raises(UsageError, match="expected FIELD=VALUE"):
+        config_of("tiny", "--set", "max_steps")
+    with pytest.raises(ValidationError, match="max_steps"):
+        config_of("tiny", "--set", "max_steps=0")
+    with pytest.raises(ValidationError, match="lane_widening with cfg_parallel"):  # the table of refusals
+        config_of("tiny", "--use-hsdp", "--set", "shard_size=4", "--set", "lane_sizes=[1,2,4]",
+                  "--set", "cfg_parallel=true", "--set", "lane_widening=true")  # fmt: skip
+
+
+def test_a_file_of_args_or_a_serve_yaml(tmp_path):
+    shipped = ROOT / "serve_configs" / "tiny_cpu.yaml"
+    apps = {app["name"]: app["args"] for app in yaml.safe_load(shipped.read_text())["applications"]}
+    with pytest.raises(UsageError, match="pick one with --app"):
+        config_of("tiny", "--config", str(shipped))
+    config = config_of("tiny", "--config", str(shipped), "--app", "ray_hsdp", "--set", "max_steps=12")
+    assert config.max_steps == 12 and config.device == apps["ray_hsdp"]["device"]
+    assert config.shard_size == apps["ray_hsdp"]["shard_size"]  # the file's shard size, without --use-hsdp
+    args_file = tmp_path / "args.yaml"
+    args_file.write_text(yaml.safe_dump({"device": "cpu", "default_steps": 3}))
+    assert config_of("tiny", "--config", str(args_file)).default_steps == 3
+    two = tmp_path / "two.yaml"
+    two.write_text(yaml.safe_dump({"applications": [{"name": "a", "args": {"default_steps": 5}},
+                                                    {"name": "b", "args": {"default_steps": 7}}]}))  # fmt: skip
+    with pytest.raises(UsageError, match="holds 2 applications \\(a, b\\): pick one with --app"):
+        config_of("tiny", "--config", str(two))
+    assert config_of("tiny", "--config", str(two), "--app", "b").default_steps == 7
+    with pytest.raises(UsageError, match="--app c: .* holds a, b"):
+        config_of("tiny", "--config", str(two), "--app", "c")
+
+
+def test_the_application_is_named_after_the_model_folder():
+    assert default_app_name("/models/Wan2.1-T2V-14B-Diffusers/") == "Wan2.1-T2V-14B-Diffusers"
+    assert default_app_name("tiny") == "tiny"
