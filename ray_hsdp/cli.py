@@ -347,8 +347,31 @@ def build_parser() -> argparse.ArgumentParser:
     _add_make_random_lora(sub)
     _add_demo(sub)
     _add_serve(sub)
+    _add_check(sub)
     _add_generate(sub)
     return parser
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """Checks each Serve YAML without starting Ray; 0 when all pass, 1 with the reasons."""
+    from ray_hsdp.check import check_file, render
+
+    failed = False
+    for path in args.files:
+        reports = check_file(path, args.device, args.gpu_memory, args.strict)
+        print(f"{path}\n{render(reports)}")
+        failed = failed or any(report.failures for report in reports)
+    return 1 if failed else 0
+
+
+def _add_check(sub) -> None:
+    """The ``check`` subcommand: Serve YAMLs checked without Ray (``ray_hsdp.check``)."""
+    p = sub.add_parser("check", help="check Serve YAMLs without starting Ray: refusals, layout, weights per GPU")
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("--device", choices=["cuda", "cpu"], help="check as on this device (default: the YAML's)")
+    p.add_argument("--gpu-memory", type=float, metavar="GIB", help="fail where the weights per GPU exceed this")
+    p.add_argument("--strict", action="store_true", help="fail where a model folder is not on this machine")
+    p.set_defaults(func=cmd_check)
 
 
 def _add_make_tiny(sub) -> None:
