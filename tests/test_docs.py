@@ -1,4 +1,5 @@
-"""The README stays short and every page's links and repository paths resolve."""
+"""The README stays short, every page's links and repository paths resolve, and every `ray-hsdp`
+command and flag the pages show exists."""
 
 from __future__ import annotations
 
@@ -24,3 +25,31 @@ def test_every_link_and_path_resolves():
             if not (ROOT / path.split("::")[0].rstrip("/")).exists():
                 missing.append((page.name, path))
     assert not missing, missing
+
+
+def cli_flags() -> dict[str, set[str]]:
+    """Subcommand -> the flags ``ray-hsdp`` takes there."""
+    from ray_hsdp.cli import build_parser
+
+    parser = build_parser()
+    (subparsers,) = [a for a in parser._actions if a.choices and isinstance(a.choices, dict)]
+    return {
+        name: {option for action in sub._actions for option in action.option_strings}
+        for name, sub in subparsers.choices.items()
+    }
+
+
+def test_every_cli_command_and_flag_the_docs_name_exists():
+    """Each ``ray-hsdp COMMAND --flag`` the pages show (commands on one line, up to a comment or
+    the end of the code span) names a command and flags that the CLI takes."""
+    flags = cli_flags()
+    wrong = []
+    for page in PAGES:
+        for line in page.read_text().splitlines():
+            for command, rest in re.findall(r"ray-hsdp ([a-z][a-z-]*)([^`#|]*)", line):
+                if command not in flags:
+                    wrong.append((page.name, command))
+                    continue
+                wrong += [(page.name, command, flag) for flag in re.findall(r"(?<!\S)(--[a-z][a-z0-9-]*)", rest)
+                          if flag not in flags[command]]  # fmt: skip
+    assert not wrong, wrong
