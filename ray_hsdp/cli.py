@@ -213,11 +213,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     Ray only where this command started it)."""
     from pydantic import ValidationError
 
+    from ray_hsdp.serve.ingress import read_api_key
     from ray_hsdp.serve_cli import UsageError, default_app_name, serve_config
 
     try:
         config = serve_config(args)
-    except (UsageError, ValidationError, OSError) as err:
+        # Read here and carried to every replica: a cluster started without the key in its nodes'
+        # environment still asks for it.
+        api_key = read_api_key(config)
+    except (UsageError, ValidationError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     import ray
@@ -229,7 +233,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     started_ray = not ray.is_initialized() and not (args.address or os.environ.get("RAY_ADDRESS"))
     ray.init(address=args.address, ignore_reinit_error=True)
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_app(config.model_dump(exclude_unset=True)), name=name, route_prefix=args.route_prefix)
+    serve.run(build_app(config.model_dump(exclude_unset=True), api_key), name=name, route_prefix=args.route_prefix)
     print(
         f"Serving {args.model} as application {name!r} on http://{args.host}:{args.port}{args.route_prefix.rstrip('/')}"
         " (POST /v1/images/generations); Ctrl-C removes it"

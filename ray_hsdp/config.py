@@ -658,6 +658,12 @@ class AppConfig(GroupConfig):
     api_key_file: str | None = Field(
         None, description="File holding the API key (first line); takes precedence over api_key_env."
     )
+    allow_unauthenticated: bool = Field(
+        False,
+        description="Serve without an API key on a HTTP host that is not a loopback address (anyone who reaches "
+        "the port can generate). Off: a replica that finds no key refuses to start unless Serve's HTTP host is "
+        "a loopback address.",
+    )
 
     autoscaling: AutoscalingSpec | None = Field(
         None,

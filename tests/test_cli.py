@@ -89,8 +89,10 @@ def test_usp_without_use_hsdp_is_refused_with_the_fix(capsys):
 
 def test_make_random_tiny_then_serve_it_over_http_with_usp_2(ray_cluster, tmp_path, capsys):
     """As vllm-omni users type it: --use-hsdp --usp 2, no shard size (it defaults to the lane's 2),
-    with a field reached by --set. The application is named after the model folder, and Ctrl-C
-    removes it alone: another application on the same Serve keeps running."""
+    with a field reached by --set. The API key is in the command's environment only (not in the
+    cluster's nodes'): it reaches the replicas, which refuse a request without it. The application
+    is named after the model folder, and Ctrl-C removes it alone: another application on the same
+    Serve keeps running."""
     import requests
 
     folder = tmp_path / "wan14b-tiny"
@@ -123,18 +125,24 @@ def test_make_random_tiny_then_serve_it_over_http_with_usp_2(ray_cluster, tmp_pa
         # A file, not a pipe: an unread pipe fills with Ray's logs and blocks the server's exit.
         stdout=open(tmp_path / "serve.log", "w"),
         stderr=subprocess.STDOUT,
+        env={**os.environ, "RAY_HSDP_API_KEY": "cli-secret"},
     )
+    key = {"Authorization": "Bearer cli-secret"}
     try:
         base = f"http://127.0.0.1:{port}"
         wait_until_healthy(base, proc)
-        response = requests.post(f"{base}/v1/images/generations", json={"prompt": "a fox", "seed": 1}, timeout=120)
+        body = {"prompt": "a fox", "seed": 1}
+        assert requests.post(f"{base}/v1/images/generations", json=body, timeout=120).status_code == 401
+        response = requests.post(f"{base}/v1/images/generations", json=body, headers=key, timeout=120)
         assert response.status_code == 200, response.text
         png = base64.b64decode(response.json()["data"][0]["b64_json"])
         assert Image.open(io.BytesIO(png)).size == (64, 64)
-        pool = requests.get(f"{base}/v1/pool", timeout=60).json()
+        pool = requests.get(f"{base}/v1/pool", headers=key, timeout=60).json()
         assert pool["shard_size"] == 2 and pool["model"] == "wan14b-tiny"
         assert (pool["lanes"], pool["lane_size"], pool["ulysses_degree"]) == (1, 2, 2)
-        too_many = requests.post(f"{base}/v1/images/generations", json={"prompt": "a", "num_inference_steps": 51})
+        too_many = requests.post(
+            f"{base}/v1/images/generations", json={"prompt": "a", "num_inference_steps": 51}, headers=key, timeout=60
+        )
         assert too_many.status_code == 400 and "max_steps=50" in too_many.text
         bystander = serve.deployment(lambda request: "still here", ray_actor_options={"num_cpus": 0})
         serve.run(bystander.bind(), name="bystander", route_prefix="/bystander")

@@ -17,12 +17,15 @@ from ray_hsdp.topology import PLACEMENT_STRATEGY
 OVERFLOW = 64
 
 
-def build_app(args: dict) -> Application:
+def build_app(args: dict, api_key: str | None = None) -> Application:
     """Builds the ray_hsdp application: ``replicate_size`` replicas (or ``autoscaling``'s), each one
     shard group.
 
     Args:
         args: ``AppConfig`` fields (the ``args`` of a Serve YAML application).
+        api_key: The key every replica asks for, carried from where the application is built
+            (``ray-hsdp serve``'s environment); ``None``: each replica reads ``api_key_file`` or
+            ``api_key_env`` where it runs.
 
     Returns:
         The bound deployment, ready for ``serve.run`` or a Serve config.
@@ -55,4 +58,4 @@ def build_app(args: dict) -> Application:
         request_router_config=RequestRouterConfig(
             request_router_class=GroupAwareRouter, request_routing_stats_period_s=1
         ),
-    ).bind(config.model_dump(), dims, VideoJobTable.options(user_config=limits(config)).bind())
+    ).bind(config.model_dump(), dims, VideoJobTable.options(user_config=limits(config)).bind(), api_key)

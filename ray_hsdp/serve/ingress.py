@@ -92,6 +92,34 @@ def read_api_key(config: AppConfig) -> str | None:
     return os.environ.get(config.api_key_env) or None
 
 
+def serve_http_host() -> str | None:
+    """The address Serve's HTTP proxies listen on; ``None`` when it cannot be read."""
+    try:
+        from ray.serve.context import _get_global_client  # Serve has no public reader of its HTTP options
+
+        return _get_global_client().http_config.host
+    except Exception:  # noqa: BLE001 - unknown: treated as open to strangers (refuse_keyless)
+        return None
+
+
+def refuse_keyless(api_key: str | None, config: AppConfig, host: str | None) -> None:
+    """Refuses to serve with no key where strangers may reach the server: a HTTP host that is not
+    a loopback address (or is unknown), unless ``allow_unauthenticated``.
+
+    Raises:
+        ValueError: Naming every way to give a key.
+    """
+    loopback = host is not None and (host == "localhost" or host == "::1" or host.startswith("127."))
+    if api_key or loopback or config.allow_unauthenticated:
+        return
+    raise ValueError(
+        f"no API key, and Serve's HTTP host {host or '(unknown)'} is not a loopback address: give a key in "
+        f"{config.api_key_env} in every node's environment, in a file at api_key_file on every node, or with "
+        "ray-hsdp serve (it carries its own environment's key); or bind Serve to 127.0.0.1; or set "
+        "allow_unauthenticated: true to serve anyone who reaches the port"
+    )
+
+
 async def video_body(request: Request) -> VideoCreateRequest:
     """The body of ``POST /v1/videos``: a multipart or urlencoded form (what the OpenAI client
     sends, ``input_reference`` as a file part) or JSON. Form values are strings; the schema reads
