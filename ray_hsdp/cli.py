@@ -227,13 +227,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from ray_hsdp.serve import build_app
+    from ray_hsdp.serve.app import build_application
 
     name = args.name or default_app_name(args.model)
     started_ray = not ray.is_initialized() and not (args.address or os.environ.get("RAY_ADDRESS"))
     ray.init(address=args.address, ignore_reinit_error=True)
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_app(config.model_dump(exclude_unset=True), api_key), name=name, route_prefix=args.route_prefix)
+    app = build_application(config.model_dump(exclude_unset=True), api_key)
+    serve.run(app, name=name, route_prefix=args.route_prefix)
     print(
         f"Serving {args.model} as application {name!r} on http://{args.host}:{args.port}{args.route_prefix.rstrip('/')}"
         " (POST /v1/images/generations); Ctrl-C removes it"

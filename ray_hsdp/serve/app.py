@@ -17,7 +17,13 @@ from ray_hsdp.topology import PLACEMENT_STRATEGY
 OVERFLOW = 64
 
 
-def build_app(args: dict, api_key: str | None = None) -> Application:
+def build_app(args: dict) -> Application:
+    """Builds the ray_hsdp application (Serve's application builder: it takes the ``args`` of a
+    Serve YAML application alone; each replica reads its API key where it runs)."""
+    return build_application(args)
+
+
+def build_application(args: dict, api_key: str | None = None) -> Application:
     """Builds the ray_hsdp application: ``replicate_size`` replicas (or ``autoscaling``'s), each one
     shard group.
 
