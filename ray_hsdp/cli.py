@@ -6,6 +6,7 @@ import argparse
 import base64
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -230,6 +231,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ray_hsdp.serve.app import build_application
 
     name = args.name or default_app_name(args.model)
+    # Ctrl-C and a plain kill remove the application, also where the shell started this in the
+    # background (which leaves SIGINT ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     started_ray = not ray.is_initialized() and not (args.address or os.environ.get("RAY_ADDRESS"))
     ray.init(address=args.address, ignore_reinit_error=True)
     serve.start(http_options={"host": args.host, "port": args.port})
