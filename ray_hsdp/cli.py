@@ -119,7 +119,8 @@ def cmd_make_random_lora(args: argparse.Namespace) -> int:
 
 
 def _group_options(parser: argparse.ArgumentParser) -> None:
-    """The group options ``serve`` and ``generate`` share: its adapters, step cache and quantization."""
+    """``generate``'s group options: its adapters, step cache and quantization (``serve`` takes every
+    field from ``serve_cli``)."""
     parser.add_argument(
         "--lora-file", action="append", default=[], metavar="NAME=PATH", help="register a LoRA adapter (repeatable)"
     )
@@ -141,17 +142,6 @@ def _group_options(parser: argparse.ArgumentParser) -> None:
         default="none",
         help="fp8: the sharded transformers' linears in FP8 (CUDA, compute capability 8.9+; frames differ)",
     )
-
-
-def _lora_files(values: list[str]) -> dict[str, str]:
-    """``--lora-file NAME=PATH`` (repeatable) as a ``loras`` config."""
-    loras = {}
-    for value in values:
-        name, sep, path = value.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--lora-file {value!r}: expected NAME=PATH")
-        loras[name] = path
-    return loras
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -292,7 +282,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"error: --image {args.image}: {err}", file=sys.stderr)
             return 2
     lora = parse_lora(args.lora)
-    loras = _lora_files(args.lora_file)
+    from ray_hsdp.serve_cli import lora_files
+
+    loras = lora_files(args.lora_file)
     config = GroupConfig(
         model=args.model,
         device=args.device,
