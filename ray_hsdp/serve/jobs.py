@@ -302,10 +302,12 @@ class JobTable:
 
 
 #: The table as a deployment of the application: one replica, no CPU, room for every replica's calls.
+#: It lives on the head node, beside Serve's controller: a cluster that loses its head loses Serve
+#: anyway, while a worker node's loss would take every video job's record with it.
 VideoJobTable = serve.deployment(
     JobTable,
     name="VideoJobTable",
     num_replicas=1,
-    ray_actor_options={"num_cpus": 0},
+    ray_actor_options={"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}},
     max_ongoing_requests=1000,
 )

@@ -4,8 +4,9 @@ a retried request back to the replica whose group failed it."""
 from __future__ import annotations
 
 import random
+from collections import deque
 
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 #: Keyword argument of ``HSDPServer.run_request`` and ``adopt_video`` naming the replica a retried
 #: request or a moved video job must avoid.
@@ -18,6 +19,14 @@ GROUP_OK = "group_ok"
 #: included (Serve's own queue length misses a video job once its ``POST`` has returned).
 GROUP_LOAD = "group_load"
 
+#: How long a request this router sent counts as its replica's load: two report periods
+#: (``request_routing_stats_period_s`` is 1 s), by when the replica's own report holds it.
+RECENT_S = 2.0
+
+#: The HTTP route that creates video jobs (under the application's route prefix); its ``GET``
+#: lists them, rarely, and counts alike for ``RECENT_S``.
+VIDEOS_ROUTE = "/v1/videos"
+
 
 class GroupAwareRouter(RequestRouter):
     """Power of two choices over the replicas whose shard group is healthy and least loaded.
@@ -28,8 +37,31 @@ class GroupAwareRouter(RequestRouter):
     avoid: it is chosen only when no other can take the request, and then refuses it at once.
     Each request is assigned the replica chosen for it (no FIFO hand-over), so the avoidance holds
     per request. The load is what the group holds, video jobs included: a job's ``POST`` returns
-    at once, so Serve's queue lengths alone would pile video jobs onto one group.
+    at once, so Serve's queue lengths alone would pile video jobs onto one group. A replica reports
+    its load about once a second, and the report reaches the router later still: video jobs this
+    router gave a replica within the last ``RECENT_S`` count as its load too, so a burst of jobs
+    spreads over the groups (a job counted twice, reported and recent, only weighs more against
+    the busier replica). Other requests stay in Serve's queue lengths while they run.
     """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        #: Replica -> when it accepted video jobs from this router, oldest first (the last ``RECENT_S``).
+        self._sent: dict[ReplicaID, deque[float]] = {}
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        """Serve calls this when a replica accepted a request (its default, strict
+        ``max_ongoing_requests``): a video job's creation is remembered."""
+        meta = pending_request.metadata
+        if meta.call_method == "create_video" or (meta.call_method == "__call__" and meta.route.endswith(VIDEOS_ROUTE)):
+            self._sent.setdefault(replica_id, deque()).append(self._get_curr_time_s())
+
+    def _load(self, replica: RunningReplica) -> float:
+        """The replica's reported load, plus the video jobs it accepted from this router within ``RECENT_S``."""
+        sent = self._sent.get(replica.replica_id, deque())
+        while sent and sent[0] < self._get_curr_time_s() - RECENT_S:
+            sent.popleft()
+        return (replica.routing_stats or {}).get(GROUP_LOAD, 0) + len(sent)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -43,11 +75,8 @@ class GroupAwareRouter(RequestRouter):
                 healthy.append(replica)
             else:
                 failing.append(replica)
-        least = min((_load(r) for r in healthy), default=0)
-        idle = [r for r in healthy if _load(r) == least]
-        busy = [r for r in healthy if _load(r) != least]
+        loads = {r.replica_id: self._load(r) for r in healthy}
+        least = min(loads.values(), default=0)
+        idle = [r for r in healthy if loads[r.replica_id] == least]
+        busy = [r for r in healthy if loads[r.replica_id] != least]
         return [random.sample(tier, min(2, len(tier))) for tier in (idle, busy, failing, avoided) if tier]
-
-
-def _load(replica: RunningReplica) -> float:
-    return (replica.routing_stats or {}).get(GROUP_LOAD, 0)

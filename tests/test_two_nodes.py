@@ -1,0 +1,184 @@
+"""Two real Ray nodes (``ray start`` in two network namespaces, ``tests/netns.py``): the key from
+a file at one path on every node, a group on each node, and the loss of one node.
+
+Neither node has the API key in its environment: the application reads it from ``api_key_file``
+(the Kubernetes Secret mounted in every pod, here one file both namespaces see). Ray's own token
+authentication is on, the same token on both nodes and the deploying client.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+import threading
+from pathlib import Path
+
+import openai
+import requests
+import yaml
+from netns import NODE_IPS, two_nodes
+from support import wait_until
+
+KEY = secrets.token_urlsafe(24)
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PORT = 8000
+
+
+def cluster_env() -> dict[str, str]:
+    """This process's environment without the session cluster's address, the key or any RAY_
+    setting, with Ray's token authentication on."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("RAY_")}
+    return {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+
+
+def serve_config(model: str, key_file: Path) -> dict:
+    return {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": "0.0.0.0", "port": PORT},  # not loopback: the key is required
+        "applications": [
+            {
+                "name": "ray_hsdp",
+                "route_prefix": "/",
+                "import_path": "ray_hsdp.serve:build_app",
+                "args": {
+                    "model": model,
+                    "device": "cpu",
+                    "shard_size": 2,
+                    "cpus_per_rank": 1,  # a group fills node B; node A holds one and a CPU more
+                    "replicate_size": 2,
+                    "mode": "batch",
+                    "default_size": "64x64",
+                    "max_steps": 2000,
+                    "api_key_file": str(key_file),
+                    "video_stale_after_s": 3,
+                },
+            }
+        ],
+    }
+
+
+def replica_nodes(proxy: str) -> dict[str, set[str]]:
+    """Replica -> the node addresses of its group's ranks, from ``/v1/pool`` (one replica answers
+    each call; asked until both have)."""
+    seen: dict[str, set[str]] = {}
+    for _ in range(60):
+        pool = requests.get(f"{proxy}/v1/pool", headers=AUTH, timeout=30)
+        if pool.status_code == 200:
+            body = pool.json()
+            seen[body["replica"]] = {rank["node_ip"] for rank in body["ranks"]}
+        if len(seen) == 2:
+            break
+    return seen
+
+
+def client(proxy: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{proxy}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def video(proxy: str, steps: int, seed: int):
+    return client(proxy).videos.create(
+        prompt="A fox in the snow",
+        size="64x64",
+        extra_body={"num_frames": 5, "num_inference_steps": steps, "seed": seed},
+    )
+
+
+def ended(proxy: str, jobs: list, timeout_s: float) -> list:
+    """The jobs once each has completed or failed (the last states seen when the deadline passes)."""
+    states: list = []
+
+    def all_ended():
+        states[:] = [client(proxy).videos.retrieve(job.id) for job in jobs]
+        return all(job.status in ("completed", "failed") for job in states)
+
+    try:
+        wait_until(all_ended, timeout_s, "every video job ending", 0.2)
+    except AssertionError as err:
+        raise AssertionError(f"{err}: {[(j.status, j.progress, j.replica, j.error) for j in states]}") from None
+    return states
+
+
+def image_call(proxy: str, steps: int, answers: list) -> None:
+    """One synchronous image request; its status code (or the error that ended it) goes to ``answers``."""
+    try:
+        reply = requests.post(
+            f"{proxy}/v1/images/generations",
+            headers=AUTH,
+            json={"prompt": "A cat", "size": "64x64", "num_inference_steps": steps, "seed": 3},
+            timeout=60,
+        )
+        answers.append((reply.status_code, reply.text[:300]))
+    except requests.RequestException as err:  # a hang would end here, at the timeout
+        answers.append((None, repr(err)))
+
+
+def test_two_nodes_serve_with_the_key_from_a_file_and_keep_serving_after_one_node_is_lost(tiny_model, tmp_path):
+    key_file = tmp_path / "api_key"
+    key_file.write_text(KEY + "\n")
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump(serve_config(tiny_model, key_file)))
+    proxies = [f"http://{ip}:{PORT}" for ip in NODE_IPS]
+    # Head: one group of 2 CPU ranks and a CPU to spare; the worker: exactly one group.
+    with two_nodes((3, 2), cluster_env()) as nodes:
+        try:
+            serve = str(Path(sys.executable).with_name("serve"))
+            nodes.run(0, serve, "run", "--non-blocking", "--address", nodes.head, str(config))
+            groups = wait_until(
+                lambda: len(placed := replica_nodes(proxies[0])) == 2 and placed, 120, "two groups serving", 0.5
+            )
+            # Each group's ranks on one node, the two groups on the two nodes.
+            assert sorted(ip for ips in groups.values() for ip in ips) == sorted(NODE_IPS), groups
+            on_b = next(replica for replica, ips in groups.items() if ips == {NODE_IPS[1]})
+
+            for proxy in proxies:  # both nodes' proxies ask for the key
+                keyless = requests.post(f"{proxy}/v1/images/generations", json={"prompt": "x"}, timeout=30)
+                assert keyless.status_code == 401, (proxy, keyless.status_code, keyless.text)
+
+            # The official client through each node's proxy; the jobs run on both groups.
+            jobs = [video(proxies[i % 2], steps=10, seed=i) for i in range(4)]
+            done = ended(proxies[0], jobs, 60)
+            assert {job.status for job in done} == {"completed"}, [job.error for job in done]
+            assert {job.replica for job in done} == set(groups), [job.replica for job in done]
+
+            # Node B lost under load: its raylet killed while a video job runs on B's group.
+            long_jobs = [video(proxies[0], steps=40, seed=10 + i) for i in range(3)]
+            wait_until(
+                lambda: any(
+                    (job := client(proxies[0]).videos.retrieve(j.id)).status == "in_progress" and job.replica == on_b
+                    for j in long_jobs
+                ),
+                60, "a video job running on node B", 0.1,
+            )  # fmt: skip
+            answers: list = []
+            calls = [threading.Thread(target=image_call, args=(proxies[0], 30, answers)) for _ in range(2)]
+            for call in calls:
+                call.start()
+            assert nodes.kill(1, "raylet"), "no raylet on node B"
+            for call in calls:
+                call.join(timeout=90)
+            # Every request is answered: a result, or a 5xx that says what failed; none hangs.
+            assert len(answers) == 2 and all(code == 200 or (code or 0) >= 500 for code, _ in answers), answers
+            # Each video job ends: completed (a worker of node B can finish what it ran: its
+            # processes outlive the raylet a while), or failed with a reason that says why.
+            for job in ended(proxies[0], long_jobs, 60):
+                assert job.status == "completed" or job.error.code in ("replica_lost", "group_failed"), job
+            # Node A's proxy keeps serving: the next requests succeed on A's group.
+            wait_until(
+                lambda: requests.post(
+                    f"{proxies[0]}/v1/images/generations", headers=AUTH, json={"prompt": "after", "size": "64x64"},
+                    timeout=60,
+                ).status_code == 200,
+                60, "a request answered after node B was lost", 0.5,
+            )  # fmt: skip
+            after: list = []
+            for _ in range(3):
+                image_call(proxies[0], 4, after)
+            assert [code for code, _ in after] == [200, 200, 200], after
+            # The key is in no log of either node, Serve's and the ranks' included.
+            logs = [path for path in nodes.temp_dir.rglob("logs/**/*") if path.is_file()]
+            assert logs and not [path for path in logs if KEY.encode() in path.read_bytes()]
+        except BaseException as err:
+            raise AssertionError(f"{err}\n{nodes.tail()}") from err
+    # Gone after the test: no namespace of this test, no process left in it.
+    assert not [ns for ns in nodes.namespaces if ns in os.popen("ip netns list").read()]
