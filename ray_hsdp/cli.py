@@ -1,4 +1,4 @@
-"""``ray-hsdp``: demo, serve, generate, make-tiny."""
+"""``ray-hsdp``: demo, serve, generate, check, build-kernels, make-tiny, make-random."""
 
 from __future__ import annotations
 
@@ -350,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_serve(sub)
     _add_check(sub)
+    _add_build_kernels(sub)
     _add_generate(sub)
     return parser
 
@@ -374,6 +375,30 @@ def _add_check(sub) -> None:
     p.add_argument("--gpu-memory", type=float, metavar="GIB", help="fail where the weights per GPU exceed this")
     p.add_argument("--strict", action="store_true", help="fail where a model folder is not on this machine")
     p.set_defaults(func=cmd_check)
+
+
+def cmd_build_kernels(args: argparse.Namespace) -> int:
+    """Builds a kernel's wheel for the local GPU and prints how to ship it (``ray_hsdp.kernels``)."""
+    from ray_hsdp.kernels import BuildRefused, build, shipping
+
+    try:
+        result = build(args.kernel, Path(args.source), Path(args.out), args.jobs, args.cutlass and Path(args.cutlass))
+    except BuildRefused as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(shipping(result))
+    return 0
+
+
+def _add_build_kernels(sub) -> None:
+    """The ``build-kernels`` subcommand: a wheel of SageAttention 2 or of FlashAttention 3's FP8 forward."""
+    p = sub.add_parser("build-kernels", help="build the wheel of a fast attention kernel for this host's GPU")
+    p.add_argument("kernel", choices=["sage", "fa3"], help="sage: SageAttention 2; fa3: FlashAttention 3 (fa3_fp8)")
+    p.add_argument("--source", required=True, metavar="DIR", help="a local copy of the kernel's public repository")
+    p.add_argument("--out", required=True, metavar="WHEELDIR", help="where the wheel goes")
+    p.add_argument("--cutlass", metavar="DIR", help="fa3: a cutlass folder, where DIR/csrc/cutlass is empty")
+    p.add_argument("--jobs", type=int, metavar="N", help="parallel compile jobs (default: the CPU count)")
+    p.set_defaults(func=cmd_build_kernels)
 
 
 def _add_make_tiny(sub) -> None:
