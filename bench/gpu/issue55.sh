@@ -53,7 +53,7 @@ case "$PART" in
     python -m pip install -q --no-index --no-deps --target "$SITE" "$WHEELS"/*.whl || exit 1
     python -c "import sageattention, flash_attn_interface; print('kernels import')" || exit 1
     python -m bench.video_http --config serve_configs/wan2.1_t2v_14b_fast_1gpu.yaml --model "$MODELS/wan14b" \
-      --size 832x480 --seconds 5 --steps 8 --plain --out "$OUT" --name "video-http-wan2.1-t2v-14b-fast-1x$GPU"
+      --size 832x480 --seconds 5 --steps 8 --jobs 2 --out "$OUT" --name "video-http-wan2.1-t2v-14b-fast${NAME:-}-1x$GPU" ${EXTRA:---plain}
     ;;
   *)
     echo "unknown part $PART" >&2
