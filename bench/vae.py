@@ -35,7 +35,7 @@ def set_variant(vae, variant: str) -> None:
     ``compile``, the decoder ``torch.compile``d (once: the Wan decoder runs frame by frame with its
     causal caches, one graph per kind of frame position and cache shape; on CPU the warm-up decode
     builds all of them, but on an H200 at 720p the decoder compiled without channels-last still
-    took 31 s a decode after it, unexplained: ``docs/performance.md``)."""
+    took 31 s a decode after it, unexplained: ``bench/results/performance-history.md``)."""
     import torch
 
     torch.backends.cudnn.benchmark = "benchmark" in variant

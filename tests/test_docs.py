@@ -53,3 +53,40 @@ def test_every_cli_command_and_flag_the_docs_name_exists():
                 wrong += [(page.name, command, flag) for flag in re.findall(r"(?<!\S)(--[a-z][a-z0-9-]*)", rest)
                           if flag not in flags[command]]  # fmt: skip
     assert not wrong, wrong
+
+
+def config_fields() -> set[str]:
+    """Every field of the application's configuration, nested models' (``cache``, ``autoscaling``) included."""
+    import typing
+
+    from pydantic import BaseModel
+
+    from ray_hsdp.config import AppConfig
+
+    fields, models = set(), [AppConfig]
+    while models:
+        model = models.pop()
+        for name, info in model.model_fields.items():
+            fields.add(name)
+            for kind in (info.annotation, *typing.get_args(info.annotation)):
+                if isinstance(kind, type) and issubclass(kind, BaseModel):
+                    models.append(kind)
+    return fields
+
+
+#: ``key: value`` spans of the pages that are not configuration: Serve's YAML, API objects.
+NOT_CONFIG = {"object", "proxy_location", "http_options", "host", "port", "applications", "name", "route_prefix",
+              "import_path", "args", "runtime_env", "pip", "packages", "pip_install_options"}  # fmt: skip
+
+
+def test_every_configuration_field_the_docs_set_exists():
+    """Each `field: value` the pages show (outside the dated history beside the results) is a
+    field of the configuration: a renamed or removed field cannot linger in the docs."""
+    fields = config_fields()
+    wrong = [
+        (page.name, name)
+        for page in PAGES
+        for name in re.findall(r"`([a-z_0-9]+): ", page.read_text())
+        if name not in fields and name not in NOT_CONFIG
+    ]
+    assert not wrong, wrong
