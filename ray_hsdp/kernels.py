@@ -188,6 +188,7 @@ def shipping(result: dict) -> str:
         [
             f"built {wheel.name} in {result['seconds']:.0f} s (CUDA {result['cuda']}, compute capability "
             f"{result['capability']})",
+            *result["notes"],
             "",
             "Every node that runs ranks needs it, in the environment `ray start` runs in, with the same Python,",
             "torch and CUDA. Either copy it to a folder every node sees and, on each node:",
