@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +47,11 @@ class TwoNodes:
     env: dict[str, str]
     temp_dir: Path
     logs: list[Path] = field(default_factory=list)
+    worker_started: Future | None = None
+
+    def joined(self, timeout_s: float = 120) -> None:
+        """Waits until node B's ``ray start`` has returned (it raises if that failed)."""
+        self.worker_started.result(timeout=timeout_s)
 
     @property
     def head(self) -> str:
@@ -91,8 +96,9 @@ class TwoNodes:
         return "\n".join(parts)
 
 
-def _start_ray(nodes: TwoNodes, cpus: tuple[int, int]) -> None:
-    """``ray start`` on both nodes at once: the worker's waits for the head's GCS to answer."""
+def _start_ray(nodes: TwoNodes, cpus: tuple[int, int], pool: ThreadPoolExecutor) -> None:
+    """``ray start`` on both nodes at once (the worker's waits for the head's GCS to answer); returns
+    once the head runs, the worker's start going on in ``pool`` (``TwoNodes.joined``)."""
     ray = str(Path(sys.executable).with_name("ray"))
     common = ["--disable-usage-stats", "--object-store-memory", str(150 * 2**20), "--num-gpus", "0"]
     head = [
@@ -103,9 +109,8 @@ def _start_ray(nodes: TwoNodes, cpus: tuple[int, int]) -> None:
         ray, "start", "--address", nodes.head, "--node-ip-address", NODE_IPS[1],
         "--num-cpus", str(cpus[1]), "--temp-dir", str(nodes.temp_dir / "b"), *common,
     ]  # fmt: skip
-    with ThreadPoolExecutor(2) as pool:
-        for started in [pool.submit(nodes.run, 0, *head), pool.submit(nodes.run, 1, *worker)]:
-            started.result()
+    nodes.worker_started = pool.submit(nodes.run, 1, *worker)
+    nodes.run(0, *head)
 
 
 def _link(tag: str, namespaces: tuple[str, str]) -> None:
@@ -155,7 +160,8 @@ def _remove(tag: str, nodes: TwoNodes | None, namespaces: tuple[str, str]) -> No
 
 @contextmanager
 def two_nodes(cpus: tuple[int, int], env: dict[str, str]):
-    """Yields a ``TwoNodes`` whose Ray cluster runs: head in namespace A, a worker in B.
+    """Yields a ``TwoNodes`` whose Ray head runs in namespace A while a worker joins from B
+    (``TwoNodes.joined`` waits for it: a deploy can start meanwhile).
 
     ``env`` is every Ray process's environment (give it no ``RAY_ADDRESS``); the namespaces,
     their processes, the host's veth end and the temporary folder are removed on the way out,
@@ -166,11 +172,13 @@ def two_nodes(cpus: tuple[int, int], env: dict[str, str]):
     # A short folder: Ray's socket paths live under it and a Unix socket path has 107 bytes.
     temp_dir = Path(tempfile.mkdtemp(prefix="rh2n", dir="/tmp"))
     nodes = None
+    pool = ThreadPoolExecutor(1)
     try:
         _link(tag, namespaces)
         nodes = TwoNodes(namespaces, {**env, **FAST_HEALTH_CHECKS}, temp_dir)
-        _start_ray(nodes, cpus)
+        _start_ray(nodes, cpus, pool)
         yield nodes
     finally:
         _remove(tag, nodes, namespaces)
+        pool.shutdown(wait=True)  # its ray start ended with the namespace's processes
         shutil.rmtree(temp_dir, ignore_errors=True)

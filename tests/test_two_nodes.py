@@ -123,7 +123,9 @@ def test_two_nodes_serve_with_the_key_from_a_file_and_keep_serving_after_one_nod
     with two_nodes((3, 2), cluster_env()) as nodes:
         try:
             serve = str(Path(sys.executable).with_name("serve"))
+            # Deployed while node B joins: the second group waits for it.
             nodes.run(0, serve, "run", "--non-blocking", "--address", nodes.head, str(config))
+            nodes.joined()
             groups = wait_until(
                 lambda: len(placed := replica_nodes(proxies[0])) == 2 and placed, 120, "two groups serving", 0.5
             )
