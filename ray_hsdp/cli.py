@@ -1,4 +1,4 @@
-"""``ray-hsdp``: demo, serve, generate, check, build-kernels, make-tiny, make-random."""
+"""``ray-hsdp``: demo, serve, generate, check, build-kernels, key, make-tiny, make-random."""
 
 from __future__ import annotations
 
@@ -204,7 +204,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     Ray only where this command started it)."""
     from pydantic import ValidationError
 
-    from ray_hsdp.serve.ingress import read_api_key
+    from ray_hsdp.serve.keys import read_api_key
     from ray_hsdp.serve_cli import UsageError, default_app_name, serve_config
 
     try:
@@ -351,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_check(sub)
     _add_build_kernels(sub)
+    _add_key(sub)
     _add_generate(sub)
     return parser
 
@@ -375,6 +376,38 @@ def _add_check(sub) -> None:
     p.add_argument("--gpu-memory", type=float, metavar="GIB", help="fail where the weights per GPU exceed this")
     p.add_argument("--strict", action="store_true", help="fail where a model folder is not on this machine")
     p.set_defaults(func=cmd_check)
+
+
+def cmd_key(args: argparse.Namespace) -> int:
+    """Stores the check of an application's API key in the running cluster, or removes it."""
+    import ray
+
+    from ray_hsdp.serve.keys import remove_key, store_key
+
+    if args.action == "set":
+        path = args.api_key_file
+        key = (Path(path).read_text().strip().splitlines() or [""])[0] if path else os.environ.get(args.api_key_env)
+        if not key:
+            raise ValueError(f"no key: set {args.api_key_env} in this shell, or give --api-key-file")
+    # A running cluster only (RAY_ADDRESS, or this node's): a key stored in a Ray started here dies with it.
+    ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", logging_level=logging.WARNING)
+    if args.action == "set":
+        store_key(args.app, key)
+        print(f"stored the check of the API key of application {args.app!r} in the cluster (not the key); "
+              "its replicas started from now on ask for it (redeploy running ones)")  # fmt: skip
+    else:
+        print(f"removed the stored key of {args.app!r}" if remove_key(args.app) else f"no stored key for {args.app!r}")
+    return 0
+
+
+def _add_key(sub) -> None:
+    """The ``key`` subcommand: an application's API key kept in the cluster (``ray_hsdp.serve.keys``)."""
+    p = sub.add_parser("key", help="store an application's API key in the running Ray cluster, or remove it")
+    p.add_argument("action", choices=["set", "remove"])
+    p.add_argument("--app", default="ray_hsdp", help="the Serve application's name (the shipped YAMLs': ray_hsdp)")
+    p.add_argument("--api-key-file", metavar="FILE", help="read the key from FILE (first line)")
+    p.add_argument("--api-key-env", default="RAY_HSDP_API_KEY", metavar="VAR", help="else from this variable")
+    p.set_defaults(func=cmd_key)
 
 
 def cmd_build_kernels(args: argparse.Namespace) -> int:

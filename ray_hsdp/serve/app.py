@@ -11,6 +11,7 @@ from ray_hsdp.group import check_placeable
 from ray_hsdp.serve.autoscaling import autoscaling_config
 from ray_hsdp.serve.deployment import HSDPServer
 from ray_hsdp.serve.jobs import VideoJobTable, limits
+from ray_hsdp.serve.keys import KeyCheck
 from ray_hsdp.serve.routing import GroupAwareRouter
 from ray_hsdp.topology import PLACEMENT_STRATEGY
 
@@ -30,8 +31,8 @@ def build_application(args: dict, api_key: str | None = None) -> Application:
     Args:
         args: ``AppConfig`` fields (the ``args`` of a Serve YAML application).
         api_key: The key every replica asks for, carried from where the application is built
-            (``ray-hsdp serve``'s environment); ``None``: each replica reads ``api_key_file`` or
-            ``api_key_env`` where it runs.
+            (``ray-hsdp serve``'s environment) as its check (``serve.keys.KeyCheck``: the
+            deployment holds no key); ``None``: each replica finds its own (``serve.keys``).
 
     Returns:
         The bound deployment, ready for ``serve.run`` or a Serve config.
@@ -64,4 +65,9 @@ def build_application(args: dict, api_key: str | None = None) -> Application:
         request_router_config=RequestRouterConfig(
             request_router_class=GroupAwareRouter, request_routing_stats_period_s=1
         ),
-    ).bind(config.model_dump(), dims, VideoJobTable.options(user_config=limits(config)).bind(), api_key)
+    ).bind(
+        config.model_dump(),
+        dims,
+        VideoJobTable.options(user_config=limits(config)).bind(),
+        KeyCheck.of(api_key) if api_key else None,
+    )

@@ -20,8 +20,9 @@ from ray_hsdp.config import AppConfig
 from ray_hsdp.group import GroupFailedError, QueueTimeoutError, ShardGroup, remote_cause
 from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
 from ray_hsdp.serve.errors import RequestLimitError, UnknownModelError
-from ray_hsdp.serve.ingress import OpenAIRoutes, api, read_api_key, refuse_keyless, serve_http_host
+from ray_hsdp.serve.ingress import OpenAIRoutes, api, refuse_keyless, serve_http_host
 from ray_hsdp.serve.keeper import GroupKeeper
+from ray_hsdp.serve.keys import KeyCheck, replica_key
 from ray_hsdp.serve.metrics import ReplicaMetrics
 from ray_hsdp.serve.routing import GROUP_LOAD, GROUP_OK
 from ray_hsdp.serve.schema import ImageGenerationRequest, image_response, to_generation_request
@@ -57,14 +58,16 @@ class HSDPServer(OpenAIRoutes, VideoJobs):
         jobs: The application's video job table (``VideoJobTable``'s handle).
     """
 
-    def __init__(self, config: dict, dims: ParallelDims, jobs: DeploymentHandle, api_key: str | None = None):
+    def __init__(self, config: dict, dims: ParallelDims, jobs: DeploymentHandle, api_key: KeyCheck | None = None):
         show_logs()
         self.config = AppConfig(**config)
         self.dims = dims
         self.model_name = self.config.served_model_name
-        #: The key every route but /health asks for (the ingress' guard reads it); None: none.
-        self.api_key = api_key if api_key is not None else read_api_key(self.config)
-        refuse_keyless(self.api_key, self.config, serve_http_host())
+        #: The check of the key every route but /health asks for (the ingress' guard reads it);
+        #: None: none. ``serve.keys`` says where it comes from.
+        app = serve.get_replica_context().app_name
+        self.api_key = replica_key(api_key, self.config, app)
+        refuse_keyless(self.api_key, self.config, serve_http_host(), app)
         self._placement = ray.util.get_current_placement_group()
         self._replica = serve.get_replica_context().replica_id.unique_id
         self.metrics = ReplicaMetrics(self.model_name)

@@ -4,10 +4,7 @@ routes (``OpenAIRoutes``, which the deployment class takes on).
 
 No ``from __future__ import annotations`` here: FastAPI reads the routes' annotations as types."""
 
-import hmac
 import logging
-import os
-from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,6 +14,7 @@ from ray import serve
 
 from ray_hsdp.config import AppConfig
 from ray_hsdp.serve.errors import RequestLimitError, VideoNotFoundError, error_json, error_response
+from ray_hsdp.serve.keys import KeyCheck
 from ray_hsdp.serve.schema import ImageGenerationRequest, VideoCreateRequest
 
 logger = logging.getLogger("ray_hsdp")
@@ -50,12 +48,12 @@ async def _guard(request: Request, call_next):
     # The replica this process serves (its constructor has run: Serve routes nothing here before).
     server = serve.get_replica_context().servable_object
     config: AppConfig = server.config
-    key: str | None = server.api_key
+    key: KeyCheck | None = server.api_key
     path = request.url.path.removeprefix(request.scope.get("root_path", ""))  # route prefix of the app
     if key and path != "/health":
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
+        if scheme.lower() != "bearer" or not key.matches(token):
             response = error_json(
                 401, "missing or wrong API key (send 'Authorization: Bearer <key>')", "authentication_error"
             )
@@ -80,18 +78,6 @@ async def _guard(request: Request, call_next):
     return response
 
 
-def read_api_key(config: AppConfig) -> str | None:
-    """The API key from ``api_key_file`` or the ``api_key_env`` variable; ``None`` when neither is set."""
-    if config.api_key_file:
-        key = (
-            Path(config.api_key_file).read_text().splitlines()[0].strip() if Path(config.api_key_file).exists() else ""
-        )
-        if not key:
-            raise ValueError(f"api_key_file {config.api_key_file} is missing or empty")
-        return key
-    return os.environ.get(config.api_key_env) or None
-
-
 def serve_http_host() -> str | None:
     """The address Serve's HTTP proxies listen on; ``None`` when it cannot be read."""
     try:
@@ -102,7 +88,7 @@ def serve_http_host() -> str | None:
         return None
 
 
-def refuse_keyless(api_key: str | None, config: AppConfig, host: str | None) -> None:
+def refuse_keyless(api_key: KeyCheck | str | None, config: AppConfig, host: str | None, app: str = "") -> None:
     """Refuses to serve with no key where strangers may reach the server: a HTTP host that is not
     a loopback address (or is unknown), unless ``allow_unauthenticated``.
 
@@ -115,7 +101,8 @@ def refuse_keyless(api_key: str | None, config: AppConfig, host: str | None) -> 
     raise ValueError(
         f"no API key, and Serve's HTTP host {host or '(unknown)'} is not a loopback address: give a key in "
         f"{config.api_key_env} in every node's environment, in a file at api_key_file on every node, or with "
-        "ray-hsdp serve (it carries its own environment's key); or bind Serve to 127.0.0.1; or set "
+        "ray-hsdp serve (it carries its own environment's key), or stored in the cluster with "
+        f"`ray-hsdp key set --app {app or 'APP'}` before the deploy; or bind Serve to 127.0.0.1; or set "
         "allow_unauthenticated: true to serve anyone who reaches the port"
     )
 

@@ -21,7 +21,62 @@ def test_a_keyless_replica_refuses_a_host_strangers_reach_naming_every_way_to_gi
     with pytest.raises(ValueError) as refused:
         refuse_keyless(None, CONFIG, host)
     message = str(refused.value)
-    for way in ("RAY_HSDP_API_KEY", "api_key_file", "ray-hsdp serve", "127.0.0.1", "allow_unauthenticated: true"):
+    for way in (
+        "RAY_HSDP_API_KEY",
+        "api_key_file",
+        "ray-hsdp serve",
+        "ray-hsdp key set",
+        "127.0.0.1",
+        "allow_unauthenticated: true",
+    ):
         assert way in message, (way, message)
     refuse_keyless("a key", CONFIG, host)  # with a key it serves
     refuse_keyless(None, CONFIG.model_copy(update={"allow_unauthenticated": True}), host)  # or when told to
+
+
+def test_a_key_check_holds_no_key_and_matches_only_the_key():
+    from ray_hsdp.serve.keys import KeyCheck
+
+    check = KeyCheck.of("s3cret-key")
+    assert check.matches("s3cret-key") and not check.matches("s3cret-kez") and not check.matches("")
+    assert "s3cret" not in repr(check) + check.salt + check.digest
+    assert KeyCheck.of("s3cret-key").salt != check.salt  # a salt of its own each time
+
+
+def test_a_key_stored_in_the_cluster_reaches_replicas_that_have_no_other(server, tmp_path):
+    """`ray-hsdp key set --app NAME` before the deploy: the replicas of NAME, whose nodes have no key
+    in a file or their environment, ask for it; `key remove` takes it away (redeploy to serve open)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import requests
+    from ray import serve
+
+    from ray_hsdp.serve.keys import stored_key
+
+    from .served import deploy
+
+    ray_hsdp = [str(Path(sys.executable).with_name("ray-hsdp")), "key"]
+    env = {**os.environ, "RAY_HSDP_API_KEY": "stored-s3cret"}
+    set_key = subprocess.run([*ray_hsdp, "set", "--app", "stored"], env=env, capture_output=True, text=True)
+    assert set_key.returncode == 0, set_key.stderr
+    assert "stored-s3cret" not in set_key.stdout + set_key.stderr
+    try:
+        # No api_key_file, and a variable no node has: only the cluster holds the key.
+        args = {"model": "tiny", "device": "cpu", "shard_size": 1, "api_key_env": "RAY_HSDP_TEST_NO_SUCH_KEY"}
+        url = deploy(server, "stored", args)
+        body = {"prompt": "a cat", "size": "64x64", "num_inference_steps": 1}
+        keyless = requests.post(f"{url}/v1/images/generations", json=body, timeout=120)
+        assert keyless.status_code == 401, keyless.text
+        keyed = requests.post(
+            f"{url}/v1/images/generations", json=body, headers={"Authorization": "Bearer stored-s3cret"}, timeout=120
+        )
+        assert keyed.status_code == 200, keyed.text
+        assert stored_key("another-app") is None  # keys are per application
+    finally:
+        serve.delete("stored")
+        removed = subprocess.run([*ray_hsdp, "remove", "--app", "stored"], env=env, capture_output=True, text=True)
+    assert removed.returncode == 0 and "removed" in removed.stdout, removed.stderr
+    assert stored_key("stored") is None
