@@ -49,7 +49,6 @@ def serve_config(model: str, key_file: Path) -> dict:
                     "replicate_size": 2,
                     "mode": "batch",
                     "default_size": "64x64",
-                    "max_steps": 2000,
                     "api_key_file": str(key_file),
                     "video_stale_after_s": 3,
                 },
