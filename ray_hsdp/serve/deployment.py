@@ -66,8 +66,8 @@ class HSDPServer(OpenAIRoutes, VideoJobs):
         #: The check of the key every route but /health asks for (the ingress' guard reads it);
         #: None: none. ``serve.keys`` says where it comes from.
         app = serve.get_replica_context().app_name
-        self.api_key = replica_key(api_key, self.config, app)
-        refuse_keyless(self.api_key, self.config, serve_http_host(), app)
+        self.key_check = replica_key(api_key, self.config, app)
+        refuse_keyless(self.key_check, self.config, serve_http_host(), app)
         self._placement = ray.util.get_current_placement_group()
         self._replica = serve.get_replica_context().replica_id.unique_id
         self.metrics = ReplicaMetrics(self.model_name)

@@ -48,7 +48,7 @@ async def _guard(request: Request, call_next):
     # The replica this process serves (its constructor has run: Serve routes nothing here before).
     server = serve.get_replica_context().servable_object
     config: AppConfig = server.config
-    key: KeyCheck | None = server.api_key
+    key: KeyCheck | None = server.key_check
     path = request.url.path.removeprefix(request.scope.get("root_path", ""))  # route prefix of the app
     if key and path != "/health":
         given = request.headers.get("authorization", "")

@@ -19,7 +19,7 @@ GROUP_OK = "group_ok"
 #: included (Serve's own queue length misses a video job once its ``POST`` has returned).
 GROUP_LOAD = "group_load"
 
-#: How long a request this router sent counts as its replica's load: two report periods
+#: How long a video job this router gave a replica counts as its load: two report periods
 #: (``request_routing_stats_period_s`` is 1 s), by when the replica's own report holds it.
 RECENT_S = 2.0
 
