@@ -49,13 +49,14 @@ def main() -> None:
 
     from ray_hsdp.config import parse_size
     from ray_hsdp.serve.media import decode_mp4
+    from ray_hsdp.serve_cli import parse_value, set_dotted
 
     config = yaml.safe_load(args.config.read_text())
     config["applications"][0]["args"]["model"] = args.model
     args.device = config["applications"][0]["args"].get("device", "cuda")
-    for field in args.set:
+    for field in args.set:  # as `ray-hsdp serve --set` reads them: JSON where it parses, dotted names
         name, _, value = field.partition("=")
-        config["applications"][0]["args"][name] = yaml.safe_load(value)
+        set_dotted(config["applications"][0]["args"], name, parse_value(value))
     key = secrets.token_urlsafe(24)
     port = config["http_options"]["port"]
     served = args.out / f"{args.config.stem}.served.yaml"
@@ -82,11 +83,11 @@ def main() -> None:
             time.sleep(2)
         ready_s = time.perf_counter() - started
         client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, timeout=1800, max_retries=0)
+        # As a user sends a file: the openai client makes it a part of a multipart form.
+        image = {"input_reference": ("first.png", first_frame_png(*parse_size(args.size)), "image/png")}
         earlier = []  # (id, seconds) of the jobs before the last
         for _ in range(args.jobs):
             created_at = time.perf_counter()
-            # As a user sends a file: the openai client makes it a part of a multipart form.
-            image = {"input_reference": ("first.png", first_frame_png(*parse_size(args.size)), "image/png")}
             video = client.videos.create(
                 prompt=PROMPT,
                 size=args.size,
@@ -105,13 +106,13 @@ def main() -> None:
         mp4 = client.videos.download_content(video.id).read()
         frames, fps = decode_mp4(mp4)
         # Written before the server stops: its shutdown can take a minute.
-        args.earlier = earlier
-        report(args, ready_s, video, job_s, progress, mp4, frames, fps)
+        report(args, ready_s, video, job_s, earlier, progress, mp4, frames, fps)
     finally:
         stop_server(proc)
         log.close()
     if args.plain:
-        report(args, ready_s, video, job_s, progress, mp4, frames, fps, plain=run_plain_request(args, video, frames))
+        plain = run_plain_request(args, video, frames)
+        report(args, ready_s, video, job_s, earlier, progress, mp4, frames, fps, plain=plain)
 
 
 def run_plain_request(args, video, served_frames) -> dict:
@@ -142,14 +143,14 @@ def run_plain_request(args, video, served_frames) -> dict:
     }
 
 
-def report(args, ready_s, video, job_s, progress, mp4, frames, fps, plain: dict | None = None) -> None:
+def report(args, ready_s, video, job_s, earlier, progress, mp4, frames, fps, plain: dict | None = None) -> None:
     payload = {
         "environment": environment(),
         "config": str(args.config),
         "server_ready_s": round(ready_s, 1),
         "video": video.model_dump(),
         "job_s": round(job_s, 2),
-        "earlier_jobs_s": getattr(args, "earlier", []),
+        "earlier_jobs_s": earlier,
         "progress": progress,
         "mp4_bytes": len(mp4),
         "decoded_frames": list(frames.shape),
@@ -170,7 +171,7 @@ def report(args, ready_s, video, job_s, progress, mp4, frames, fps, plain: dict 
             f"{job_s:.1f} s from create to completed",
             f"- MP4: {len(mp4) / 2**20:.2f} MiB, decodes to {frames.shape[0]} frames of "
             f"{frames.shape[2]}x{frames.shape[1]} at {fps:g} fps",
-            *[f"- an earlier job of the same request: {s:.1f} s" for _, s in getattr(args, "earlier", [])],
+            *[f"- an earlier job of the same request: {s:.1f} s" for _, s in earlier],
             f"- progress seen: {', '.join(str(p[2]) for p in progress)}",
             *([f"- overrides: {' '.join(args.set)}"] if args.set else []),
             "",

@@ -382,11 +382,10 @@ def cmd_key(args: argparse.Namespace) -> int:
     """Stores the check of an application's API key in the running cluster, or removes it."""
     import ray
 
-    from ray_hsdp.serve.keys import remove_key, store_key
+    from ray_hsdp.serve.keys import read_key, remove_key, store_key
 
     if args.action == "set":
-        path = args.api_key_file
-        key = (Path(path).read_text().strip().splitlines() or [""])[0] if path else os.environ.get(args.api_key_env)
+        key = read_key(args.api_key_file, args.api_key_env)
         if not key:
             raise ValueError(f"no key: set {args.api_key_env} in this shell, or give --api-key-file")
     # A running cluster only (RAY_ADDRESS, or this node's): a key stored in a Ray started here dies with it.
@@ -426,7 +425,9 @@ def cmd_build_kernels(args: argparse.Namespace) -> int:
 def _add_build_kernels(sub) -> None:
     """The ``build-kernels`` subcommand: a wheel of SageAttention 2 or of FlashAttention 3's FP8 forward."""
     p = sub.add_parser("build-kernels", help="build the wheel of a fast attention kernel for this host's GPU")
-    p.add_argument("kernel", choices=["sage", "fa3"], help="sage: SageAttention 2; fa3: FlashAttention 3 (fa3_fp8)")
+    from ray_hsdp.kernels import KERNELS
+
+    p.add_argument("kernel", choices=KERNELS, help="sage: SageAttention 2; fa3: FlashAttention 3 (fa3_fp8)")
     p.add_argument("--source", required=True, metavar="DIR", help="a local copy of the kernel's public repository")
     p.add_argument("--out", required=True, metavar="WHEELDIR", help="where the wheel goes")
     p.add_argument("--cutlass", metavar="DIR", help="fa3: a cutlass folder, where DIR/csrc/cutlass is empty")

@@ -53,15 +53,24 @@ class KeyCheck:
         return hmac.compare_digest(_digest(self.salt, given), self.digest)
 
 
+def read_key(path: str | None, env: str) -> str | None:
+    """The key from the first line of the file at ``path`` when one is named, else from the variable
+    ``env``; ``None`` when the variable is unset.
+
+    Raises:
+        ValueError: ``path`` is named but missing or empty.
+    """
+    if path:
+        lines = Path(path).read_text().strip().splitlines() if Path(path).is_file() else []
+        if not lines or not lines[0].strip():
+            raise ValueError(f"api_key_file {path} is missing or empty")
+        return lines[0].strip()
+    return os.environ.get(env) or None
+
+
 def read_api_key(config: AppConfig) -> str | None:
     """The API key from ``api_key_file`` or the ``api_key_env`` variable; ``None`` when neither is set."""
-    if config.api_key_file:
-        path = Path(config.api_key_file)
-        key = path.read_text().splitlines()[0].strip() if path.exists() and path.read_text().strip() else ""
-        if not key:
-            raise ValueError(f"api_key_file {config.api_key_file} is missing or empty")
-        return key
-    return os.environ.get(config.api_key_env) or None
+    return read_key(config.api_key_file, config.api_key_env)
 
 
 @ray.remote(num_cpus=0)
