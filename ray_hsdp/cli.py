@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from ray_hsdp.checkpoints.architectures import ARCHITECTURES
 from ray_hsdp.config import TINY_MODEL
 from ray_hsdp.request import CACHE_KINDS, DEFAULT_GUIDANCE_SCALE
 
@@ -448,7 +449,7 @@ def _add_make_tiny(sub) -> None:
 def _add_make_random(sub) -> None:
     """The ``make-random`` subcommand and its arguments."""
     p = sub.add_parser("make-random", help="write a real-size architecture with seeded random weights")
-    p.add_argument("arch", help="wan2.1-t2v-14b, wan2.2-t2v-a14b or flux.1-dev")
+    p.add_argument("arch", choices=sorted(ARCHITECTURES), help="the architecture to write")
     p.add_argument("directory")
     p.add_argument("--tiny", action="store_true", help="the tiny variant of the architecture (CPU tests)")
     p.add_argument(

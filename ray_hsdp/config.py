@@ -19,8 +19,9 @@ from ray_hsdp.topology import ParallelDims
 #: The model name that stands for the embedded tiny Wan pipeline (written on first use).
 TINY_MODEL = "tiny"
 #: The embedded tiny pipelines, written on first use: model name -> the name clients use (and the
-#: folder under ``cache_dir()``, with ``loading.EMBEDDED_VERSION``). ``tiny-i2v`` is the image-to-video Wan2.1 one.
-EMBEDDED_MODELS = {TINY_MODEL: "tiny-wan", "tiny-i2v": "tiny-wan-i2v"}
+#: folder under ``cache_dir()``, with ``loading.EMBEDDED_VERSION``). ``tiny-i2v`` is the image-to-video Wan2.1 one;
+#: the others are the tiny variants of ``make-random``'s architectures of those names.
+EMBEDDED_MODELS = {TINY_MODEL: "tiny-wan", "tiny-i2v": "tiny-wan-i2v", "tiny-qwen-image": "tiny-qwen-image"}
 #: The embedded tiny model's LoRA adapters, written on first use (random, seeded): name -> seed.
 EMBEDDED_LORAS = {"tiny-style": 1, "tiny-detail": 2}
 #: The components a LoRA pair names (a two-expert model's high- and low-noise halves).

@@ -19,7 +19,14 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ray_hsdp import step_cache
-from ray_hsdp.loading import build_on_meta, fill_from_checkpoint, load_pipeline, materialize, model_index
+from ray_hsdp.loading import (
+    build_on_meta,
+    fill_from_checkpoint,
+    load_pipeline,
+    materialize,
+    model_index,
+    model_key_names,
+)
 from ray_hsdp.phases import Phases
 from ray_hsdp.sharding import compile_units, resolve_plan, shard_module
 from ray_hsdp.sharding.context_parallel import LaneParallel, enable_context_parallel, set_attention_backend
@@ -103,6 +110,7 @@ def shard_component(folder: Path, class_info: tuple[str, str], facts: LoadFacts,
         ``(module, sharding, load stats)``.
     """
     module = build_on_meta(folder, *class_info, facts.dtype)
+    model_key = model_key_names(module)  # of the model's own classes: sharding renames them
     if facts.cache_hooks:  # before fully_shard renames the block classes the hooks look for
         step_cache.enable(module, **facts.cache_hooks)
     plan = resolve_plan(module, facts.min_num_params)
@@ -121,7 +129,7 @@ def shard_component(folder: Path, class_info: tuple[str, str], facts: LoadFacts,
         keep_gathered=facts.keep_gathered if denoiser else 0.0,
     )
     materialize(module, facts.device)
-    stats = fill_from_checkpoint(module, folder, facts.allow_pickle)
+    stats = fill_from_checkpoint(module, folder, facts.allow_pickle, model_key)
     if facts.fused:  # before activate: the in-place gathers take over the shards there
         fuse_adapters(facts.pipeline_cls, module, name, facts.fused)
     if fp8:  # each rank its own rows, before the gathers take over the shards
@@ -193,6 +201,15 @@ def split_sequences(
             cp_plan=policy.cp_plan if policy else None,
         )
         configs.append(config)
+        if policy is not None and policy.split_inputs is not None:
+            # The config's degree is the running lane's (adaptive lanes set it per forward).
+            module.register_forward_pre_hook(
+                lambda _, args, kwargs, split=policy.split_inputs, config=config: (
+                    args,
+                    split(kwargs, config._world_size),
+                ),
+                with_kwargs=True,
+            )
         if policy is None or policy.token_grid is None:
             raise ValueError(
                 f"{name} ({type(module).__name__.removeprefix('FSDP')}) has no token grid in its sharding policy, "

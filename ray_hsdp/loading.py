@@ -43,7 +43,7 @@ class CheckpointError(ValueError):
 
 
 #: How each embedded model is written (``make_tiny``'s arguments).
-EMBEDDED_WRITERS = {TINY_MODEL: {}, "tiny-i2v": {"image_to_video": True}}
+EMBEDDED_WRITERS = {TINY_MODEL: {}, "tiny-i2v": {"image_to_video": True}, "tiny-qwen-image": {"arch": "qwen-image"}}
 #: Part of the embedded models' cache folder names. An embedded model is written only when its
 #: folder is missing, so a writer that makes different weights must bump it, or caches written
 #: earlier keep serving the old ones (2: a VAE whose images vary, not flat gray).
@@ -359,13 +359,40 @@ def local_rows(param: torch.Tensor) -> slice | None:
     return rows_of(param.shape[0], mesh.size(), mesh.get_local_rank())
 
 
-def fill_from_checkpoint(model: nn.Module, folder: Path, allow_pickle: bool = False) -> dict:
+def model_key_names(model: nn.Module):
+    """``name(checkpoint_key) -> the model's key``: transformers 5 renames some models' modules
+    (Qwen2.5-VL's ``model.layers`` are ``model.language_model.layers``) and still writes and reads
+    checkpoints under the old names, renaming at load; the same renamings here. A diffusers model:
+    the key itself.
+
+    Raises:
+        CheckpointError: The model's checkpoints need a conversion of values (a fused or split
+            tensor), which slice-wise loading cannot do.
+    """
+    if not hasattr(model, "config") or not hasattr(model.config, "model_type"):
+        return lambda key: key
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    if converters:
+        raise CheckpointError(
+            f"{type(model).__name__}: transformers converts this model's checkpoint values at load "
+            f"({[c.source_patterns for c in converters]}), which loading by slices cannot do"
+        )
+    return lambda key: rename_source_key(key, renamings, [])[0]
+
+
+def fill_from_checkpoint(model: nn.Module, folder: Path, allow_pickle: bool = False, model_key=None) -> dict:
     """Copies this rank's slice of every parameter and persistent buffer from the checkpoint.
 
-    Tied parameters (one tensor under several names) are filled once from whichever name the
-    checkpoint holds. The keys are matched first, so a mismatch fails before any byte is read;
-    then ``READ_THREADS`` threads read the slices, each straight into its tensor on CPU, or into a
-    host buffer copied to the device.
+    ``model_key`` names a checkpoint key's tensor in the model (``model_key_names`` of the model as
+    built, before sharding renamed its classes). Tied parameters (one tensor under several names)
+    are filled once from whichever name the checkpoint holds. The keys are matched first, so a
+    mismatch fails before any byte is read; then ``READ_THREADS`` threads read the slices, each
+    straight into its tensor on CPU, or into a host buffer copied to the device.
 
     Returns:
         ``{"files": n, "bytes_read": b}``: what this rank read.
@@ -384,10 +411,11 @@ def fill_from_checkpoint(model: nn.Module, folder: Path, allow_pickle: bool = Fa
     unexpected: list[str] = []
     reads: list[tuple[SafetensorsReader | _PickleReader, str, torch.Tensor]] = []
     files = _checkpoint_files(folder, allow_pickle)
+    model_key = model_key or model_key_names(model)
     for file in files:
         reader = _PickleReader(file) if file.suffix == ".bin" else SafetensorsReader(file)
         for key in reader.keys():
-            target = targets.get(key)
+            target = targets.get(model_key(key))
             if target is None:
                 if not any(p.search(key) for p in ignore):
                     unexpected.append(key)

@@ -20,15 +20,15 @@ from ray_hsdp.loading import (
 )
 from ray_hsdp.memory import module_memory, peak_device_bytes, unit_memory
 from ray_hsdp.phases import Phases
+from ray_hsdp.pipeline_args import call_kwargs, guidance_on, step_end_callback, steps_watched
 from ray_hsdp.request import (
     GenerationResult,
-    InvalidRequestError,
     NonFiniteOutputError,
-    RequestCancelledError,
 )
 from ray_hsdp.request_slots import RequestSlots
 from ray_hsdp.sharding.context_parallel import attention_backend_for
 from ray_hsdp.sharding.fp8 import check_fp8_device
+from ray_hsdp.sharding.pipeline_call import FIRST_FRAME, REFERENCE, pipeline_call_for
 from ray_hsdp.topology import ParallelDims
 from ray_hsdp.variant import RankFeatures, RequestVariant
 from ray_hsdp.variant.shift import shift_key
@@ -110,6 +110,8 @@ class ShardedPipeline(RequestSlots):
         #: (``LaneTiles``); empty: no split.
         self.lane_tiles: dict[int, object] = {}
         self._call_params = set(inspect.signature(pipe.__call__).parameters)
+        #: How the pipeline's class takes a request's choices (guidance, negative prompt, image).
+        self.call = pipeline_call_for(pipe)
         pipe.set_progress_bar_config(disable=True)
         self.modules = components(pipe)  # the real modules, also once proxies stand in for sharded ones
         for name, module in self.modules.items():
@@ -214,8 +216,12 @@ class ShardedPipeline(RequestSlots):
             # Two experts with a boundary: the low-noise one takes its own guidance.
             "guidance_scale_2": "guidance_scale_2" in self._call_params
             and getattr(self.pipe.config, "boundary_ratio", None) is not None,
-            # Image-to-video: every request brings its first frame.
-            "image_input": "image" in self._call_params,
+            # Image-to-video: every request brings its first frame; or an optional reference image.
+            "image_input": "image" in self._call_params and self.call.image == FIRST_FRAME,
+            "image_reference": "image" in self._call_params and self.call.image == REFERENCE,
+            # Request choices the pipeline may not take (diffusers would ignore them unread).
+            "negative_prompt": "negative_prompt" in self._call_params,
+            "lora": hasattr(self.pipe, "load_lora_weights"),
             # The scheduler key a request's flow_shift sets; None: the scheduler takes no shift.
             "flow_shift": shift_key(getattr(self.pipe, "scheduler", None)),
             # Steps of a warm-up request that reaches every expert (one for one denoiser).
@@ -226,7 +232,7 @@ class ShardedPipeline(RequestSlots):
         """Whether the request running on this thread makes an unconditional forward at each step
         (diffusers' ``do_classifier_free_guidance`` of its slot pipeline)."""
         pipe = getattr(self._running_slot, "pipe", None)
-        return bool(getattr(pipe, "do_classifier_free_guidance", False))
+        return pipe is not None and self.call.guided(pipe, self._running_slot.kwargs)
 
     @property
     def sharded_modules(self) -> dict[str, nn.Module]:
@@ -239,33 +245,6 @@ class ShardedPipeline(RequestSlots):
         for name, stand_in in stand_ins.items():
             # Plain attribute: DiffusionPipeline.__setattr__ would register the proxy in its config.
             object.__setattr__(self.pipe, name, stand_in)
-
-    def _kwargs(self, variant: RequestVariant) -> dict:
-        request = variant.request
-        kwargs = {
-            "prompt": request.prompt,
-            "negative_prompt": request.negative_prompt,
-            "height": request.height,
-            "width": request.width,
-            "num_inference_steps": request.num_inference_steps,
-            "guidance_scale": request.guidance_scale,
-            "generator": torch.Generator("cpu").manual_seed(request.seed),
-            "output_type": "pt",  # frames stay on the device until ``frames.to_host``
-        }
-        kwargs.update(variant.pipeline_kwargs())  # its group checked them against this pipeline
-        # Video pipelines take frames and "videos per prompt"; image pipelines take neither.
-        if "num_frames" in self._call_params:
-            kwargs["num_frames"] = request.num_frames
-        elif request.num_frames != 1:
-            raise InvalidRequestError(f"{type(self.pipe).__name__} makes images; num_frames must be 1")
-        per_prompt = next(
-            (k for k in ("num_videos_per_prompt", "num_images_per_prompt") if k in self._call_params), None
-        )
-        if per_prompt:
-            kwargs[per_prompt] = request.n
-        elif request.n != 1:
-            raise InvalidRequestError(f"{type(self.pipe).__name__} makes one output per prompt; n must be 1")
-        return {k: v for k, v in kwargs.items() if k in self._call_params}
 
     @torch.no_grad()
     def run(self, variant: RequestVariant, on_step: Callable[[int, int], bool] | None = None) -> GenerationResult:
@@ -282,28 +261,22 @@ class ShardedPipeline(RequestSlots):
                 than through diffusers' interrupt flag, which still decodes every frame (in Wan).
         """
         request = variant.request
-        kwargs = self._kwargs(variant)
+        kwargs = call_kwargs(self.call, self._call_params, type(self.pipe).__name__, variant)
         step_ends: list[float] = []
-        if on_step is not None and "callback_on_step_end" in self._call_params:
-            total = request.num_inference_steps
-
-            def step_end(pipe, step, timestep, callback_kwargs):
-                step_ends.append(time.perf_counter())
-                if on_step(step + 1, total):
-                    raise RequestCancelledError(
-                        f"request {request.request_id!r} stopped after step {step + 1} of {total}, not decoded"
-                    )
-                return callback_kwargs
-
-            kwargs["callback_on_step_end"] = step_end
+        step_ended = step_end_callback(request, on_step, step_ends) if on_step is not None else None
         if self.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         pipe = self._slots.get()
-        self._running_slot.pipe = pipe
+        self._running_slot.pipe, self._running_slot.kwargs = pipe, kwargs
         try:
             self._set_tiling(pipe, variant)
-            with variant.run(pipe, self.features), torch.cuda.stream(self._slot_stream(pipe)):
+            with (
+                variant.run(pipe, self.features),
+                guidance_on(pipe, self.call, request.guidance_scale),
+                steps_watched(pipe, self._call_params, kwargs, step_ended),
+                torch.cuda.stream(self._slot_stream(pipe)),
+            ):
                 output = pipe(**kwargs)
                 host = to_host(output.frames if hasattr(output, "frames") else output.images, request.uint8_frames)
         finally:

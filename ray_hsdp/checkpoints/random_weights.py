@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from ray_hsdp.checkpoints.architectures import Architecture, get_architecture
+from ray_hsdp.checkpoints.chat_standins import CHAT_STANDINS
 from ray_hsdp.checkpoints.real_parts import REAL_PARTS
 from ray_hsdp.checkpoints.standins import STANDINS
 
@@ -42,7 +43,14 @@ def _random_tensor(
 
 
 def write_random_model(
-    model_cls, kwargs: dict, folder: Path, dtype: torch.dtype, seed: int, shard_bytes: int, std: float = WEIGHT_STD
+    model_cls,
+    kwargs: dict,
+    folder: Path,
+    dtype: torch.dtype,
+    seed: int,
+    shard_bytes: int,
+    std: float = WEIGHT_STD,
+    stds: tuple[tuple[str, float], ...] = (),
 ) -> int:
     """Writes a diffusers model folder (config and safetensors shards) with random weights.
 
@@ -55,7 +63,7 @@ def write_random_model(
         model = model_cls(**kwargs)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_config(folder)
-    return write_random_weights(model, folder, dtype, seed, shard_bytes, WEIGHTS_NAME, std)
+    return write_random_weights(model, folder, dtype, seed, shard_bytes, WEIGHTS_NAME, std, stds)
 
 
 def write_random_encoder(model_cls, config, folder: Path, dtype: torch.dtype, seed: int, shard_bytes: int) -> int:
@@ -72,10 +80,18 @@ def write_random_encoder(model_cls, config, folder: Path, dtype: torch.dtype, se
 
 
 def write_random_weights(
-    model, folder: Path, dtype: torch.dtype, seed: int, shard_bytes: int, stem: str, std: float = WEIGHT_STD
+    model,
+    folder: Path,
+    dtype: torch.dtype,
+    seed: int,
+    shard_bytes: int,
+    stem: str,
+    std: float = WEIGHT_STD,
+    stds: tuple[tuple[str, float], ...] = (),
 ) -> int:
     """Writes the persistent tensors of ``model`` (parameters on the meta device get seeded random
-    values) as safetensors shards named ``stem``, with an index when there are several.
+    values, of standard deviation ``std``, or that of the first ``(prefix, std)`` of ``stds`` whose
+    prefix begins the name) as safetensors shards named ``stem``, with an index when there are several.
 
     Returns:
         Bytes of weights written.
@@ -104,7 +120,8 @@ def write_random_weights(
         tensors = {}
         for i in indices:
             name, shape, is_meta = entries[i]
-            value = _random_tensor(name, shape, dtype, seed, device, std) if is_meta else persistent[name].to(dtype)
+            own_std = next((v for prefix, v in stds if name.startswith(prefix)), std)
+            value = _random_tensor(name, shape, dtype, seed, device, own_std) if is_meta else persistent[name].to(dtype)
             tensors[name] = value.cpu().contiguous()
             weight_map[name] = filename
             total += tensors[name].numel() * tensors[name].element_size()
@@ -157,7 +174,7 @@ def make_random(
     path.mkdir(parents=True, exist_ok=True)
     kwargs = transformer_kwargs(arch, tiny)
     torch.manual_seed(seed)
-    small = STANDINS[arch.family](kwargs)
+    small = {**STANDINS, **CHAT_STANDINS}[arch.family](kwargs)
     pipeline_cls = getattr(diffusers, arch.pipeline_class)
     settings = {**arch.pipeline_config, **(pipeline_config or {})}
     pipeline_cls(**small, **{e: None for e in arch.experts}, **settings).save_pretrained(path)
@@ -173,6 +190,7 @@ def make_random(
             seed + 1000 * (i + 1),
             shard_bytes,
             TINY_TRANSFORMER_STD if tiny else WEIGHT_STD,
+            arch.tiny_stds if tiny else (),
         )
         index[expert] = ["diffusers", arch.transformer_class]
     (path / "model_index.json").write_text(json.dumps(index, indent=2))

@@ -94,4 +94,44 @@ def flux_parts() -> tuple[dict, dict]:
     return {"vae": vae, "text_encoder": clip}, {"text_encoder_2": (T5EncoderModel, t5_xxl_config())}
 
 
-REAL_PARTS = {"wan": wan_parts, "flux": flux_parts}
+def qwen2_5_vl_7b_config():
+    """Qwen/Qwen2.5-VL-7B-Instruct, Qwen-Image's text encoder (8.3B parameters with its vision tower)."""
+    from transformers import Qwen2_5_VLConfig
+
+    return Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=152064,
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            max_position_embeddings=128000,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+            tie_word_embeddings=False,
+        ),
+        vision_config=dict(
+            depth=32,
+            hidden_size=1280,
+            intermediate_size=3420,
+            num_heads=16,
+            out_hidden_size=3584,
+            window_size=112,
+            fullatt_block_indexes=[7, 15, 23, 31],
+        ),
+        tie_word_embeddings=False,
+    )
+
+
+def qwen_image_parts() -> tuple[dict, dict]:
+    """Qwen-Image: its VAE (diffusers' defaults are its config) and Qwen2.5-VL-7B."""
+    from diffusers import AutoencoderKLQwenImage
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return {"vae": AutoencoderKLQwenImage()}, {
+        "text_encoder": (Qwen2_5_VLForConditionalGeneration, qwen2_5_vl_7b_config())
+    }
+
+
+REAL_PARTS = {"wan": wan_parts, "flux": flux_parts, "qwen_image": qwen_image_parts}

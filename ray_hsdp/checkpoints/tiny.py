@@ -14,7 +14,11 @@ TINY_SEED = 0
 
 
 def make_tiny(
-    directory: str | Path, two_experts: bool = False, overwrite: bool = False, image_to_video: bool = False
+    directory: str | Path,
+    two_experts: bool = False,
+    overwrite: bool = False,
+    image_to_video: bool = False,
+    arch: str | None = None,
 ) -> Path:
     """Writes the tiny Wan pipeline as a diffusers folder.
 
@@ -25,6 +29,8 @@ def make_tiny(
         overwrite: Replace an existing pipeline in ``directory``.
         image_to_video: Write the image-to-video pipeline (``WanImageToVideoPipeline``): Wan2.1-I2V
             with its CLIP vision encoder, or with ``two_experts`` Wan2.2-I2V-A14B (no image encoder).
+        arch: Write this architecture's tiny variant instead (``ray-hsdp make-random --tiny``), e.g.
+            ``qwen-image``; the Wan choices above do not apply to it.
 
     Returns:
         The folder, which ``DiffusionPipeline.from_pretrained`` loads.
@@ -38,8 +44,8 @@ def make_tiny(
     if (path / "model_index.json").exists() and not overwrite:
         raise FileExistsError(f"{path} already holds a diffusers pipeline (pass overwrite=True to replace it)")
     task = "i2v" if image_to_video else "t2v"
-    arch = f"wan2.2-{task}-a14b" if two_experts else f"wan2.1-{task}-14b"
-    settings = {"boundary_ratio": 0.5} if two_experts else None
+    settings = {"boundary_ratio": 0.5} if two_experts and arch is None else None
+    arch = arch or (f"wan2.2-{task}-a14b" if two_experts else f"wan2.1-{task}-14b")
     make_random(arch, path, tiny=True, dtype="float32", seed=TINY_SEED, pipeline_config=settings)
     return path
 

@@ -45,6 +45,10 @@ class ShardingPolicy:
         cfg_split: Its pipelines call it once for the conditional and once for the unconditional
             prediction of a step, in that order, and use the first output only after the second
             call returns: the condition under which CFG parallel defers the first call's result.
+        split_inputs: ``split_inputs(kwargs, degree)``: the forward's keyword arguments made
+            splittable over ``degree`` sequence ranks without changing its result (a text padded
+            to a multiple of it, the padding masked out), for a model whose plan splits an input
+            of any length; ``None``: its split inputs always divide.
     """
 
     units: tuple[str, ...]
@@ -54,6 +58,7 @@ class ShardingPolicy:
     cp_plan: dict | None = None
     token_grid: Callable | None = None
     cfg_split: bool = False
+    split_inputs: Callable | None = None
 
 
 @dataclass

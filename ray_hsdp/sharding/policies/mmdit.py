@@ -23,7 +23,6 @@ HUNYUAN_VIDEO = register_policy(
 
 SINGLE_STACK = register_policy(
     "SD3Transformer2DModel",
-    "QwenImageTransformer2DModel",
     "CogVideoXTransformer3DModel",
     "LTXVideoTransformer3DModel",
     policy=ShardingPolicy(units=("transformer_blocks.*",), note="One stack of transformer blocks."),

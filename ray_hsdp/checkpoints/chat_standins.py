@@ -1,0 +1,157 @@
+"""Small stand-ins for pipelines whose text encoder is a chat language model (Qwen-Image's
+Qwen2.5-VL, FLUX.2's Mistral 3, HunyuanVideo-1.5's Qwen2.5-VL): a tokenizer that knows the chat
+template's special tokens, and the language model at a tiny width.
+
+Those pipelines drop a fixed number of the template's leading tokens from the encoder's output
+(Qwen-Image: 34, the system prompt), counted with the real tokenizer. The stand-in tokenizer is a
+word-level one over GPT-2's byte-level pieces, the pieces Qwen's and Mistral's byte-level BPEs end
+up with for the templates' plain English words, so the system prompts come out as long as with the
+real tokenizers: the writer checks the count, else the tiny model would drop part of the prompt.
+Its vocabulary is every piece of a fixed corpus, sorted: the same ids in every process.
+"""
+
+from __future__ import annotations
+
+from ray_hsdp.checkpoints.standins import _CORPUS
+
+#: Chat-template special tokens of the Qwen2 and Mistral tokenizers the pipelines format prompts with.
+CHAT_SPECIALS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<s>",
+    "</s>",
+    "[INST]",
+    "[/INST]",
+    "[SYSTEM_PROMPT]",
+    "[/SYSTEM_PROMPT]",
+    "<unk>",
+    "<pad>",
+)
+
+
+def chat_tokenizer(templates: tuple[str, ...], pad_token: str, model_max_length: int = 4096):
+    """A word-level tokenizer over byte-level pieces whose vocabulary covers ``templates`` and the
+    corpus of the other stand-ins; unknown pieces become ``<unk>``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    text = [t.replace("{}", " ") for t in templates] + list(_CORPUS)
+    for special in CHAT_SPECIALS:
+        text = [t.replace(special, "\n") for t in text]
+    pieces = sorted({piece for line in text for piece, _ in pre.pre_tokenize_str(line)})
+    vocab = {token: i for i, token in enumerate(CHAT_SPECIALS)}
+    vocab.update({piece: len(CHAT_SPECIALS) + i for i, piece in enumerate(pieces)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre
+    tok.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=pad_token,
+        unk_token="<unk>",
+        eos_token="<|im_end|>" if pad_token == "<|endoftext|>" else "</s>",
+        additional_special_tokens=[s for s in CHAT_SPECIALS if s not in (pad_token, "<unk>")],
+        model_max_length=model_max_length,
+    )
+    return tokenizer
+
+
+def check_template_length(tokenizer, template: str, expected: int) -> None:
+    """Fails unless the part of ``template`` before its ``{}`` is ``expected`` tokens long (what the
+    pipeline drops from the encoder's output)."""
+    prefix = template.split("{}")[0]
+    count = len(tokenizer(prefix)["input_ids"])
+    if count != expected:
+        raise AssertionError(f"the stand-in tokenizer makes {count} tokens of the template's prefix, not {expected}")
+
+
+def qwen2_5_vl_encoder(tokenizer, hidden_size: int, layers: int = 2):
+    """A tiny ``Qwen2_5_VLForConditionalGeneration`` (a two-block vision tower beside the language
+    model, as in the real one) whose last hidden state is ``hidden_size`` wide."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    heads = 2
+    half = hidden_size // heads // 2
+    section = [half - 2 * (half // 3), half // 3, half // 3]  # temporal, height, width: sums to half a head
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=1,
+            max_position_embeddings=2048,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section},
+            pad_token_id=tokenizer.pad_token_id,
+            tie_word_embeddings=False,
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=hidden_size,
+            fullatt_block_indexes=[1],
+            window_size=56,
+        ),
+        tie_word_embeddings=False,
+    )
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+#: Qwen-Image's prompt template (``QwenImagePipeline.prompt_template_encode``) and the tokens of it
+#: the pipeline drops (``prompt_template_encode_start_idx``).
+QWEN_IMAGE_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
+    "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+)
+QWEN_IMAGE_DROPPED = 34
+
+#: Standard deviation of a tiny chat encoder's weight matrices: at transformers' 0.02 a prompt moves
+#: its 2-layer output too little to change a tiny image visibly.
+TINY_ENCODER_STD = 0.15
+
+
+def spread_weights(module, std: float = TINY_ENCODER_STD) -> None:
+    """Redraws every weight matrix of ``module`` from N(0, std^2), from the global RNG (seeded by the writer)."""
+    import torch
+
+    with torch.no_grad():
+        for param in module.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, std)
+
+
+def qwen_image_standins(transformer_kwargs: dict) -> dict:
+    """Qwen-Image: the chat tokenizer (its template's 34 dropped tokens checked), a tiny Qwen2.5-VL
+    as wide as the transformer's ``joint_attention_dim``, a small Qwen-Image VAE (8x, 16 channels)
+    and the pipeline's dynamic-shift flow-match scheduler."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
+
+    from ray_hsdp.checkpoints.standins import keep_variation
+
+    tokenizer = chat_tokenizer((QWEN_IMAGE_TEMPLATE,), pad_token="<|endoftext|>")
+    check_template_length(tokenizer, QWEN_IMAGE_TEMPLATE, QWEN_IMAGE_DROPPED)
+    text_encoder = qwen2_5_vl_encoder(tokenizer, transformer_kwargs["joint_attention_dim"])
+    spread_weights(text_encoder)
+    vae = AutoencoderKLQwenImage(
+        base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, latents_mean=[0.0] * 16, latents_std=[1.0] * 16
+    )
+    keep_variation(vae)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        base_image_seq_len=256,
+        base_shift=0.5,
+        max_image_seq_len=8192,
+        max_shift=0.9,
+        shift=1.0,
+        shift_terminal=0.02,
+        use_dynamic_shifting=True,
+        time_shift_type="exponential",
+    )
+    return {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": vae, "scheduler": scheduler}
+
+
+#: Family -> stand-in writer, beside ``standins.STANDINS``.
+CHAT_STANDINS = {"qwen_image": qwen_image_standins}

@@ -1,0 +1,117 @@
+"""One request as a diffusers pipeline call: its keyword arguments, its guidance where the pipeline
+keeps it on a guider, and the end of each denoising step, where a pipeline takes no step callback."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from ray_hsdp.request import InvalidRequestError, RequestCancelledError
+from ray_hsdp.sharding.pipeline_call import PipelineCall
+
+
+def call_kwargs(call: PipelineCall, params: set[str], pipeline_name: str, variant) -> dict:
+    """The keyword arguments of ``variant``'s request for a pipeline whose ``__call__`` takes
+    ``params`` and whose class takes its choices as ``call`` says.
+
+    Raises:
+        InvalidRequestError: Frames or outputs per prompt the pipeline cannot make.
+    """
+    request = variant.request
+    negative = request.negative_prompt
+    if negative is None and request.guidance_scale > 1:
+        negative = call.negative_prompt_when_guided
+    kwargs = {
+        "prompt": request.prompt,
+        "negative_prompt": negative,
+        "height": request.height,
+        "width": request.width,
+        "num_inference_steps": request.num_inference_steps,
+        "generator": torch.Generator("cpu").manual_seed(request.seed),
+        "output_type": "pt",  # frames stay on the device until ``frames.to_host``
+    }
+    if call.guidance is not None:  # else ``guidance_on`` sets it on the pipeline's guider
+        kwargs[call.guidance] = request.guidance_scale
+    kwargs.update(variant.pipeline_kwargs())  # its group checked them against this pipeline
+    # Video pipelines take frames and "videos per prompt"; image pipelines take neither.
+    if "num_frames" in params:
+        kwargs["num_frames"] = request.num_frames
+    elif request.num_frames != 1:
+        raise InvalidRequestError(f"{pipeline_name} makes images; num_frames must be 1")
+    per_prompt = next((k for k in ("num_videos_per_prompt", "num_images_per_prompt") if k in params), None)
+    if per_prompt:
+        kwargs[per_prompt] = request.n
+    elif request.n != 1:
+        raise InvalidRequestError(f"{pipeline_name} makes one output per prompt; n must be 1")
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+@contextmanager
+def guidance_on(pipe, call: PipelineCall, guidance_scale: float) -> Iterator[None]:
+    """The request's guidance on ``pipe``'s guider for its call, where the pipeline takes it
+    nowhere else (``call.guidance`` None); the guider it had afterwards. ``pipe`` is the request's
+    own slot of the pipeline, which runs one call at a time."""
+    guider = getattr(pipe, "guider", None) if call.guidance is None else None
+    if guider is None:
+        yield
+        return
+    # Plain attribute: DiffusionPipeline.__setattr__ would write the new guider into its config.
+    object.__setattr__(pipe, "guider", guider.new(guidance_scale=guidance_scale))
+    try:
+        yield
+    finally:
+        object.__setattr__(pipe, "guider", guider)
+
+
+def step_end_callback(request, on_step: Callable[[int, int], bool], step_ends: list[float]) -> Callable[[int], None]:
+    """``step_ended(step)`` after denoising step ``step`` (from 0): notes its time and asks
+    ``on_step``, raising ``RequestCancelledError`` when it says stop (the pipeline then skips its
+    decode, which diffusers' interrupt flag does not)."""
+    total = request.num_inference_steps
+
+    def step_ended(step: int) -> None:
+        step_ends.append(time.perf_counter())
+        if on_step(step + 1, total):
+            raise RequestCancelledError(
+                f"request {request.request_id!r} stopped after step {step + 1} of {total}, not decoded"
+            )
+
+    return step_ended
+
+
+@contextmanager
+def steps_watched(pipe, params: set[str], kwargs: dict, step_ended: Callable[[int], None] | None) -> Iterator[None]:
+    """Calls ``step_ended`` at the end of each denoising step of ``pipe``'s call with ``kwargs``:
+    through diffusers' ``callback_on_step_end`` where the pipeline takes it, else after each
+    ``scheduler.step`` of the call (one per denoising step in diffusers' loops), on ``pipe``'s own
+    scheduler (the request's slot: one call at a time)."""
+    if step_ended is None:
+        yield
+        return
+    if "callback_on_step_end" in params:
+
+        def callback(pipe, step, timestep, callback_kwargs):
+            step_ended(step)
+            return callback_kwargs
+
+        kwargs["callback_on_step_end"] = callback
+        yield
+        return
+    scheduler = pipe.scheduler
+    scheduler_step = scheduler.step
+    done = [0]
+
+    def step(*args, **step_kwargs):
+        out = scheduler_step(*args, **step_kwargs)
+        done[0] += 1
+        step_ended(done[0] - 1)
+        return out
+
+    scheduler.step = step  # an instance attribute over the class's method, for this call
+    try:
+        yield
+    finally:
+        del scheduler.step
