@@ -76,7 +76,8 @@ def load_vae(arch: str, model_dir: Path | None, device: str, dtype):
     from ray_hsdp.checkpoints.real_parts import REAL_PARTS
 
     if model_dir is None:
-        whole, _ = REAL_PARTS[get_architecture(arch).family]()
+        architecture = get_architecture(arch)
+        whole, _ = REAL_PARTS[architecture.family](architecture.transformer)
         return whole["vae"].to(device, dtype)
     ensure_model(arch, model_dir, device)
     cls = AutoencoderKLWan if "wan" in arch else AutoencoderKL

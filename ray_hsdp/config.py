@@ -21,7 +21,12 @@ TINY_MODEL = "tiny"
 #: The embedded tiny pipelines, written on first use: model name -> the name clients use (and the
 #: folder under ``cache_dir()``, with ``loading.EMBEDDED_VERSION``). ``tiny-i2v`` is the image-to-video Wan2.1 one;
 #: the others are the tiny variants of ``make-random``'s architectures of those names.
-EMBEDDED_MODELS = {TINY_MODEL: "tiny-wan", "tiny-i2v": "tiny-wan-i2v", "tiny-qwen-image": "tiny-qwen-image"}
+EMBEDDED_MODELS = {
+    TINY_MODEL: "tiny-wan",
+    "tiny-i2v": "tiny-wan-i2v",
+    "tiny-qwen-image": "tiny-qwen-image",
+    "tiny-wan2.2-ti2v": "tiny-wan2.2-ti2v",
+}
 #: The embedded tiny model's LoRA adapters, written on first use (random, seeded): name -> seed.
 EMBEDDED_LORAS = {"tiny-style": 1, "tiny-detail": 2}
 #: The components a LoRA pair names (a two-expert model's high- and low-noise halves).
@@ -166,6 +171,12 @@ class ServedModel(BaseModel):
         "('tiny-i2v': its image-to-video variant).",
     )
     model_name: str | None = Field(None, description="Name the model is served under; defaults to the folder's name.")
+    pipeline_class: str | None = Field(
+        None,
+        description="The diffusers pipeline class the model folder loads as, in place of the one its "
+        "model_index.json names (None): e.g. WanImageToVideoPipeline on a Wan2.2-TI2V-5B folder, which names "
+        "WanPipeline, makes videos from a first frame.",
+    )
     device: Literal["auto", "cuda", "cpu"] = Field(
         "auto",
         description="Device kind of the ranks: 'cuda' (NCCL), 'cpu' (gloo), "

@@ -57,7 +57,7 @@ class LoadFacts:
         cache_hooks: ``step_cache.enable``'s arguments, or None: no step cache.
         quantization: ``"none"`` or ``"fp8"`` (a diffusers model's unit linears).
         fused: Adapters merged into the weights as they load.
-        pipeline_cls: The pipeline's class (its LoRA loader reads the fused adapters); None without.
+        pipeline_cls: The class the pipeline loads as (its LoRA loader reads the fused adapters).
     """
 
     dtype: str
@@ -72,7 +72,7 @@ class LoadFacts:
     cache_hooks: Mapping | None
     quantization: str
     fused: FusedLoras
-    pipeline_cls: type | None
+    pipeline_cls: type
 
 
 @dataclass
@@ -272,7 +272,7 @@ def load_parts(
             )
     fused = facts.fused
     with phases.phase("other components"):
-        pipe = load_pipeline(path, facts.dtype, facts.allow_pickle, **prebuilt)
+        pipe = load_pipeline(path, facts.dtype, facts.allow_pickle, facts.pipeline_cls, **prebuilt)
         for component in sorted({c for _, parts in fused.values() for c in parts} - set(shardings)):
             module = getattr(pipe, component, None)
             if not isinstance(module, nn.Module):

@@ -43,7 +43,12 @@ class CheckpointError(ValueError):
 
 
 #: How each embedded model is written (``make_tiny``'s arguments).
-EMBEDDED_WRITERS = {TINY_MODEL: {}, "tiny-i2v": {"image_to_video": True}, "tiny-qwen-image": {"arch": "qwen-image"}}
+EMBEDDED_WRITERS = {
+    TINY_MODEL: {},
+    "tiny-i2v": {"image_to_video": True},
+    "tiny-qwen-image": {"arch": "qwen-image"},
+    "tiny-wan2.2-ti2v": {"arch": "wan2.2-ti2v-5b"},
+}
 #: Part of the embedded models' cache folder names. An embedded model is written only when its
 #: folder is missing, so a writer that makes different weights must bump it, or caches written
 #: earlier keep serving the old ones (2: a VAE whose images vary, not flat gray).
@@ -120,10 +125,11 @@ def _quiet_progress_bars() -> None:
     transformers_logging.disable_progress_bar()
 
 
-def load_pipeline(path: Path, dtype: str, allow_pickle: bool = False, **prebuilt):
+def load_pipeline(path: Path, dtype: str, allow_pickle: bool = False, pipeline_cls: type | None = None, **prebuilt):
     """Loads a pipeline folder on the CPU; components in ``prebuilt`` are used as given.
 
-    Without ``prebuilt`` this is exactly ``DiffusionPipeline.from_pretrained``. With it, the
+    Without ``prebuilt`` this is exactly ``from_pretrained`` of ``pipeline_cls`` (``None``: the
+    class the folder names, as ``DiffusionPipeline.from_pretrained`` picks it). With it, the
     pipeline is assembled component by component, because diffusers loads an optional component
     (Wan's ``transformer``) from disk even when one is passed in, and a sharded component must
     never be loaded whole.
@@ -132,16 +138,15 @@ def load_pipeline(path: Path, dtype: str, allow_pickle: bool = False, **prebuilt
         path: A pipeline folder (see ``resolve_model_path``).
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         allow_pickle: Permit pickle ``.bin`` weights; only safetensors otherwise.
+        pipeline_cls: The pipeline class to load the folder as (``pipeline_class``).
         **prebuilt: Components already built (the sharded ones).
     """
-    import diffusers
-
     _quiet_progress_bars()
     use_safetensors = None if allow_pickle else True
+    pipeline_cls = pipeline_cls or pipeline_class(path)
     if not prebuilt:
-        return diffusers.DiffusionPipeline.from_pretrained(path, dtype=DTYPES[dtype], use_safetensors=use_safetensors)
+        return pipeline_cls.from_pretrained(path, dtype=DTYPES[dtype], use_safetensors=use_safetensors)
     index = json.loads((path / "model_index.json").read_text())
-    pipeline_cls = getattr(diffusers, index["_class_name"])
     accepted = set(inspect.signature(pipeline_cls.__init__).parameters)
     kwargs = {}
     for name, value in index.items():
@@ -174,11 +179,19 @@ def model_index(path: Path) -> dict[str, tuple[str, str]]:
     }
 
 
-def pipeline_class(path: Path) -> type:
-    """The diffusers pipeline class of a pipeline folder."""
+def pipeline_class(path: Path, name: str | None = None) -> type:
+    """The diffusers pipeline class called ``name``, or without one that of a pipeline folder.
+
+    Raises:
+        ValueError: ``name`` is no diffusers pipeline class.
+    """
     import diffusers
 
-    return getattr(diffusers, json.loads((path / "model_index.json").read_text())["_class_name"])
+    name = name or json.loads((path / "model_index.json").read_text())["_class_name"]
+    cls = getattr(diffusers, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline)):
+        raise ValueError(f"pipeline_class {name!r} is not a diffusers pipeline class")
+    return cls
 
 
 def import_component_classes(path: Path) -> dict[str, type]:

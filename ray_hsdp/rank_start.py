@@ -174,6 +174,7 @@ class RankStart:
             cache_hooks=self._cache_hooks(),
             quantization=self.config.quantization,
             phases=self.phases,
+            pipeline=self.config.pipeline_class,
         )
 
     def _load_adapters(self):

@@ -144,6 +144,7 @@ class ShardedPipeline(RequestSlots):
         cache_hooks: Mapping | None = None,
         quantization: str = "none",
         phases: Phases | None = None,
+        pipeline: str | None = None,
     ) -> ShardedPipeline:
         """Loads a pipeline folder, sharding the named components over ``mesh``, by the steps of
         ``ray_hsdp.load_steps``.
@@ -156,7 +157,8 @@ class ShardedPipeline(RequestSlots):
         compiles the diffusers models' repeated blocks in place; ``fuse_loras`` merges adapters
         as the rows load; ``cache_hooks`` (``step_cache.enable``'s arguments) puts a step cache's
         hooks on before sharding; ``quantization`` ``"fp8"`` keeps the units' linears in FP8;
-        ``keep_gathered`` is the share of units kept whole; ``phases`` times the steps.
+        ``keep_gathered`` is the share of units kept whole; ``phases`` times the steps; ``pipeline``
+        names the pipeline class to load the folder as (``None``: the one it names).
 
         Raises:
             ValueError: None of ``shard_components`` is a module of the pipeline, or the lanes ask
@@ -180,7 +182,7 @@ class ShardedPipeline(RequestSlots):
             cache_hooks=cache_hooks,
             quantization=quantization,
             fused=fused,
-            pipeline_cls=pipeline_class(path) if fused else None,
+            pipeline_cls=pipeline_class(path, pipeline),
         )
         backend = attention_backend_for(attention_backend, device, dims.ring)
         parts = load_parts(

@@ -2,6 +2,7 @@
 
 from accelerate import init_empty_weights
 
+from ray_hsdp.checkpoints.architectures import get_architecture
 from ray_hsdp.checkpoints.real_parts import flux_parts, t5_xxl_config, umt5_xxl_config, wan_parts
 
 
@@ -21,7 +22,8 @@ def test_the_large_encoders_have_their_published_sizes():
 
 
 def test_the_whole_parts_are_the_real_vaes_and_clip():
-    (wan, wan_large), (flux, flux_large) = wan_parts(), flux_parts()
+    (wan, wan_large) = wan_parts(get_architecture("wan2.1-t2v-14b").transformer)
+    (flux, flux_large) = flux_parts(get_architecture("flux.1-dev").transformer)
     assert 120e6 < params(wan["vae"]) < 135e6  # Wan2.1 VAE: 127M
     assert wan["vae"].config.z_dim == 16 and list(wan_large) == ["text_encoder"]
     assert 80e6 < params(flux["vae"]) < 90e6 and flux["vae"].config.latent_channels == 16

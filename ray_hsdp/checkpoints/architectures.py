@@ -65,6 +65,16 @@ _WAN_TINY = dict(num_attention_heads=2, attention_head_dim=16, text_dim=32, freq
 #: projections of the cross-attention; Wan2.2-I2V-A14B has no image encoder.
 _WAN_I2V_14B = {**_WAN_14B, "in_channels": 36, "image_dim": 1280, "added_kv_proj_dim": 5120}
 _WAN22_I2V_14B = {**_WAN_14B, "in_channels": 36}
+#: Wan2.2-TI2V-5B: one 5B transformer over the Wan2.2 VAE's 48 latent channels (16x spatial); an
+#: image becomes its video's first latent frame (``expand_timesteps``), not extra channels.
+_WAN22_TI2V_5B = {
+    **_WAN_14B,
+    "num_attention_heads": 24,
+    "ffn_dim": 14336,
+    "num_layers": 30,
+    "in_channels": 48,
+    "out_channels": 48,
+}
 _WAN_I2V_TINY = {**_WAN_TINY, "image_dim": 32, "added_kv_proj_dim": 32}
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -118,6 +128,21 @@ ARCHITECTURES: dict[str, Architecture] = {
             experts=("transformer", "transformer_2"),
             pipeline_config={"boundary_ratio": 0.9},
             params_billion=14.3,
+        ),
+        Architecture(
+            name="wan2.2-ti2v-5b",
+            family="wan",
+            # Its folder names the text-to-video pipeline; image-to-video is WanImageToVideoPipeline
+            # on the same folder (a group's pipeline_class).
+            pipeline_class="WanPipeline",
+            transformer_class="WanTransformer3DModel",
+            transformer=_WAN22_TI2V_5B,
+            tiny=_WAN_TINY | {"in_channels": 48, "out_channels": 48},
+            pipeline_config={"expand_timesteps": True},
+            params_billion=5.0,
+            # Through 48 latent channels the text moved a tiny video by under 1/255 at 0.15; a wider
+            # text embedder makes a prompt, its guidance and a negative prompt move a 9-frame one by 7/255 or more.
+            tiny_stds=(("condition_embedder.text_embedder", 0.8),),
         ),
         Architecture(
             name="flux.1-dev",

@@ -196,7 +196,7 @@ def make_random(
     (path / "model_index.json").write_text(json.dumps(index, indent=2))
     parts: dict[str, int] = {}
     if not (tiny or small_encoders):
-        whole, large = REAL_PARTS[arch.family]()
+        whole, large = REAL_PARTS[arch.family](kwargs)
         for component, module in whole.items():
             shutil.rmtree(path / component)
             module.to(DTYPES[dtype] if component != "vae" else torch.float32).save_pretrained(path / component)

@@ -47,8 +47,9 @@ def t5_xxl_config():
     )
 
 
-def wan_parts() -> tuple[dict, dict]:
-    """Wan: the Wan2.1 VAE (diffusers' defaults are its config) and UMT5-XXL.
+def wan_parts(transformer_kwargs: dict) -> tuple[dict, dict]:
+    """Wan: the Wan2.1 VAE (diffusers' defaults are its config), or for a 48-channel transformer
+    (TI2V-5B) the Wan2.2 VAE, and UMT5-XXL.
 
     Returns:
         Modules built whole, and ``{component: (model class, config)}`` to write from the meta device.
@@ -56,10 +57,22 @@ def wan_parts() -> tuple[dict, dict]:
     from diffusers import AutoencoderKLWan
     from transformers import UMT5EncoderModel
 
-    return {"vae": AutoencoderKLWan()}, {"text_encoder": (UMT5EncoderModel, umt5_xxl_config())}
+    from ray_hsdp.checkpoints.standins import WAN22_VAE
+
+    if transformer_kwargs["in_channels"] == WAN22_VAE["z_dim"]:
+        vae = AutoencoderKLWan(
+            base_dim=160,
+            decoder_base_dim=256,
+            latents_mean=[0.0] * WAN22_VAE["z_dim"],
+            latents_std=[1.0] * WAN22_VAE["z_dim"],
+            **WAN22_VAE,
+        )
+    else:
+        vae = AutoencoderKLWan()
+    return {"vae": vae}, {"text_encoder": (UMT5EncoderModel, umt5_xxl_config())}
 
 
-def flux_parts() -> tuple[dict, dict]:
+def flux_parts(transformer_kwargs: dict) -> tuple[dict, dict]:
     """FLUX.1: its 16-channel KL VAE, CLIP-L and T5-XXL."""
     from diffusers import AutoencoderKL
     from transformers import CLIPTextConfig, CLIPTextModel, T5EncoderModel
@@ -124,7 +137,7 @@ def qwen2_5_vl_7b_config():
     )
 
 
-def qwen_image_parts() -> tuple[dict, dict]:
+def qwen_image_parts(transformer_kwargs: dict) -> tuple[dict, dict]:
     """Qwen-Image: its VAE (diffusers' defaults are its config) and Qwen2.5-VL-7B."""
     from diffusers import AutoencoderKLQwenImage
     from transformers import Qwen2_5_VLForConditionalGeneration

@@ -89,23 +89,29 @@ def t5_encoder(cls_name: str, tokenizer, d_model: int):
     return getattr(transformers, cls_name)(config).eval()
 
 
+#: The Wan2.2 VAE's settings beside the Wan2.1 one's (TI2V-5B): 48 latent channels, 2x2 pixel
+#: patches and residual blocks, 16x spatial compression.
+WAN22_VAE = dict(z_dim=48, is_residual=True, in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=16)
+
+
 def wan_standins(transformer_kwargs: dict) -> dict:
-    """Tokenizer, UMT5 text encoder, Wan VAE (8x spatial, 4x temporal, 16 latent channels), scheduler;
-    for a transformer that takes image tokens (``image_dim``), a CLIP vision encoder of that width and
-    its image processor."""
+    """Tokenizer, UMT5 text encoder, Wan VAE (8x spatial, 4x temporal, 16 latent channels; for a
+    transformer of 48 channels the Wan2.2 one, 16x and 48), scheduler; for a transformer that takes
+    image tokens (``image_dim``), a CLIP vision encoder of that width and its image processor."""
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
 
     tokenizer = train_tokenizer(model_max_length=512)
     text_encoder = t5_encoder("UMT5EncoderModel", tokenizer, transformer_kwargs["text_dim"])
+    wan22 = WAN22_VAE if transformer_kwargs["in_channels"] == WAN22_VAE["z_dim"] else {"z_dim": 16}
     # Latent statistics of its own (the real Wan mean / std would bury a random encoder's output).
     vae = AutoencoderKLWan(
         base_dim=8,
-        z_dim=16,
         dim_mult=[1, 1, 1, 1],
         num_res_blocks=1,
         temperal_downsample=[False, True, True],
-        latents_mean=[0.0] * 16,
-        latents_std=[1.0] * 16,
+        latents_mean=[0.0] * wan22["z_dim"],
+        latents_std=[1.0] * wan22["z_dim"],
+        **wan22,
     )
     keep_variation(vae)
     parts = {

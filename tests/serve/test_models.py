@@ -1,0 +1,85 @@
+"""Models beyond Wan served end to end: each embedded tiny model deployed beside the tiny server,
+asked over HTTP with the request choices that apply to it, each answer equal to the unsharded
+diffusers pipeline's for the same choices."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import requests
+from support import random_png, reference_frames
+from test_model_qwen_image import model_card_frames
+
+from ray_hsdp.loading import load_pipeline, resolve_model_path
+from ray_hsdp.request import GenerationRequest
+
+from .served import deploy, png_pixels
+
+
+@pytest.fixture(scope="module")
+def qwen_image_app(server):
+    from ray import serve
+
+    yield deploy(server, "qwen", {"model": "tiny-qwen-image", "device": "cpu", "shard_size": 2})
+    serve.delete("qwen")
+
+
+def test_qwen_image_over_the_images_api_guides_with_true_cfg_and_its_negative_prompt(qwen_image_app):
+    pipe = load_pipeline(resolve_model_path("tiny-qwen-image"), "float32")
+    pipe.set_progress_bar_config(disable=True)
+    bodies = [
+        {"prompt": "a red fox", "size": "64x64", "seed": 3, "num_inference_steps": 3, "guidance_scale": 4.0},
+        {"prompt": "a red fox", "size": "32x64", "seed": 3, "num_inference_steps": 3, "negative_prompt": "a cat"},
+    ]
+    for body in bodies:
+        response = requests.post(f"{qwen_image_app}/v1/images/generations", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        assert response.json()["model"] == "tiny-qwen-image"
+        width, height = map(int, body["size"].split("x"))
+        request = GenerationRequest(
+            prompt=body["prompt"],
+            negative_prompt=body.get("negative_prompt"),
+            width=width,
+            height=height,
+            num_inference_steps=3,
+            guidance_scale=body.get("guidance_scale", 5.0),  # the server's default
+            seed=3,
+        )
+        expected = (np.clip(model_card_frames(pipe, request)[0, 0], 0, 1) * 255).round()
+        assert np.abs(png_pixels(response.json()) - expected).max() <= 1, body
+
+
+@pytest.fixture(scope="module")
+def ti2v_app(server):
+    from ray import serve
+
+    args = {"model": "tiny-wan2.2-ti2v", "device": "cpu", "shard_size": 2, "pipeline_class": "WanImageToVideoPipeline"}
+    yield deploy(server, "ti2v", args)
+    serve.delete("ti2v")
+
+
+def test_wan22_ti2v_over_the_videos_api_animates_its_input_reference(ti2v_app):
+    import base64
+
+    import diffusers
+
+    from ray_hsdp.request import fit_image
+    from ray_hsdp.serve.media import decode_mp4
+
+    from .test_videos import SAME_MP4_MAE, as_mp4, mae
+
+    pipe = diffusers.WanImageToVideoPipeline.from_pretrained(resolve_model_path("tiny-wan2.2-ti2v"))
+    pipe.set_progress_bar_config(disable=True)
+    image = random_png(80, 48, 4)
+    body = {"prompt": "waves", "size": "64x64", "num_frames": 9, "num_inference_steps": 2, "seed": 4}
+    response = requests.post(
+        f"{ti2v_app}/v1/videos/sync", json={**body, "input_reference": base64.b64encode(image).decode()}, timeout=300
+    )
+    assert response.status_code == 200, response.text
+    frames, _ = decode_mp4(response.content)
+    request = GenerationRequest(
+        prompt="waves", seed=4, num_frames=9, num_inference_steps=2, image=fit_image(image, 64, 64)
+    )
+    expected = (np.clip(reference_frames(pipe, request)[0], 0, 1) * 255).round()
+    assert frames.shape == (9, 64, 64, 3)
+    assert mae(frames, as_mp4(expected)) <= SAME_MP4_MAE
