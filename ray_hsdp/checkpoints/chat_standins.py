@@ -153,5 +153,85 @@ def qwen_image_standins(transformer_kwargs: dict) -> dict:
     return {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": vae, "scheduler": scheduler}
 
 
+#: A Mistral chat template of the shape FLUX.2's prompts take (a system message, a user message,
+#: each a list of text parts): the tiny tokenizer formats prompts as the real processor does.
+MISTRAL_CHAT_TEMPLATE = (
+    "<s>{% for m in messages %}{% set text = m['content'][0]['text'] if m['content'] is not string else m['content'] %}"
+    "{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
+    "{% else %}[INST]{{ text }}[/INST]{% endif %}{% endfor %}"
+)
+
+#: FLUX.2 reads the text encoder's hidden states after these layers (``text_encoder_out_layers``),
+#: so even the tiny Mistral has as many layers as the last of them.
+FLUX2_OUT_LAYERS = (10, 20, 30)
+
+
+def mistral3_encoder(tokenizer, hidden_size: int, layers: int):
+    """A tiny ``Mistral3ForConditionalGeneration`` (a one-layer Pixtral vision tower beside the
+    language model, as in the real one) ``hidden_size`` wide with ``layers`` decoder layers."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    config = Mistral3Config(
+        text_config=dict(
+            model_type="mistral",
+            vocab_size=len(tokenizer),
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_hidden_layers=layers,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=hidden_size // 2,
+            max_position_embeddings=2048,
+            pad_token_id=tokenizer.pad_token_id,
+            tie_word_embeddings=False,
+        ),
+        vision_config=dict(
+            model_type="pixtral",
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            head_dim=8,
+            image_size=64,
+            patch_size=16,
+        ),
+        tie_word_embeddings=False,
+    )
+    return Mistral3ForConditionalGeneration(config).eval()
+
+
+def flux2_standins(transformer_kwargs: dict) -> dict:
+    """FLUX.2: the chat tokenizer with a Mistral template, a tiny Mistral 3 of ``FLUX2_OUT_LAYERS[-1]``
+    layers whose three read layers make the transformer's ``joint_attention_dim``, a small FLUX.2 VAE
+    (8x, 32 channels, 2x2 patches) and its flow-match scheduler."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+    from ray_hsdp.checkpoints.standins import keep_variation
+
+    tokenizer = chat_tokenizer((SYSTEM_MESSAGE,), pad_token="<pad>")
+    tokenizer.chat_template = MISTRAL_CHAT_TEMPLATE
+    width = transformer_kwargs["joint_attention_dim"] // len(FLUX2_OUT_LAYERS)
+    text_encoder = mistral3_encoder(tokenizer, width, FLUX2_OUT_LAYERS[-1])
+    spread_weights(text_encoder)
+    vae = AutoencoderKLFlux2(
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        latent_channels=transformer_kwargs["in_channels"] // 4,
+        norm_num_groups=4,
+    )
+    keep_variation(vae)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        base_image_seq_len=256,
+        base_shift=0.5,
+        max_image_seq_len=4096,
+        max_shift=1.15,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        time_shift_type="exponential",
+    )
+    return {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": vae, "scheduler": scheduler}
+
+
 #: Family -> stand-in writer, beside ``standins.STANDINS``.
-CHAT_STANDINS = {"qwen_image": qwen_image_standins}
+CHAT_STANDINS = {"qwen_image": qwen_image_standins, "flux2": flux2_standins}

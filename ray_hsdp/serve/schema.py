@@ -103,6 +103,12 @@ class ImageGenerationRequest(BaseModel):
     )
     lora: Lora = Field(None, description=LORA_DESCRIPTION)
     cache: Cache = Field(None, description=CACHE_DESCRIPTION)
+    input_reference: StrictStr | dict | None = Field(
+        None,
+        description="A reference image for a model that takes one (FLUX.2: a subject or an edit): PNG, JPEG or WebP "
+        "as base64, a data: URL or {'image_url': 'data:...'}; fitted to the size (cover, then centre crop). A model "
+        "that makes images from text alone refuses it.",
+    )
 
 
 class RequestLimitError(InvalidRequestError):
@@ -249,6 +255,9 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
     else:
         guidance_2 = defaults.get("guidance_scale_2") if body.guidance_scale is None else None
     shift = body.flow_shift if body.flow_shift is not None else defaults.get("flow_shift")
+    image = None
+    if body.input_reference is not None:
+        image = fit_image(reference_image(body.input_reference, config), width, height)
     return GenerationRequest(
         prompt=body.prompt,
         negative_prompt=body.negative_prompt,
@@ -268,6 +277,7 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
         lane_size=body.lane_size,
         deadline=deadlines.due(body.deadline_s),
         queue_deadline=deadlines.from_arrival(config),  # one deadline from arrival, wherever it waits
+        image=image,
     )
 
 

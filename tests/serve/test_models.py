@@ -83,3 +83,45 @@ def test_wan22_ti2v_over_the_videos_api_animates_its_input_reference(ti2v_app):
     expected = (np.clip(reference_frames(pipe, request)[0], 0, 1) * 255).round()
     assert frames.shape == (9, 64, 64, 3)
     assert mae(frames, as_mp4(expected)) <= SAME_MP4_MAE
+
+
+@pytest.fixture(scope="module")
+def flux2_app(server):
+    from ray import serve
+
+    yield deploy(server, "flux2", {"model": "tiny-flux2", "device": "cpu", "shard_size": 2})
+    serve.delete("flux2")
+
+
+def test_flux2_over_the_images_api_takes_a_reference_and_refuses_a_negative_prompt(flux2_app):
+    import base64
+
+    from test_model_flux2 import flux2_frames
+
+    from ray_hsdp.request import fit_image
+
+    pipe = load_pipeline(resolve_model_path("tiny-flux2"), "float32")
+    pipe.set_progress_bar_config(disable=True)
+    image = random_png(160, 96, 5)
+    body = {"prompt": "a cat", "size": "128x64", "seed": 3, "num_inference_steps": 2, "guidance_scale": 3.0}
+    response = requests.post(
+        f"{flux2_app}/v1/images/generations",
+        json={**body, "input_reference": base64.b64encode(image).decode()},
+        timeout=120,
+    )
+    assert response.status_code == 200, response.text
+    request = GenerationRequest(
+        prompt="a cat",
+        width=128,
+        height=64,
+        seed=3,
+        num_inference_steps=2,
+        guidance_scale=3.0,
+        image=fit_image(image, 128, 64),
+    )
+    expected = (np.clip(flux2_frames(pipe, request)[0, 0], 0, 1) * 255).round()
+    assert np.abs(png_pixels(response.json()) - expected).max() <= 1
+    refused = requests.post(
+        f"{flux2_app}/v1/images/generations", json={**body, "negative_prompt": "blurry"}, timeout=60
+    )
+    assert refused.status_code == 400 and "negative_prompt" in refused.text, refused.text

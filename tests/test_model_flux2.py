@@ -1,0 +1,89 @@
+"""FLUX.2 through a shard group: its tiny pipeline (a 30-layer Mistral 3, whose layers 10, 20 and 30
+the pipeline reads), its optional reference image, its refusal of a negative prompt, and a lane of
+Ulysses 2, each request equal to the unsharded diffusers pipeline."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from support import max_abs_diff, random_png
+
+from ray_hsdp.config import GroupConfig
+from ray_hsdp.group import ShardGroup
+from ray_hsdp.loading import load_pipeline, resolve_model_path
+from ray_hsdp.request import GenerationRequest, InvalidRequestError, fit_image
+
+TOLERANCE = 1e-5
+
+
+def with_reference(request: GenerationRequest, seed: int) -> GenerationRequest:
+    return dataclasses.replace(request, image=fit_image(random_png(160, 96, seed), request.width, request.height))
+
+
+#: Two sizes, two guidances (FLUX.2-dev's distilled guidance embedding), one with a reference image.
+REQUESTS = [
+    GenerationRequest(prompt="a red fox", seed=1, num_inference_steps=3, guidance_scale=4.0),
+    GenerationRequest(prompt="a blue boat", seed=2, num_inference_steps=2, guidance_scale=2.5, width=128),
+    with_reference(GenerationRequest(prompt="a cat", seed=3, num_inference_steps=3, width=128, height=128), 5),
+]
+
+
+@pytest.fixture(scope="module")
+def flux2(ray_cluster):
+    """The embedded tiny FLUX.2 folder and its unsharded pipeline."""
+    folder = resolve_model_path("tiny-flux2")
+    pipe = load_pipeline(Path(folder), "float32")
+    pipe.set_progress_bar_config(disable=True)
+    return str(folder), pipe
+
+
+def flux2_frames(pipe, request: GenerationRequest) -> np.ndarray:
+    """The unsharded run as a diffusers user writes it for FLUX.2: no negative prompt, the image
+    (when given) as a reference."""
+    extra = {"image": request.first_frame()} if request.image is not None else {}
+    out = pipe(
+        prompt=request.prompt,
+        height=request.height,
+        width=request.width,
+        num_inference_steps=request.num_inference_steps,
+        guidance_scale=request.guidance_scale,
+        generator=torch.Generator("cpu").manual_seed(request.seed),
+        output_type="np",
+        **extra,
+    )
+    return out.images[:, None]
+
+
+def test_the_tiny_flux2_answers_every_input_visibly(flux2):
+    _, pipe = flux2
+    request = REQUESTS[2]
+    base = flux2_frames(pipe, request)
+    moved = {
+        "seed": dataclasses.replace(request, seed=9),
+        "prompt": dataclasses.replace(request, prompt="a small boat on a lake"),
+        "guidance": dataclasses.replace(request, guidance_scale=2.0),
+        "reference": dataclasses.replace(request, image=None),
+    }
+    means = {name: float(np.abs(flux2_frames(pipe, r) - base).mean() * 255) for name, r in moved.items()}
+    assert means["seed"] >= 20, means
+    assert min(means.values()) >= 3, means
+
+
+def test_flux2_on_a_lane_of_ulysses_2_equals_unsharded_and_refuses_a_negative_prompt(flux2):
+    folder, pipe = flux2
+    with ShardGroup(GroupConfig(model=folder, device="cpu", ulysses_degree=2)) as group:
+        facts = group.pipeline_facts
+        results = group.generate(REQUESTS)
+        memory = group.memory()
+        # diffusers' FLUX.2 takes no negative prompt and would ignore one: refused, naming it.
+        with pytest.raises(InvalidRequestError, match="negative_prompt"):
+            group.submit(dataclasses.replace(REQUESTS[0], negative_prompt="blurry"))
+    # The reference is optional: requests with and without one run on one group.
+    assert facts["image_reference"] and not facts["image_input"]
+    assert set(memory[0]["sharded_components"]) == {"transformer", "text_encoder"}
+    for request, result in zip(REQUESTS, results):
+        assert max_abs_diff(result.frames, flux2_frames(pipe, request)) <= TOLERANCE, request
