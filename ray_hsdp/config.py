@@ -27,6 +27,7 @@ EMBEDDED_MODELS = {
     "tiny-qwen-image": "tiny-qwen-image",
     "tiny-wan2.2-ti2v": "tiny-wan2.2-ti2v",
     "tiny-flux2": "tiny-flux2",
+    "tiny-hunyuanvideo-1.5": "tiny-hunyuanvideo-1.5",
 }
 #: The embedded tiny model's LoRA adapters, written on first use (random, seeded): name -> seed.
 EMBEDDED_LORAS = {"tiny-style": 1, "tiny-detail": 2}

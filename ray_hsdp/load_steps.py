@@ -103,6 +103,19 @@ def fuse_adapters(pipeline_cls: type, module: nn.Module, component: str, fused: 
             logger.info("Fused lora %r into %d linears of %s at scale %s", name, merged, component, scale)
 
 
+def keep_recorded_outputs(module: nn.Module) -> None:
+    """transformers 5 looks up which outputs a model can record (``output_hidden_states``) by the
+    name of its class, and sharding gives a sharded root a class of its own (``FSDPQwen2_5_VLTextModel``):
+    without this a text encoder sharded at its root returns no hidden states (HunyuanVideo-1.5 reads
+    its third-to-last). The registry is private to transformers; this is its own entry, under the new name."""
+    recorded = getattr(module, "_can_record_outputs", None)
+    if recorded is None:
+        return
+    from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+
+    _CAN_RECORD_REGISTRY[module] = recorded
+
+
 def shard_component(folder: Path, class_info: tuple[str, str], facts: LoadFacts, name: str):
     """One sharded component, through its steps.
 
@@ -128,6 +141,7 @@ def shard_component(folder: Path, class_info: tuple[str, str], facts: LoadFacts,
         # A text encoder runs once per request: its gathers are not worth the memory.
         keep_gathered=facts.keep_gathered if denoiser else 0.0,
     )
+    keep_recorded_outputs(module)
     materialize(module, facts.device)
     stats = fill_from_checkpoint(module, folder, facts.allow_pickle, model_key)
     if facts.fused:  # before activate: the in-place gathers take over the shards there

@@ -49,6 +49,7 @@ EMBEDDED_WRITERS = {
     "tiny-qwen-image": {"arch": "qwen-image"},
     "tiny-wan2.2-ti2v": {"arch": "wan2.2-ti2v-5b"},
     "tiny-flux2": {"arch": "flux.2-dev"},
+    "tiny-hunyuanvideo-1.5": {"arch": "hunyuanvideo-1.5"},
 }
 #: Part of the embedded models' cache folder names. An embedded model is written only when its
 #: folder is missing, so a writer that makes different weights must bump it, or caches written

@@ -27,9 +27,10 @@ class Refusal:
         second: The setting or request-level choice it cannot meet.
         reason: Why not.
         instead: What to do instead.
-        refuses: Whether a config (config rows) or a ``(config, facts, request)`` (request rows)
-            holds the pair.
-        scope: ``"config"``: refused at start; ``"request"``: the request is refused (HTTP 400).
+        refuses: Whether a config (config rows), a ``(config, facts, request)`` (request rows) or the
+            facts of a model a group loads (model rows) hold the pair.
+        scope: ``"config"``: refused at start; ``"model"``: refused at start, once the ranks see
+            the model; ``"request"``: the request is refused (HTTP 400).
     """
 
     first: str
@@ -64,6 +65,15 @@ def _switched(config) -> bool:
 
 
 REFUSALS: tuple[Refusal, ...] = (
+    Refusal(
+        "a transformer without a context-parallel plan (HunyuanVideo-1.5)",
+        "lanes that split the sequence (ulysses_degree, ring_degree, or lane_sizes above a CFG pair)",
+        "diffusers splits a model's sequence only where its _cp_plan (or its sharding policy) says, and "
+        "HunyuanVideo-1.5's joint attention builds a mask over the whole sequence that a split cannot take",
+        "serve it in batch (lanes of one rank), or with cfg_parallel alone",
+        lambda facts: facts["splits_sequence"] and not facts["context_parallel_plan"],
+        scope="model",
+    ),
     Refusal(
         "lane_widening",
         "cfg_parallel",
@@ -260,6 +270,19 @@ def refuse_config(config) -> None:
             raise ValueError(row.message)
 
 
+def refuse_model(facts: dict[str, Any]) -> None:
+    """Raises for the first model row that the ``facts`` of a model a group loads hold (``model``:
+    its class name; ``splits_sequence``: the group's lanes split its sequence;
+    ``context_parallel_plan``: it has a plan to split it by).
+
+    Raises:
+        ValueError: Its message names the model, both settings, why, and what to do instead.
+    """
+    for row in REFUSALS:
+        if row.scope == "model" and row.refuses(facts):
+            raise ValueError(f"{facts['model']}: {row.message}")
+
+
 def refuse_request(config, facts: dict[str, Any], request) -> None:
     """Raises for the first request row that ``request`` on a group of ``config`` and
     ``facts`` (its pipeline's) holds.
@@ -276,7 +299,9 @@ def markdown() -> str:
     """The table as ``docs/pairs.md`` prints it."""
     lines = ["| refused when | meets | why | instead | checked |", "| --- | --- | --- | --- | --- |"]
     for row in REFUSALS:
-        checked = "at start" if row.scope == "config" else "per request (HTTP 400)"
+        checked = {"config": "at start", "model": "at start (the model's facts)"}.get(
+            row.scope, "per request (HTTP 400)"
+        )
         lines.append(f"| {row.first} | {row.second} | {row.reason} | {row.instead} | {checked} |")
     return "\n".join(lines) + "\n"
 

@@ -3,6 +3,7 @@ keeps it on a guider, and the end of each denoising step, where a pipeline takes
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -51,15 +52,19 @@ def call_kwargs(call: PipelineCall, params: set[str], pipeline_name: str, varian
 
 @contextmanager
 def guidance_on(pipe, call: PipelineCall, guidance_scale: float) -> Iterator[None]:
-    """The request's guidance on ``pipe``'s guider for its call, where the pipeline takes it
-    nowhere else (``call.guidance`` None); the guider it had afterwards. ``pipe`` is the request's
-    own slot of the pipeline, which runs one call at a time."""
+    """The request's guidance on a copy of ``pipe``'s guider for its call, where the pipeline takes
+    it nowhere else (``call.guidance`` None); the guider it had afterwards. ``pipe`` is the
+    request's own slot of the pipeline, which runs one call at a time."""
     guider = getattr(pipe, "guider", None) if call.guidance is None else None
     if guider is None:
         yield
         return
+    # A copy per call: the guider keeps the call's step as its state, and the slots of a rank would
+    # share one (``guider.new`` would log diffusers' "experimental" warning at every request).
+    own = copy.copy(guider)
+    own.guidance_scale = guidance_scale
     # Plain attribute: DiffusionPipeline.__setattr__ would write the new guider into its config.
-    object.__setattr__(pipe, "guider", guider.new(guidance_scale=guidance_scale))
+    object.__setattr__(pipe, "guider", own)
     try:
         yield
     finally:

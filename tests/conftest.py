@@ -57,7 +57,6 @@ def reference_pipe(tiny_model):
     return pipe
 
 
-
 @pytest.fixture(scope="session")
 def tiny_i2v_model(tmp_path_factory) -> str:
     """The tiny image-to-video Wan2.1 pipeline folder (``make-tiny --image-to-video``)."""

@@ -97,7 +97,16 @@ def test_slo_records_each_request_with_its_lane_leader_and_where_its_time_went()
     plan = [(0.5, 0), (1.0, 1), (2.0, 0)]
     records = {
         0: RequestRecord(
-            "slo-0", "ok", 2, 0.1, run_s=1.2, lane=0, rank=2, lane_size=2, step_s=0.25, before_loop_s=0.2,
+            "slo-0",
+            "ok",
+            2,
+            0.1,
+            run_s=1.2,
+            lane=0,
+            rank=2,
+            lane_size=2,
+            step_s=0.25,
+            before_loop_s=0.2,
             after_loop_s=0.5,
         ),  # fmt: skip
         1: RequestRecord("slo-1", "ok", 2, 3.0, run_s=2.0, lane=0, rank=0, lane_size=1, step_s=0.5, widened_to=4),

@@ -203,6 +203,25 @@ ARCHITECTURES: dict[str, Architecture] = {
             tiny_stds=(("transformer_blocks", 0.5), ("single_transformer_blocks", 0.5)),
         ),
         Architecture(
+            name="hunyuanvideo-1.5",
+            family="hunyuan_video15",
+            pipeline_class="HunyuanVideo15Pipeline",
+            transformer_class="HunyuanVideo15Transformer3DModel",
+            # diffusers' defaults are the 8.3B model; its 480p text-to-video checkpoint.
+            transformer=dict(num_layers=54, num_attention_heads=16, attention_head_dim=128, task_type="t2v"),
+            tiny=dict(
+                num_layers=2,
+                num_refiner_layers=1,
+                num_attention_heads=2,
+                attention_head_dim=16,
+                text_embed_dim=32,
+                text_embed_2_dim=32,
+                image_embed_dim=32,
+                rope_axes_dim=(4, 6, 6),
+            ),
+            params_billion=8.3,
+        ),
+        Architecture(
             name="qwen-image",
             family="qwen_image",
             pipeline_class="QwenImagePipeline",

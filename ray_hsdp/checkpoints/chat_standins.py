@@ -30,13 +30,32 @@ CHAT_SPECIALS = (
 )
 
 
+#: The Qwen2 tokenizer's pre-tokenizing pattern (digits one by one, a punctuation mark joined to the
+#: word after it, newlines apart): with it the templates' system prompts come out as many pieces as
+#: the real byte-level BPE makes tokens of them (34 for Qwen-Image, 108 for HunyuanVideo-1.5).
+QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+#: Qwen2's chat template, as ``apply_chat_template`` renders HunyuanVideo-1.5's prompts.
+QWEN_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 def chat_tokenizer(templates: tuple[str, ...], pad_token: str, model_max_length: int = 4096):
-    """A word-level tokenizer over byte-level pieces whose vocabulary covers ``templates`` and the
-    corpus of the other stand-ins; unknown pieces become ``<unk>``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """A word-level tokenizer over Qwen2's byte-level pieces whose vocabulary covers ``templates``
+    and the corpus of the other stand-ins; unknown pieces become ``<unk>``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    pre = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     text = [t.replace("{}", " ") for t in templates] + list(_CORPUS)
     for special in CHAT_SPECIALS:
         text = [t.replace(special, "\n") for t in text]
@@ -233,5 +252,80 @@ def flux2_standins(transformer_kwargs: dict) -> dict:
     return {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": vae, "scheduler": scheduler}
 
 
+#: HunyuanVideo-1.5's system prompt and the tokens of its template the pipeline crops
+#: (``prompt_template_encode_start_idx``).
+HUNYUAN_VIDEO15_CROPPED = 108
+
+
+def hunyuan_video15_template() -> str:
+    """The prompt as HunyuanVideo-1.5's pipeline formats it (its system message, Qwen2's template)."""
+    import inspect
+
+    from diffusers import HunyuanVideo15Pipeline
+
+    system = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters["system_message"].default
+    return f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{{}}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def qwen2_5_vl_text_model(tokenizer, hidden_size: int, layers: int = 2):
+    """A tiny ``Qwen2_5_VLTextModel`` (HunyuanVideo-1.5 encodes text with Qwen2.5-VL's language model alone)."""
+    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    heads = 2
+    half = hidden_size // heads // 2
+    config = Qwen2_5_VLTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [half - 2 * (half // 3), half // 3, half // 3],
+        },
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return Qwen2_5_VLTextModel(config).eval()
+
+
+def hunyuan_video15_standins(transformer_kwargs: dict) -> dict:
+    """HunyuanVideo-1.5: the chat tokenizer (its template's 108 cropped tokens checked) and a tiny
+    Qwen2.5-VL text model of three layers (the pipeline reads the third-to-last hidden state), ByT5's
+    byte tokenizer and a small T5 encoder for quoted glyph text, a small HunyuanVideo-1.5 VAE (16x
+    spatial, 4x temporal, 32 channels), a flow-match scheduler and the CFG guider."""
+    from diffusers import AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler
+    from transformers import ByT5Tokenizer
+
+    from ray_hsdp.checkpoints.standins import keep_variation, t5_encoder
+
+    template = hunyuan_video15_template()
+    tokenizer = chat_tokenizer((template,), pad_token="<|endoftext|>")
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    check_template_length(tokenizer, template, HUNYUAN_VIDEO15_CROPPED)
+    text_encoder = qwen2_5_vl_text_model(tokenizer, transformer_kwargs["text_embed_dim"], layers=3)
+    spread_weights(text_encoder)
+    tokenizer_2 = ByT5Tokenizer()
+    text_encoder_2 = t5_encoder("T5EncoderModel", tokenizer_2, transformer_kwargs["text_embed_2_dim"])
+    # The last block is as wide as the latents twice: the encoder folds its channels onto them.
+    vae = AutoencoderKLHunyuanVideo15(block_out_channels=(8, 8, 16, 32, 64), layers_per_block=1, latent_channels=32)
+    keep_variation(vae)
+    return {
+        "tokenizer": tokenizer,
+        "text_encoder": text_encoder,
+        "tokenizer_2": tokenizer_2,
+        "text_encoder_2": text_encoder_2,
+        "vae": vae,
+        "scheduler": FlowMatchEulerDiscreteScheduler(shift=5.0),
+        "guider": ClassifierFreeGuidance(guidance_scale=6.0),
+    }
+
+
 #: Family -> stand-in writer, beside ``standins.STANDINS``.
-CHAT_STANDINS = {"qwen_image": qwen_image_standins, "flux2": flux2_standins}
+CHAT_STANDINS = {
+    "qwen_image": qwen_image_standins,
+    "flux2": flux2_standins,
+    "hunyuan_video15": hunyuan_video15_standins,
+}

@@ -14,6 +14,7 @@ import torch.nn as nn
 from diffusers import ContextParallelConfig
 from torch.distributed.device_mesh import DeviceMesh
 
+from ray_hsdp.pairs import refuse_model
 from ray_hsdp.sharding import fa3_fp8
 
 #: Attention backends that return the log-sum-exp ring attention merges partial results with.
@@ -123,6 +124,8 @@ def enable_context_parallel(
             ring attention, or the model has no context-parallel plan; each names the setting.
     """
     name = type(module).__name__.removeprefix("FSDP")
+    plan = cp_plan is not None or getattr(module, "_cp_plan", None) is not None
+    refuse_model({"model": name, "splits_sequence": True, "context_parallel_plan": plan})
     heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
     if heads is not None and heads % ulysses:
         raise ValueError(f"ulysses_degree={ulysses} does not divide the {heads} attention heads of {name}")
@@ -131,11 +134,6 @@ def enable_context_parallel(
             f"ring_degree={ring} needs an attention backend that returns the log-sum-exp "
             f"({', '.join(RING_BACKENDS)}; CUDA and bf16/fp16 only); attention_backend is "
             f"{attention_backend or 'diffusers default (native)'} on {device}"
-        )
-    if cp_plan is None and getattr(module, "_cp_plan", None) is None:
-        raise ValueError(
-            f"{name} has no context-parallel plan (diffusers' _cp_plan) and its sharding policy gives none: "
-            "ulysses_degree and ring_degree must stay 1 for this model"
         )
     if attention_backend is not None:
         set_attention_backend(module, attention_backend)

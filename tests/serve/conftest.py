@@ -12,4 +12,3 @@ from .served import serve_run
 def server(ray_cluster, tmp_path_factory):
     """The URL of ``serve run serve_configs/tiny_cpu.yaml`` (app ``ray_hsdp`` at ``/``)."""
     yield from serve_run(tmp_path_factory)
-

@@ -93,8 +93,11 @@ def test_the_dashboard_has_the_operator_panels_and_names_exported_metrics(server
     }
     text = scrape()  # after the previous test's requests: Serve's own metrics are there too
     exported = {m.group(1) for m in map(SAMPLE.match, text.splitlines()) if m}
-    ours = {f"{name}{suffix}" for name, (kind, _, _) in METRICS.items() for suffix in
-            (("_bucket", "_count", "_sum") if kind == "histogram" else ("",))}
+    ours = {
+        f"{name}{suffix}"
+        for name, (kind, _, _) in METRICS.items()
+        for suffix in (("_bucket", "_count", "_sum") if kind == "histogram" else ("",))
+    }
     ours.add(f"ray_{TARGET_METRIC}")  # Serve's controller exports it, with autoscaling only
     for panel in dashboard["panels"]:
         assert panel["targets"], panel["title"]
@@ -227,13 +230,31 @@ def test_malformed_json_and_wrong_method(server):
     "method, path, body, status, kind, mentions",
     [
         # A deadline missed: the gateway-timeout answer.
-        ("post", "/v1/images/generations", {"prompt": "slow", "num_inference_steps": 200, "size": "256x256",
-                                            "timeout_s": 0.5}, 504, "server_error", "missed its deadline"),
+        (
+            "post",
+            "/v1/images/generations",
+            {"prompt": "slow", "num_inference_steps": 200, "size": "256x256", "timeout_s": 0.5},
+            504,
+            "server_error",
+            "missed its deadline",
+        ),
         # The pipeline cannot run it: bad input, not a server error.
-        ("post", "/v1/images/generations", {"prompt": "a", "guidance_scale_2": 2.0}, 400, "invalid_request_error",
-         "guidance_scale_2"),
-        ("post", "/v1/videos", {"prompt": "a", "num_frames": 5, "guidance_scale_2": 2.0}, 400,
-         "invalid_request_error", "two-expert"),
+        (
+            "post",
+            "/v1/images/generations",
+            {"prompt": "a", "guidance_scale_2": 2.0},
+            400,
+            "invalid_request_error",
+            "guidance_scale_2",
+        ),
+        (
+            "post",
+            "/v1/videos",
+            {"prompt": "a", "num_frames": 5, "guidance_scale_2": 2.0},
+            400,
+            "invalid_request_error",
+            "two-expert",
+        ),
         ("get", "/v1/videos/video_nope", None, 404, "invalid_request_error", "video_nope"),
         ("get", "/v1/videos/video_nope/content", None, 404, "invalid_request_error", "video_nope"),
         ("post", "/v1/images/generations", {"prompt": "a", "model": "sora"}, 404, "invalid_request_error", "sora"),
@@ -248,8 +269,9 @@ def test_each_error_class_is_its_status_in_the_json_error_shape(server, method, 
 
 
 def test_content_before_completion_is_409(server):
-    created = requests.post(f"{server}/v1/videos", json={"prompt": "a", "num_frames": 5, "num_inference_steps": 40},
-                            timeout=60).json()
+    created = requests.post(
+        f"{server}/v1/videos", json={"prompt": "a", "num_frames": 5, "num_inference_steps": 40}, timeout=60
+    ).json()
     early = requests.get(f"{server}/v1/videos/{created['id']}/content", timeout=60)
     assert early.status_code == 409 and early.json()["error"]["param"] == "video_id", early.text
     assert requests.delete(f"{server}/v1/videos/{created['id']}", timeout=60).status_code == 200
@@ -390,9 +412,11 @@ def test_a_killed_rank_fails_its_request_with_503_and_the_group_heals(server):
         time.sleep(1)
     assert healed is not None, "the group did not come back"
     video = wait_until(
-        lambda: (v := requests.get(f"{server}/v1/videos/{created.json()['id']}", timeout=60).json())["status"]
-        in ("completed", "failed")
-        and v,
+        lambda: (
+            (v := requests.get(f"{server}/v1/videos/{created.json()['id']}", timeout=60).json())["status"]
+            in ("completed", "failed")
+            and v
+        ),
         120,
         "the job created during the rebuild finishing",
     )

@@ -125,3 +125,46 @@ def test_flux2_over_the_images_api_takes_a_reference_and_refuses_a_negative_prom
         f"{flux2_app}/v1/images/generations", json={**body, "negative_prompt": "blurry"}, timeout=60
     )
     assert refused.status_code == 400 and "negative_prompt" in refused.text, refused.text
+
+
+@pytest.fixture(scope="module")
+def hunyuan_app(server):
+    from ray import serve
+
+    yield deploy(server, "hy15", {"model": "tiny-hunyuanvideo-1.5", "device": "cpu", "shard_size": 2})
+    serve.delete("hy15")
+
+
+def test_hunyuan_video15_over_the_videos_api_guides_through_its_guider(hunyuan_app):
+    from test_model_hunyuan_video15 import guider_frames
+
+    from ray_hsdp.serve.media import decode_mp4
+
+    from .test_videos import SAME_MP4_MAE, as_mp4, mae
+
+    pipe = load_pipeline(resolve_model_path("tiny-hunyuanvideo-1.5"), "float32")
+    pipe.set_progress_bar_config(disable=True)
+    body = {"prompt": "waves", "size": "64x64", "num_frames": 5, "num_inference_steps": 2, "seed": 4}
+    videos = []
+    for guidance in (6.0, 2.0):
+        response = requests.post(
+            f"{hunyuan_app}/v1/videos/sync",
+            json={**body, "guidance_scale": guidance, "negative_prompt": "a cat"},
+            timeout=300,
+        )
+        assert response.status_code == 200, response.text
+        frames, _ = decode_mp4(response.content)
+        request = GenerationRequest(
+            prompt="waves",
+            negative_prompt="a cat",
+            seed=4,
+            num_frames=5,
+            num_inference_steps=2,
+            guidance_scale=guidance,
+        )
+        expected = (np.clip(guider_frames(pipe, request)[0], 0, 1) * 255).round()
+        assert mae(frames, as_mp4(expected)) <= SAME_MP4_MAE, guidance
+        videos.append(frames)
+    assert mae(videos[0], videos[1]) > SAME_MP4_MAE  # the guidance reached the model
+    refused = requests.post(f"{hunyuan_app}/v1/videos/sync", json={**body, "lora": "tiny-style"}, timeout=60)
+    assert refused.status_code == 400 and "lora" in refused.text, refused.text

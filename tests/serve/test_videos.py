@@ -143,6 +143,7 @@ def test_deleting_a_running_job_stops_it_and_the_group_keeps_serving(server, ref
         others = [
             executor.submit(requests.post, f"{server}/v1/images/generations", json=b, timeout=300) for b in images
         ]
+
         def job_step() -> int:
             return handle.progress.remote().result(timeout_s=60).get(job["id"], {}).get("step", 0)
 

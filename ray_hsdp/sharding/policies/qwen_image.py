@@ -51,6 +51,7 @@ QWEN_IMAGE_TRANSFORMER = register_policy(
 QWEN2_5_VL = register_policy(
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen2_5_VLModel",
+    "Qwen2_5_VLTextModel",
     policy=ShardingPolicy(
         units=("model.language_model.layers.*", "language_model.layers.*", "layers.*"),
         keep_replicated=("model.visual", "visual"),
