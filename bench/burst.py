@@ -170,7 +170,9 @@ def _summary(payload: dict, args) -> str:
     served_meanwhile = sum(
         1
         for r in runs.values()
-        if r["replica"] == first_replica and r["ended_s"] is not None and decided is not None
+        if r["replica"] == first_replica
+        and r["ended_s"] is not None
+        and decided is not None
         and decided <= r["ended_s"] <= (added_first or float("inf"))
     )
     all_done = next((s["t_s"] for s in samples if s["completed"] + s["failed"] == args.jobs), None)

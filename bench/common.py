@@ -236,27 +236,11 @@ def speed_up_plain(pipe, compile: bool = False, backend: str | None = None) -> N
 
 
 def plain_kwargs(request, pipe) -> dict:
-    """The arguments plain diffusers' ``pipe`` takes for ``request`` (a ``GenerationRequest``): those
-    of its ``__call__``, as the sharded pipeline passes them (an image pipeline takes no frames)."""
-    import inspect
+    """The arguments plain diffusers' ``pipe`` takes for ``request`` (a ``GenerationRequest``), as
+    its model card writes them (``bench.reference.plain_call``)."""
+    from bench.reference import plain_call
 
-    import torch
-
-    kwargs = {
-        "prompt": request.prompt,
-        "negative_prompt": request.negative_prompt,
-        "width": request.width,
-        "height": request.height,
-        "num_frames": request.num_frames,
-        "num_inference_steps": request.num_inference_steps,
-        "guidance_scale": request.guidance_scale,
-        "generator": torch.Generator("cpu").manual_seed(request.seed),
-        "output_type": "np",
-        # An image-to-video request's first frame, already fitted to its size (request.fit_image).
-        **({"image": request.first_frame()} if request.image is not None else {}),
-    }
-    accepted = inspect.signature(pipe.__call__).parameters
-    return {k: v for k, v in kwargs.items() if k in accepted}
+    return plain_call(pipe, request)
 
 
 def first_frame_png(width: int, height: int) -> bytes:

@@ -12,38 +12,68 @@ import torch
 from ray_hsdp.request import GenerationRequest, StepCache
 
 
+def plain_call(pipe, request: GenerationRequest) -> dict:
+    """The arguments of ``pipe``'s call for ``request``, written the way its model card has a
+    diffusers user write them: independent of ``ray_hsdp``'s own mapping, which the parity tests
+    hold to it. The pipelines differ:
+
+    - Qwen-Image guides with ``true_cfg_scale`` and a negative prompt (``" "`` when none: its card's);
+    - HunyuanVideo-1.5 takes its guidance on its ``guider`` (set by ``reference_frames``), not in the call;
+    - FLUX.2 takes no negative prompt, and its ``image`` is a reference;
+    - the others take ``guidance_scale`` and ``negative_prompt``, and an image as the first frame.
+    """
+    params = inspect.signature(pipe.__call__).parameters
+    kind = type(pipe).__name__
+    kwargs = {
+        "prompt": request.prompt,
+        "height": request.height,
+        "width": request.width,
+        "num_inference_steps": request.num_inference_steps,
+        "generator": torch.Generator("cpu").manual_seed(request.seed),
+        "output_type": "np",
+    }
+    if "num_frames" in params:
+        kwargs.update(num_frames=request.num_frames, num_videos_per_prompt=request.n)
+    else:
+        kwargs["num_images_per_prompt"] = request.n
+    if kind == "QwenImagePipeline":
+        guided = request.guidance_scale > 1
+        kwargs["true_cfg_scale"] = request.guidance_scale
+        kwargs["negative_prompt"] = (
+            request.negative_prompt if request.negative_prompt is not None else (" " if guided else None)
+        )
+    elif kind.startswith("HunyuanVideo15"):
+        kwargs["negative_prompt"] = request.negative_prompt
+    elif kind == "Flux2Pipeline":
+        kwargs["guidance_scale"] = request.guidance_scale
+    else:
+        kwargs.update(guidance_scale=request.guidance_scale, negative_prompt=request.negative_prompt)
+    if request.guidance_scale_2 is not None:
+        kwargs["guidance_scale_2"] = request.guidance_scale_2
+    if request.image is not None:  # already fitted to the request's size (request.fit_image)
+        kwargs["image"] = request.first_frame()
+    return kwargs
+
+
 def reference_frames(pipe, request: GenerationRequest) -> np.ndarray:
-    """Runs ``request`` through the unsharded pipeline, written out the way a diffusers user would.
+    """Runs ``request`` through the unsharded pipeline, written out the way a diffusers user would
+    (``plain_call``; a guider's guidance set with ``guider.new``, a scheduler's shift with its config).
 
     Returns:
         ``(n, frames, height, width, 3)``; an image pipeline's output gets a frame axis of 1.
     """
-    if "num_frames" in inspect.signature(pipe.__call__).parameters:
-        video = {"num_frames": request.num_frames, "num_videos_per_prompt": request.n}
-    else:
-        video = {"num_images_per_prompt": request.n}
-    if request.guidance_scale_2 is not None:
-        video["guidance_scale_2"] = request.guidance_scale_2
-    if request.image is not None:  # already fitted to the request's size (request.fit_image)
-        video["image"] = request.first_frame()
-    scheduler = pipe.scheduler
+    scheduler, guider = pipe.scheduler, getattr(pipe, "guider", None)
     if request.flow_shift is not None:  # Wan's UniPC calls it flow_shift, a flow-match Euler shift
         key = "flow_shift" if "flow_shift" in scheduler.config else "shift"
         pipe.scheduler = type(scheduler).from_config(scheduler.config, **{key: request.flow_shift})
+    if guider is not None:
+        pipe.guider = guider.new(guidance_scale=request.guidance_scale)
     try:
-        out = pipe(
-            prompt=request.prompt,
-            negative_prompt=request.negative_prompt,
-            height=request.height,
-            width=request.width,
-            num_inference_steps=request.num_inference_steps,
-            guidance_scale=request.guidance_scale,
-            generator=torch.Generator("cpu").manual_seed(request.seed),
-            output_type="np",
-            **video,
-        )
+        out = pipe(**plain_call(pipe, request))
     finally:
         pipe.scheduler = scheduler
+        if guider is not None:
+            pipe.guider = guider
     return out.frames if hasattr(out, "frames") else out.images[:, None]
 
 

@@ -63,9 +63,7 @@ def main() -> None:
     model_dir = Path(args.model_dir)
     ensure_model(args.arch, model_dir, args.device)
     start_ray(args.ray_cpus)
-    config = GroupConfig(
-        model=str(model_dir), device=args.device, shard_size=args.shard_size, compile=args.compile
-    )
+    config = GroupConfig(model=str(model_dir), device=args.device, shard_size=args.shard_size, compile=args.compile)
     name = args.name or f"start-{args.arch}-s{args.shard_size}"
     rows: list[dict] = []
     runs = ["warm-up"] + ["warm"] * args.repeats + (["cold"] if args.cold else [])

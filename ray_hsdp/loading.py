@@ -144,6 +144,7 @@ def load_pipeline(path: Path, dtype: str, allow_pickle: bool = False, pipeline_c
         **prebuilt: Components already built (the sharded ones).
     """
     _quiet_progress_bars()
+    path = Path(path)
     use_safetensors = None if allow_pickle else True
     pipeline_cls = pipeline_cls or pipeline_class(path)
     if not prebuilt:
@@ -189,7 +190,7 @@ def pipeline_class(path: Path, name: str | None = None) -> type:
     """
     import diffusers
 
-    name = name or json.loads((path / "model_index.json").read_text())["_class_name"]
+    name = name or json.loads((Path(path) / "model_index.json").read_text())["_class_name"]
     cls = getattr(diffusers, name, None)
     if not (isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline)):
         raise ValueError(f"pipeline_class {name!r} is not a diffusers pipeline class")

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from support import max_abs_diff
+from support import max_abs_diff, reference_frames
 
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.group import ShardGroup
@@ -45,37 +44,17 @@ def hunyuan(ray_cluster):
     return str(folder), pipe
 
 
-def guider_frames(pipe, request: GenerationRequest) -> np.ndarray:
-    """The unsharded run as diffusers has a HunyuanVideo-1.5 user write it: the guidance on the
-    pipeline's guider (``guider.new``), the rest as call arguments."""
-    guider = pipe.guider
-    pipe.guider = guider.new(guidance_scale=request.guidance_scale)
-    try:
-        return pipe(
-            prompt=request.prompt,
-            negative_prompt=request.negative_prompt,
-            height=request.height,
-            width=request.width,
-            num_frames=request.num_frames,
-            num_inference_steps=request.num_inference_steps,
-            generator=torch.Generator("cpu").manual_seed(request.seed),
-            output_type="np",
-        ).frames
-    finally:
-        pipe.guider = guider
-
-
 def test_the_tiny_hunyuan_video15_answers_every_input_visibly(hunyuan):
     _, pipe = hunyuan
     request = REQUESTS[0]
-    base = guider_frames(pipe, request)
+    base = reference_frames(pipe, request)
     moved = {
         "seed": dataclasses.replace(request, seed=9),
         "prompt": dataclasses.replace(request, prompt="a small boat on a lake"),
         "guidance": dataclasses.replace(request, guidance_scale=2.0),
         "negative prompt": dataclasses.replace(request, negative_prompt="a cat"),
     }
-    means = {name: float(np.abs(guider_frames(pipe, r) - base).mean() * 255) for name, r in moved.items()}
+    means = {name: float(np.abs(reference_frames(pipe, r) - base).mean() * 255) for name, r in moved.items()}
     assert means["seed"] >= 20, means
     assert min(means.values()) >= 3, means
 
@@ -90,7 +69,7 @@ def test_hunyuan_video15_with_cfg_parallel_equals_unsharded_and_counts_its_steps
             group.submit(dataclasses.replace(REQUESTS[0], lora=(("style", 1.0),)))
     assert facts["cfg_split"] == ["transformer"] and facts["lora"] is False
     for request, result in zip(REQUESTS, results):
-        assert max_abs_diff(result.frames, guider_frames(pipe, request)) <= TOLERANCE, request
+        assert max_abs_diff(result.frames, reference_frames(pipe, request)) <= TOLERANCE, request
         # Its steps were seen without a step callback (the scheduler's steps): their mean time.
         assert result.step_s is not None and result.step_s > 0, request
 

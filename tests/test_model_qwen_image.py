@@ -1,9 +1,10 @@
 """Qwen-Image through a shard group: its tiny pipeline, its guidance (``true_cfg_scale`` with a
-negative prompt), batch and a lane of CFG parallel x Ulysses 2, each request equal to the unsharded
-diffusers pipeline written the way its model card writes it."""
+negative prompt), a lane of CFG parallel x Ulysses 2, each request equal to the unsharded diffusers
+pipeline written the way its model card writes it."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 import torch
 from support import max_abs_diff
 
+from bench.reference import plain_call
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.loading import load_pipeline, resolve_model_path
@@ -39,27 +41,17 @@ def qwen_image(ray_cluster):
 
 
 def model_card_frames(pipe, request: GenerationRequest, **overrides) -> np.ndarray:
-    """The unsharded run as Qwen-Image's model card writes it: guidance as ``true_cfg_scale`` and,
-    when guided, a negative prompt (``" "`` when the request has none).
+    """The unsharded run as Qwen-Image's model card writes it (``bench.reference.plain_call``:
+    guidance as ``true_cfg_scale`` and, when guided, a negative prompt, ``" "`` when the request
+    has none), with ``overrides`` of its arguments.
 
     On one thread, as each CPU rank runs (``num_cpus=1``): the tiny Qwen-Image's VAE turns the last
     bits of its latents into up to 5e-6 of a pixel (measured), and sums over two threads differ in them.
     """
-    guided = request.guidance_scale > 1
-    kwargs = dict(
-        prompt=request.prompt,
-        negative_prompt=request.negative_prompt if request.negative_prompt is not None else (" " if guided else None),
-        true_cfg_scale=request.guidance_scale,
-        height=request.height,
-        width=request.width,
-        num_inference_steps=request.num_inference_steps,
-        generator=torch.Generator("cpu").manual_seed(request.seed),
-        output_type="np",
-    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return pipe(**{**kwargs, **overrides}).images[:, None]
+        return pipe(**{**plain_call(pipe, request), **overrides}).images[:, None]
     finally:
         torch.set_num_threads(threads)
 
@@ -69,10 +61,10 @@ def test_the_tiny_qwen_image_answers_every_input_visibly(qwen_image):
     guided = REQUESTS[0]
     base = model_card_frames(pipe, guided)
     moved = {
-        "seed": model_card_frames(pipe, guided, generator=torch.Generator("cpu").manual_seed(7)),
-        "prompt": model_card_frames(pipe, guided, prompt="a small boat on a lake"),
-        "guidance": model_card_frames(pipe, guided, true_cfg_scale=2.0),
-        "negative prompt": model_card_frames(pipe, guided, negative_prompt="a cat"),
+        "seed": model_card_frames(pipe, dataclasses.replace(guided, seed=7)),
+        "prompt": model_card_frames(pipe, dataclasses.replace(guided, prompt="a small boat on a lake")),
+        "guidance": model_card_frames(pipe, dataclasses.replace(guided, guidance_scale=2.0)),
+        "negative prompt": model_card_frames(pipe, dataclasses.replace(guided, negative_prompt="a cat")),
     }
     means = {name: float(np.abs(frames - base).mean() * 255) for name, frames in moved.items()}
     assert means["seed"] >= 20, means
@@ -82,18 +74,15 @@ def test_the_tiny_qwen_image_answers_every_input_visibly(qwen_image):
     assert max_abs_diff(model_card_frames(pipe, guided, guidance_scale=9.0), base) == 0
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [dict(shard_size=2), dict(shard_size=4, cfg_parallel=True, ulysses_degree=2)],
-    ids=["batch", "cfg2-ulysses2"],
-)
-def test_qwen_image_on_a_group_equals_the_model_card_run(qwen_image, layout):
+# Batch on two ranks: tests/serve/test_models.py, over HTTP.
+def test_qwen_image_on_a_lane_of_cfg_2_x_ulysses_2_equals_the_model_card_run(qwen_image):
     folder, pipe = qwen_image
+    layout = dict(shard_size=4, cfg_parallel=True, ulysses_degree=2)
     with ShardGroup(GroupConfig(model=folder, device="cpu", **layout)) as group:
         facts = group.pipeline_facts
         results = group.generate(REQUESTS)
         memory = group.memory()
-    assert facts["cfg_split"] == (["transformer"] if layout.get("cfg_parallel") else [])
+    assert facts["cfg_split"] == ["transformer"]
     # The transformer and the Qwen2.5-VL text encoder are both sharded; the vision tower stays whole.
     assert set(memory[0]["sharded_components"]) == {"transformer", "text_encoder"}
     for request, result in zip(REQUESTS, results):

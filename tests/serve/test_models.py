@@ -96,8 +96,6 @@ def flux2_app(server):
 def test_flux2_over_the_images_api_takes_a_reference_and_refuses_a_negative_prompt(flux2_app):
     import base64
 
-    from test_model_flux2 import flux2_frames
-
     from ray_hsdp.request import fit_image
 
     pipe = load_pipeline(resolve_model_path("tiny-flux2"), "float32")
@@ -119,7 +117,7 @@ def test_flux2_over_the_images_api_takes_a_reference_and_refuses_a_negative_prom
         guidance_scale=3.0,
         image=fit_image(image, 128, 64),
     )
-    expected = (np.clip(flux2_frames(pipe, request)[0, 0], 0, 1) * 255).round()
+    expected = (np.clip(reference_frames(pipe, request)[0, 0], 0, 1) * 255).round()
     assert np.abs(png_pixels(response.json()) - expected).max() <= 1
     refused = requests.post(
         f"{flux2_app}/v1/images/generations", json={**body, "negative_prompt": "blurry"}, timeout=60
@@ -136,8 +134,6 @@ def hunyuan_app(server):
 
 
 def test_hunyuan_video15_over_the_videos_api_guides_through_its_guider(hunyuan_app):
-    from test_model_hunyuan_video15 import guider_frames
-
     from ray_hsdp.serve.media import decode_mp4
 
     from .test_videos import SAME_MP4_MAE, as_mp4, mae
@@ -162,7 +158,7 @@ def test_hunyuan_video15_over_the_videos_api_guides_through_its_guider(hunyuan_a
             num_inference_steps=2,
             guidance_scale=guidance,
         )
-        expected = (np.clip(guider_frames(pipe, request)[0], 0, 1) * 255).round()
+        expected = (np.clip(reference_frames(pipe, request)[0], 0, 1) * 255).round()
         assert mae(frames, as_mp4(expected)) <= SAME_MP4_MAE, guidance
         videos.append(frames)
     assert mae(videos[0], videos[1]) > SAME_MP4_MAE  # the guidance reached the model
