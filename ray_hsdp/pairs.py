@@ -209,6 +209,14 @@ REFUSALS: tuple[Refusal, ...] = (
         scope="request",
     ),
     Refusal(
+        "a scheduler that stretches its schedule to a terminal shift (Qwen-Image)",
+        "num_inference_steps 1",
+        "its one-step schedule divides by zero and every frame comes out NaN (diffusers' own pipeline too)",
+        "send num_inference_steps 2 or more",
+        lambda c, facts, r: r.num_inference_steps < facts.get("min_steps", 1),
+        scope="request",
+    ),
+    Refusal(
         "a model whose pipeline takes no negative prompt (FLUX.2)",
         "negative_prompt",
         "the pipeline would ignore it (FLUX.2 guides by a distilled guidance embedding, with no unconditional pass)",

@@ -210,6 +210,8 @@ class ShardedPipeline(RequestSlots):
     def facts(self) -> dict:
         """What callers must know of this pipeline: whether it makes videos, and by how much its
         VAE compresses time (a video VAE that compresses ``t`` times takes ``t * k + 1`` frames)."""
+        scheduler = getattr(self.pipe, "scheduler", None)
+        min_steps = 2 if getattr(getattr(scheduler, "config", None), "shift_terminal", None) else 1
         return {
             "video": "num_frames" in self._call_params,
             "temporal_compression": int(getattr(self.pipe, "vae_scale_factor_temporal", 1) or 1),
@@ -226,8 +228,11 @@ class ShardedPipeline(RequestSlots):
             "lora": hasattr(self.pipe, "load_lora_weights"),
             # The scheduler key a request's flow_shift sets; None: the scheduler takes no shift.
             "flow_shift": shift_key(getattr(self.pipe, "scheduler", None)),
+            # The fewest steps its scheduler takes: one that stretches its schedule to a terminal
+            # shift (Qwen-Image's) divides by zero at one step, and every frame comes out NaN.
+            "min_steps": min_steps,
             # Steps of a warm-up request that reaches every expert (one for one denoiser).
-            "warm_up_steps": steps_reaching_every_expert(self.pipe),
+            "warm_up_steps": max(steps_reaching_every_expert(self.pipe), min_steps),
         }
 
     def guided(self) -> bool:

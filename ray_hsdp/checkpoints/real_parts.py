@@ -147,4 +147,77 @@ def qwen_image_parts(transformer_kwargs: dict) -> tuple[dict, dict]:
     }
 
 
-REAL_PARTS = {"wan": wan_parts, "flux": flux_parts, "qwen_image": qwen_image_parts}
+def mistral_small_3_1_config():
+    """mistralai/Mistral-Small-3.1-24B, FLUX.2-dev's text encoder (24B with its Pixtral vision tower)."""
+    from transformers import Mistral3Config
+
+    return Mistral3Config(
+        text_config=dict(
+            model_type="mistral",
+            vocab_size=131072,
+            hidden_size=5120,
+            intermediate_size=32768,
+            num_hidden_layers=40,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=131072,
+            rope_theta=1000000000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+        ),
+        vision_config=dict(
+            model_type="pixtral",
+            hidden_size=1024,
+            intermediate_size=4096,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            head_dim=64,
+            image_size=1540,
+            patch_size=14,
+        ),
+        spatial_merge_size=2,
+        tie_word_embeddings=False,
+    )
+
+
+def flux2_parts(transformer_kwargs: dict) -> tuple[dict, dict]:
+    """FLUX.2: its VAE (diffusers' defaults are its config) and Mistral-Small-3.1-24B."""
+    from diffusers import AutoencoderKLFlux2
+    from transformers import Mistral3ForConditionalGeneration
+
+    return {"vae": AutoencoderKLFlux2()}, {
+        "text_encoder": (Mistral3ForConditionalGeneration, mistral_small_3_1_config())
+    }
+
+
+def hunyuan_video15_parts(transformer_kwargs: dict) -> tuple[dict, dict]:
+    """HunyuanVideo-1.5: its VAE (diffusers' defaults), Qwen2.5-VL-7B's text model and Glyph-ByT5's
+    T5 encoder (1472 wide, the transformer's ``text_embed_2_dim``)."""
+    from diffusers import AutoencoderKLHunyuanVideo15
+    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+
+    text = qwen2_5_vl_7b_config().text_config.to_dict()
+    byt5 = T5Config(
+        vocab_size=384,
+        d_model=1472,
+        d_kv=64,
+        d_ff=3584,
+        num_layers=12,
+        num_heads=6,
+        feed_forward_proj="gated-gelu",
+        tie_word_embeddings=False,
+    )
+    return {"vae": AutoencoderKLHunyuanVideo15()}, {
+        "text_encoder": (Qwen2_5_VLTextModel, Qwen2_5_VLTextConfig(**text)),
+        "text_encoder_2": (T5EncoderModel, byt5),
+    }
+
+
+REAL_PARTS = {
+    "wan": wan_parts,
+    "flux": flux_parts,
+    "qwen_image": qwen_image_parts,
+    "flux2": flux2_parts,
+    "hunyuan_video15": hunyuan_video15_parts,
+}
