@@ -114,13 +114,14 @@ def main() -> None:
     parser.add_argument("--guidance", type=float, default=5.0)
     parser.add_argument("--pipeline-class", default=None)
     parser.add_argument("--image", action="store_true", help="a synthetic first frame or reference image")
+    parser.add_argument("--small-encoders", action="store_true", help="small stand-ins for the text encoders and VAE")
     parser.add_argument("--device", default="cuda", help="cpu: a dry run on the tiny variant")
     parser.add_argument("--ray-cpus", type=int, default=None, help="a Ray of its own with this many CPUs (CPU runs)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--name", default=None)
     args = parser.parse_args()
     width, height = map(int, args.size.split("x"))
-    write_s = ensure_model(args.arch, args.model_dir, args.device)
+    write_s = ensure_model(args.arch, args.model_dir, args.device, small_encoders=args.small_encoders)
     image = None
     if args.image:
         from bench.reference import random_png

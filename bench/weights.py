@@ -56,8 +56,7 @@ def whole_bytes(arch_name: str) -> dict[str, int]:
 
     arch = get_architecture(arch_name)
     whole, _ = REAL_PARTS[arch.family](arch.transformer)
-    # make-random writes the VAE in float32, the others in the model's dtype (bf16).
-    return {name: sum(p.numel() for p in m.parameters()) * (4 if name == "vae" else 2) for name, m in whole.items()}
+    return {name: sum(p.numel() for p in m.parameters()) * 2 for name, m in whole.items()}
 
 
 def rank_bytes(module, shard_size: int, sharded: bool) -> int:

@@ -208,7 +208,15 @@ ARCHITECTURES: dict[str, Architecture] = {
             pipeline_class="HunyuanVideo15Pipeline",
             transformer_class="HunyuanVideo15Transformer3DModel",
             # diffusers' defaults are the 8.3B model; its 480p text-to-video checkpoint.
-            transformer=dict(num_layers=54, num_attention_heads=16, attention_head_dim=128, task_type="t2v"),
+            transformer=dict(
+                num_layers=54,
+                num_attention_heads=16,
+                attention_head_dim=128,
+                text_embed_dim=3584,
+                text_embed_2_dim=1472,
+                image_embed_dim=1152,
+                task_type="t2v",
+            ),
             tiny=dict(
                 num_layers=2,
                 num_refiner_layers=1,
