@@ -57,11 +57,13 @@ def plain_run(model_dir: Path, request, pipeline_class: str | None, device: str)
     return out
 
 
-def group_run(model_dir: Path, request, pipeline_class: str | None, device: str) -> dict:
+def group_run(model_dir: Path, request, pipeline_class: str | None, device: str, vae_tiling: str) -> dict:
     from ray_hsdp.config import GroupConfig
     from ray_hsdp.group import ShardGroup
 
-    config = GroupConfig(model=str(model_dir), device=device, shard_size=1, pipeline_class=pipeline_class)
+    config = GroupConfig(
+        model=str(model_dir), device=device, shard_size=1, pipeline_class=pipeline_class, vae_tiling=vae_tiling
+    )
     start = time.perf_counter()
     with ShardGroup(config) as group:
         load_s = time.perf_counter() - start
@@ -116,6 +118,9 @@ def main() -> None:
     parser.add_argument("--image", action="store_true", help="a synthetic first frame or reference image")
     parser.add_argument("--small-encoders", action="store_true", help="small stand-ins for the text encoders and VAE")
     parser.add_argument("--device", default="cuda", help="cpu: a dry run on the tiny variant")
+    parser.add_argument(
+        "--vae-tiling", default="off", help="the group's vae_tiling ('off': the whole decode, as plain diffusers)"
+    )
     parser.add_argument("--ray-cpus", type=int, default=None, help="a Ray of its own with this many CPUs (CPU runs)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--name", default=None)
@@ -139,14 +144,15 @@ def main() -> None:
     )
     plain = plain_run(args.model_dir, request, args.pipeline_class, args.device)
     start_ray(args.ray_cpus)
-    ours = group_run(args.model_dir, request, args.pipeline_class, args.device)
+    ours = group_run(args.model_dir, request, args.pipeline_class, args.device, args.vae_tiling)
     diff = np.abs(plain.pop("frames").astype(np.float64) - ours.pop("frames").astype(np.float64))
     payload = {
         "arch": args.arch,
         "environment": environment(),
         "command": "python -m bench.model_run " + " ".join(sys.argv[1:]),
         "request": f"{args.size}, {args.frames} frame(s), {args.steps} steps, guidance {args.guidance}"
-        + (", with an image" if image else ""),
+        + (", with an image" if image else "")
+        + f"; the group's vae_tiling {args.vae_tiling}",
         "write_s": write_s,
         "plain": plain,
         "group": ours,

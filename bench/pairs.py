@@ -358,8 +358,83 @@ def pairs_doc(where: dict[tuple[str, str], str]) -> str:
     ]
     for setting in GROUP_SETTINGS:
         lines.append(f"| {setting} | " + " | ".join(where.get((setting, c), "-") for c in short) + " |")
-    lines += ["", "## Refused pairs", "", "`ray_hsdp/pairs.py`, the one table both the config and the group check:", ""]
+    lines += ["", *model_choices(), ""]
+    lines += ["## Refused pairs", "", "`ray_hsdp/pairs.py`, the one table both the config and the group check:", ""]
     return "\n".join(lines) + "\n" + markdown()
+
+
+#: The models of the per-model table: ``make-random``'s architecture, and the pipeline class a group
+#: loads its folder as when not the one the folder names (``pipeline_class``).
+MODEL_ROWS = (
+    ("wan2.1-t2v-14b", None),
+    ("wan2.1-i2v-14b", None),
+    ("wan2.2-t2v-a14b", None),
+    ("wan2.2-i2v-a14b", None),
+    ("wan2.2-ti2v-5b", None),
+    ("wan2.2-ti2v-5b", "WanImageToVideoPipeline"),
+    ("qwen-image", None),
+    ("flux.2-dev", None),
+    ("hunyuanvideo-1.5", None),
+    ("flux.1-dev", None),
+)
+
+
+def model_choices() -> list[str]:
+    """The per-model table of ``docs/pairs.md``: which request choices each model's pipeline takes,
+    and how, from the pipeline classes (their call's arguments, their LoRA loader) and the registries
+    of ``ray_hsdp.sharding`` (the pipeline calls, the transformers' policies)."""
+    import inspect
+
+    import diffusers
+
+    from ray_hsdp.checkpoints.architectures import get_architecture
+    from ray_hsdp.sharding import policies  # noqa: F401 (registers them)
+    from ray_hsdp.sharding.pipeline_call import FIRST_FRAME, pipeline_call_for
+    from ray_hsdp.sharding.policy import registered_policy
+
+    lines = [
+        "## Request choices per model",
+        "",
+        "What each served model's pipeline does with a request's choices (a choice it cannot take is refused",
+        "per request, HTTP 400; a layout it cannot run, at start). Generated from the pipeline classes and",
+        "`ray_hsdp/sharding/policies/`. A LoRA runs through diffusers' loader of the pipeline's family; its",
+        "parity with plain diffusers' adapters is tested on Wan (`tests/test_loras.py`), not on the others.",
+        "",
+        "| model | pipeline | guidance_scale | negative_prompt | input_reference | lora | guidance_scale_2 "
+        "| Ulysses / ring lanes | cfg_parallel |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, override in MODEL_ROWS:
+        arch = get_architecture(name)
+        pipe_cls = getattr(diffusers, override or arch.pipeline_class)
+        params = set(inspect.signature(pipe_cls.__call__).parameters)
+        call = pipeline_call_for(pipe_cls)
+        model_cls = getattr(diffusers, arch.transformer_class)
+        policy = registered_policy(model_cls)
+        guidance = f"`{call.guidance}`" if call.guidance else "its guider"
+        if "image" not in params:
+            image = "refused"
+        else:
+            image = "first frame (required)" if call.image == FIRST_FRAME else "reference (optional)"
+        plan = getattr(model_cls, "_cp_plan", None) is not None or (policy is not None and policy.cp_plan is not None)
+        cells = [
+            name,
+            f"`{pipe_cls.__name__}`",
+            guidance
+            + (
+                f" (negative `{call.negative_prompt_when_guided!r}` when none)"
+                if call.negative_prompt_when_guided
+                else ""
+            ),
+            "taken" if "negative_prompt" in params else "refused",
+            image,
+            "taken" if hasattr(pipe_cls, "load_lora_weights") else "refused",
+            "taken" if len(arch.experts) > 1 else "refused",
+            "run" if plan else "refused",
+            "run" if policy is not None and policy.cfg_split else "refused",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def main() -> None:

@@ -170,7 +170,8 @@ class ServedModel(BaseModel):
     model: str = Field(
         TINY_MODEL,
         description=f"Path of a diffusers pipeline folder, or {TINY_MODEL!r} for the embedded tiny Wan pipeline "
-        "('tiny-i2v': its image-to-video variant).",
+        "('tiny-i2v': its image-to-video variant; 'tiny-qwen-image', 'tiny-flux2', 'tiny-hunyuanvideo-1.5', "
+        "'tiny-wan2.2-ti2v': the tiny variants of those models, for CPU tests).",
     )
     model_name: str | None = Field(None, description="Name the model is served under; defaults to the folder's name.")
     pipeline_class: str | None = Field(

@@ -6,7 +6,10 @@
 #
 #   bash bench/gpu/issue56.sh videos   Wan2.2-TI2V-5B from a first frame (1280x704, 49 frames) and
 #                                      HunyuanVideo-1.5 (848x480, 49 frames)
+#   bash bench/gpu/issue56.sh ti2v     the first of those alone
 #   bash bench/gpu/issue56.sh qwen     Qwen-Image (1328x1328)
+#
+# The groups decode whole (vae_tiling off), as plain diffusers does: their frames must equal its.
 #
 # FLUX.2-dev (112 GB of bf16 weights) is not run: its checkpoint does not fit such a host's 64 GiB
 # disk; its weights per GPU come from bench.weights.
@@ -34,6 +37,10 @@ case "$PART" in
     run wan2.2-ti2v-5b wan2.2-ti2v-5b-i2v --size 1280x704 --frames 49 --steps 8 --guidance 5 --image \
       --pipeline-class WanImageToVideoPipeline
     run hunyuanvideo-1.5 hunyuanvideo-1.5 --size 848x480 --frames 49 --steps 8 --guidance 6
+    ;;
+  ti2v)  # the first part of videos alone (diffusers' Wan image-to-video needs ftfy on PYTHONPATH)
+    run wan2.2-ti2v-5b wan2.2-ti2v-5b-i2v --size 1280x704 --frames 49 --steps 8 --guidance 5 --image \
+      --pipeline-class WanImageToVideoPipeline
     ;;
   qwen)
     run qwen-image qwen-image --size 1328x1328 --steps 8 --guidance 4

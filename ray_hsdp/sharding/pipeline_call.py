@@ -57,8 +57,9 @@ def register_pipeline_call(*class_names: str, call: PipelineCall) -> PipelineCal
 
 
 def pipeline_call_for(pipe) -> PipelineCall:
-    """The call registered for ``pipe``'s class (or its nearest registered base); the common one else."""
-    for cls in type(pipe).__mro__:
+    """The call registered for ``pipe``'s class (or a pipeline class; or its nearest registered
+    base); the common one else."""
+    for cls in (pipe if isinstance(pipe, type) else type(pipe)).__mro__:
         if cls.__name__ in _CALLS:
             return _CALLS[cls.__name__]
     return PipelineCall()

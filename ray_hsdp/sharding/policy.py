@@ -113,9 +113,10 @@ def register_policy(*class_names: str, policy: ShardingPolicy) -> ShardingPolicy
     return policy
 
 
-def registered_policy(model: nn.Module) -> ShardingPolicy | None:
-    """The policy registered for the class of ``model`` (or of its nearest registered base class)."""
-    for cls in type(model).__mro__:
+def registered_policy(model: nn.Module | type) -> ShardingPolicy | None:
+    """The policy registered for the class of ``model`` (or a model class; or of its nearest
+    registered base class)."""
+    for cls in (model if isinstance(model, type) else type(model)).__mro__:
         if cls.__name__ in _REGISTRY:
             return _REGISTRY[cls.__name__]
     return None
