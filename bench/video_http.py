@@ -27,7 +27,7 @@ from bench.common import environment, first_frame_png, stop_server, write_result
 PROMPT = "A red fox runs through fresh snow at dawn, cinematic"
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", type=Path, default=Path("serve_configs/wan2.1_t2v_14b_fast_1gpu.yaml"))
     parser.add_argument("--model", required=True)
@@ -42,7 +42,11 @@ def main() -> None:
     parser.add_argument(
         "--image", action="store_true", help="image-to-video: send the bench's synthetic first frame as input_reference"
     )
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
 
     import openai
     import requests

@@ -1,6 +1,6 @@
 """HunyuanVideo-1.5 through a shard group: guidance through its guider (its pipeline takes no
 ``guidance_scale``), denoising steps counted without a step callback (it takes none), CFG parallel,
-LoRA refused per request and lanes that split the sequence refused at start (no plan)."""
+LoRA refused per request and lanes that split the sequence refused (no plan)."""
 
 from __future__ import annotations
 
@@ -74,9 +74,15 @@ def test_hunyuan_video15_with_cfg_parallel_equals_unsharded_and_counts_its_steps
         assert result.step_s is not None and result.step_s > 0, request
 
 
-def test_lanes_that_split_hunyuan_video15s_sequence_are_refused_at_start(hunyuan):
-    folder, _ = hunyuan
-    # The rank's error, as Ray raises it from its load (a ValueError).
-    with pytest.raises(ValueError, match="without a context-parallel plan.*ulysses_degree"):
-        with ShardGroup(GroupConfig(model=folder, device="cpu", ulysses_degree=2)):
-            pass
+def test_lanes_that_split_hunyuan_video15s_sequence_are_refused_by_the_table(hunyuan):
+    """What a rank's load does on a lane of Ulysses 2 (``enable_context_parallel``, before any mesh
+    is touched): the model row of the table refuses it, naming the model and the lanes. (A group's
+    start fails with this message: the rank's ValueError.)"""
+    from ray_hsdp.sharding.context_parallel import enable_context_parallel
+
+    _, pipe = hunyuan
+    with pytest.raises(
+        ValueError,
+        match="HunyuanVideo15Transformer3DModel: a transformer without a context-parallel plan.*ulysses_degree",
+    ):
+        enable_context_parallel(pipe.transformer, None, ring=1, ulysses=2, device="cpu", attention_backend=None)

@@ -47,7 +47,11 @@ def test_a_stopped_request_raises_at_its_step_and_skips_the_decode(tiny_model):
         "cfg_split": [],
         "guidance_scale_2": False,  # one expert
         "image_input": False,  # text to video
+        "image_reference": False,
+        "negative_prompt": True,
+        "lora": True,  # diffusers' Wan LoRA loader
         "flow_shift": "shift",  # the tiny model's flow-match Euler scheduler
+        "min_steps": 1,
         "warm_up_steps": 1,  # one denoiser: a 1-step warm-up reaches it
     }
 

@@ -1,6 +1,6 @@
 """Models beyond Wan served end to end: each embedded tiny model deployed beside the tiny server,
 asked over HTTP with the request choices that apply to it, each answer equal to the unsharded
-diffusers pipeline's for the same choices."""
+diffusers pipeline's for the same choices. One app at a time (each deployed for its test)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from ray_hsdp.request import GenerationRequest
 from .served import deploy, png_pixels
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def qwen_image_app(server):
     from ray import serve
 
     yield deploy(server, "qwen", {"model": "tiny-qwen-image", "device": "cpu", "shard_size": 2})
-    serve.delete("qwen")
+    serve.delete("qwen", _blocking=False)  # its ranks stop while the next test runs
 
 
 def test_qwen_image_over_the_images_api_guides_with_true_cfg_and_its_negative_prompt(qwen_image_app):
@@ -49,13 +49,13 @@ def test_qwen_image_over_the_images_api_guides_with_true_cfg_and_its_negative_pr
         assert np.abs(png_pixels(response.json()) - expected).max() <= 1, body
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def ti2v_app(server):
     from ray import serve
 
     args = {"model": "tiny-wan2.2-ti2v", "device": "cpu", "shard_size": 2, "pipeline_class": "WanImageToVideoPipeline"}
     yield deploy(server, "ti2v", args)
-    serve.delete("ti2v")
+    serve.delete("ti2v", _blocking=False)  # its ranks stop while the next test runs
 
 
 def test_wan22_ti2v_over_the_videos_api_animates_its_input_reference(ti2v_app):
@@ -85,12 +85,12 @@ def test_wan22_ti2v_over_the_videos_api_animates_its_input_reference(ti2v_app):
     assert mae(frames, as_mp4(expected)) <= SAME_MP4_MAE
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def flux2_app(server):
     from ray import serve
 
     yield deploy(server, "flux2", {"model": "tiny-flux2", "device": "cpu", "shard_size": 2})
-    serve.delete("flux2")
+    serve.delete("flux2", _blocking=False)  # its ranks stop while the next test runs
 
 
 def test_flux2_over_the_images_api_takes_a_reference_and_refuses_a_negative_prompt(flux2_app):
@@ -125,12 +125,12 @@ def test_flux2_over_the_images_api_takes_a_reference_and_refuses_a_negative_prom
     assert refused.status_code == 400 and "negative_prompt" in refused.text, refused.text
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def hunyuan_app(server):
     from ray import serve
 
     yield deploy(server, "hy15", {"model": "tiny-hunyuanvideo-1.5", "device": "cpu", "shard_size": 2})
-    serve.delete("hy15")
+    serve.delete("hy15", _blocking=False)  # its ranks stop while the next test runs
 
 
 def test_hunyuan_video15_over_the_videos_api_guides_through_its_guider(hunyuan_app):
