@@ -11,8 +11,9 @@
 #
 # The groups decode whole (vae_tiling off), as plain diffusers does: their frames must equal its.
 #
-# FLUX.2-dev (112 GB of bf16 weights) is not run: its checkpoint does not fit such a host's 64 GiB
-# disk; its weights per GPU come from bench.weights.
+# FLUX.2-dev (112 GB of bf16 weights): its checkpoint does not fit such a host's 64 GiB disk, so
+# no group runs it; `bash bench/gpu/issue56.sh flux2` builds it in the GPU's memory and runs plain
+# diffusers (bench.in_memory); its weights per GPU at S ranks come from bench.weights.
 #
 # OUT (default bench/results) is where logs and results go; MODELS (default /tmp) the checkpoints.
 set -uo pipefail
@@ -41,6 +42,10 @@ case "$PART" in
   ti2v)  # the first part of videos alone (diffusers' Wan image-to-video needs ftfy on PYTHONPATH)
     run wan2.2-ti2v-5b wan2.2-ti2v-5b-i2v --size 1280x704 --frames 49 --steps 8 --guidance 5 --image \
       --pipeline-class WanImageToVideoPipeline
+    ;;
+  flux2)
+    python -m bench.in_memory --arch flux.2-dev --size 1024x1024 --steps 8 --guidance 4 --out "$OUT" \
+      --name "in-memory-flux.2-dev-1x$GPU"
     ;;
   qwen)
     run qwen-image qwen-image --size 1328x1328 --steps 8 --guidance 4
