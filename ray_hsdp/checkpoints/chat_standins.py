@@ -3,16 +3,16 @@ Qwen2.5-VL, FLUX.2's Mistral 3, HunyuanVideo-1.5's Qwen2.5-VL): a tokenizer that
 template's special tokens, and the language model at a tiny width.
 
 Those pipelines drop a fixed number of the template's leading tokens from the encoder's output
-(Qwen-Image: 34, the system prompt), counted with the real tokenizer. The stand-in tokenizer is a
-word-level one over GPT-2's byte-level pieces, the pieces Qwen's and Mistral's byte-level BPEs end
-up with for the templates' plain English words, so the system prompts come out as long as with the
-real tokenizers: the writer checks the count, else the tiny model would drop part of the prompt.
-Its vocabulary is every piece of a fixed corpus, sorted: the same ids in every process.
+(Qwen-Image: 34, the system prompt; HunyuanVideo-1.5: 108), counted with the real tokenizer. The
+stand-in tokenizer is a word-level one over Qwen2's byte-level pieces, which the real byte-level BPE
+makes one token each of the templates' plain English words, so the system prompts come out as long
+as with the real tokenizer: the writer checks the count, else the tiny model would drop part of the
+prompt. Its vocabulary is every piece of a fixed corpus, sorted: the same ids in every process.
 """
 
 from __future__ import annotations
 
-from ray_hsdp.checkpoints.standins import _CORPUS
+from ray_hsdp.checkpoints.standins import CORPUS
 
 #: Chat-template special tokens of the Qwen2 and Mistral tokenizers the pipelines format prompts with.
 CHAT_SPECIALS = (
@@ -56,7 +56,7 @@ def chat_tokenizer(templates: tuple[str, ...], pad_token: str, model_max_length:
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
-    text = [t.replace("{}", " ") for t in templates] + list(_CORPUS)
+    text = [t.replace("{}", " ") for t in templates] + list(CORPUS)
     for special in CHAT_SPECIALS:
         text = [t.replace(special, "\n") for t in text]
     pieces = sorted({piece for line in text for piece, _ in pre.pre_tokenize_str(line)})

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 # A few sentences are enough: the tokenizer only has to cover the prompts of demos and tests
 # with real sub-word pieces, so that different prompts give different token ids.
-_CORPUS = [
+CORPUS = [
     "A cat and a dog baking a cake together in a kitchen.",
     "A red fox runs through the snowy forest at dawn.",
     "An astronaut rides a horse on the surface of the moon.",
@@ -32,7 +32,7 @@ def train_tokenizer(vocab_size: int = 160, model_max_length: int = 512):
     trainer = trainers.UnigramTrainer(
         vocab_size=vocab_size, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>"
     )
-    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    tok.train_from_iterator(CORPUS, trainer=trainer)
     tok.model = _in_a_fixed_order(tok.model)
     # T5-style: every sequence ends with </s>, as the UMT5 tokenizer of real Wan checkpoints does.
     tok.post_processor = processors.TemplateProcessing(
