@@ -16,7 +16,7 @@ from bench.reference import plain_call
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.loading import load_pipeline, resolve_model_path
-from ray_hsdp.request import GenerationRequest
+from ray_hsdp.request import GenerationRequest, InvalidRequestError
 
 TOLERANCE = 1e-5
 
@@ -82,7 +82,10 @@ def test_qwen_image_on_a_lane_of_cfg_2_x_ulysses_2_equals_the_model_card_run(qwe
         facts = group.pipeline_facts
         results = group.generate(REQUESTS)
         memory = group.memory()
-    assert facts["cfg_split"] == ["transformer"]
+        # One step divides by zero in its scheduler (NaN in diffusers too): refused, naming it.
+        with pytest.raises(InvalidRequestError, match="num_inference_steps 1"):
+            group.submit(dataclasses.replace(REQUESTS[0], num_inference_steps=1))
+    assert facts["cfg_split"] == ["transformer"] and facts["min_steps"] == facts["warm_up_steps"] == 2
     # The transformer and the Qwen2.5-VL text encoder are both sharded; the vision tower stays whole.
     assert set(memory[0]["sharded_components"]) == {"transformer", "text_encoder"}
     for request, result in zip(REQUESTS, results):
