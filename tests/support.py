@@ -42,6 +42,18 @@ def wait_until_healthy(base: str, proc, deadline_s: float = 180) -> None:
         time.sleep(1)
 
 
+def embedded_pipeline(name: str, pipeline_class: str | None = None) -> tuple[str, object]:
+    """An embedded tiny model's folder (written on first use, as a rank writes it) and its plain,
+    unsharded diffusers pipeline (of ``pipeline_class``, or the one its folder names): the reference."""
+    from ray_hsdp.loading import load_pipeline, resolve_model_path
+    from ray_hsdp.loading import pipeline_class as class_named
+
+    folder = resolve_model_path(name)
+    pipe = load_pipeline(folder, "float32", pipeline_cls=class_named(folder, pipeline_class))
+    pipe.set_progress_bar_config(disable=True)
+    return str(folder), pipe
+
+
 def max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return float(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)).max())

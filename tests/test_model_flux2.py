@@ -5,15 +5,13 @@ Ulysses 2, each request equal to the unsharded diffusers pipeline."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 import pytest
-from support import max_abs_diff, random_png, reference_frames
+from support import embedded_pipeline, max_abs_diff, random_png, reference_frames
 
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.group import ShardGroup
-from ray_hsdp.loading import load_pipeline, resolve_model_path
 from ray_hsdp.request import GenerationRequest, InvalidRequestError, fit_image
 
 TOLERANCE = 1e-5
@@ -36,10 +34,7 @@ REQUESTS = [
 @pytest.fixture(scope="module")
 def flux2(ray_cluster):
     """The embedded tiny FLUX.2 folder and its unsharded pipeline."""
-    folder = resolve_model_path("tiny-flux2")
-    pipe = load_pipeline(Path(folder), "float32")
-    pipe.set_progress_bar_config(disable=True)
-    return str(folder), pipe
+    return embedded_pipeline("tiny-flux2")
 
 
 def test_the_tiny_flux2_answers_every_input_visibly(flux2):

@@ -5,15 +5,13 @@ LoRA refused per request and lanes that split the sequence refused (no plan)."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 import pytest
-from support import max_abs_diff, reference_frames
+from support import embedded_pipeline, max_abs_diff, reference_frames
 
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.group import ShardGroup
-from ray_hsdp.loading import load_pipeline, resolve_model_path
 from ray_hsdp.request import GenerationRequest, InvalidRequestError
 
 TOLERANCE = 1e-5
@@ -38,10 +36,7 @@ REQUESTS = [
 @pytest.fixture(scope="module")
 def hunyuan(ray_cluster):
     """The embedded tiny HunyuanVideo-1.5 folder and its unsharded pipeline."""
-    folder = resolve_model_path("tiny-hunyuanvideo-1.5")
-    pipe = load_pipeline(Path(folder), "float32")
-    pipe.set_progress_bar_config(disable=True)
-    return str(folder), pipe
+    return embedded_pipeline("tiny-hunyuanvideo-1.5")
 
 
 def test_the_tiny_hunyuan_video15_answers_every_input_visibly(hunyuan):

@@ -5,17 +5,15 @@ pipeline written the way its model card writes it."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from support import max_abs_diff
+from support import embedded_pipeline, max_abs_diff
 
 from bench.reference import plain_call
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.group import ShardGroup
-from ray_hsdp.loading import load_pipeline, resolve_model_path
 from ray_hsdp.request import GenerationRequest, InvalidRequestError
 
 TOLERANCE = 1e-5
@@ -34,10 +32,7 @@ REQUESTS = [
 @pytest.fixture(scope="module")
 def qwen_image(ray_cluster):
     """The embedded tiny Qwen-Image folder and its unsharded pipeline."""
-    folder = resolve_model_path("tiny-qwen-image")
-    pipe = load_pipeline(Path(folder), "float32")
-    pipe.set_progress_bar_config(disable=True)
-    return str(folder), pipe
+    return embedded_pipeline("tiny-qwen-image")
 
 
 def model_card_frames(pipe, request: GenerationRequest, **overrides) -> np.ndarray:

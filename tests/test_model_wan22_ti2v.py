@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import diffusers
 import numpy as np
 import pytest
-from support import max_abs_diff, random_png, reference_frames
+from support import embedded_pipeline, max_abs_diff, random_png, reference_frames
 
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.group import ShardGroup
-from ray_hsdp.loading import resolve_model_path
 from ray_hsdp.request import GenerationRequest, InvalidRequestError, fit_image
 
 TOLERANCE = 1e-5
@@ -34,12 +32,9 @@ def with_image(request: GenerationRequest, seed: int) -> GenerationRequest:
 @pytest.fixture(scope="module")
 def ti2v(ray_cluster):
     """The embedded tiny TI2V folder and its unsharded pipelines, text- and image-to-video."""
-    folder = resolve_model_path("tiny-wan2.2-ti2v")
-    pipes = {}
-    for name in ("WanPipeline", I2V):
-        pipes[name] = getattr(diffusers, name).from_pretrained(folder)
-        pipes[name].set_progress_bar_config(disable=True)
-    return str(folder), pipes
+    folder, text = embedded_pipeline("tiny-wan2.2-ti2v")
+    _, image = embedded_pipeline("tiny-wan2.2-ti2v", I2V)
+    return folder, {"WanPipeline": text, I2V: image}
 
 
 def test_the_tiny_ti2v_answers_every_input_visibly(ti2v):

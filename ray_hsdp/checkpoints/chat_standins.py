@@ -85,27 +85,36 @@ def check_template_length(tokenizer, template: str, expected: int) -> None:
         raise AssertionError(f"the stand-in tokenizer makes {count} tokens of the template's prefix, not {expected}")
 
 
+def tiny_qwen2_5_vl_text(tokenizer, hidden_size: int, layers: int) -> dict:
+    """The settings of a tiny Qwen2.5-VL language model ``hidden_size`` wide: two heads, its rotary
+    sections (temporal, height, width) summing to half a head, as the real ones do."""
+    heads = 2
+    half = hidden_size // heads // 2
+    return dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [half - 2 * (half // 3), half // 3, half // 3],
+        },
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+
+
 def qwen2_5_vl_encoder(tokenizer, hidden_size: int, layers: int = 2):
     """A tiny ``Qwen2_5_VLForConditionalGeneration`` (a two-block vision tower beside the language
     model, as in the real one) whose last hidden state is ``hidden_size`` wide."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    heads = 2
-    half = hidden_size // heads // 2
-    section = [half - 2 * (half // 3), half // 3, half // 3]  # temporal, height, width: sums to half a head
     config = Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=len(tokenizer),
-            hidden_size=hidden_size,
-            intermediate_size=2 * hidden_size,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=1,
-            max_position_embeddings=2048,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section},
-            pad_token_id=tokenizer.pad_token_id,
-            tie_word_embeddings=False,
-        ),
+        text_config=tiny_qwen2_5_vl_text(tokenizer, hidden_size, layers),
         vision_config=dict(
             depth=2,
             hidden_size=32,
@@ -272,24 +281,7 @@ def qwen2_5_vl_text_model(tokenizer, hidden_size: int, layers: int = 2):
     """A tiny ``Qwen2_5_VLTextModel`` (HunyuanVideo-1.5 encodes text with Qwen2.5-VL's language model alone)."""
     from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
 
-    heads = 2
-    half = hidden_size // heads // 2
-    config = Qwen2_5_VLTextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=1,
-        max_position_embeddings=2048,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "mrope_section": [half - 2 * (half // 3), half // 3, half // 3],
-        },
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return Qwen2_5_VLTextModel(config).eval()
+    return Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**tiny_qwen2_5_vl_text(tokenizer, hidden_size, layers))).eval()
 
 
 def hunyuan_video15_standins(transformer_kwargs: dict) -> dict:

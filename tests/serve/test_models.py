@@ -7,26 +7,30 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import requests
-from support import random_png, reference_frames
+from support import embedded_pipeline, random_png, reference_frames
 from test_model_qwen_image import model_card_frames
 
-from ray_hsdp.loading import load_pipeline, resolve_model_path
 from ray_hsdp.request import GenerationRequest
 
 from .served import deploy, png_pixels
 
 
-@pytest.fixture
-def qwen_image_app(server):
+def one_app(server: str, name: str, args: dict):
+    """Generator for a fixture: the URL of app ``name`` of ``build_app(args)`` beside the tiny
+    server, deleted after its test without waiting (its ranks stop while the next test runs)."""
     from ray import serve
 
-    yield deploy(server, "qwen", {"model": "tiny-qwen-image", "device": "cpu", "shard_size": 2})
-    serve.delete("qwen", _blocking=False)  # its ranks stop while the next test runs
+    yield deploy(server, name, args)
+    serve.delete(name, _blocking=False)
+
+
+@pytest.fixture
+def qwen_image_app(server):
+    yield from one_app(server, "qwen", {"model": "tiny-qwen-image", "device": "cpu", "shard_size": 2})
 
 
 def test_qwen_image_over_the_images_api_guides_with_true_cfg_and_its_negative_prompt(qwen_image_app):
-    pipe = load_pipeline(resolve_model_path("tiny-qwen-image"), "float32")
-    pipe.set_progress_bar_config(disable=True)
+    _, pipe = embedded_pipeline("tiny-qwen-image")
     bodies = [
         {"prompt": "a red fox", "size": "64x64", "seed": 3, "num_inference_steps": 3, "guidance_scale": 4.0},
         {"prompt": "a red fox", "size": "32x64", "seed": 3, "num_inference_steps": 3, "negative_prompt": "a cat"},
@@ -51,25 +55,19 @@ def test_qwen_image_over_the_images_api_guides_with_true_cfg_and_its_negative_pr
 
 @pytest.fixture
 def ti2v_app(server):
-    from ray import serve
-
     args = {"model": "tiny-wan2.2-ti2v", "device": "cpu", "shard_size": 2, "pipeline_class": "WanImageToVideoPipeline"}
-    yield deploy(server, "ti2v", args)
-    serve.delete("ti2v", _blocking=False)  # its ranks stop while the next test runs
+    yield from one_app(server, "ti2v", args)
 
 
 def test_wan22_ti2v_over_the_videos_api_animates_its_input_reference(ti2v_app):
     import base64
-
-    import diffusers
 
     from ray_hsdp.request import fit_image
     from ray_hsdp.serve.media import decode_mp4
 
     from .test_videos import SAME_MP4_MAE, as_mp4, mae
 
-    pipe = diffusers.WanImageToVideoPipeline.from_pretrained(resolve_model_path("tiny-wan2.2-ti2v"))
-    pipe.set_progress_bar_config(disable=True)
+    _, pipe = embedded_pipeline("tiny-wan2.2-ti2v", "WanImageToVideoPipeline")
     image = random_png(80, 48, 4)
     body = {"prompt": "waves", "size": "64x64", "num_frames": 9, "num_inference_steps": 2, "seed": 4}
     response = requests.post(
@@ -87,10 +85,7 @@ def test_wan22_ti2v_over_the_videos_api_animates_its_input_reference(ti2v_app):
 
 @pytest.fixture
 def flux2_app(server):
-    from ray import serve
-
-    yield deploy(server, "flux2", {"model": "tiny-flux2", "device": "cpu", "shard_size": 2})
-    serve.delete("flux2", _blocking=False)  # its ranks stop while the next test runs
+    yield from one_app(server, "flux2", {"model": "tiny-flux2", "device": "cpu", "shard_size": 2})
 
 
 def test_flux2_over_the_images_api_takes_a_reference_and_refuses_a_negative_prompt(flux2_app):
@@ -98,8 +93,7 @@ def test_flux2_over_the_images_api_takes_a_reference_and_refuses_a_negative_prom
 
     from ray_hsdp.request import fit_image
 
-    pipe = load_pipeline(resolve_model_path("tiny-flux2"), "float32")
-    pipe.set_progress_bar_config(disable=True)
+    _, pipe = embedded_pipeline("tiny-flux2")
     image = random_png(160, 96, 5)
     body = {"prompt": "a cat", "size": "128x64", "seed": 3, "num_inference_steps": 2, "guidance_scale": 3.0}
     response = requests.post(
@@ -127,10 +121,7 @@ def test_flux2_over_the_images_api_takes_a_reference_and_refuses_a_negative_prom
 
 @pytest.fixture
 def hunyuan_app(server):
-    from ray import serve
-
-    yield deploy(server, "hy15", {"model": "tiny-hunyuanvideo-1.5", "device": "cpu", "shard_size": 2})
-    serve.delete("hy15", _blocking=False)  # its ranks stop while the next test runs
+    yield from one_app(server, "hy15", {"model": "tiny-hunyuanvideo-1.5", "device": "cpu", "shard_size": 2})
 
 
 def test_hunyuan_video15_over_the_videos_api_guides_through_its_guider(hunyuan_app):
@@ -138,8 +129,7 @@ def test_hunyuan_video15_over_the_videos_api_guides_through_its_guider(hunyuan_a
 
     from .test_videos import SAME_MP4_MAE, as_mp4, mae
 
-    pipe = load_pipeline(resolve_model_path("tiny-hunyuanvideo-1.5"), "float32")
-    pipe.set_progress_bar_config(disable=True)
+    _, pipe = embedded_pipeline("tiny-hunyuanvideo-1.5")
     body = {"prompt": "waves", "size": "64x64", "num_frames": 5, "num_inference_steps": 2, "seed": 4}
     videos = []
     for guidance in (6.0, 2.0):
