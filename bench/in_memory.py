@@ -50,7 +50,7 @@ def build(arch_name: str):
 def main() -> None:
     import torch
 
-    from bench.reference import reference_frames
+    from bench.reference import timed_frames
     from ray_hsdp.request import GenerationRequest
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -74,13 +74,7 @@ def main() -> None:
         guidance_scale=args.guidance,
         seed=7,
     )
-    reference_frames(pipe, GenerationRequest(prompt="warm up", width=width, height=height, num_inference_steps=2))
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    frames = reference_frames(pipe, request)
-    torch.cuda.synchronize()
-    request_s = time.perf_counter() - start
+    frames, request_s, peak = timed_frames(pipe, request)
     payload = {
         "arch": args.arch,
         "environment": environment(),
@@ -88,7 +82,7 @@ def main() -> None:
         "build_s": round(build_s, 1),
         "weights_bytes": weights,
         "request_s": round(request_s, 2),
-        "peak_bytes": torch.cuda.max_memory_allocated(),
+        "peak_bytes": peak,
         "finite": bool(torch.isfinite(torch.from_numpy(frames)).all()),
     }
     gpu = ", ".join(payload["environment"]["gpus"])

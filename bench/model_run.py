@@ -24,7 +24,7 @@ from bench.common import ensure_model, environment, gib, start_ray, write_result
 def plain_run(model_dir: Path, request, pipeline_class: str | None, device: str) -> dict:
     import torch
 
-    from bench.reference import reference_frames
+    from bench.reference import timed_frames
     from ray_hsdp.loading import load_pipeline
     from ray_hsdp.loading import pipeline_class as class_named
 
@@ -35,19 +35,12 @@ def plain_run(model_dir: Path, request, pipeline_class: str | None, device: str)
     load_s = time.perf_counter() - start
     pipe.set_progress_bar_config(disable=True)
     weights = torch.cuda.memory_allocated() if cuda else 0
-    reference_frames(pipe, dataclasses.replace(request, num_inference_steps=2))  # warm-up
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    frames = reference_frames(pipe, request)
-    if cuda:
-        torch.cuda.synchronize()
+    frames, request_s, peak = timed_frames(pipe, request)
     out = {
         "load_s": round(load_s, 1),
-        "request_s": round(time.perf_counter() - start, 2),
+        "request_s": round(request_s, 2),
         "weights_bytes": weights,
-        "peak_bytes": torch.cuda.max_memory_allocated() if cuda else 0,
+        "peak_bytes": peak,
         "frames": frames,
     }
     del pipe

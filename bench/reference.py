@@ -4,7 +4,9 @@ with the model's ``enable_cache``, a scheduler with its shift). Tests and GPU be
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import time
 
 import numpy as np
 import torch
@@ -75,6 +77,21 @@ def reference_frames(pipe, request: GenerationRequest) -> np.ndarray:
         if guider is not None:
             pipe.guider = guider
     return out.frames if hasattr(out, "frames") else out.images[:, None]
+
+
+def timed_frames(pipe, request: GenerationRequest) -> tuple[np.ndarray, float, int]:
+    """``request``'s frames from plain diffusers after a 2-step warm-up of the same request: the
+    frames, the request's seconds, and its CUDA peak bytes (0 off CUDA)."""
+    cuda = torch.cuda.is_available() and pipe.device.type == "cuda"
+    reference_frames(pipe, dataclasses.replace(request, num_inference_steps=2))
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    frames = reference_frames(pipe, request)
+    if cuda:
+        torch.cuda.synchronize()
+    return frames, time.perf_counter() - start, torch.cuda.max_memory_allocated() if cuda else 0
 
 
 def pipeline_with_adapters(folder: str, loras: dict[str, str], fused: dict[str, float] | None = None):

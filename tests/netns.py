@@ -90,7 +90,7 @@ class TwoNodes:
     def tail(self) -> str:
         """The last lines of every command's log and of the Ray logs: what a failure message shows."""
         parts = [f"--- {log.name}\n{log.read_text()[-1500:]}" for log in self.logs if log.exists()]
-        for name in ("raylet.out", "gcs_server.out", "serve/controller_*.log"):
+        for name in ("raylet.out", "gcs_server.out", "serve/controller_*.log", "serve/replica_*HSDPServer*.log"):
             for path in sorted(self.temp_dir.glob(f"*/session_latest/logs/{name}")):
                 parts.append(f"--- {path}\n{path.read_text(errors='replace')[-1500:]}")
         return "\n".join(parts)

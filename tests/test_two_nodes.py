@@ -98,6 +98,28 @@ def ended(proxy: str, jobs: list, timeout_s: float) -> list:
     return states
 
 
+def running_on(proxy: str, jobs: list, replica: str, timeout_s: float = 60) -> None:
+    """Waits until one of ``jobs`` runs on ``replica`` (routed there, or taken over from a busy
+    group); fails at once if every job ended first, with the jobs' states and each group's load."""
+    states: list = []
+
+    def one_running():
+        states[:] = [client(proxy).videos.retrieve(job.id) for job in jobs]
+        if all(job.status in ("completed", "failed") for job in states):
+            raise AssertionError("every job ended before one ran there")
+        return any(job.status == "in_progress" and job.replica == replica for job in states)
+
+    try:
+        wait_until(one_running, timeout_s, f"a video job running on replica {replica}", 0.1)
+    except AssertionError as err:
+        pools = {}
+        for _ in range(10):  # one replica answers each call
+            pool = requests.get(f"{proxy}/v1/pool", headers=AUTH, timeout=30).json()
+            pools[pool["replica"]] = pool["requests"]
+        jobs_seen = [(job.status, job.progress, job.replica, job.error) for job in states]
+        raise AssertionError(f"{err}: jobs {jobs_seen}; groups' requests {pools}") from None
+
+
 def image_call(proxy: str, steps: int, answers: list) -> None:
     """One synchronous image request; its status code (or the error that ended it) goes to ``answers``."""
     try:
@@ -144,13 +166,7 @@ def test_two_nodes_serve_with_the_key_from_a_file_and_keep_serving_after_one_nod
 
             # Node B lost under load: its raylet killed while a video job runs on B's group.
             long_jobs = [video(proxies[0], steps=40, seed=10 + i) for i in range(3)]
-            wait_until(
-                lambda: any(
-                    (job := client(proxies[0]).videos.retrieve(j.id)).status == "in_progress" and job.replica == on_b
-                    for j in long_jobs
-                ),
-                60, "a video job running on node B", 0.1,
-            )  # fmt: skip
+            running_on(proxies[0], long_jobs, on_b)
             answers: list = []
             calls = [threading.Thread(target=image_call, args=(proxies[0], 30, answers)) for _ in range(2)]
             for call in calls:
