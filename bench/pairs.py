@@ -379,6 +379,18 @@ MODEL_ROWS = (
 )
 
 
+def _step_caches(transformer, pipe_cls: type, refuse_step_cache) -> list[str]:
+    """The cache kinds a group's load lets ``transformer`` of a ``pipe_cls`` pipeline take."""
+    kinds = []
+    for kind in ("first_block", "taylorseer"):
+        try:
+            refuse_step_cache(transformer, kind, pipe_cls)
+            kinds.append(kind)
+        except ValueError:
+            pass
+    return kinds
+
+
 def model_choices() -> list[str]:
     """The per-model table of ``docs/pairs.md``: which request choices each model's pipeline takes,
     and how, from the pipeline classes (their call's arguments, their LoRA loader) and the registries
@@ -388,6 +400,8 @@ def model_choices() -> list[str]:
     import diffusers
 
     from ray_hsdp.checkpoints.architectures import get_architecture
+    from ray_hsdp.checkpoints.lora import transformer_on_meta
+    from ray_hsdp.load_steps import refuse_step_cache
     from ray_hsdp.sharding import policies  # noqa: F401 (registers them)
     from ray_hsdp.sharding.pipeline_call import FIRST_FRAME, pipeline_call_for
     from ray_hsdp.sharding.policy import registered_policy
@@ -399,10 +413,13 @@ def model_choices() -> list[str]:
         "per request, HTTP 400; a layout it cannot run, at start). Generated from the pipeline classes and",
         "`ray_hsdp/sharding/policies/`. A LoRA runs through diffusers' loader of the pipeline's family; its",
         "parity with plain diffusers' adapters is tested on Wan (`tests/test_loras.py`), not on the others.",
+        "A step cache: the group's `cache.kind` values it runs (others are refused at start); Wan's tests run",
+        "both, Qwen-Image's First Block Cache, TI2V-5B's and HunyuanVideo-1.5's TaylorSeer, each against",
+        "diffusers' own hook on the unsharded pipeline.",
         "",
         "| model | pipeline | guidance_scale | negative_prompt | input_reference | lora | guidance_scale_2 "
-        "| Ulysses / ring lanes | cfg_parallel |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| Ulysses / ring lanes | cfg_parallel | step cache (cache kind) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, override in MODEL_ROWS:
         arch = get_architecture(name)
@@ -432,6 +449,7 @@ def model_choices() -> list[str]:
             "taken" if len(arch.experts) > 1 else "refused",
             "run" if plan else "refused",
             "run" if policy is not None and policy.cfg_split else "refused",
+            ", ".join(_step_caches(transformer_on_meta(name, tiny=True), pipe_cls, refuse_step_cache)) or "refused",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines

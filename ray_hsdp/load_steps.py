@@ -27,10 +27,12 @@ from ray_hsdp.loading import (
     model_index,
     model_key_names,
 )
+from ray_hsdp.pairs import refuse_model
 from ray_hsdp.phases import Phases
 from ray_hsdp.sharding import compile_units, resolve_plan, shard_module
 from ray_hsdp.sharding.context_parallel import LaneParallel, enable_context_parallel, set_attention_backend
 from ray_hsdp.sharding.fp8 import fp8_linears, quantize_fp8
+from ray_hsdp.sharding.pipeline_call import pipeline_call_for
 from ray_hsdp.sharding.policy import registered_policy
 from ray_hsdp.topology import ParallelDims
 
@@ -116,6 +118,24 @@ def keep_recorded_outputs(module: nn.Module) -> None:
     _CAN_RECORD_REGISTRY[module] = recorded
 
 
+def refuse_step_cache(module: nn.Module, kind: str, pipeline_cls: type) -> None:
+    """Refuses a step cache of ``kind`` that ``module`` (a diffusers model) or its pipeline (of
+    ``pipeline_cls``) cannot run: what a rank's load checks before any weight loads (the model rows
+    of ``ray_hsdp.pairs``).
+
+    Raises:
+        ValueError: Its message names the model, the cache, why, and what to do instead.
+    """
+    refuse_model(
+        {
+            "model": type(module).__name__,
+            "cache": kind,
+            "cache_blocks_known": step_cache.blocks_known(module),
+            "cache_context": pipeline_call_for(pipeline_cls).cache_context,
+        }
+    )
+
+
 def shard_component(folder: Path, class_info: tuple[str, str], facts: LoadFacts, name: str):
     """One sharded component, through its steps.
 
@@ -124,7 +144,9 @@ def shard_component(folder: Path, class_info: tuple[str, str], facts: LoadFacts,
     """
     module = build_on_meta(folder, *class_info, facts.dtype)
     model_key = model_key_names(module)  # of the model's own classes: sharding renames them
-    if facts.cache_hooks:  # before fully_shard renames the block classes the hooks look for
+    if facts.cache_hooks and hasattr(module, "enable_cache"):
+        # Before fully_shard renames the block classes the hooks look for.
+        refuse_step_cache(module, facts.cache_hooks["kind"], facts.pipeline_cls)
         step_cache.enable(module, **facts.cache_hooks)
     plan = resolve_plan(module, facts.min_num_params)
     denoiser = hasattr(module, "enable_parallelism")  # diffusers models, not text encoders

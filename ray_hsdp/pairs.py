@@ -71,7 +71,25 @@ REFUSALS: tuple[Refusal, ...] = (
         "diffusers splits a model's sequence only where its _cp_plan (or its sharding policy) says, and "
         "HunyuanVideo-1.5's joint attention builds a mask over the whole sequence that a split cannot take",
         "serve it in batch (lanes of one rank), or with cfg_parallel alone",
-        lambda facts: facts["splits_sequence"] and not facts["context_parallel_plan"],
+        lambda facts: facts.get("splits_sequence", False) and not facts["context_parallel_plan"],
+        scope="model",
+    ),
+    Refusal(
+        "a transformer whose blocks diffusers' First Block Cache does not know (HunyuanVideo-1.5)",
+        "the cache kind first_block",
+        "First Block Cache reads each block's outputs as diffusers' registry of transformer blocks says, "
+        "and this model's block class has no entry there",
+        "use the cache kind taylorseer, or none",
+        lambda facts: facts.get("cache") == "first_block" and facts.get("cache_blocks_known") is False,
+        scope="model",
+    ),
+    Refusal(
+        "a pipeline that enters no cache context (FLUX.2)",
+        "a step cache (cache kind)",
+        "diffusers' step caches keep their state per cache context, which a pipeline enters around each "
+        "forward; this one enters none, so no step cache runs on it (in diffusers either)",
+        "use the cache kind none",
+        lambda facts: facts.get("cache", "none") != "none" and facts.get("cache_context") is False,
         scope="model",
     ),
     Refusal(
@@ -281,7 +299,9 @@ def refuse_config(config) -> None:
 def refuse_model(facts: dict[str, Any]) -> None:
     """Raises for the first model row that the ``facts`` of a model a group loads hold (``model``:
     its class name; ``splits_sequence``: the group's lanes split its sequence;
-    ``context_parallel_plan``: it has a plan to split it by).
+    ``context_parallel_plan``: it has a plan to split it by; ``cache``: the group's cache kind;
+    ``cache_blocks_known``: diffusers' First Block Cache knows its blocks; ``cache_context``: its
+    pipeline enters a cache context around each forward).
 
     Raises:
         ValueError: Its message names the model, both settings, why, and what to do instead.

@@ -30,7 +30,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
-from diffusers.hooks.first_block_cache import FBCHeadBlockHook
+from diffusers.hooks.first_block_cache import (
+    _ALL_TRANSFORMER_BLOCK_IDENTIFIERS,
+    FBCHeadBlockHook,
+    TransformerBlockRegistry,
+)
 from diffusers.hooks.taylorseer_cache import TaylorSeerCacheHook
 
 from ray_hsdp.request import CACHE_KINDS, StepCache
@@ -61,6 +65,25 @@ def enable(module: nn.Module, kind: str, *, max_order: int = 1, lite: bool = Tru
         dtype = next(module.parameters()).dtype
         module.enable_cache(TaylorSeerCacheConfig(max_order=max_order, taylor_factors_dtype=dtype, use_lite_mode=lite))
     return True
+
+
+def blocks_known(module: nn.Module) -> bool:
+    """Whether diffusers' First Block Cache knows the classes of ``module``'s transformer blocks:
+    it finds them by the same names, and reads their outputs by its registry (which diffusers
+    offers no public way to ask)."""
+    blocks = {
+        type(block)
+        for name, child in module.named_children()
+        if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, nn.ModuleList)
+        for block in child
+    }
+    known = True
+    for block_class in blocks:
+        try:
+            TransformerBlockRegistry.get(block_class)
+        except ValueError:
+            known = False
+    return known
 
 
 def _hooks(module: nn.Module) -> list:

@@ -1,6 +1,6 @@
 """FLUX.2 through a shard group: its tiny pipeline (a 30-layer Mistral 3, whose layers 10, 20 and 30
-the pipeline reads), its optional reference image, its refusal of a negative prompt, and a lane of
-Ulysses 2, each request equal to the unsharded diffusers pipeline."""
+the pipeline reads), its optional reference image, its refusal of a negative prompt and of step
+caches, and a lane of Ulysses 2, each request equal to the unsharded diffusers pipeline."""
 
 from __future__ import annotations
 
@@ -67,3 +67,14 @@ def test_flux2_on_a_lane_of_ulysses_2_equals_unsharded_and_refuses_a_negative_pr
     assert set(memory[0]["sharded_components"]) == {"transformer", "text_encoder"}
     for request, result in zip(REQUESTS, results):
         assert max_abs_diff(result.frames, reference_frames(pipe, request)) <= TOLERANCE, request
+
+
+@pytest.mark.parametrize("kind", ["first_block", "taylorseer"])
+def test_a_step_cache_on_flux2_is_refused_at_start(flux2, kind):
+    """What a rank's load checks before its weights load (a group's start fails with this message):
+    FLUX.2's pipeline enters no cache context, so no step cache runs on it, in diffusers either."""
+    from ray_hsdp.load_steps import refuse_step_cache
+
+    _, pipe = flux2
+    with pytest.raises(ValueError, match="Flux2Transformer2DModel: a pipeline that enters no cache context"):
+        refuse_step_cache(pipe.transformer, kind, type(pipe))

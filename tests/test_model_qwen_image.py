@@ -9,12 +9,12 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from support import embedded_pipeline, max_abs_diff
+from support import embedded_pipeline, max_abs_diff, reference_with
 
 from bench.reference import plain_call
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.group import ShardGroup
-from ray_hsdp.request import GenerationRequest, InvalidRequestError
+from ray_hsdp.request import GenerationRequest, InvalidRequestError, StepCache
 
 TOLERANCE = 1e-5
 
@@ -73,9 +73,13 @@ def test_the_tiny_qwen_image_answers_every_input_visibly(qwen_image):
 def test_qwen_image_on_a_lane_of_cfg_2_x_ulysses_2_equals_the_model_card_run(qwen_image):
     folder, pipe = qwen_image
     layout = dict(shard_size=4, cfg_parallel=True, ulysses_degree=2)
-    with ShardGroup(GroupConfig(model=folder, device="cpu", **layout)) as group:
+    # One request asks for First Block Cache (a threshold no change reaches: every step after the
+    # first reuses it, its measure taken over the lane's Ulysses ranks); the others run in full.
+    cached = dataclasses.replace(REQUESTS[0], cache=StepCache("first_block", threshold=1e9), seed=5)
+    cache = {"kind": "first_block", "every_request": False}
+    with ShardGroup(GroupConfig(model=folder, device="cpu", cache=cache, **layout)) as group:
         facts = group.pipeline_facts
-        results = group.generate(REQUESTS)
+        *results, cached_result = group.generate([*REQUESTS, cached])
         memory = group.memory()
         # One step divides by zero in its scheduler (NaN in diffusers too): refused, naming it.
         with pytest.raises(InvalidRequestError, match="num_inference_steps 1"):
@@ -85,3 +89,6 @@ def test_qwen_image_on_a_lane_of_cfg_2_x_ulysses_2_equals_the_model_card_run(qwe
     assert set(memory[0]["sharded_components"]) == {"transformer", "text_encoder"}
     for request, result in zip(REQUESTS, results):
         assert max_abs_diff(result.frames, model_card_frames(pipe, request)) <= TOLERANCE, request
+    assert max_abs_diff(cached_result.frames, reference_with(pipe, cached)) <= TOLERANCE
+    # Every step after the first reused it, on the answering rank (the conditional half).
+    assert cached_result.cached_forwards == cached.num_inference_steps - 1

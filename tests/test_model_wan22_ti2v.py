@@ -8,11 +8,11 @@ import dataclasses
 
 import numpy as np
 import pytest
-from support import embedded_pipeline, max_abs_diff, random_png, reference_frames
+from support import embedded_pipeline, max_abs_diff, random_png, reference_frames, reference_with
 
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.group import ShardGroup
-from ray_hsdp.request import GenerationRequest, InvalidRequestError, fit_image
+from ray_hsdp.request import GenerationRequest, InvalidRequestError, StepCache, fit_image
 
 TOLERANCE = 1e-5
 I2V = "WanImageToVideoPipeline"
@@ -56,11 +56,16 @@ def test_the_tiny_ti2v_answers_every_input_visibly(ti2v):
 # From an image (WanImageToVideoPipeline on the same folder), on two ranks: tests/serve/test_models.py.
 def test_ti2v_from_text_on_a_lane_of_ulysses_2_equals_unsharded(ti2v):
     folder, pipes = ti2v
-    with ShardGroup(GroupConfig(model=folder, device="cpu", ulysses_degree=2)) as group:
+    # One request asks for TaylorSeer (step 0 in full, then one in every 2); the others run in full.
+    cached = dataclasses.replace(TEXT[0], cache=StepCache("taylorseer", interval=2, warmup_steps=1), seed=5)
+    cache = {"kind": "taylorseer", "every_request": False}
+    with ShardGroup(GroupConfig(model=folder, device="cpu", ulysses_degree=2, cache=cache)) as group:
         assert group.pipeline_facts["image_input"] is False
-        results = group.generate(TEXT)
+        *results, cached_result = group.generate([*TEXT, cached])
         # The folder's own class makes videos from text alone: an image is refused, naming it.
         with pytest.raises(InvalidRequestError, match="input_reference"):
             group.submit(with_image(TEXT[0], 0))
     for request, result in zip(TEXT, results):
         assert max_abs_diff(result.frames, reference_frames(pipes["WanPipeline"], request)) <= TOLERANCE, request
+    assert max_abs_diff(cached_result.frames, reference_with(pipes["WanPipeline"], cached)) <= TOLERANCE
+    assert cached_result.cached_forwards

@@ -12,7 +12,7 @@ import torch
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
-def _transformer_on_meta(target: str | Path, tiny: bool) -> torch.nn.Module:
+def transformer_on_meta(target: str | Path, tiny: bool) -> torch.nn.Module:
     """The transformer of an architecture of ``make-random`` or of a pipeline folder, on meta."""
     import diffusers
 
@@ -72,7 +72,7 @@ def make_random_lora(
     """
     from safetensors.torch import save_file
 
-    targets = lora_targets(_transformer_on_meta(target, tiny))
+    targets = lora_targets(transformer_on_meta(target, tiny))
     if not targets:
         raise ValueError(f"{target}: its transformer has no block linear layers to adapt")
     generator = torch.Generator().manual_seed(seed)

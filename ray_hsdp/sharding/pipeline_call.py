@@ -38,12 +38,16 @@ class PipelineCall:
             makes an unconditional forward after the conditional one (what CFG parallel splits).
         image: What the pipeline's ``image`` argument is (``FIRST_FRAME`` or ``REFERENCE``); for a
             class not registered, a first frame when the call takes one.
+        cache_context: Whether the pipeline enters its transformer's ``cache_context`` around each
+            forward: diffusers' step caches keep their state per context, so a pipeline that enters
+            none runs no step cache (in diffusers either; refused at start, ``ray_hsdp.pairs``).
     """
 
     guidance: str | None = "guidance_scale"
     negative_prompt_when_guided: str | None = None
     guided: Callable[[object, dict], bool] = _cfg_flag
     image: str = FIRST_FRAME
+    cache_context: bool = True
 
 
 _CALLS: dict[str, PipelineCall] = {}

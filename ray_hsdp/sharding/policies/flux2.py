@@ -3,7 +3,8 @@ the model fits a GPU at all), and how its pipeline takes a request's choices.
 
 FLUX.2-dev is guidance-distilled: ``guidance_scale`` feeds a guidance embedding, and there is no
 unconditional pass, so no negative prompt (its pipeline takes none: refused per request) and no
-CFG parallel. Its ``image`` is an optional reference (an edit, a subject), not a first frame.
+CFG parallel. Its ``image`` is an optional reference (an edit, a subject), not a first frame. Its
+pipeline enters no cache context around its forwards, so no step cache runs on it (refused at start).
 """
 
 from ray_hsdp.sharding.pipeline_call import REFERENCE, PipelineCall, register_pipeline_call
@@ -36,4 +37,4 @@ MISTRAL3 = register_policy(
     ),
 )
 
-FLUX2_CALL = register_pipeline_call("Flux2Pipeline", call=PipelineCall(image=REFERENCE))
+FLUX2_CALL = register_pipeline_call("Flux2Pipeline", call=PipelineCall(image=REFERENCE, cache_context=False))
