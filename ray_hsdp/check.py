@@ -1,9 +1,10 @@
 """``ray-hsdp check FILE``: a Serve YAML checked without starting Ray. For each application of
 ray_hsdp: its configuration (``AppConfig``, with the device of the YAML or of ``--device``), the
-table of refusals, the resolved layout, and the weights each GPU will hold, read from the model
-folder's safetensors headers (the sharded components over the shard size, the others whole, in the
-dtype served), against ``--gpu-memory`` when given. A model folder that is not on this machine is
-reported; it fails the check only with ``--strict``."""
+table of refusals (its model rows against the folder's transformer and pipeline), the resolved
+layout, and the weights each GPU will hold, read from the model folder's safetensors headers (the
+sharded components over the shard size, the others whole, in the dtype served), against
+``--gpu-memory`` when given. A model folder that is not on this machine is reported; it fails the
+check only with ``--strict``."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from ray_hsdp.config import EMBEDDED_MODELS, AppConfig, cache_dir
+from ray_hsdp.config import EMBEDDED_MODELS, AppConfig, embedded_folder
 
 #: Bytes per element of the float dtypes a rank serves in.
 _SERVED_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -58,6 +59,32 @@ def component_bytes(folder: Path, dtype: str) -> dict[str, int]:
     return out
 
 
+def model_refusals(config: AppConfig, folder: Path) -> list[str]:
+    """The model rows of the table of refusals (``ray_hsdp.pairs``) that the folder's transformer
+    and pipeline hold with ``config``: what the ranks' load would refuse at start (the transformer
+    built on the meta device, from its config alone)."""
+    if not (folder / "transformer" / "config.json").is_file():
+        return []
+    from ray_hsdp.checkpoints.lora import transformer_on_meta
+    from ray_hsdp.load_steps import refuse_step_cache
+    from ray_hsdp.loading import pipeline_class
+    from ray_hsdp.sharding import policies  # noqa: F401 (registers them)
+    from ray_hsdp.sharding.context_parallel import refuse_split
+    from ray_hsdp.sharding.policy import registered_policy
+
+    transformer = transformer_on_meta(folder, tiny=False)
+    failures = []
+    try:
+        if config.parallel_dims().splits_sequence:
+            policy = registered_policy(type(transformer))
+            refuse_split(transformer, policy.cp_plan if policy else None)
+        if config.cache.kind != "none":
+            refuse_step_cache(transformer, config.cache.kind, pipeline_class(folder, config.pipeline_class))
+    except ValueError as err:
+        failures.append(str(err))
+    return failures
+
+
 @dataclass
 class AppReport:
     """What ``check`` found for one application: its failures, and what it would run."""
@@ -87,13 +114,14 @@ def check_app(name: str, args: dict, device: str | None, gpu_memory_gib: float |
         f"{dims.num_lanes} lane(s) of {dims.lane_size}{lanes}"
     )
     embedded = config.model in EMBEDDED_MODELS
-    folder = cache_dir() / EMBEDDED_MODELS[config.model] if embedded else Path(config.model)
+    folder = embedded_folder(config.model) if embedded else Path(config.model)
     if embedded and not (folder / "model_index.json").is_file():
         report.notes.append(f"{config.model!r}: the embedded tiny model, written on its first start")
         return report
     if not (folder / "model_index.json").is_file():
         (report.failures if strict else report.notes).append(f"model folder {folder} is not on this machine")
         return report
+    report.failures += model_refusals(config, folder)
     sharded = set(config.shard_components) if dims.shard_size > 1 else set()
     for component, size in component_bytes(folder, config.dtype).items():
         report.per_gpu[component] = -(-size // dims.shard_size) if component in sharded else size

@@ -321,7 +321,7 @@ def load_parts(
         quantize_unsharded(models, facts.min_num_params, facts.device, phases)
     sequence = lane_parallel = None
     with phases.phase("parallel setup"):
-        if dims.sequence_degree > 1 or max((dims.lane_shape(s)[1] for s in dims.lane_sizes), default=1) > 1:
+        if dims.splits_sequence:
             sequence, lane_parallel = split_sequences(
                 pipe, models, policies, dims, lane_mesh, facts.device, backend, lane_meshes or {}
             )

@@ -25,7 +25,7 @@ from filelock import FileLock
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ray_hsdp.checkpoints.tiny import is_pipeline_folder, make_tiny
-from ray_hsdp.config import EMBEDDED_LORAS, EMBEDDED_MODELS, TINY_MODEL, cache_dir
+from ray_hsdp.config import EMBEDDED_LORAS, EMBEDDED_MODELS, TINY_MODEL, cache_dir, embedded_folder
 from ray_hsdp.sharding.layout import rows_of
 
 logger = logging.getLogger("ray_hsdp")
@@ -51,10 +51,6 @@ EMBEDDED_WRITERS = {
     "tiny-flux2": {"arch": "flux.2-dev"},
     "tiny-hunyuanvideo-1.5": {"arch": "hunyuanvideo-1.5"},
 }
-#: Part of the embedded models' cache folder names. An embedded model is written only when its
-#: folder is missing, so a writer that makes different weights must bump it, or caches written
-#: earlier keep serving the old ones (2: a VAE whose images vary, not flat gray).
-EMBEDDED_VERSION = 2
 
 
 def resolve_model_path(model: str) -> Path:
@@ -70,7 +66,7 @@ def resolve_model_path(model: str) -> Path:
         FileNotFoundError: ``model`` is not a diffusers pipeline folder.
     """
     if model in EMBEDDED_MODELS:
-        path = cache_dir() / f"{EMBEDDED_MODELS[model]}-v{EMBEDDED_VERSION}"
+        path = embedded_folder(model)
         path.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(path) + ".lock"):
             if not is_pipeline_folder(path):

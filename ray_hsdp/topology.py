@@ -98,6 +98,12 @@ class ParallelDims:
         return self.ring * self.ulysses
 
     @property
+    def splits_sequence(self) -> bool:
+        """Whether a lane of the group splits a request's token sequence (a fixed lane's ring or
+        Ulysses degree, or an adaptive lane with Ulysses ranks)."""
+        return self.sequence_degree > 1 or max((self.lane_shape(s)[1] for s in self.lane_sizes), default=1) > 1
+
+    @property
     def lane_size(self) -> int:
         """Ranks of one fixed lane: the whole group when replicated, else ``cfg x ring x ulysses``;
         with adaptive lanes 1 (a request's own lane comes with it: ``lane_shape``)."""

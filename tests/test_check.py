@@ -71,3 +71,22 @@ def test_weights_per_gpu_come_from_the_safetensors_headers(capsys, tmp_path, tin
     assert f"vae {elements['vae'] * 4 / gib:.3f} GiB ({elements['vae'] * 4} bytes)" in out, out
     code, out = check(capsys, serve_yaml(tmp_path, model=tiny_model, device="cpu"), "--gpu-memory", "0.000001")
     assert code == 1 and "over --gpu-memory 1e-06 GiB" in out, out
+
+
+def test_the_model_rows_fail_a_yaml_before_any_rank_starts(capsys, tmp_path, ray_cluster):
+    """The table's model rows against the folder's transformer (built on the meta device from its
+    config) and pipeline: what the ranks' load would refuse at start, found by ``check``."""
+    from ray_hsdp.loading import resolve_model_path
+
+    for name in ("tiny-hunyuanvideo-1.5", "tiny-flux2"):
+        resolve_model_path(name)  # written as a rank writes it (the model tests use the same folders)
+    hunyuan = {"model": "tiny-hunyuanvideo-1.5", "device": "cpu", "shard_size": 2}
+    code, out = check(capsys, serve_yaml(tmp_path, **hunyuan, ulysses_degree=2))
+    assert code == 1 and "HunyuanVideo15Transformer3DModel: a transformer without a context-parallel plan" in out, out
+    code, out = check(capsys, serve_yaml(tmp_path, **hunyuan, cache={"kind": "first_block"}))
+    assert code == 1 and "blocks diffusers' First Block Cache does not know" in out, out
+    code, out = check(capsys, serve_yaml(tmp_path, **hunyuan, cfg_parallel=True, cache={"kind": "taylorseer"}))
+    assert code == 0, out
+    flux2 = serve_yaml(tmp_path, model="tiny-flux2", device="cpu", shard_size=2, cache={"kind": "taylorseer"})
+    code, out = check(capsys, flux2)
+    assert code == 1 and "Flux2Transformer2DModel: a pipeline that enters no cache context" in out, out

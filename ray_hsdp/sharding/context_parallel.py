@@ -94,6 +94,18 @@ def _one_device_per_rank(device: str):
         torch.accelerator.device_count = count
 
 
+def refuse_split(module: nn.Module, cp_plan: dict | None) -> None:
+    """Refuses lanes that split the sequence of ``module`` (a diffusers model) when neither it
+    (``_cp_plan``) nor its policy (``cp_plan``) says how to split it (a model row of ``ray_hsdp.pairs``).
+
+    Raises:
+        ValueError: Its message names the model, the lanes, why, and what to do instead.
+    """
+    name = type(module).__name__.removeprefix("FSDP")
+    plan = cp_plan is not None or getattr(module, "_cp_plan", None) is not None
+    refuse_model({"model": name, "splits_sequence": True, "context_parallel_plan": plan})
+
+
 def enable_context_parallel(
     module: nn.Module,
     lane_mesh: DeviceMesh,
@@ -124,8 +136,7 @@ def enable_context_parallel(
             ring attention, or the model has no context-parallel plan; each names the setting.
     """
     name = type(module).__name__.removeprefix("FSDP")
-    plan = cp_plan is not None or getattr(module, "_cp_plan", None) is not None
-    refuse_model({"model": name, "splits_sequence": True, "context_parallel_plan": plan})
+    refuse_split(module, cp_plan)
     heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
     if heads is not None and heads % ulysses:
         raise ValueError(f"ulysses_degree={ulysses} does not divide the {heads} attention heads of {name}")
