@@ -54,6 +54,15 @@ def embedded_pipeline(name: str, pipeline_class: str | None = None) -> tuple[str
     return str(folder), pipe
 
 
+def style_lora(folder: str, directory: Path) -> dict[str, str]:
+    """A random LoRA (rank 4, every block linear) for the transformer of the pipeline at ``folder``,
+    written under ``directory``: a ``loras`` config naming it ``style``."""
+    from ray_hsdp.checkpoints.lora import make_random_lora
+
+    make_random_lora(folder, directory / "style", rank=4, seed=1, dtype="float32")
+    return {"style": str(directory / "style")}
+
+
 def max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return float(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)).max())

@@ -8,7 +8,15 @@ import dataclasses
 
 import numpy as np
 import pytest
-from support import embedded_pipeline, max_abs_diff, random_png, reference_frames
+from support import (
+    embedded_pipeline,
+    max_abs_diff,
+    pipeline_with_adapters,
+    random_png,
+    reference_frames,
+    reference_with,
+    style_lora,
+)
 
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.group import ShardGroup
@@ -53,11 +61,14 @@ def test_the_tiny_flux2_answers_every_input_visibly(flux2):
     assert min(means.values()) >= 3, means
 
 
-def test_flux2_on_a_lane_of_ulysses_2_equals_unsharded_and_refuses_a_negative_prompt(flux2):
+def test_flux2_on_a_lane_of_ulysses_2_equals_unsharded_and_refuses_a_negative_prompt(flux2, tmp_path):
     folder, pipe = flux2
-    with ShardGroup(GroupConfig(model=folder, device="cpu", ulysses_degree=2)) as group:
+    # One request asks for a LoRA (through diffusers' FLUX.2 loader); the others run without it.
+    styled = dataclasses.replace(REQUESTS[0], lora=(("style", 0.8),), seed=6)
+    loras = style_lora(folder, tmp_path)
+    with ShardGroup(GroupConfig(model=folder, device="cpu", ulysses_degree=2, loras=loras)) as group:
         facts = group.pipeline_facts
-        results = group.generate(REQUESTS)
+        *results, styled_result = group.generate([*REQUESTS, styled])
         memory = group.memory()
         # diffusers' FLUX.2 takes no negative prompt and would ignore one: refused, naming it.
         with pytest.raises(InvalidRequestError, match="negative_prompt"):
@@ -67,6 +78,8 @@ def test_flux2_on_a_lane_of_ulysses_2_equals_unsharded_and_refuses_a_negative_pr
     assert set(memory[0]["sharded_components"]) == {"transformer", "text_encoder"}
     for request, result in zip(REQUESTS, results):
         assert max_abs_diff(result.frames, reference_frames(pipe, request)) <= TOLERANCE, request
+    with_adapters = pipeline_with_adapters(folder, loras)  # diffusers' own loader, on the unsharded pipeline
+    assert max_abs_diff(styled_result.frames, reference_with(with_adapters, styled)) <= TOLERANCE
 
 
 @pytest.mark.parametrize("kind", ["first_block", "taylorseer"])

@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from support import embedded_pipeline, max_abs_diff, reference_with
+from support import embedded_pipeline, max_abs_diff, pipeline_with_adapters, reference_with, style_lora
 
 from bench.reference import plain_call
 from ray_hsdp.config import GroupConfig
@@ -70,16 +70,19 @@ def test_the_tiny_qwen_image_answers_every_input_visibly(qwen_image):
 
 
 # Batch on two ranks: tests/serve/test_models.py, over HTTP.
-def test_qwen_image_on_a_lane_of_cfg_2_x_ulysses_2_equals_the_model_card_run(qwen_image):
+def test_qwen_image_on_a_lane_of_cfg_2_x_ulysses_2_equals_the_model_card_run(qwen_image, tmp_path):
     folder, pipe = qwen_image
     layout = dict(shard_size=4, cfg_parallel=True, ulysses_degree=2)
     # One request asks for First Block Cache (a threshold no change reaches: every step after the
-    # first reuses it, its measure taken over the lane's Ulysses ranks); the others run in full.
+    # first reuses it, its measure taken over the lane's Ulysses ranks), one for a LoRA (through
+    # diffusers' Qwen-Image loader); the others run in full, without it.
     cached = dataclasses.replace(REQUESTS[0], cache=StepCache("first_block", threshold=1e9), seed=5)
+    styled = dataclasses.replace(REQUESTS[0], lora=(("style", 0.8),), seed=6)
     cache = {"kind": "first_block", "every_request": False}
-    with ShardGroup(GroupConfig(model=folder, device="cpu", cache=cache, **layout)) as group:
+    loras = style_lora(folder, tmp_path)
+    with ShardGroup(GroupConfig(model=folder, device="cpu", cache=cache, loras=loras, **layout)) as group:
         facts = group.pipeline_facts
-        *results, cached_result = group.generate([*REQUESTS, cached])
+        *results, cached_result, styled_result = group.generate([*REQUESTS, cached, styled])
         memory = group.memory()
         # One step divides by zero in its scheduler (NaN in diffusers too): refused, naming it.
         with pytest.raises(InvalidRequestError, match="num_inference_steps 1"):
@@ -92,3 +95,5 @@ def test_qwen_image_on_a_lane_of_cfg_2_x_ulysses_2_equals_the_model_card_run(qwe
     assert max_abs_diff(cached_result.frames, reference_with(pipe, cached)) <= TOLERANCE
     # Every step after the first reused it, on the answering rank (the conditional half).
     assert cached_result.cached_forwards == cached.num_inference_steps - 1
+    with_adapters = pipeline_with_adapters(folder, loras)  # diffusers' own loader, on the unsharded pipeline
+    assert max_abs_diff(styled_result.frames, reference_with(with_adapters, styled)) <= TOLERANCE

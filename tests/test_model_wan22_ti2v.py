@@ -8,7 +8,15 @@ import dataclasses
 
 import numpy as np
 import pytest
-from support import embedded_pipeline, max_abs_diff, random_png, reference_frames, reference_with
+from support import (
+    embedded_pipeline,
+    max_abs_diff,
+    pipeline_with_adapters,
+    random_png,
+    reference_frames,
+    reference_with,
+    style_lora,
+)
 
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.group import ShardGroup
@@ -54,14 +62,17 @@ def test_the_tiny_ti2v_answers_every_input_visibly(ti2v):
 
 
 # From an image (WanImageToVideoPipeline on the same folder), on two ranks: tests/serve/test_models.py.
-def test_ti2v_from_text_on_a_lane_of_ulysses_2_equals_unsharded(ti2v):
+def test_ti2v_from_text_on_a_lane_of_ulysses_2_equals_unsharded(ti2v, tmp_path):
     folder, pipes = ti2v
-    # One request asks for TaylorSeer (step 0 in full, then one in every 2); the others run in full.
+    # One request asks for TaylorSeer (step 0 in full, then one in every 2), one for a LoRA; the
+    # others run in full, without it.
     cached = dataclasses.replace(TEXT[0], cache=StepCache("taylorseer", interval=2, warmup_steps=1), seed=5)
+    styled = dataclasses.replace(TEXT[0], lora=(("style", 0.8),), seed=6)
     cache = {"kind": "taylorseer", "every_request": False}
-    with ShardGroup(GroupConfig(model=folder, device="cpu", ulysses_degree=2, cache=cache)) as group:
+    loras = style_lora(folder, tmp_path)
+    with ShardGroup(GroupConfig(model=folder, device="cpu", ulysses_degree=2, cache=cache, loras=loras)) as group:
         assert group.pipeline_facts["image_input"] is False
-        *results, cached_result = group.generate([*TEXT, cached])
+        *results, cached_result, styled_result = group.generate([*TEXT, cached, styled])
         # The folder's own class makes videos from text alone: an image is refused, naming it.
         with pytest.raises(InvalidRequestError, match="input_reference"):
             group.submit(with_image(TEXT[0], 0))
@@ -69,3 +80,5 @@ def test_ti2v_from_text_on_a_lane_of_ulysses_2_equals_unsharded(ti2v):
         assert max_abs_diff(result.frames, reference_frames(pipes["WanPipeline"], request)) <= TOLERANCE, request
     assert max_abs_diff(cached_result.frames, reference_with(pipes["WanPipeline"], cached)) <= TOLERANCE
     assert cached_result.cached_forwards
+    with_adapters = pipeline_with_adapters(folder, loras)  # diffusers' own loader, on the unsharded pipeline
+    assert max_abs_diff(styled_result.frames, reference_with(with_adapters, styled)) <= TOLERANCE
