@@ -8,6 +8,8 @@
 #                                      HunyuanVideo-1.5 (848x480, 49 frames)
 #   bash bench/gpu/issue56.sh ti2v     the first of those alone
 #   bash bench/gpu/issue56.sh qwen     Qwen-Image (1328x1328)
+#   bash bench/gpu/issue56.sh qwen-lora  the same with a random LoRA of rank 64 on both sides, timed
+#                                      without and with it
 #
 # The groups decode whole (vae_tiling off), as plain diffusers does: their frames must equal its.
 #
@@ -30,7 +32,7 @@ run() {  # run ARCH NAME ARGS...: one bench.model_run, its log beside its result
     --name "model-run-$name-1x$GPU" "$@" >"$OUT/model-run-$name-1x$GPU.log" 2>&1
   echo "$name: exit $?"
   tail -12 "$OUT/model-run-$name-1x$GPU.log"
-  rm -rf "${MODELS:?}/$arch"
+  rm -rf "${MODELS:?}/$arch" "${MODELS:?}/$arch-loras"
 }
 
 case "$PART" in
@@ -49,6 +51,9 @@ case "$PART" in
     ;;
   qwen)
     run qwen-image qwen-image --size 1328x1328 --steps 8 --guidance 4
+    ;;
+  qwen-lora)
+    run qwen-image qwen-image-lora64 --size 1328x1328 --steps 8 --guidance 4 --lora-rank 64
     ;;
   *)
     echo "unknown part $PART" >&2
