@@ -77,13 +77,15 @@ def blocks_known(module: nn.Module) -> bool:
         if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, nn.ModuleList)
         for block in child
     }
-    known = True
-    for block_class in blocks:
-        try:
-            TransformerBlockRegistry.get(block_class)
-        except ValueError:
-            known = False
-    return known
+    return all(_registered(block_class) for block_class in blocks)
+
+
+def _registered(block_class: type) -> bool:
+    try:
+        TransformerBlockRegistry.get(block_class)
+    except ValueError:  # its way of saying "not registered"
+        return False
+    return True
 
 
 def _hooks(module: nn.Module) -> list:
