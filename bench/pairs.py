@@ -379,8 +379,10 @@ MODEL_ROWS = (
 )
 
 
-def _step_caches(transformer, pipe_cls: type, refuse_step_cache) -> list[str]:
+def _step_caches(transformer, pipe_cls: type) -> list[str]:
     """The cache kinds a group's load lets ``transformer`` of a ``pipe_cls`` pipeline take."""
+    from ray_hsdp.load_steps import refuse_step_cache
+
     kinds = []
     for kind in ("first_block", "taylorseer"):
         try:
@@ -401,7 +403,6 @@ def model_choices() -> list[str]:
 
     from ray_hsdp.checkpoints.architectures import get_architecture
     from ray_hsdp.checkpoints.lora import transformer_on_meta
-    from ray_hsdp.load_steps import refuse_step_cache
     from ray_hsdp.sharding import policies  # noqa: F401 (registers them)
     from ray_hsdp.sharding.pipeline_call import FIRST_FRAME, pipeline_call_for
     from ray_hsdp.sharding.policy import registered_policy
@@ -450,7 +451,7 @@ def model_choices() -> list[str]:
             "taken" if len(arch.experts) > 1 else "refused",
             "run" if plan else "refused",
             "run" if policy is not None and policy.cfg_split else "refused",
-            ", ".join(_step_caches(transformer_on_meta(name, tiny=True), pipe_cls, refuse_step_cache)) or "refused",
+            ", ".join(_step_caches(transformer_on_meta(name, tiny=True), pipe_cls)) or "refused",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
