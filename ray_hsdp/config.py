@@ -639,8 +639,8 @@ class AppConfig(GroupConfig):
     max_body_bytes: int = Field(
         64 * 1024,
         ge=1024,
-        description="Largest HTTP request body (HTTP 413 above it); a video request may add one input_reference "
-        "of max_image_bytes (as base64, 4/3 of it).",
+        description="Largest HTTP request body (HTTP 413 above it); an image or video request may add one "
+        "input_reference of max_image_bytes (as base64, 4/3 of it).",
     )
     max_image_bytes: int = Field(
         10 * 1024**2, ge=1024, description="Largest input_reference image, in bytes once decoded (HTTP 413 above it)."

@@ -6,7 +6,11 @@ several). vllm-omni's spellings work too (``--use-hsdp``, ``--hsdp-shard-size``,
 ``--hsdp-replicate-size``, ``--cfg-parallel-size``, ``--cache-backend``; ``--ulysses-degree`` and
 ``--ring-degree`` are fields). Everything is validated by ``AppConfig``, with its messages.
 
-Precedence, lowest first: the file, the vllm-omni spellings, the field flags, ``--set``.
+Precedence, lowest first: the file, the vllm-omni spellings, the field flags, ``--set``. A flag
+that gives a nested block (``--cache-backend``, ``--lora-file``, ``--cache KIND``, ``--autoscaling
+'{...}'``) merges into the file's block, as ``--set block.field=...`` does. A file means what it
+means to ``serve deploy``: vllm-omni's rule (without ``--use-hsdp`` each GPU holds the whole
+model) applies only where no file is given, and its refusal only to a split its own flags ask for.
 """
 
 from __future__ import annotations
@@ -45,12 +49,43 @@ def parse_value(text: str) -> Any:
         return text
 
 
+def _takes_text(name: str) -> bool:
+    """Whether field ``name`` of ``AppConfig`` holds text and nothing JSON would give (a number, a
+    list, a mapping): its flag's value is then the text as typed (``--model-name 2024``)."""
+    annotation = AppConfig.model_fields[name].annotation
+    kinds = set(getattr(annotation, "__args__", ())) or {annotation}
+    return str in kinds and kinds <= {str, type(None)}
+
+
+def field_value(name: str, text: str) -> Any:
+    """The value of field ``name`` (dotted names reach nested fields) given as ``text``: for a field
+    of text the text itself (or the JSON string it quotes; ``null`` where the field may be unset),
+    else ``parse_value``."""
+    value = parse_value(text)
+    if "." in name or name not in AppConfig.model_fields or not _takes_text(name):
+        return value
+    if value is None and type(None) in getattr(AppConfig.model_fields[name].annotation, "__args__", ()):
+        return None
+    return value if isinstance(value, str) else text
+
+
+def merge_field(config: dict, name: str, value: Any) -> None:
+    """Sets field ``name`` to ``value``; a mapping given for a block the config holds as a mapping
+    (``cache``, ``loras``, ``autoscaling``, ...) merges into it, its keys replacing the block's."""
+    present = config.get(name)
+    if isinstance(present, BaseModel):
+        present = present.model_dump()
+    if isinstance(value, dict) and isinstance(present, dict):
+        value = {**present, **value}
+    config[name] = value
+
+
 class _FieldValue(argparse.Action):
     """Stores a field flag's value in ``namespace.fields`` (only the flags given count)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         fields = dict(getattr(namespace, "fields", None) or {})
-        fields[self.dest] = parse_value(values)
+        fields[self.dest] = field_value(self.dest, values)
         namespace.fields = fields
 
 
@@ -87,9 +122,10 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
         )  # fmt: skip
 
 
-def file_args(path: str, app: str | None) -> dict:
-    """The configuration in ``path``: an application's ``args`` mapping, or the ``args`` of the one
-    application (or the one ``app`` names) of a Serve YAML.
+def file_application(path: str, app: str | None) -> dict:
+    """The application in ``path``: ``{"args": ...}`` for a file of one application's args, or the
+    one application of a Serve YAML (or the one ``app`` names), with its ``name`` and
+    ``route_prefix`` where it gives them.
 
     Raises:
         UsageError: The file holds several applications and none is picked, or no such one.
@@ -102,7 +138,7 @@ def file_args(path: str, app: str | None) -> dict:
     if "applications" not in loaded:
         if app is not None:
             raise UsageError(f"--app {app}: {path} is one application's args, not a Serve YAML")
-        return dict(loaded)
+        return {"args": dict(loaded)}
     apps = loaded["applications"] or []
     names = [a.get("name", "default") for a in apps]
     if app is None and len(apps) != 1:
@@ -110,7 +146,13 @@ def file_args(path: str, app: str | None) -> dict:
     chosen = apps[0] if app is None else next((a for a in apps if a.get("name", "default") == app), None)
     if chosen is None:
         raise UsageError(f"--app {app}: {path} holds {', '.join(names)}")
-    return dict(chosen.get("args") or {})
+    named = {key: chosen[key] for key in ("name", "route_prefix") if key in chosen}
+    return {"args": dict(chosen.get("args") or {}), **named}
+
+
+def file_args(path: str, app: str | None) -> dict:
+    """The configuration in ``path`` (``file_application``'s ``args``)."""
+    return file_application(path, app)["args"]
 
 
 def set_dotted(config: dict, dotted: str, value: Any) -> None:
@@ -181,36 +223,50 @@ def omni_fields(args: argparse.Namespace) -> dict:
     return out
 
 
-def serve_config(args: argparse.Namespace) -> AppConfig:
+def _splits(config: dict) -> bool:
+    """Whether ``config`` (fields as given) splits requests over several ranks."""
+    return any(config.get(f, 1) not in (1, False, None) for f in ("ulysses_degree", "ring_degree")) or bool(
+        config.get("cfg_parallel")
+    )
+
+
+def serve_config(args: argparse.Namespace, file_fields: dict | None = None) -> AppConfig:
     """The application's configuration from the command line (the module doc's precedence).
+
+    Args:
+        file_fields: ``--config``'s fields, where the caller read them already.
 
     Raises:
         UsageError: The command line asks for something that cannot be served.
         pydantic.ValidationError: ``AppConfig`` refuses it (its message names the field).
     """
-    config = file_args(args.config, args.app) if args.config else {}
+    if file_fields is None:
+        file_fields = file_args(args.config, args.app) if args.config else {}
+    config = dict(file_fields)
     config["model"] = args.model
-    config.update(omni_fields(args))
-    config.update(args.fields)
-    if isinstance(config.get("cache"), str):  # ``--cache KIND``: the kind alone
-        config["cache"] = {"kind": config["cache"]}
+    flags: dict = {}  # what the command line itself asks for, beside the file
+    for name, value in (*omni_fields(args).items(), *args.fields.items()):
+        if name == "cache" and isinstance(value, str):  # ``--cache KIND``: the kind alone
+            value = {"kind": value}
+        merge_field(flags, name, value)
+        merge_field(config, name, value)
     for override in args.overrides:
         dotted, sep, text = override.partition("=")
         if not sep or not dotted:
             raise UsageError(f"--set {override!r}: expected FIELD=VALUE")
         if dotted.split(".")[0] not in AppConfig.model_fields:
             raise UsageError(f"--set {dotted}: no such configuration field (docs/configuration.md lists them)")
-        set_dotted(config, dotted, parse_value(text))
-    split = any(config.get(f, 1) not in (1, False, None) for f in ("ulysses_degree", "ring_degree")) or config.get(
-        "cfg_parallel"
-    )
-    if not args.use_hsdp and "shard_size" not in config and not config.get("lane_sizes"):
-        if split:
+        set_dotted(flags, dotted, field_value(dotted, text))
+        set_dotted(config, dotted, field_value(dotted, text))
+    sized = any(config.get(f) for f in ("shard_size", "world_size", "lane_sizes"))
+    if not args.use_hsdp and not sized:
+        if _splits(flags):
             raise UsageError(
                 "--ulysses-degree, --ring-degree and CFG parallel split requests over the ranks of a shard group, "
                 "whose weights are sharded over them: add --use-hsdp (the shard size then defaults to the lane size)"
             )
-        config["shard_size"] = 1  # vllm's way: without --use-hsdp each GPU holds the whole model
+        if not args.config:  # a file means what it means to serve deploy
+            config["shard_size"] = 1  # vllm's way: without --use-hsdp each GPU holds the whole model
     return AppConfig(**config)
 
 

@@ -114,3 +114,60 @@ def test_a_file_of_args_or_a_serve_yaml(tmp_path):
 def test_the_application_is_named_after_the_model_folder():
     assert default_app_name("/models/Wan2.1-T2V-14B-Diffusers/") == "Wan2.1-T2V-14B-Diffusers"
     assert default_app_name("tiny") == "tiny"
+
+
+def test_a_file_means_the_same_to_the_cli_as_to_serve_deploy(tmp_path):
+    """Without --use-hsdp the CLI's vllm-omni rule (shard size 1) applies only where no file is
+    given, and its refusal only to a split its own flags ask for."""
+    cases = [
+        ({"mode": "replicated", "replicate_size": 2, "device": "cpu"}, 2),
+        ({"world_size": 4, "replicate_size": 2, "device": "cpu"}, 2),
+        ({"ulysses_degree": 2, "device": "cpu"}, 2),
+        ({"device": "cpu"}, 2),
+    ]
+    for fields, shard in cases:
+        path = tmp_path / "app.yaml"
+        path.write_text(yaml.safe_dump({"applications": [{"name": "a", "args": fields}]}))
+        deployed = AppConfig(model="tiny", **fields)  # what serve deploy of the file builds
+        by_cli = config_of("tiny", "--config", str(path))
+        assert by_cli.resolved_shard_size == deployed.resolved_shard_size == shard, fields
+        assert by_cli.parallel_dims() == deployed.parallel_dims(), fields
+    with pytest.raises(UsageError, match="add --use-hsdp"):  # a split the flags ask for, still
+        config_of("tiny", "--config", str(path), "--usp", "2")
+
+
+def test_flags_merge_into_the_files_nested_blocks(tmp_path):
+    path = tmp_path / "app.yaml"
+    path.write_text(yaml.safe_dump({
+        "device": "cpu", "shard_size": 2,
+        "cache": {"kind": "taylorseer", "interval": 3, "warmup_steps": 2, "every_request": False},
+        "loras": {"style": "/loras/style"}, "lora_defaults": {"style": {"num_inference_steps": 4}},
+        "autoscaling": {"min_groups": 1, "max_groups": 3, "upscale_delay_s": 1},
+    }))  # fmt: skip
+    cache = config_of("tiny", "--config", str(path), "--cache-backend", "taylorseer").cache
+    assert (cache.kind, cache.interval, cache.warmup_steps, cache.every_request) == ("taylorseer", 3, 2, False)
+    assert config_of("tiny", "--config", str(path), "--cache", "first_block").cache.interval == 3
+    config = config_of("tiny", "--config", str(path), "--lora-file", "extra=/p")
+    assert config.loras == {"style": "/loras/style", "extra": "/p"} and "style" in config.lora_defaults
+    scaling = config_of("tiny", "--config", str(path), "--autoscaling", '{"max_groups": 4}').autoscaling
+    assert (scaling.min_groups, scaling.max_groups, scaling.upscale_delay_s) == (1, 4, 1)
+    assert config_of("tiny", "--config", str(path), "--autoscaling", "null").autoscaling is None
+
+
+def test_a_text_field_takes_the_text_as_typed():
+    assert config_of("tiny", "--model-name", "2024").model_name == "2024"
+    assert config_of("tiny", "--set", "model_name=true").model_name == "true"
+    assert config_of("tiny", "--model-name", "null").model_name is None
+    assert config_of("tiny", "--max-steps", "12").max_steps == 12  # numbers stay numbers
+
+
+def test_app_takes_the_applications_name_and_route_prefix_too(tmp_path):
+    from ray_hsdp.serve_cli import file_application
+
+    shipped = ROOT / "serve_configs" / "wan2.2_ti2v_5b.yaml"
+    names = [app["name"] for app in yaml.safe_load(shipped.read_text())["applications"]]
+    picked = [file_application(str(shipped), name) for name in names]
+    assert [app["name"] for app in picked] == names and len({app["route_prefix"] for app in picked}) == len(names)
+    args_file = tmp_path / "args.yaml"
+    args_file.write_text(yaml.safe_dump({"device": "cpu"}))
+    assert file_application(str(args_file), None) == {"args": {"device": "cpu"}}  # the CLI's defaults then

@@ -1,5 +1,6 @@
 """Two real Ray nodes (``ray start`` in two network namespaces, ``tests/netns.py``): the key from
-a file at one path on every node, a group on each node, and the loss of one node.
+a file at one path on every node, a keyless application refused on a host strangers reach, a key
+stored from a worker node kept on the head, a group on each node, and the loss of one node.
 
 Neither node has the API key in its environment: the application reads it from ``api_key_file``
 (the Kubernetes Secret mounted in every pod, here one file both namespaces see). Ray's own token
@@ -52,9 +53,40 @@ def serve_config(model: str, key_file: Path) -> dict:
                     "api_key_file": str(key_file),
                     "video_stale_after_s": 3,
                 },
-            }
+            },
+            {  # no key anywhere (no file, a variable no node has, none stored): refused on 0.0.0.0
+                "name": "keyless",
+                "route_prefix": "/keyless",
+                "import_path": "ray_hsdp.serve:build_app",
+                "args": {
+                    "model": model,
+                    "device": "cpu",
+                    "shard_size": 1,
+                    "cpus_per_rank": 0.5,
+                    "api_key_env": "RAY_HSDP_TEST_NO_SUCH_KEY",
+                },  # fmt: skip
+            },
         ],
     }
+
+
+#: Run on node A: where the stored key of application ``pinned`` lives, and how Serve ends the
+#: keyless application (its replicas refuse to start, so it fails to deploy).
+CLUSTER_FACTS = """
+import sys, time
+import ray
+from ray import serve
+ray.init(address=sys.argv[1], namespace="facts")
+stored = ray.get_actor("api_key:pinned", namespace="ray_hsdp")
+print("KEY-NODE", ray.get(stored.__ray_call__.remote(lambda self: ray.util.get_node_ip_address())))
+deadline = time.monotonic() + 90
+while time.monotonic() < deadline:
+    app = serve.status().applications.get("keyless")
+    if app is not None and app.status == "DEPLOY_FAILED":
+        print("KEYLESS", app.status, app.message.replace(chr(10), " "))
+        break
+    time.sleep(0.5)
+"""
 
 
 def replica_nodes(proxy: str) -> dict[str, set[str]]:
@@ -159,6 +191,16 @@ def test_two_nodes_serve_with_the_key_from_a_file_and_keep_serving_after_one_nod
             )
             # Each group's ranks on one node, the two groups on the two nodes.
             assert sorted(ip for ips in groups.values() for ip in ips) == sorted(NODE_IPS), groups
+
+            # A key stored from node B lives on the head node, as the job table; the keyless
+            # application is refused with the message that names every way to give a key.
+            cli = str(Path(sys.executable).with_name("ray-hsdp"))
+            nodes.run(1, "env", f"RAY_ADDRESS={nodes.head}", "RAY_HSDP_API_KEY=pinned-key", cli, "key", "set",
+                      "--app", "pinned")  # fmt: skip
+            nodes.run(0, sys.executable, "-c", CLUSTER_FACTS, nodes.head)
+            facts = nodes.logs[-1].read_text()
+            assert f"KEY-NODE {NODE_IPS[0]}" in facts, facts
+            assert "KEYLESS DEPLOY_FAILED" in facts and "is not a loopback address" in facts, facts
             on_b = next(replica for replica, ips in groups.items() if ips == {NODE_IPS[1]})
 
             for proxy in proxies:  # both nodes' proxies ask for the key

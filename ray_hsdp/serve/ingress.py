@@ -38,8 +38,9 @@ async def _invalid_model(request: Request, exc: ValidationError) -> JSONResponse
     return await _invalid_request(request, RequestValidationError(exc.errors()))
 
 
-#: The routes that take an input_reference image.
-VIDEO_CREATE_ROUTES = ("/v1/videos", "/v1/videos/sync")
+#: The routes whose body may carry an input_reference image (a first frame, or FLUX.2's reference):
+#: keyed on the route, since the guard runs before the body (and its ``model``) is read.
+IMAGE_INPUT_ROUTES = ("/v1/images/generations", "/v1/videos", "/v1/videos/sync")
 
 
 @api.middleware("http")
@@ -64,10 +65,10 @@ async def _guard(request: Request, call_next):
         if length is None:
             return error_json(411, "a request body needs a Content-Length header", "invalid_request_error")
         limit = config.max_body_bytes
-        if path in VIDEO_CREATE_ROUTES:  # room for one input_reference, base64 taking 4/3 of its bytes
+        if path in IMAGE_INPUT_ROUTES:  # room for one input_reference, base64 taking 4/3 of its bytes
             limit += -(-config.max_image_bytes // 3) * 4
         if not length.isdigit() or int(length) > limit:
-            what = " (max_body_bytes, plus max_image_bytes as base64 on the video routes)"
+            what = " (max_body_bytes, plus max_image_bytes as base64 on the routes that take an input_reference)"
             return error_json(413, f"request body larger than {limit} bytes{what}", "invalid_request_error")
     try:
         response = await call_next(request)
@@ -78,14 +79,20 @@ async def _guard(request: Request, call_next):
     return response
 
 
-def serve_http_host() -> str | None:
-    """The address Serve's HTTP proxies listen on; ``None`` when it cannot be read."""
+def serve_http_options() -> tuple[str | None, int | None]:
+    """The address and port Serve's HTTP proxies listen on; ``None`` where they cannot be read."""
     try:
         from ray.serve.context import _get_global_client  # Serve has no public reader of its HTTP options
 
-        return _get_global_client().http_config.host
+        http = _get_global_client().http_config
+        return http.host, http.port
     except Exception:  # noqa: BLE001 - unknown: treated as open to strangers (refuse_keyless)
-        return None
+        return None, None
+
+
+def serve_http_host() -> str | None:
+    """The address Serve's HTTP proxies listen on; ``None`` when it cannot be read."""
+    return serve_http_options()[0]
 
 
 def refuse_keyless(api_key: KeyCheck | str | None, config: AppConfig, host: str | None, app: str = "") -> None:

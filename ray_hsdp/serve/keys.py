@@ -55,7 +55,9 @@ class KeyCheck:
 
 def read_key(path: str | None, env: str) -> str | None:
     """The key from the first line of the file at ``path`` when one is named, else from the variable
-    ``env``; ``None`` when the variable is unset.
+    ``env``; ``None`` when the variable is unset or blank. Stripped of white space either way: a
+    Kubernetes Secret exposed as a file or as a variable often ends in a newline, which no client
+    can send in its header.
 
     Raises:
         ValueError: ``path`` is named but missing or empty.
@@ -65,7 +67,7 @@ def read_key(path: str | None, env: str) -> str | None:
         if not lines or not lines[0].strip():
             raise ValueError(f"api_key_file {path} is missing or empty")
         return lines[0].strip()
-    return os.environ.get(env) or None
+    return (os.environ.get(env) or "").strip() or None
 
 
 def read_api_key(config: AppConfig) -> str | None:
@@ -120,7 +122,10 @@ def store_key(app: str, key: str) -> None:
     if not key:
         raise ValueError("an empty API key")
     remove_key(app)
-    options = {"name": _store_name(app), "namespace": KEY_NAMESPACE, "lifetime": "detached"}
+    # On the head node, as the job table: a cluster that loses its head loses Serve too, while a
+    # worker node may go at any time, and the key with it (new replicas would then start keyless).
+    options = {"name": _store_name(app), "namespace": KEY_NAMESPACE, "lifetime": "detached",
+               "resources": {"node:__internal_head__": 0.001}}  # fmt: skip
     actor = StoredKey.options(**options).remote(KeyCheck.of(key))
     ray.get(actor.check.remote(), timeout=60)
 

@@ -193,7 +193,8 @@ RAW_BAD = [
     (b"prompt=a", "text/plain", 400),
     (b'{"prompt": "a"', "application/json", 400),
     (b"\xff\xfe", "application/json", 400),
-    (b'{"prompt": "' + b"a" * 70_000 + b'"}', "application/json", 413),
+    # Over max_body_bytes, but within the room the images route keeps for an input_reference.
+    (b'{"prompt": "' + b"a" * 70_000 + b'"}', "application/json", 400),
 ]
 
 
@@ -204,6 +205,30 @@ def test_malformed_bodies_get_4xx_with_a_message(server, body, content_type, sta
     )
     assert response.status_code == status, response.text
     assert response.json()["error"]["message"]
+
+
+def test_a_body_over_the_limit_of_its_route_is_413_before_it_is_read(server):
+    """max_body_bytes plus the room for one input_reference as base64 (the images and video
+    routes); the guard answers from the Content-Length, so nothing of the body needs to arrive."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    from ray_hsdp.config import AppConfig
+
+    config = AppConfig(model="tiny")
+    allowance = -(-config.max_image_bytes // 3) * 4
+    for path, claimed in (("/v1/images/generations", config.max_body_bytes + allowance + 1),
+                          ("/v1/videos", config.max_body_bytes + allowance + 1)):  # fmt: skip
+        where = urlsplit(server)
+        connection = http.client.HTTPConnection(where.hostname, where.port, timeout=60)
+        connection.putrequest("POST", path)
+        connection.putheader("Content-Type", "application/json")
+        connection.putheader("Content-Length", str(claimed))
+        connection.endheaders()
+        reply = connection.getresponse()
+        assert reply.status == 413, (path, reply.status)
+        assert f"larger than {claimed - 1} bytes" in json.loads(reply.read())["error"]["message"]
+        connection.close()
 
 
 def test_unknown_routes_and_methods(server):

@@ -43,6 +43,18 @@ def test_a_key_check_holds_no_key_and_matches_only_the_key():
     assert KeyCheck.of("s3cret-key").salt != check.salt  # a salt of its own each time
 
 
+def test_a_key_from_the_environment_loses_its_trailing_newline_as_one_from_a_file(monkeypatch, tmp_path):
+    from ray_hsdp.serve.keys import KeyCheck, read_key
+
+    monkeypatch.setenv("RAY_HSDP_TEST_KEY", "s3cret-key\n")  # a Kubernetes Secret as a variable
+    assert read_key(None, "RAY_HSDP_TEST_KEY") == "s3cret-key"
+    assert KeyCheck.of(read_key(None, "RAY_HSDP_TEST_KEY")).matches("s3cret-key")
+    (tmp_path / "key").write_text("s3cret-key\n")
+    assert read_key(str(tmp_path / "key"), "RAY_HSDP_TEST_KEY") == "s3cret-key"
+    monkeypatch.setenv("RAY_HSDP_TEST_KEY", " \n")
+    assert read_key(None, "RAY_HSDP_TEST_KEY") is None  # blank: no key
+
+
 def test_a_key_stored_in_the_cluster_reaches_replicas_that_have_no_other(server, tmp_path):
     """`ray-hsdp key set --app NAME` before the deploy: the replicas of NAME, whose nodes have no key
     in a file or their environment, ask for it; `key remove` takes it away (redeploy to serve open)."""
@@ -59,7 +71,8 @@ def test_a_key_stored_in_the_cluster_reaches_replicas_that_have_no_other(server,
     from .served import deploy
 
     ray_hsdp = [str(Path(sys.executable).with_name("ray-hsdp")), "key"]
-    env = {**os.environ, "RAY_HSDP_API_KEY": "stored-s3cret"}
+    # With the newline a Secret exposed as a variable ends in: the key stored is the key without it.
+    env = {**os.environ, "RAY_HSDP_API_KEY": "stored-s3cret\n"}
     set_key = subprocess.run([*ray_hsdp, "set", "--app", "stored"], env=env, capture_output=True, text=True)
     assert set_key.returncode == 0, set_key.stderr
     assert "stored-s3cret" not in set_key.stdout + set_key.stderr
