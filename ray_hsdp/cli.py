@@ -462,13 +462,16 @@ def _add_key(sub) -> None:
 
 def cmd_build_kernels(args: argparse.Namespace) -> int:
     """Builds a kernel's wheel for the local GPU and prints how to ship it (``ray_hsdp.kernels``)."""
-    from ray_hsdp.kernels import BuildRefused, build, shipping
+    from ray_hsdp.kernels import BuildFailed, BuildRefused, build, shipping
 
     try:
         result = build(args.kernel, Path(args.source), Path(args.out), args.jobs, args.cutlass and Path(args.cutlass))
     except BuildRefused as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except BuildFailed as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     print(shipping(result))
     return 0
 

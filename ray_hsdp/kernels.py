@@ -39,8 +39,16 @@ SAGE_MIN_CUDA = {(8, 0): (12, 0), (8, 6): (12, 0), (8, 9): (12, 4), (9, 0): (12,
 FA3_MIN_CUDA = (12, 3)
 
 
+#: The distribution each kernel's wheel is named after (``NAME-VERSION-...whl``).
+WHEEL_NAMES = {"sage": "sageattention", "fa3": "flash_attn_3"}
+
+
 class BuildRefused(ValueError):
     """The build cannot start here; the message names what is missing."""
+
+
+class BuildFailed(RuntimeError):
+    """The build ran and failed; the message says which, after how long, and where its log is."""
 
 
 @dataclass
@@ -151,7 +159,7 @@ def build(kernel: str, source: Path, out: Path, jobs: int | None = None, cutlass
 
     Raises:
         BuildRefused: What is missing (source, nvcc, GPU, CUDA version), before anything runs.
-        RuntimeError: The build itself failed (the last lines of its output).
+        BuildFailed: The build itself failed (its log says why).
     """
     if not source.is_dir():
         raise BuildRefused(f"{kernel}: no source folder {source}")
@@ -159,25 +167,44 @@ def build(kernel: str, source: Path, out: Path, jobs: int | None = None, cutlass
     capability = gpu_capability()
     check_toolchain(kernel, cuda, capability)
     build_plan = plan(kernel, source, out, capability, jobs or os.cpu_count() or 4, cutlass)
-    build_plan.out.mkdir(parents=True, exist_ok=True)
-    before = set(build_plan.out.glob("*.whl"))
-    started = time.perf_counter()
-    proc = subprocess.run(
-        build_plan.command(), env={**os.environ, **build_plan.env}, capture_output=True, text=True
-    )  # fmt: skip
-    seconds = time.perf_counter() - started
-    if proc.returncode != 0:
-        raise RuntimeError(f"{kernel}: the build failed after {seconds:.0f} s:\n{(proc.stdout + proc.stderr)[-4000:]}")
-    wheels = sorted(set(build_plan.out.glob("*.whl")) - before) or sorted(build_plan.out.glob("*.whl"))
+    wheel, seconds = run_plan(build_plan)
     return {
         "kernel": kernel,
-        "wheel": str(wheels[-1]),
+        "wheel": str(wheel),
         "seconds": round(seconds, 1),
         "cuda": f"{cuda[0]}.{cuda[1]}",
         "capability": f"{capability[0]}.{capability[1]}",
         "env": build_plan.env,
         "notes": build_plan.notes,
     }
+
+
+def run_plan(build_plan: BuildPlan) -> tuple[Path, float]:
+    """Runs the build, its output written to ``OUT/KERNEL-build.log``; returns the wheel it wrote
+    (the kernel's own, written by this build: a rebuild overwrites a wheel of the same name, and the
+    folder may hold other kernels' wheels) and the seconds it took.
+
+    Raises:
+        BuildFailed: The build failed, or wrote no wheel of the kernel.
+    """
+    build_plan.out.mkdir(parents=True, exist_ok=True)
+    log = build_plan.out / f"{build_plan.kernel}-build.log"
+    started_at, started = time.time(), time.perf_counter()
+    with open(log, "w") as out:
+        proc = subprocess.run(
+            build_plan.command(), env={**os.environ, **build_plan.env}, stdout=out, stderr=subprocess.STDOUT
+        )  # fmt: skip
+    seconds = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise BuildFailed(
+            f"{build_plan.kernel}: the build failed after {seconds:.0f} s (exit code {proc.returncode}); its log: {log}"
+        )
+    name = WHEEL_NAMES[build_plan.kernel]
+    # The file system's clock may lag ours by its timestamps' resolution: a second of slack.
+    wheels = [w for w in build_plan.out.glob(f"{name}-*.whl") if w.stat().st_mtime >= started_at - 1]
+    if not wheels:
+        raise BuildFailed(f"{build_plan.kernel}: the build wrote no {name} wheel to {build_plan.out}; its log: {log}")
+    return max(wheels, key=lambda w: w.stat().st_mtime), seconds
 
 
 def shipping(result: dict) -> str:

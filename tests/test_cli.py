@@ -169,3 +169,35 @@ def test_make_random_lora_writes_a_lora_diffusers_loads(tmp_path, capsys):
         assert f.get_tensor("transformer.blocks.0.attn1.to_q.lora_A.weight").shape == (4, 32)
     layers = int(re.search(r"(\d+) linear layers", done.stdout).group(1))
     assert len(keys) == 2 * layers and all(k.startswith("transformer.blocks.") for k in keys)
+
+
+def test_ctrl_c_while_the_application_deploys_removes_it(ray_cluster, tmp_path):
+    """Ctrl-C at any moment removes what the command deployed: here while its group still starts
+    (Serve lists the application DEPLOYING), not only once it serves."""
+    from ray import serve
+    from support import wait_until
+
+    log = tmp_path / "serve.log"
+    proc = subprocess.Popen(
+        [CLI, "serve", "tiny", "--name", "interrupted", "--route-prefix", "/interrupted", "--device", "cpu",
+         "--port", str(free_port())],
+        stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, "RAY_HSDP_API_KEY": "k"},
+    )  # fmt: skip
+    try:
+
+        def deploying():
+            try:
+                app = serve.status().applications.get("interrupted")
+            except Exception:  # noqa: BLE001 - no Serve yet: the command starts it
+                return False
+            return app is not None and app.status == "DEPLOYING"
+
+        wait_until(deploying, 120, "the application deploying", 0.2)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+        assert "interrupted" not in serve.status().applications
+        output = log.read_text()
+        assert "removing application 'interrupted'" in output and "Traceback" not in output, output[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()

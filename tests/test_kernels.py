@@ -68,3 +68,33 @@ def test_the_fa3_build_takes_cutlass_from_the_submodule_or_from_cutlass_and_only
     ]
     sage = plan("sage", sage_source(tmp_path / "SageAttention"), tmp_path / "w", (8, 9), 4, None)
     assert sage.env["TORCH_CUDA_ARCH_LIST"] == "8.9" and sage.env["MAX_JOBS"] == "4"
+
+
+def fake_package(root, name: str, version: str = "1.0"):
+    """A source folder pip builds a (pure Python) wheel of the distribution ``name`` from."""
+    root.mkdir(parents=True)
+    (root / "setup.py").write_text(
+        f"from setuptools import setup\nsetup(name={name!r}, version={version!r}, py_modules=[])\n"
+    )
+    return root
+
+
+def test_a_rebuild_names_its_own_wheel_and_a_failed_build_ends_in_one_line_with_its_log(tmp_path):
+    from ray_hsdp.kernels import BuildFailed, BuildPlan, run_plan
+
+    out = tmp_path / "wheels"
+    out.mkdir()
+    fa3 = fake_package(tmp_path / "hopper", "flash_attn_3")
+    first, _ = run_plan(BuildPlan("fa3", fa3, {}, out))
+    assert first.name.startswith("flash_attn_3-1.0-")
+    (out / "sageattention-2.2.0-cp311-cp311-linux_x86_64.whl").write_bytes(b"another kernel's wheel")
+    again, _ = run_plan(BuildPlan("fa3", fa3, {}, out))  # the same name, overwritten: no new file appears
+    assert again == first
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "setup.py").write_text("raise SystemExit('the compiler broke')\n")
+    with pytest.raises(BuildFailed) as failed:
+        run_plan(BuildPlan("sage", tmp_path / "broken", {}, out))
+    message = str(failed.value)
+    assert "\n" not in message and "sage: the build failed after" in message
+    log = out / "sage-build.log"
+    assert f"its log: {log}" in message and "the compiler broke" in log.read_text()
