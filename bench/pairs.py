@@ -381,7 +381,7 @@ MODEL_ROWS = (
 
 def _step_caches(transformer, pipe_cls: type) -> list[str]:
     """The cache kinds a group's load lets ``transformer`` of a ``pipe_cls`` pipeline take."""
-    from ray_hsdp.load_steps import refuse_step_cache
+    from ray_hsdp.start_checks import refuse_step_cache
 
     kinds = []
     for kind in ("first_block", "taylorseer"):

@@ -1,10 +1,12 @@
 """``ray-hsdp check FILE``: a Serve YAML checked without starting Ray. For each application of
 ray_hsdp: its configuration (``AppConfig``, with the device of the YAML or of ``--device``), the
-table of refusals (its model rows against the folder's transformer and pipeline), the resolved
-layout, and the weights each GPU will hold, read from the model folder's safetensors headers (the
-sharded components over the shard size, the others whole, in the dtype served), against
-``--gpu-memory`` when given. A model folder that is not on this machine is reported; it fails the
-check only with ``--strict``."""
+checks a rank's start makes before any weight loads (``ray_hsdp.start_checks``: the same code, on
+the folder's classes and its sharded diffusers models built on the meta device), its LoRA sources,
+the resolved layout, and the weights each GPU will hold (a sharded diffusers model's computed from
+its meta-device build with ``keep_gathered`` and ``quantization``; the others read from the folder's
+safetensors headers, the sharded ones over the shard size), against ``--gpu-memory`` when given. An
+embedded tiny model is written where a rank writes it. A model folder or LoRA source that is not on
+this machine is reported; it fails the check only with ``--strict`` (paths are the cluster's)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from ray_hsdp.config import EMBEDDED_MODELS, AppConfig, embedded_folder
+from ray_hsdp.config import EMBEDDED_MODELS, AppConfig
 
 #: Bytes per element of the float dtypes a rank serves in.
 _SERVED_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -59,32 +61,6 @@ def component_bytes(folder: Path, dtype: str) -> dict[str, int]:
     return out
 
 
-def model_refusals(config: AppConfig, folder: Path) -> list[str]:
-    """The model rows of the table of refusals (``ray_hsdp.pairs``) that the folder's transformer
-    and pipeline hold with ``config``: what the ranks' load would refuse at start (the transformer
-    built on the meta device, from its config alone)."""
-    if not (folder / "transformer" / "config.json").is_file():
-        return []
-    from ray_hsdp.checkpoints.lora import transformer_on_meta
-    from ray_hsdp.load_steps import refuse_step_cache
-    from ray_hsdp.loading import pipeline_class
-    from ray_hsdp.sharding import policies  # noqa: F401 (registers them)
-    from ray_hsdp.sharding.context_parallel import refuse_split
-    from ray_hsdp.sharding.policy import registered_policy
-
-    transformer = transformer_on_meta(folder, tiny=False)
-    failures = []
-    try:
-        if config.parallel_dims().splits_sequence:
-            policy = registered_policy(type(transformer))
-            refuse_split(transformer, policy.cp_plan if policy else None)
-        if config.cache.kind != "none":
-            refuse_step_cache(transformer, config.cache.kind, pipeline_class(folder, config.pipeline_class))
-    except ValueError as err:
-        failures.append(str(err))
-    return failures
-
-
 @dataclass
 class AppReport:
     """What ``check`` found for one application: its failures, and what it would run."""
@@ -94,6 +70,67 @@ class AppReport:
     notes: list[str] = field(default_factory=list)
     layout: str = ""
     per_gpu: dict[str, int] = field(default_factory=dict)  # component -> bytes on each GPU
+
+
+def model_weight_bytes(module, config, shard_size: int) -> int:
+    """Bytes of a sharded diffusers model's weights on each GPU of a group of ``shard_size`` ranks
+    of ``config``: built on the meta device in the served dtype (float32-kept modules included),
+    its policy's units sharded, but the units ``keep_gathered`` keeps whole (the ranks' own pick,
+    ``kept_units``; 1 keeps the root too), the replicated submodules and a unit's parameters of a
+    minority dtype whole; with ``quantization: fp8`` the units' linears at one byte a weight plus
+    one float32 scale per row, every row's scale on every rank."""
+    from ray_hsdp.sharding.apply import minority_dtype_params
+    from ray_hsdp.sharding.fp8 import fp8_candidates
+    from ray_hsdp.sharding.in_place import kept_units
+    from ray_hsdp.sharding.policy import resolve_plan
+
+    plan = resolve_plan(module, config.min_num_params)
+    ordered = plan.units_in_forward_order(module)
+    kept = kept_units(len(ordered), config.keep_gathered)
+    whole = {id(p) for _, m in plan.replicated for p in m.parameters()}
+    unit_of: dict[int, int] = {}
+    for i, (_, unit) in enumerate(ordered):
+        whole |= {id(p) for p in minority_dtype_params(unit)}
+        for param in unit.parameters():
+            unit_of.setdefault(id(param), i)
+    fp8 = {id(linear.weight): linear.out_features for *_, linear in fp8_candidates(plan)}
+    fp8 = fp8 if config.quantization == "fp8" else {}
+    total = 0
+    for param in module.parameters():
+        nbytes = param.numel() * (1 if id(param) in fp8 else param.element_size())
+        unit = unit_of.get(id(param))
+        kept_whole = unit in kept if unit is not None else config.keep_gathered >= 1
+        total += nbytes if shard_size == 1 or id(param) in whole or kept_whole else -(-nbytes // shard_size)
+        total += fp8.get(id(param), 0) * 4
+    return total
+
+
+def start_refusals(config: AppConfig, folder: Path, report: AppReport):
+    """What the ranks' start would refuse, by its own checks (``ray_hsdp.start_checks``) on the
+    folder's classes and its sharded diffusers models built on the meta device, added to
+    ``report``'s failures; the models, for the weights per GPU (``None`` when a check failed)."""
+    from ray_hsdp.start_checks import refuse_start, start_facts
+
+    try:
+        facts = start_facts(folder, config.pipeline_class, config.shard_components, config.dtype)
+        refuse_start(facts, config.parallel_dims(), config.attention_backend, config.cache.kind)
+    except ValueError as err:
+        report.failures.append(str(err))
+        return None
+    return facts.models
+
+
+def lora_notes(config: AppConfig, report: AppReport, strict: bool) -> None:
+    """Each LoRA source resolved as a rank's start resolves it; one not on this machine is a note,
+    a failure with ``strict`` (paths are the cluster's, as the model folder's)."""
+    from ray_hsdp.loading import resolve_lora_path
+
+    for name, parts in config.lora_sources().items():
+        for component, source in parts.items():
+            try:
+                resolve_lora_path(source)
+            except FileNotFoundError as err:
+                (report.failures if strict else report.notes).append(f"lora {name!r} ({component}): {err}")
 
 
 def check_app(name: str, args: dict, device: str | None, gpu_memory_gib: float | None, strict: bool) -> AppReport:
@@ -113,18 +150,25 @@ def check_app(name: str, args: dict, device: str | None, gpu_memory_gib: float |
         f"{dims.replicate_size} group(s) x {dims.shard_size} rank(s) on {config.device} ({config.dtype}); "
         f"{dims.num_lanes} lane(s) of {dims.lane_size}{lanes}"
     )
-    embedded = config.model in EMBEDDED_MODELS
-    folder = embedded_folder(config.model) if embedded else Path(config.model)
-    if embedded and not (folder / "model_index.json").is_file():
-        report.notes.append(f"{config.model!r}: the embedded tiny model, written on its first start")
-        return report
+    if config.model in EMBEDDED_MODELS:  # written as a rank writes it on its first start
+        from ray_hsdp.loading import resolve_model_path
+
+        folder = resolve_model_path(config.model)
+    else:
+        folder = Path(config.model)
     if not (folder / "model_index.json").is_file():
         (report.failures if strict else report.notes).append(f"model folder {folder} is not on this machine")
         return report
-    report.failures += model_refusals(config, folder)
+    models = start_refusals(config, folder, report)
+    lora_notes(config, report, strict)
+    if models is None:
+        return report
     sharded = set(config.shard_components) if dims.shard_size > 1 else set()
     for component, size in component_bytes(folder, config.dtype).items():
-        report.per_gpu[component] = -(-size // dims.shard_size) if component in sharded else size
+        if component in models:
+            report.per_gpu[component] = model_weight_bytes(models[component], config, dims.shard_size)
+        else:
+            report.per_gpu[component] = -(-size // dims.shard_size) if component in sharded else size
     total = sum(report.per_gpu.values())
     if gpu_memory_gib is not None and total > gpu_memory_gib * _GIB:
         report.failures.append(

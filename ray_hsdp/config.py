@@ -70,7 +70,7 @@ def check_attention_backend_name(name: str) -> None:
     """
     from diffusers.models.attention_dispatch import AttentionBackendName
 
-    from ray_hsdp.sharding.context_parallel import PROJECT_BACKENDS
+    from ray_hsdp.attention_backends import PROJECT_BACKENDS
 
     if name in PROJECT_BACKENDS:
         return

@@ -27,12 +27,10 @@ from ray_hsdp.loading import (
     model_index,
     model_key_names,
 )
-from ray_hsdp.pairs import refuse_model
 from ray_hsdp.phases import Phases
 from ray_hsdp.sharding import compile_units, resolve_plan, shard_module
 from ray_hsdp.sharding.context_parallel import LaneParallel, enable_context_parallel, set_attention_backend
 from ray_hsdp.sharding.fp8 import fp8_linears, quantize_fp8
-from ray_hsdp.sharding.pipeline_call import pipeline_call_for
 from ray_hsdp.sharding.policy import registered_policy
 from ray_hsdp.topology import ParallelDims
 
@@ -118,35 +116,20 @@ def keep_recorded_outputs(module: nn.Module) -> None:
     _CAN_RECORD_REGISTRY[module] = recorded
 
 
-def refuse_step_cache(module: nn.Module, kind: str, pipeline_cls: type) -> None:
-    """Refuses a step cache of ``kind`` that ``module`` (a diffusers model) or its pipeline (of
-    ``pipeline_cls``) cannot run: what a rank's load checks before any weight loads (the model rows
-    of ``ray_hsdp.pairs``).
-
-    Raises:
-        ValueError: Its message names the model, the cache, why, and what to do instead.
-    """
-    refuse_model(
-        {
-            "model": type(module).__name__,
-            "cache": kind,
-            "cache_blocks_known": step_cache.blocks_known(module),
-            "cache_context": pipeline_call_for(pipeline_cls).cache_context,
-        }
-    )
-
-
-def shard_component(folder: Path, class_info: tuple[str, str], facts: LoadFacts, name: str):
-    """One sharded component, through its steps.
+def shard_component(
+    folder: Path, class_info: tuple[str, str], facts: LoadFacts, name: str, module: nn.Module | None = None
+):
+    """One sharded component, through its steps; ``module``: the component already built on the
+    meta device (the start's checks build the diffusers models), else built here.
 
     Returns:
         ``(module, sharding, load stats)``.
     """
-    module = build_on_meta(folder, *class_info, facts.dtype)
+    module = module if module is not None else build_on_meta(folder, *class_info, facts.dtype)
     model_key = model_key_names(module)  # of the model's own classes: sharding renames them
     if facts.cache_hooks and hasattr(module, "enable_cache"):
-        # Before fully_shard renames the block classes the hooks look for.
-        refuse_step_cache(module, facts.cache_hooks["kind"], facts.pipeline_cls)
+        # Before fully_shard renames the block classes the hooks look for (the start's checks
+        # refused a cache the model cannot run).
         step_cache.enable(module, **facts.cache_hooks)
     plan = resolve_plan(module, facts.min_num_params)
     denoiser = hasattr(module, "enable_parallelism")  # diffusers models, not text encoders
@@ -257,22 +240,13 @@ def split_sequences(
     return sequence, LaneParallel(list(zip(models.values(), configs)), lane_meshes)
 
 
-def cfg_split_of(pipe, dims: ParallelDims, shardings: dict, policies: dict) -> tuple[str, ...]:
+def cfg_split_of(dims: ParallelDims, shardings: dict, policies: dict) -> tuple[str, ...]:
     """The sharded components whose policies say the pipeline calls them for the conditional, then
-    the unconditional prediction; none without CFG parallel.
-
-    Raises:
-        ValueError: CFG parallel, and no component declares it.
-    """
+    the unconditional prediction; none without CFG parallel (the start's checks refused CFG
+    parallel where none does: ``start_checks.refuse_cfg_split``)."""
     if dims.cfg != 2:
         return ()
-    split = tuple(name for name in shardings if policies[name] is not None and policies[name].cfg_split)
-    if not split:
-        raise ValueError(
-            f"cfg_parallel: no sharded component of {type(pipe).__name__} declares in its sharding policy "
-            "that the pipeline calls it for the conditional, then the unconditional prediction (cfg_split)"
-        )
-    return split
+    return tuple(name for name in shardings if policies[name] is not None and policies[name].cfg_split)
 
 
 def load_parts(
@@ -286,9 +260,11 @@ def load_parts(
     compile: bool,
     phases: Phases,
     lane_meshes: dict | None = None,
+    meta_models: dict[str, nn.Module] | None = None,
 ) -> LoadedParts:
-    """The load, step by step: the sharded components (none without a mesh: one rank), the
-    others, the attention backend or context parallel, compile, the CFG split.
+    """The load, step by step: the sharded components (none without a mesh: one rank; those in
+    ``meta_models`` as the start's checks built them on the meta device), the others, the
+    attention backend or context parallel, compile, the CFG split.
 
     Raises:
         ValueError: None of ``shard_components`` is a component of the pipeline, or the lanes ask
@@ -299,7 +275,9 @@ def load_parts(
         index = model_index(path)
         for name in (n for n in shard_components if n in index):
             with phases.phase(f"shards of {name}"):
-                prebuilt[name], shardings[name], stats[name] = shard_component(path / name, index[name], facts, name)
+                prebuilt[name], shardings[name], stats[name] = shard_component(
+                    path / name, index[name], facts, name, (meta_models or {}).get(name)
+                )
             policies[name] = registered_policy(prebuilt[name])
         if not shardings:
             raise ValueError(
@@ -338,5 +316,5 @@ def load_parts(
                     compile_units(shardings[name])
                 else:  # a group of one rank: diffusers' own regional compile
                     module.compile_repeated_blocks()
-    split = cfg_split_of(pipe, dims, shardings, policies)
+    split = cfg_split_of(dims, shardings, policies)
     return LoadedParts(pipe, shardings, stats, policies, sequence, split, lane_parallel)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ray_hsdp.attention_backends import CPU_BACKENDS, MASKLESS_BACKENDS, RING_BACKENDS
 from ray_hsdp.request import InvalidRequestError
 
 
@@ -45,14 +46,10 @@ class Refusal:
         return f"{self.first} with {self.second}: {self.reason}; {self.instead}"
 
 
-def _attention_outside(config, kind: str) -> bool:
-    """Whether the config names an attention backend outside ``sharding.context_parallel``'s
-    ``CPU_BACKENDS`` or ``RING_BACKENDS`` (``kind``); ``auto`` picks one inside."""
-    if config.attention_backend == "auto":
-        return False
-    from ray_hsdp.sharding import context_parallel
-
-    return config.attention_backend not in getattr(context_parallel, kind)
+def _attention_outside(config, backends: tuple[str, ...]) -> bool:
+    """Whether the config names an attention backend outside ``backends`` (of
+    ``ray_hsdp.attention_backends``); ``auto`` picks one inside."""
+    return config.attention_backend != "auto" and config.attention_backend not in backends
 
 
 def _lane_size(config) -> int:
@@ -90,6 +87,15 @@ REFUSALS: tuple[Refusal, ...] = (
         "forward; this one enters none, so no step cache runs on it (in diffusers either)",
         "use the cache kind none",
         lambda facts: facts.get("cache", "none") != "none" and facts.get("cache_context") is False,
+        scope="model",
+    ),
+    Refusal(
+        "a transformer whose attention always gets a mask (HunyuanVideo-1.5)",
+        "an attention_backend whose kernels take no mask (sage and its variants, flash, _flash_3, _native_flash, "
+        "fa3_fp8)",
+        "those kernels raise on an attention mask, so the first forward would fail",
+        "use attention_backend auto or native (torch's SDPA takes the mask)",
+        lambda facts: facts.get("masks_attention", False) and facts.get("attention_backend") in MASKLESS_BACKENDS,
         scope="model",
     ),
     Refusal(
@@ -135,7 +141,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "device 'cpu'",
         "its kernels run on CUDA GPUs only",
         "use attention_backend 'auto' or one of native, _native_math on CPU, or run on CUDA GPUs",
-        lambda c: c.device == "cpu" and _attention_outside(c, "CPU_BACKENDS"),
+        lambda c: c.device == "cpu" and _attention_outside(c, CPU_BACKENDS),
     ),
     Refusal(
         "ring_degree > 1",
@@ -143,7 +149,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "ring attention merges partial results by their log-sum-exp, and ring lanes run only with the backends "
         "checked to return it here",
         "use ulysses_degree with that backend, or attention_backend 'auto' with ring_degree",
-        lambda c: c.ring_degree > 1 and _attention_outside(c, "RING_BACKENDS"),
+        lambda c: c.ring_degree > 1 and _attention_outside(c, RING_BACKENDS),
     ),
     Refusal(
         "vae_tiling 'on'",
@@ -301,7 +307,8 @@ def refuse_model(facts: dict[str, Any]) -> None:
     its class name; ``splits_sequence``: the group's lanes split its sequence;
     ``context_parallel_plan``: it has a plan to split it by; ``cache``: the group's cache kind;
     ``cache_blocks_known``: diffusers' First Block Cache knows its blocks; ``cache_context``: its
-    pipeline enters a cache context around each forward).
+    pipeline enters a cache context around each forward; ``attention_backend``: the group's;
+    ``masks_attention``: its attention always gets a mask).
 
     Raises:
         ValueError: Its message names the model, both settings, why, and what to do instead.

@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -15,9 +16,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ray_hsdp.frames import to_host
 from ray_hsdp.load_steps import FusedLoras, LoadFacts, load_parts
-from ray_hsdp.loading import (
-    pipeline_class,
-)
 from ray_hsdp.memory import module_memory, peak_device_bytes, unit_memory
 from ray_hsdp.phases import Phases
 from ray_hsdp.pipeline_args import call_kwargs, guidance_on, step_end_callback, steps_watched
@@ -29,6 +27,7 @@ from ray_hsdp.request_slots import RequestSlots
 from ray_hsdp.sharding.context_parallel import attention_backend_for
 from ray_hsdp.sharding.fp8 import check_fp8_device
 from ray_hsdp.sharding.pipeline_call import FIRST_FRAME, REFERENCE, pipeline_call_for
+from ray_hsdp.start_checks import refuse_start, start_facts
 from ray_hsdp.topology import ParallelDims
 from ray_hsdp.variant import RankFeatures, RequestVariant
 from ray_hsdp.variant.shift import shift_key
@@ -168,6 +167,9 @@ class ShardedPipeline(RequestSlots):
         phases = phases or Phases("pipeline")
         if quantization == "fp8":
             check_fp8_device(device)
+        with phases.phase("start checks"):  # what ray-hsdp check runs too, before any weight loads
+            start = start_facts(Path(path), pipeline, shard_components, dtype)
+            refuse_start(start, dims, attention_backend, cache_hooks["kind"] if cache_hooks else "none")
         fused = dict(fuse_loras or {})
         facts = LoadFacts(
             dtype=dtype,
@@ -182,7 +184,7 @@ class ShardedPipeline(RequestSlots):
             cache_hooks=cache_hooks,
             quantization=quantization,
             fused=fused,
-            pipeline_cls=pipeline_class(path, pipeline),
+            pipeline_cls=start.pipeline_cls,
         )
         backend = attention_backend_for(attention_backend, device, dims.ring)
         parts = load_parts(
@@ -195,6 +197,7 @@ class ShardedPipeline(RequestSlots):
             compile=compile,
             phases=phases,
             lane_meshes=lane_meshes,
+            meta_models=start.models,
         )
         with phases.phase("replicated components to device"):
             return cls(parts.pipe, device, rank, parts.shardings, parts.stats, parts.sequence, parts.cfg_split)._with(

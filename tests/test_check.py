@@ -90,3 +90,81 @@ def test_the_model_rows_fail_a_yaml_before_any_rank_starts(capsys, tmp_path, ray
     flux2 = serve_yaml(tmp_path, model="tiny-flux2", device="cpu", shard_size=2, cache={"kind": "taylorseer"})
     code, out = check(capsys, flux2)
     assert code == 1 and "Flux2Transformer2DModel: a pipeline that enters no cache context" in out, out
+
+
+def test_check_fails_what_the_start_would_fail_with_the_starts_own_message(capsys, tmp_path, ray_cluster):
+    """Each file here printed ``ok`` and then failed its group's start: ``check`` now runs the
+    start's own checks (``ray_hsdp.start_checks``) on the folder, so it fails them, with the
+    message the start's load (``ShardedPipeline.load``, what every rank runs) raises."""
+    import pytest
+
+    from ray_hsdp.loading import resolve_model_path
+    from ray_hsdp.sharded_pipeline import ShardedPipeline
+    from ray_hsdp.topology import ParallelDims
+
+    cases = [
+        ({"model": "tiny", "shard_size": 4, "ulysses_degree": 4}, ParallelDims(1, 4, ulysses=4),
+         "ulysses_degree=4 does not divide the 2 attention heads of WanTransformer3DModel"),
+        ({"model": "tiny", "shard_size": 2, "pipeline_class": "NoSuchPipeline"}, ParallelDims(1, 2),
+         "pipeline_class 'NoSuchPipeline' is not a diffusers pipeline class"),
+        ({"model": "tiny-flux2", "shard_size": 2, "cfg_parallel": True}, ParallelDims(1, 2, cfg=2),
+         "cfg_parallel: no sharded component of Flux2Pipeline declares"),
+    ]  # fmt: skip
+    for args, dims, message in cases:
+        code, out = check(capsys, serve_yaml(tmp_path, device="cpu", **args))
+        assert code == 1 and message in out, (args, out)
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            ShardedPipeline.load(
+                resolve_model_path(args["model"]), dtype="float32", device="cpu", rank=0, mesh=None, dims=dims,
+                shard_components=("transformer", "text_encoder"), min_num_params=1, reshard_after_forward=True,
+                forward_prefetch=0, pipeline=args.get("pipeline_class"),
+            )  # fmt: skip
+    # HunyuanVideo-1.5's attention always gets a mask, which sage's and fa3_fp8's kernels refuse.
+    hunyuan = {"model": "tiny-hunyuanvideo-1.5", "shard_size": 2}
+    for backend in ("sage", "fa3_fp8"):
+        code, out = check(capsys, serve_yaml(tmp_path, **hunyuan, attention_backend=backend), "--device", "cuda")
+        assert code == 1 and "whose attention always gets a mask (HunyuanVideo-1.5) with an attention_backend" in out
+    wan = serve_yaml(tmp_path, model="tiny", shard_size=2, attention_backend="sage")
+    assert check(capsys, wan, "--device", "cuda")[0] == 0  # a transformer without masks runs sage
+    # A LoRA path that does not exist: a note (paths are the cluster's), a failure with --strict.
+    lora = serve_yaml(tmp_path, model="tiny", device="cpu", shard_size=2, loras={"gone": str(tmp_path / "no-lora")})
+    code, out = check(capsys, lora)
+    assert code == 0 and "note: lora 'gone' (transformer)" in out and "is neither a file or folder" in out, out
+    assert check(capsys, "--strict", lora)[0] == 1
+
+
+def test_an_embedded_model_never_written_here_is_written_and_checked(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_HSDP_HOME", str(tmp_path / "fresh"))
+    code, out = check(capsys, serve_yaml(tmp_path, model="tiny", device="cpu", shard_size=4, ulysses_degree=4))
+    assert code == 1 and "does not divide the 2 attention heads" in out, out
+    assert (tmp_path / "fresh").is_dir() and "first start" not in out
+
+
+def test_weights_per_gpu_count_keep_gathered_and_fp8(capsys, tmp_path, tiny_model):
+    import re
+
+    from ray_hsdp.loading import build_on_meta, model_index
+
+    folder = Path(tiny_model)
+    meta = build_on_meta(folder / "transformer", *model_index(folder)["transformer"], "bfloat16")
+    whole = sum(p.numel() * p.element_size() for p in meta.parameters())
+
+    def transformer_bytes(**args) -> int:
+        code, out = check(capsys, serve_yaml(tmp_path, model=tiny_model, shard_size=2, **args), "--device", "cuda")
+        assert code == 0, out
+        return int(re.search(r"transformer [\d.]+ GiB \((\d+) bytes\)", out).group(1))
+
+    sharded = transformer_bytes()
+    assert sharded < 0.6 * whole
+    assert transformer_bytes(keep_gathered=1.0) == whole  # every unit and the root whole on every GPU
+    assert sharded < transformer_bytes(keep_gathered=0.5) < whole
+    # FP8: the units' linears (those the ranks swap) at a byte a weight instead of two, each row's
+    # float32 scale whole on every GPU.
+    from ray_hsdp.sharding.fp8 import fp8_candidates
+    from ray_hsdp.sharding.policy import resolve_plan
+
+    linears = [linear for *_, linear in fp8_candidates(resolve_plan(meta, 50_000_000))]
+    assert linears
+    # Each rank's half of a weight: 2 bytes an element in bfloat16, 1 in FP8; the scales whole.
+    saved = sum(linear.weight.numel() * (2 - 1) // 2 - linear.out_features * 4 for linear in linears)
+    assert transformer_bytes(quantization="fp8") == sharded - saved

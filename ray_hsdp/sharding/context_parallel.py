@@ -14,31 +14,15 @@ import torch.nn as nn
 from diffusers import ContextParallelConfig
 from torch.distributed.device_mesh import DeviceMesh
 
+from ray_hsdp.attention_backends import (  # noqa: F401 (read here by callers that set backends)
+    CPU_BACKENDS,
+    CROSS_ATTENTION_NATIVE,
+    PER_CHANNEL_V_BACKENDS,
+    PROJECT_BACKENDS,
+    RING_BACKENDS,
+)
 from ray_hsdp.pairs import refuse_model
 from ray_hsdp.sharding import fa3_fp8
-
-#: Attention backends that return the log-sum-exp ring attention merges partial results with.
-RING_BACKENDS = ("_native_cudnn", "_native_flash")
-
-
-#: Backends that run without CUDA (PyTorch's SDPA and its math kernel).
-CPU_BACKENDS = ("native", "_native_math")
-
-#: Backends that quantize V with one FP8 scale per channel over all keys (SageAttention 2's
-#: ``per_channel_fp8`` multiplies by 448 / the channel's largest value): a channel that is zero at
-#: every key gives 0 x inf, and the NaN reaches every channel at the attention's output projection.
-#: A cross-attention over a short text can hold one: on Wan2.1-14B with FP8 linears the empty
-#: negative prompt (one token among 226 keys, the rest zero padding) had a channel zero at every key
-#: in one block, and every frame came out NaN
-#: (``bench/results/finite-wan2.1-t2v-14b-1xH200-fp8-sage-cause.md``; sm89 / sm90 kernels).
-PER_CHANNEL_V_BACKENDS = ("sage", "_sage_qk_int8_pv_fp8_cuda", "_sage_qk_int8_pv_fp8_cuda_sm90")
-
-#: Backends under which cross-attentions keep torch's SDPA: ``PER_CHANNEL_V_BACKENDS`` (NaN), and
-#: ``fa3_fp8``, whose FP8 would add drift there for little time (a text of a few hundred keys).
-CROSS_ATTENTION_NATIVE = (*PER_CHANNEL_V_BACKENDS, fa3_fp8.NAME)
-
-#: Backends of this project's own (``sharding.fa3_fp8``), beside diffusers' names.
-PROJECT_BACKENDS = (fa3_fp8.NAME,)
 
 
 def attention_backend_for(requested: str, device: str, ring: int) -> str | None:
@@ -106,6 +90,34 @@ def refuse_split(module: nn.Module, cp_plan: dict | None) -> None:
     refuse_model({"model": name, "splits_sequence": True, "context_parallel_plan": plan})
 
 
+def refuse_heads(module: nn.Module, ulysses: int) -> None:
+    """Refuses a Ulysses degree that does not divide ``module``'s attention heads.
+
+    Raises:
+        ValueError: Naming the degree, the heads and the model.
+    """
+    heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
+    if heads is not None and heads % ulysses:
+        name = type(module).__name__.removeprefix("FSDP")
+        raise ValueError(f"ulysses_degree={ulysses} does not divide the {heads} attention heads of {name}")
+
+
+def refuse_lane_heads(module: nn.Module, ulysses_by_lane: dict[int, int]) -> None:
+    """Refuses adaptive lanes whose Ulysses split (lane size -> its Ulysses ranks) divides
+    ``module``'s attention heads unevenly.
+
+    Raises:
+        ValueError: Naming the lane size and the heads.
+    """
+    heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
+    bad = [size for size, ulysses in sorted(ulysses_by_lane.items()) if heads is not None and heads % ulysses]
+    if bad:
+        raise ValueError(
+            f"lane_sizes: a lane of {bad[0]} ranks splits the {heads} attention heads unevenly "
+            "(with cfg_parallel a lane splits them over half its ranks)"
+        )
+
+
 def enable_context_parallel(
     module: nn.Module,
     lane_mesh: DeviceMesh,
@@ -135,11 +147,8 @@ def enable_context_parallel(
         ValueError: The degrees do not fit the model (heads), the attention backend cannot run
             ring attention, or the model has no context-parallel plan; each names the setting.
     """
-    name = type(module).__name__.removeprefix("FSDP")
     refuse_split(module, cp_plan)
-    heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
-    if heads is not None and heads % ulysses:
-        raise ValueError(f"ulysses_degree={ulysses} does not divide the {heads} attention heads of {name}")
+    refuse_heads(module, ulysses)
     if ring > 1 and attention_backend not in RING_BACKENDS:
         raise ValueError(
             f"ring_degree={ring} needs an attention backend that returns the log-sum-exp "
@@ -176,13 +185,7 @@ class LaneParallel:
 
     def __init__(self, models: list[tuple[nn.Module, ContextParallelConfig]], meshes: dict[int, DeviceMesh]):
         for module, _ in models:
-            heads = getattr(module.config, "num_attention_heads", None)
-            bad = [size for size, mesh in meshes.items() if heads is not None and heads % mesh["ulysses"].size()]
-            if bad:
-                raise ValueError(
-                    f"lane_sizes: a lane of {bad[0]} ranks splits the {heads} attention heads unevenly "
-                    "(with cfg_parallel a lane splits them over half its ranks)"
-                )
+            refuse_lane_heads(module, {size: mesh["ulysses"].size() for size, mesh in meshes.items()})
         self.configs = [config for _, config in models]
         # (processor, the parallel config diffusers gave it): switched off on lanes without a split.
         self.processors = [

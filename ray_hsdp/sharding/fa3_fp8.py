@@ -28,10 +28,11 @@ import importlib.util
 
 import torch
 
+from ray_hsdp.attention_backends import FA3_FP8
 from ray_hsdp.sharding.fp8 import FP8, FP8_MAX
 
 #: The project's name for the backend (``attention_backend``).
-NAME = "fa3_fp8"
+NAME = FA3_FP8
 #: The diffusers backend name it is registered under in a rank's process.
 DIFFUSERS_NAME = "_flash_3"
 #: FlashAttention 3's FP8 kernels are Hopper's (compute capability 9.0).

@@ -129,15 +129,11 @@ class Fp8Linear(nn.Linear):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def fp8_linears(plan: ShardPlan) -> int:
-    """Swaps every ``nn.Linear`` inside the plan's units (not in its replicated submodules) whose
-    sides are multiples of 16 for an ``Fp8Linear`` holding its parameters; call before sharding.
-
-    Returns:
-        How many linears were swapped.
-    """
+def fp8_candidates(plan: ShardPlan) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """``(parent, name, linear)`` of every ``nn.Linear`` inside the plan's units (not in its
+    replicated submodules) whose sides are multiples of 16: the linears FP8 keeps in FP8."""
     replicated = {id(m) for _, module in plan.replicated for m in module.modules()}
-    swapped = 0
+    found = []
     for _, unit in plan.units:
         for parent in list(unit.modules()):
             if id(parent) in replicated:
@@ -147,9 +143,21 @@ def fp8_linears(plan: ShardPlan) -> int:
                     continue
                 if child.in_features % _ALIGN or child.out_features % _ALIGN:
                     continue
-                setattr(parent, name, Fp8Linear.like(child))
-                swapped += 1
-    return swapped
+                found.append((parent, name, child))
+    return found
+
+
+def fp8_linears(plan: ShardPlan) -> int:
+    """Swaps every linear of ``fp8_candidates`` for an ``Fp8Linear`` holding its parameters; call
+    before sharding.
+
+    Returns:
+        How many linears were swapped.
+    """
+    candidates = fp8_candidates(plan)
+    for parent, name, child in candidates:
+        setattr(parent, name, Fp8Linear.like(child))
+    return len(candidates)
 
 
 def quantize_fp8(root: nn.Module) -> int:

@@ -49,6 +49,8 @@ class ShardingPolicy:
             splittable over ``degree`` sequence ranks without changing its result (a text padded
             to a multiple of it, the padding masked out), for a model whose plan splits an input
             of any length; ``None``: its split inputs always divide.
+        masks_attention: Its attention always gets a mask (attention backends whose kernels take
+            none cannot run it: a model row of ``ray_hsdp.pairs``).
     """
 
     units: tuple[str, ...]
@@ -59,6 +61,7 @@ class ShardingPolicy:
     token_grid: Callable | None = None
     cfg_split: bool = False
     split_inputs: Callable | None = None
+    masks_attention: bool = False
 
 
 @dataclass

@@ -30,6 +30,8 @@ HUNYUAN_VIDEO15_TRANSFORMER = register_policy(
         token_grid=_video_token_grid,
         # The guider's loop: cond(...)[0], then uncond(...)[0], then both combined.
         cfg_split=True,
+        # Its joint attention masks the text's padding in every forward.
+        masks_attention=True,
     ),
 )
 
