@@ -375,6 +375,7 @@ MODEL_ROWS = (
     ("qwen-image", None),
     ("flux.2-dev", None),
     ("hunyuanvideo-1.5", None),
+    ("hunyuanvideo-1.5", "HunyuanVideo15ImageToVideoPipeline"),
     ("flux.1-dev", None),
 )
 
@@ -419,9 +420,9 @@ def model_choices() -> list[str]:
         "both, Qwen-Image's First Block Cache, TI2V-5B's and HunyuanVideo-1.5's TaylorSeer, each against",
         "diffusers' own hook on the unsharded pipeline.",
         "",
-        "| model | pipeline | guidance_scale | negative_prompt | input_reference | lora | guidance_scale_2 "
+        "| model | pipeline | size | guidance_scale | negative_prompt | input_reference | lora | guidance_scale_2 "
         "| Ulysses / ring lanes | cfg_parallel | step cache (cache kind) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, override in MODEL_ROWS:
         arch = get_architecture(name)
@@ -439,6 +440,7 @@ def model_choices() -> list[str]:
         cells = [
             name,
             f"`{pipe_cls.__name__}`",
+            "taken" if {"height", "width"} <= params else "refused (follows the image)",
             guidance
             + (
                 f" (negative `{call.negative_prompt_when_guided!r}` when none)"

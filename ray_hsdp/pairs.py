@@ -249,6 +249,15 @@ REFUSALS: tuple[Refusal, ...] = (
         scope="request",
     ),
     Refusal(
+        "a pipeline whose call takes no height and width (HunyuanVideo-1.5's image-to-video: its output size "
+        "follows the input image)",
+        "a request's size",
+        "the pipeline would drop it and make the size it picks for the image",
+        "leave size out: the output takes the size the model picks for the image (the video's record says it)",
+        lambda c, facts, r: r.size_given and facts.get("size") is False,
+        scope="request",
+    ),
+    Refusal(
         "a model whose pipeline loads no LoRA (HunyuanVideo-1.5)",
         "a request's lora",
         "diffusers has no LoRA loader for this pipeline, so no adapter can be registered for it",

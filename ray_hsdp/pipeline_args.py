@@ -13,15 +13,29 @@ import torch
 from ray_hsdp.request import InvalidRequestError, RequestCancelledError
 from ray_hsdp.sharding.pipeline_call import PipelineCall
 
+#: Request choices a pipeline's call may not take: choice -> the call's arguments that take it.
+CALL_ARGUMENTS = {"size": {"height", "width"}, "negative_prompt": {"negative_prompt"}}
+
+
+def call_takes(params: set[str]) -> dict[str, bool]:
+    """Which of the choices of ``CALL_ARGUMENTS`` a pipeline whose ``__call__`` takes ``params``
+    takes (found once per pipeline class: its facts)."""
+    return {choice: arguments <= params for choice, arguments in CALL_ARGUMENTS.items()}
+
 
 def call_kwargs(call: PipelineCall, params: set[str], pipeline_name: str, variant) -> dict:
     """The keyword arguments of ``variant``'s request for a pipeline whose ``__call__`` takes
     ``params`` and whose class takes its choices as ``call`` says.
 
     Raises:
-        InvalidRequestError: Frames or outputs per prompt the pipeline cannot make.
+        InvalidRequestError: Frames or outputs per prompt the pipeline cannot make, or a choice the
+            request gave that the call would drop (the table's request rows refuse those first).
     """
     request = variant.request
+    given = {"negative_prompt": request.negative_prompt is not None, "size": request.size_given}
+    dropped = [choice for choice, takes in call_takes(params).items() if given[choice] and not takes]
+    if dropped:
+        raise InvalidRequestError(f"{pipeline_name} takes no {' or '.join(dropped)}: leave it out of the request")
     negative = request.negative_prompt
     if negative is None and request.guidance_scale > 1:
         negative = call.negative_prompt_when_guided

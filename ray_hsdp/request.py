@@ -98,6 +98,9 @@ class GenerationRequest:
         deadline: When (``time.time()``) its answer is due, counted from its arrival: the group
             serves earliest targets first and an adaptive group's lane policy aims for it
             (``group.lanes``; nothing is stopped at it: ``timeout_s`` does that); ``None``: no target.
+        size_given: Whether the caller chose ``width`` and ``height`` (False: the server's
+            ``default_size`` filled them in). A pipeline whose call takes no size (its output
+            follows its input image) refuses a request that gave one, rather than drop it.
     """
 
     prompt: str
@@ -120,6 +123,7 @@ class GenerationRequest:
     queue_deadline: float | None = None
     lane_size: int | None = None
     deadline: float | None = None
+    size_given: bool = True
 
     def first_frame(self):
         """The image of an image-to-video request as the pipeline takes it (an RGB PIL image)."""

@@ -18,7 +18,7 @@ from ray_hsdp.frames import to_host
 from ray_hsdp.load_steps import FusedLoras, LoadFacts, load_parts
 from ray_hsdp.memory import module_memory, peak_device_bytes, unit_memory
 from ray_hsdp.phases import Phases
-from ray_hsdp.pipeline_args import call_kwargs, guidance_on, step_end_callback, steps_watched
+from ray_hsdp.pipeline_args import call_kwargs, call_takes, guidance_on, step_end_callback, steps_watched
 from ray_hsdp.request import (
     GenerationResult,
     NonFiniteOutputError,
@@ -226,8 +226,9 @@ class ShardedPipeline(RequestSlots):
             # Image-to-video: every request brings its first frame; or an optional reference image.
             "image_input": "image" in self._call_params and self.call.image == FIRST_FRAME,
             "image_reference": "image" in self._call_params and self.call.image == REFERENCE,
-            # Request choices the pipeline may not take (diffusers would ignore them unread).
-            "negative_prompt": "negative_prompt" in self._call_params,
+            # Request choices the pipeline may not take (diffusers would ignore them unread): a
+            # negative prompt, a size (none where its output follows its input image).
+            **call_takes(self._call_params),
             "lora": hasattr(self.pipe, "load_lora_weights"),
             # The scheduler key a request's flow_shift sets; None: the scheduler takes no shift.
             "flow_shift": shift_key(getattr(self.pipe, "scheduler", None)),

@@ -114,3 +114,55 @@ def test_every_pair_is_run_or_refused(runs):
     if os.environ.get("RAY_HSDP_WRITE_DOCS"):
         doc.write_text(text)
     assert doc.read_text() == text, "docs/pairs.md is stale: run this test with RAY_HSDP_WRITE_DOCS=1"
+
+
+#: Every pipeline class a shipped YAML or an embedded model serves (``pipeline_class`` included).
+SERVED_PIPELINES = (
+    "WanPipeline",
+    "WanImageToVideoPipeline",
+    "QwenImagePipeline",
+    "Flux2Pipeline",
+    "HunyuanVideo15Pipeline",
+    "HunyuanVideo15ImageToVideoPipeline",
+)
+
+
+@pytest.mark.parametrize("pipeline", SERVED_PIPELINES)
+def test_a_choice_the_request_gave_reaches_the_call_or_is_refused_naming_it(pipeline):
+    """Never dropped: a request that gives its size or a negative prompt either gets it into its
+    pipeline's call, or is refused per request (HTTP 400) by a row of the table that names it; the
+    call itself refuses it too, where a request got past the table. HunyuanVideo-1.5's
+    image-to-video takes no size (its output follows the image); FLUX.2 no negative prompt."""
+    import inspect
+
+    import diffusers
+
+    from ray_hsdp.pairs import refuse_request
+    from ray_hsdp.pipeline_args import call_kwargs, call_takes
+    from ray_hsdp.request import GenerationRequest, InvalidRequestError
+    from ray_hsdp.sharding.pipeline_call import pipeline_call_for
+    from ray_hsdp.variant import RequestVariant
+
+    cls = getattr(diffusers, pipeline)
+    params = set(inspect.signature(cls.__call__).parameters)
+    facts = call_takes(params)
+    config = GroupConfig(model="tiny", device="cpu")
+    requests = {
+        "size": GenerationRequest(prompt="a fox", width=96, height=64, size_given=True),
+        "negative_prompt": GenerationRequest(prompt="a fox", negative_prompt="blurry", size_given=False),
+    }
+    for choice, request in requests.items():
+        call = pipeline_call_for(cls)
+        if facts[choice]:
+            refuse_request(config, facts, request)
+            kwargs = call_kwargs(call, params, pipeline, RequestVariant(request))
+            assert (kwargs["width"], kwargs["height"]) == (96, 64) if choice == "size" else kwargs[choice] == "blurry"
+            continue
+        with pytest.raises(InvalidRequestError, match=f"with a request's {choice}|\\bwith {choice}"):
+            refuse_request(config, facts, request)
+        with pytest.raises(InvalidRequestError, match=f"{pipeline} takes no {choice}"):
+            call_kwargs(call, params, pipeline, RequestVariant(request))
+    assert facts["size"] == (pipeline != "HunyuanVideo15ImageToVideoPipeline")
+    assert facts["negative_prompt"] == (pipeline != "Flux2Pipeline")
+    # Without a size of its own, a request runs at the size the pipeline picks (where it takes none).
+    refuse_request(config, facts, GenerationRequest(prompt="a fox", size_given=False))

@@ -86,6 +86,7 @@ def warm_up_requests(
         return GenerationRequest(
             prompt="warm up", num_inference_steps=steps, request_id=f"warm-up-{name}", width=width, height=height,
             num_frames=1, image=_gray_png(width, height) if image_input else None, lane_size=lane_size,
+            size_given=False,  # the group's pick: a pipeline whose size follows its image makes its own
         )  # fmt: skip
 
     if not dims.adaptive:

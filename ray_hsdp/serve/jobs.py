@@ -218,16 +218,18 @@ class JobTable:
                 job["_heartbeat"] = time.time()
                 job["_waiting_since"] = 0.0  # the next asker takes it at once
 
-    def complete(self, video_id: str, mp4: bytes, thumbnail: bytes, replica: str) -> bool:
-        """Stores the MP4 and its first frame from the ``replica`` that runs the job; False (and
-        nothing stored) when the job is gone, has failed meanwhile, or another replica took it over
-        (that replica's video is the job's)."""
+    def complete(self, video_id: str, mp4: bytes, thumbnail: bytes, replica: str, size: str | None = None) -> bool:
+        """Stores the MP4 and its first frame from the ``replica`` that runs the job, and its
+        ``size`` (``WxH``, the frames'); False (and nothing stored) when the job is gone, has failed
+        meanwhile, or another replica took it over (that replica's video is the job's)."""
         with self._lock:
             job = self.jobs.get(video_id)
             if job is None or job["_owner"] != replica or not self._move(video_id, "completed"):
                 return False
             self.media[video_id] = {"video": mp4, "thumbnail": thumbnail}
             self.jobs[video_id]["progress"] = 100
+            if size is not None:
+                self.jobs[video_id]["size"] = size
             return True
 
     def fail(self, video_id: str, code: str, message: str, replica: str | None = None) -> bool:

@@ -278,6 +278,7 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
         deadline=deadlines.due(body.deadline_s),
         queue_deadline=deadlines.from_arrival(config),  # one deadline from arrival, wherever it waits
         image=image,
+        size_given=body.size is not None,
     )
 
 

@@ -200,7 +200,8 @@ class VideoJobs:
                 return None  # deleted, or another replica owns it: its video is not this run's
             frames = result.frames[0]
             mp4 = await asyncio.to_thread(encode_mp4, frames, fps)  # off the event loop, far from any tick
-            await self.jobs.complete.remote(video_id, mp4, encode_png(frames[0]), self._replica)
+            size = f"{frames.shape[2]}x{frames.shape[1]}"  # the output's: a pipeline may pick it from the image
+            await self.jobs.complete.remote(video_id, mp4, encode_png(frames[0]), self._replica, size)
             return None
         except RequestCancelledError as err:
             return err  # deleted: nothing is kept
