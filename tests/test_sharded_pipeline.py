@@ -49,6 +49,7 @@ def test_a_stopped_request_raises_at_its_step_and_skips_the_decode(tiny_model):
         "image_input": False,  # text to video
         "image_reference": False,
         "negative_prompt": True,
+        "size": True,  # its call takes height and width
         "lora": True,  # diffusers' Wan LoRA loader
         "flow_shift": "shift",  # the tiny model's flow-match Euler scheduler
         "min_steps": 1,
