@@ -82,8 +82,9 @@ print("KEY-NODE", ray.get(stored.__ray_call__.remote(lambda self: ray.util.get_n
 deadline = time.monotonic() + 90
 while time.monotonic() < deadline:
     app = serve.status().applications.get("keyless")
-    if app is not None and app.status == "DEPLOY_FAILED":
-        print("KEYLESS", app.status, app.message.replace(chr(10), " "))
+    if app is not None and app.status == "DEPLOY_FAILED":  # the replica's error is its deployment's message
+        messages = " ".join(d.message for d in app.deployments.values())
+        print("KEYLESS DEPLOY_FAILED", messages.replace(chr(10), " "))
         break
     time.sleep(0.5)
 """
