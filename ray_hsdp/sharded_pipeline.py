@@ -146,22 +146,18 @@ class ShardedPipeline(RequestSlots):
         pipeline: str | None = None,
     ) -> ShardedPipeline:
         """Loads a pipeline folder, sharding the named components over ``mesh``, by the steps of
-        ``ray_hsdp.load_steps``.
-
-        A sharded component is built on the meta device, sharded, materialised on ``device`` and
-        filled with this rank's slices only. Without a mesh (one rank) nothing is sharded. With
-        lanes that split the sequence, each sharded diffusers model with a context-parallel plan
-        splits its forwards over the lane's ``ring`` x ``ulysses`` sub-mesh of ``lane_mesh``, or
-        with adaptive lanes over its request's lane (``lane_meshes``: size -> mesh). ``compile``
-        compiles the diffusers models' repeated blocks in place; ``fuse_loras`` merges adapters
-        as the rows load; ``cache_hooks`` (``step_cache.enable``'s arguments) puts a step cache's
-        hooks on before sharding; ``quantization`` ``"fp8"`` keeps the units' linears in FP8;
-        ``keep_gathered`` is the share of units kept whole; ``phases`` times the steps; ``pipeline``
-        names the pipeline class to load the folder as (``None``: the one it names).
+        ``ray_hsdp.load_steps``, after the start's checks (``ray_hsdp.start_checks``): a sharded
+        component built on the meta device, sharded, materialised on ``device``, filled with this
+        rank's slices only (nothing sharded without a mesh). Lanes that split the sequence split a
+        model's forwards over the lane's ``ring`` x ``ulysses`` sub-mesh of ``lane_mesh``, or over
+        its request's lane (``lane_meshes``: size -> mesh). ``compile`` compiles the models'
+        repeated blocks; ``fuse_loras`` merges adapters as the rows load; ``cache_hooks``
+        (``step_cache.enable``'s arguments) puts a step cache's hooks on; ``quantization``
+        ``"fp8"`` keeps the units' linears in FP8; ``keep_gathered`` is the share of units kept
+        whole; ``pipeline`` names the class to load the folder as (``None``: the one it names).
 
         Raises:
-            ValueError: None of ``shard_components`` is a module of the pipeline, or the lanes ask
-                for a split (sequence, CFG) that no component of this pipeline supports.
+            ValueError: A start check's refusal, or none of ``shard_components`` is a module of it.
         """
         dims = dims or ParallelDims(1, 1)
         phases = phases or Phases("pipeline")
