@@ -404,6 +404,7 @@ def model_choices() -> list[str]:
 
     from ray_hsdp.checkpoints.architectures import get_architecture
     from ray_hsdp.checkpoints.lora import transformer_on_meta
+    from ray_hsdp.pipeline_args import call_takes
     from ray_hsdp.sharding import policies  # noqa: F401 (registers them)
     from ray_hsdp.sharding.pipeline_call import FIRST_FRAME, pipeline_call_for
     from ray_hsdp.sharding.policy import registered_policy
@@ -428,6 +429,7 @@ def model_choices() -> list[str]:
         arch = get_architecture(name)
         pipe_cls = getattr(diffusers, override or arch.pipeline_class)
         params = set(inspect.signature(pipe_cls.__call__).parameters)
+        takes = call_takes(params)  # the choices its call takes, as a group's pipeline facts say
         call = pipeline_call_for(pipe_cls)
         model_cls = getattr(diffusers, arch.transformer_class)
         policy = registered_policy(model_cls)
@@ -440,14 +442,14 @@ def model_choices() -> list[str]:
         cells = [
             name,
             f"`{pipe_cls.__name__}`",
-            "taken" if {"height", "width"} <= params else "refused (follows the image)",
+            "taken" if takes["size"] else "refused (follows the image)",
             guidance
             + (
                 f" (negative `{call.negative_prompt_when_guided!r}` when none)"
                 if call.negative_prompt_when_guided
                 else ""
             ),
-            "taken" if "negative_prompt" in params else "refused",
+            "taken" if takes["negative_prompt"] else "refused",
             image,
             "taken" if hasattr(pipe_cls, "load_lora_weights") else "refused",
             "taken" if len(arch.experts) > 1 else "refused",

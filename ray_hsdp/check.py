@@ -105,15 +105,16 @@ def model_weight_bytes(module, config, shard_size: int) -> int:
     return total
 
 
-def start_refusals(config: AppConfig, folder: Path, report: AppReport):
-    """What the ranks' start would refuse, by its own checks (``ray_hsdp.start_checks``) on the
-    folder's classes and its sharded diffusers models built on the meta device, added to
-    ``report``'s failures; the models, for the weights per GPU (``None`` when a check failed)."""
+def start_refusals(config: AppConfig, dims, folder: Path, report: AppReport):
+    """What the ranks' start would refuse for the layout ``dims``, by its own checks
+    (``ray_hsdp.start_checks``) on the folder's classes and its sharded diffusers models built on
+    the meta device, added to ``report``'s failures; the models, for the weights per GPU (``None``
+    when a check failed)."""
     from ray_hsdp.start_checks import refuse_start, start_facts
 
     try:
         facts = start_facts(folder, config.pipeline_class, config.shard_components, config.dtype)
-        refuse_start(facts, config.parallel_dims(), config.attention_backend, config.cache.kind)
+        refuse_start(facts, dims, config.attention_backend, config.cache.kind)
     except ValueError as err:
         report.failures.append(str(err))
         return None
@@ -159,7 +160,7 @@ def check_app(name: str, args: dict, device: str | None, gpu_memory_gib: float |
     if not (folder / "model_index.json").is_file():
         (report.failures if strict else report.notes).append(f"model folder {folder} is not on this machine")
         return report
-    models = start_refusals(config, folder, report)
+    models = start_refusals(config, dims, folder, report)
     lora_notes(config, report, strict)
     if models is None:
         return report

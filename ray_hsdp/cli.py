@@ -6,7 +6,6 @@ import argparse
 import base64
 import logging
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 from ray_hsdp.checkpoints.architectures import ARCHITECTURES
 from ray_hsdp.config import TINY_MODEL
 from ray_hsdp.request import CACHE_KINDS, DEFAULT_GUIDANCE_SCALE
+from ray_hsdp.serve_command import add_serve
 
 
 def _format_bytes(n: int) -> str:
@@ -200,106 +200,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    """Deploys the application under its own name; Ctrl-C removes that application only, at any
-    moment (while it deploys too), and stops Ray only where this command started it."""
-    from pydantic import ValidationError
-
-    from ray_hsdp.serve.keys import read_api_key
-    from ray_hsdp.serve_cli import UsageError, default_app_name, file_application, serve_config
-
-    try:
-        application = file_application(args.config, args.app) if args.config else {"args": {}}
-        config = serve_config(args, application["args"])
-        # Read here and carried to every replica: a cluster started without the key in its nodes'
-        # environment still asks for it.
-        api_key = read_api_key(config)
-    except (UsageError, ValidationError, ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    import ray
-    from ray import serve
-
-    from ray_hsdp.serve.app import build_application
-
-    name = args.name or application.get("name") or default_app_name(args.model)
-    route_prefix = args.route_prefix or application.get("route_prefix") or "/"
-    # Ctrl-C and a plain kill remove the application, also where the shell started this in the
-    # background (which leaves SIGINT ignored).
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    started_ray = not ray.is_initialized() and not (args.address or os.environ.get("RAY_ADDRESS"))
-    ray.init(address=args.address, ignore_reinit_error=True)
-    deploying, failed = False, None
-    try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        url = f"{_listening(args)}{route_prefix.rstrip('/')}"
-        app = build_application(config.model_dump(exclude_unset=True), api_key)
-        print(f"Deploying {args.model} as application {name!r} at {url} (Ctrl-C removes it)", flush=True)
-        deploying = True  # from here the application may exist: every way out removes it
-        serve.run(app, name=name, route_prefix=route_prefix)
-        print(f"Serving {args.model} as application {name!r} on {url} (POST /v1/images/generations); "
-              "Ctrl-C removes it", flush=True)  # fmt: skip
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
-    except RuntimeError as err:  # Serve's word that the deploy failed (a replica's start raised)
-        failed = err
-        print(f"error: application {name!r} failed to deploy: {err}", file=sys.stderr)
-    finally:
-        if deploying:
-            remove_application(name, config.drain_timeout_s + 60)
-        if started_ray:
-            ray.shutdown()
-    return 1 if failed else 0
-
-
-def _listening(args: argparse.Namespace) -> str:
-    """The address Serve's HTTP proxies listen on: ``--host`` and ``--port``, unless Serve was
-    running already (it keeps the options it started with: say so)."""
-    from ray_hsdp.serve.ingress import serve_http_options
-
-    host, port = serve_http_options()
-    if (host, port) != (args.host, args.port) and host is not None:
-        print(f"note: Serve runs already on {host}:{port}; --host {args.host} --port {args.port} do not apply "
-              "(serve shutdown first to change them)", file=sys.stderr)  # fmt: skip
-    return f"http://{host or args.host}:{port or args.port}"
-
-
-def remove_application(name: str, drain_s: float) -> None:
-    """Removes Serve application ``name`` and waits until it is gone: its replicas drain their video
-    jobs first (up to ``drain_s``); a second Ctrl-C stops its replicas at once."""
-    import ray
-    from ray import serve
-
-    def gone(deadline_s: float) -> bool:
-        deadline = time.monotonic() + deadline_s
-        while time.monotonic() < deadline:
-            if name not in serve.status().applications:
-                return True
-            time.sleep(0.5)
-        return False
-
-    try:
-        serve.delete(name, _blocking=False)
-        print(f"removing application {name!r}: its replicas finish their video jobs first (up to {drain_s:.0f} s); "
-              "Ctrl-C again stops them at once", file=sys.stderr, flush=True)  # fmt: skip
-        try:
-            removed = gone(drain_s + 30)
-        except KeyboardInterrupt:
-            replicas = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                        if a["name"].startswith(f"SERVE_REPLICA::{name}#")]  # fmt: skip
-            for replica in replicas:  # Serve's replica actors; their ranks share their fate
-                ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=True)
-            print(f"stopped {len(replicas)} replica(s) of {name!r} at once", file=sys.stderr, flush=True)
-            removed = gone(60)
-        if not removed:
-            print(f"application {name!r} is still listed by Serve; `serve status` shows why", file=sys.stderr)
-    except Exception as err:  # noqa: BLE001 - Serve itself may be gone already
-        print(f"could not remove application {name!r}: {err}", file=sys.stderr)
-
-
 def _follow(group, future, request_id: str, steps: int) -> None:
     """A progress bar of a request's denoising steps, then its decode, until ``future`` is done."""
     from tqdm.auto import tqdm
@@ -399,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_make_random(sub)
     _add_make_random_lora(sub)
     _add_demo(sub)
-    _add_serve(sub)
+    add_serve(sub)
     _add_check(sub)
     _add_build_kernels(sub)
     _add_key(sub)
@@ -545,21 +445,6 @@ def _add_demo(sub) -> None:
     p.add_argument("--out", default="out/demo.png", help="image path (a suffix -i is added per request)")
     p.add_argument("--verbose", action="store_true", help="show the ranks' logs")
     p.set_defaults(func=cmd_demo)
-
-
-def _add_serve(sub) -> None:
-    """The ``serve`` subcommand: where it serves, and every configuration field (``serve_cli``)."""
-    from ray_hsdp.serve_cli import add_serve_options
-
-    p = sub.add_parser("serve", help="serve a diffusers pipeline folder over HTTP")
-    p.add_argument("model", help="diffusers pipeline folder, or 'tiny'")
-    p.add_argument("--name", help="the Serve application's name (default: --config's, else the model folder's name)")
-    p.add_argument("--route-prefix", help="the application's HTTP route prefix (default: --config's, else /)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1 unless told otherwise)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local cluster)")
-    add_serve_options(p)
-    p.set_defaults(func=cmd_serve)
 
 
 def _add_generate(sub) -> None:
