@@ -424,7 +424,7 @@ class ThroughputRun:
 
     def options_of(self, setup: str) -> tuple[dict, tuple[str, ...], object]:
         """The group fields of ``setup``, the adapters its requests take and their step cache."""
-        from ray_hsdp.config import StepCacheConfig
+        from ray_hsdp.config_blocks import StepCacheConfig
 
         options = OPTIONS.get(setup, {})
         if setup in ("batch-lora", "batch-lora4"):

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from ray_hsdp.config import EMBEDDED_MODELS, AppConfig
+from ray_hsdp.config import AppConfig
+from ray_hsdp.embedded import EMBEDDED_MODELS
 
 #: Bytes per element of the float dtypes a rank serves in.
 _SERVED_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

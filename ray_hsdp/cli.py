@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from ray_hsdp.checkpoints.architectures import ARCHITECTURES
-from ray_hsdp.config import TINY_MODEL
+from ray_hsdp.embedded import TINY_MODEL
 from ray_hsdp.request import CACHE_KINDS, DEFAULT_GUIDANCE_SCALE
 from ray_hsdp.serve_command import add_serve
 

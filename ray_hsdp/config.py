@@ -6,31 +6,17 @@ field and the rule, the way vllm-omni's ``--use-hsdp`` flags report them.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ray_hsdp.config_blocks import AutoscalingSpec, LoraDefaults, StepCacheConfig
+from ray_hsdp.embedded import EMBEDDED_LORAS, EMBEDDED_MODELS, TINY_MODEL
 from ray_hsdp.pairs import refuse_config
-from ray_hsdp.request import DEFAULT_GUIDANCE_SCALE, StepCache
+from ray_hsdp.request import DEFAULT_GUIDANCE_SCALE
 from ray_hsdp.topology import ParallelDims
 
-#: The model name that stands for the embedded tiny Wan pipeline (written on first use).
-TINY_MODEL = "tiny"
-#: The embedded tiny pipelines, written on first use: model name -> the name clients use (and the
-#: folder under ``cache_dir()``: ``embedded_folder``). ``tiny-i2v`` is the image-to-video Wan2.1 one;
-#: the others are the tiny variants of ``make-random``'s architectures of those names.
-EMBEDDED_MODELS = {
-    TINY_MODEL: "tiny-wan",
-    "tiny-i2v": "tiny-wan-i2v",
-    "tiny-qwen-image": "tiny-qwen-image",
-    "tiny-wan2.2-ti2v": "tiny-wan2.2-ti2v",
-    "tiny-flux2": "tiny-flux2",
-    "tiny-hunyuanvideo-1.5": "tiny-hunyuanvideo-1.5",
-}
-#: The embedded tiny model's LoRA adapters, written on first use (random, seeded): name -> seed.
-EMBEDDED_LORAS = {"tiny-style": 1, "tiny-detail": 2}
 #: The components a LoRA pair names (a two-expert model's high- and low-noise halves).
 LORA_COMPONENTS = ("transformer", "transformer_2")
 
@@ -43,22 +29,6 @@ CPU_RANK_CPUS = 0.5
 #: Pipeline components sharded by default: the transformers (both experts of a two-expert
 #: pipeline) and the text encoders. VAEs are small next to them and stay replicated.
 DEFAULT_SHARD_COMPONENTS = ("transformer", "transformer_2", "text_encoder", "text_encoder_2", "text_encoder_3")
-
-
-#: Part of the embedded models' cache folder names. An embedded model is written only when its
-#: folder is missing, so a writer that makes different weights must bump it, or caches written
-#: earlier keep serving the old ones (2: a VAE whose images vary, not flat gray).
-EMBEDDED_VERSION = 2
-
-
-def cache_dir() -> Path:
-    """Folder for files ray_hsdp writes for itself (the embedded tiny model); ``RAY_HSDP_HOME`` moves it."""
-    return Path(os.environ.get("RAY_HSDP_HOME", Path.home() / ".cache" / "ray_hsdp"))
-
-
-def embedded_folder(model: str) -> Path:
-    """Where the embedded model ``model`` (a key of ``EMBEDDED_MODELS``) is written on this node."""
-    return cache_dir() / f"{EMBEDDED_MODELS[model]}-v{EMBEDDED_VERSION}"
 
 
 def check_attention_backend_name(name: str) -> None:
@@ -81,98 +51,6 @@ def check_attention_backend_name(name: str) -> None:
         )
     if name not in known:
         raise ValueError(f"attention_backend={name!r} is not a diffusers attention backend; known: {known} or 'auto'")
-
-
-#: The fields of a step cache a request may set for itself (``StepCache``'s, but ``kind``).
-CACHE_REQUEST_FIELDS = ("threshold", "interval", "warmup_steps", "full_after_step")
-
-
-class StepCacheConfig(BaseModel):
-    """A group's step cache: the hooks its ranks load, and the settings a request gets.
-
-    An approximation a user turns on: a cached request's frames differ from the uncached run's.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    kind: Literal["none", "first_block", "taylorseer"] = Field(
-        "none",
-        description="'first_block': diffusers' First Block Cache (a step reuses the last residual of the blocks "
-        "after the first when the first block's output barely changed); 'taylorseer': a schedule of full steps "
-        "and steps predicted from them (diffusers' TaylorSeer); 'none': every step computed in full.",
-    )
-    every_request: bool = Field(
-        True,
-        description="Requests that do not say (their 'cache' field) run with the cache; False: only those that "
-        "ask ('cache': 'on' or an object of settings).",
-    )
-    threshold: float = Field(
-        0.05,
-        ge=0,
-        description="first_block: the relative change of the first block's residual below which a step "
-        "reuses the cache (diffusers' default 0.05; higher: faster, further from the uncached frames).",
-    )
-    interval: int = Field(
-        2,
-        ge=1,
-        description="taylorseer: one full step in every 'interval' after the warm-up (2: about half the forwards).",
-    )
-    warmup_steps: int = Field(1, ge=1, description="taylorseer: steps computed in full first.")
-    full_after_step: int | None = Field(
-        None, ge=1, description="taylorseer: steps from this index on are computed in full; None: none."
-    )
-    max_order: int = Field(1, ge=1, le=4, description="taylorseer: the order of the Taylor expansion (loaded once).")
-    lite: bool = Field(
-        True,
-        description="taylorseer: predict only the output projection and skip every block on a predicted step "
-        "(a few MB of state per request); False: predict each attention's output and run the rest (GBs of state "
-        "per request for a video).",
-    )
-
-    def settings(self, **overrides) -> StepCache:
-        """This config's settings for one request, with the fields it gives (``CACHE_REQUEST_FIELDS``)."""
-        fields = {name: getattr(self, name) for name in CACHE_REQUEST_FIELDS}
-        return StepCache(kind=self.kind, **{**fields, **overrides})
-
-    def resolve(self, value) -> StepCache | None:
-        """The step cache of a request whose ``cache`` field is ``value``.
-
-        Forms: ``None`` (the group's choice, ``every_request``), ``"on"`` / ``"off"`` (also
-        ``True`` / ``False``), or an object of settings (``CACHE_REQUEST_FIELDS``, and ``kind``,
-        which must be the group's).
-
-        Raises:
-            ValueError: The group has no step cache and the request asks for one, another kind,
-                an unknown field, or a value out of range.
-        """
-        if value is None:
-            return self.settings() if self.kind != "none" and self.every_request else None
-        if value in ("off", False):
-            return None
-        if self.kind == "none":
-            raise ValueError(
-                "this deployment has no step cache (its cache kind is 'none'); send cache 'off' or omit it"
-            )
-        if value in ("on", True):
-            return self.settings()
-        if not isinstance(value, dict):
-            raise ValueError(
-                f"cache must be 'on', 'off' or an object of {', '.join(CACHE_REQUEST_FIELDS)}; got {value!r}"
-            )
-        given = dict(value)
-        kind = given.pop("kind", self.kind)
-        if kind != self.kind:
-            raise ValueError(f"cache kind {kind!r}: this deployment loads the {self.kind!r} step cache only")
-        unknown = sorted(set(given) - set(CACHE_REQUEST_FIELDS))
-        if unknown:
-            raise ValueError(f"cache: unknown field(s) {unknown}; a request may set {', '.join(CACHE_REQUEST_FIELDS)}")
-        try:
-            merged = StepCacheConfig(**{**self.model_dump(), **given})  # the same checks as the config's
-        except ValidationError as err:
-            first = err.errors()[0]
-            where = ".".join(str(part) for part in first["loc"])
-            raise ValueError(f"cache.{where}: {first['msg']} (got {first['input']!r})") from None
-        return merged.settings()
 
 
 class ServedModel(BaseModel):
@@ -579,49 +457,6 @@ def parse_size(size: str) -> tuple[int, int]:
     if width < 16 or height < 16 or width % 16 or height % 16:
         raise ValueError(f"width and height must be positive multiples of 16; got {width}x{height}")
     return width, height
-
-
-class LoraDefaults(BaseModel):
-    """What a request that names an adapter gets for the fields it leaves out (a step-distillation
-    LoRA: 4 steps, no guidance). Unset fields fall back to the app's defaults."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    num_inference_steps: int | None = Field(None, ge=1, description="Denoising steps.")
-    guidance_scale: float | None = Field(None, ge=0, description="Guidance scale (1 or below: no unconditional pass).")
-    guidance_scale_2: float | None = Field(
-        None, ge=0, description="The low-noise expert's guidance of a two-expert pipeline (Wan2.2 A14B)."
-    )
-    flow_shift: float | None = Field(
-        None, gt=0, description="The scheduler's timestep shift (Wan's flow_shift) the adapter was distilled with."
-    )
-
-
-class AutoscalingSpec(BaseModel):
-    """Shard groups that Serve adds and removes with the load (one Serve replica per group)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    min_groups: int = Field(1, ge=1, description="Groups kept however idle the service is.")
-    max_groups: int = Field(2, ge=1, description="Most groups: the GPUs the service may take.")
-    target_per_lane: float = Field(
-        2.0,
-        gt=0,
-        description="Requests (queued and running, video jobs included) one lane should hold on average; more "
-        "adds groups, fewer removes them. With adaptive lanes (lane_sizes) a lane is one of the widest size.",
-    )
-    upscale_delay_s: float = Field(10.0, ge=0, description="How long the load must call for more groups first.")
-    downscale_delay_s: float = Field(
-        300.0, ge=0, description="How long the load must call for fewer groups first (a group takes a while to start)."
-    )
-    metrics_interval_s: float = Field(2.0, gt=0, description="How often each group reports its load to Serve.")
-    look_back_period_s: float = Field(10.0, gt=0, description="The window Serve averages each group's load over.")
-
-    @model_validator(mode="after")
-    def _check_bounds(self) -> AutoscalingSpec:
-        if self.max_groups < self.min_groups:
-            raise ValueError(f"autoscaling: max_groups={self.max_groups} is below min_groups={self.min_groups}")
-        return self
 
 
 class AppConfig(GroupConfig):

@@ -11,15 +11,13 @@ from pydantic import BaseModel
 
 from ray_hsdp.config import (
     AppConfig,
-    AutoscalingSpec,
     GroupKernels,
     GroupLayout,
     GroupQueue,
-    LoraDefaults,
     RequestFeatures,
     ServedModel,
-    StepCacheConfig,
 )
+from ray_hsdp.config_blocks import AutoscalingSpec, LoraDefaults, StepCacheConfig
 
 #: The models the page describes, with what each section says of where its fields go.
 SECTIONS: tuple[tuple[str, type[BaseModel], str], ...] = (

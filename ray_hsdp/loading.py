@@ -25,7 +25,7 @@ from filelock import FileLock
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ray_hsdp.checkpoints.tiny import is_pipeline_folder, make_tiny
-from ray_hsdp.config import EMBEDDED_LORAS, EMBEDDED_MODELS, TINY_MODEL, cache_dir, embedded_folder
+from ray_hsdp.embedded import EMBEDDED_LORAS, EMBEDDED_MODELS, TINY_MODEL, cache_dir, embedded_folder
 from ray_hsdp.sharding.layout import rows_of
 
 logger = logging.getLogger("ray_hsdp")

@@ -12,7 +12,8 @@ import pytest
 import torch
 from support import max_abs_diff, reference_with
 
-from ray_hsdp.config import AppConfig, GroupConfig, StepCacheConfig
+from ray_hsdp.config import AppConfig, GroupConfig
+from ray_hsdp.config_blocks import StepCacheConfig
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.request import GenerationRequest, StepCache
 
