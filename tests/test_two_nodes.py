@@ -33,8 +33,9 @@ def cluster_env() -> dict[str, str]:
     return {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
 
 
-def serve_config(model: str, key_file: Path) -> dict:
-    return {
+def serve_config(model: str, key_file: Path, keyless: bool) -> dict:
+    """The served applications; with ``keyless``, a second one that has no key anywhere."""
+    config = {
         "proxy_location": "EveryNode",
         "http_options": {"host": "0.0.0.0", "port": PORT},  # not loopback: the key is required
         "applications": [
@@ -54,7 +55,11 @@ def serve_config(model: str, key_file: Path) -> dict:
                     "video_stale_after_s": 3,
                 },
             },
-            {  # no key anywhere (no file, a variable no node has, none stored): refused on 0.0.0.0
+        ],
+    }
+    if keyless:  # no key anywhere (no file, a variable no node has, none stored): refused on 0.0.0.0
+        config["applications"].append(
+            {
                 "name": "keyless",
                 "route_prefix": "/keyless",
                 "import_path": "ray_hsdp.serve:build_app",
@@ -65,9 +70,9 @@ def serve_config(model: str, key_file: Path) -> dict:
                     "cpus_per_rank": 0.5,
                     "api_key_env": "RAY_HSDP_TEST_NO_SUCH_KEY",
                 },  # fmt: skip
-            },
-        ],
-    }
+            }
+        )
+    return config
 
 
 #: Run on node A: where the stored key of application ``pinned`` lives, and how Serve ends the
@@ -90,18 +95,18 @@ while time.monotonic() < deadline:
 """
 
 
-def replica_nodes(proxy: str) -> dict[str, set[str]]:
-    """Replica -> the node addresses of its group's ranks, from ``/v1/pool`` (one replica answers
-    each call; asked until both have)."""
-    seen: dict[str, set[str]] = {}
-    for _ in range(60):
-        pool = requests.get(f"{proxy}/v1/pool", headers=AUTH, timeout=30)
-        if pool.status_code == 200:
-            body = pool.json()
-            seen[body["replica"]] = {rank["node_ip"] for rank in body["ranks"]}
-        if len(seen) == 2:
-            break
-    return seen
+def replica_nodes(proxy: str, seen: dict[str, set[str]]) -> bool:
+    """Adds to ``seen`` the replica that answers ``/v1/pool`` -> the node addresses of its group's
+    ranks; True once both replicas have answered. A call that fails or waits past its timeout (the
+    proxy holds it while no replica is ready) is a "not yet"."""
+    try:
+        pool = requests.get(f"{proxy}/v1/pool", headers=AUTH, timeout=10)
+    except requests.RequestException:
+        return False
+    if pool.status_code == 200:
+        body = pool.json()
+        seen[body["replica"]] = {rank["node_ip"] for rank in body["ranks"]}
+    return len(seen) == 2
 
 
 def client(proxy: str) -> openai.OpenAI:
@@ -177,8 +182,9 @@ def image_call(proxy: str, steps: int, answers: list) -> None:
 def test_two_nodes_serve_with_the_key_from_a_file_and_keep_serving_after_one_node_is_lost(tiny_model, tmp_path):
     key_file = tmp_path / "api_key"
     key_file.write_text(KEY + "\n")
-    config = tmp_path / "serve.yaml"
-    config.write_text(yaml.safe_dump(serve_config(tiny_model, key_file)))
+    config, both = tmp_path / "serve.yaml", tmp_path / "serve-and-keyless.yaml"
+    config.write_text(yaml.safe_dump(serve_config(tiny_model, key_file, keyless=False)))
+    both.write_text(yaml.safe_dump(serve_config(tiny_model, key_file, keyless=True)))
     proxies = [f"http://{ip}:{PORT}" for ip in NODE_IPS]
     # Head: one group of 2 CPU ranks and a CPU to spare; the worker: exactly one group.
     with two_nodes((3, 2), cluster_env()) as nodes:
@@ -187,14 +193,15 @@ def test_two_nodes_serve_with_the_key_from_a_file_and_keep_serving_after_one_nod
             # Deployed while node B joins: the second group waits for it.
             nodes.run(0, serve, "run", "--non-blocking", "--address", nodes.head, str(config))
             nodes.joined()
-            groups = wait_until(
-                lambda: len(placed := replica_nodes(proxies[0])) == 2 and placed, 120, "two groups serving", 0.5
-            )
+            groups: dict[str, set[str]] = {}
+            wait_until(lambda: replica_nodes(proxies[0], groups), 180, "two groups serving", 0.5)
             # Each group's ranks on one node, the two groups on the two nodes.
             assert sorted(ip for ips in groups.values() for ip in ips) == sorted(NODE_IPS), groups
 
             # A key stored from node B lives on the head node, as the job table; the keyless
-            # application is refused with the message that names every way to give a key.
+            # application (deployed beside the served one, which keeps running) is refused with
+            # the message that names every way to give a key.
+            nodes.run(0, serve, "run", "--non-blocking", "--address", nodes.head, str(both))
             cli = str(Path(sys.executable).with_name("ray-hsdp"))
             nodes.run(1, "env", f"RAY_ADDRESS={nodes.head}", "RAY_HSDP_API_KEY=pinned-key", cli, "key", "set",
                       "--app", "pinned")  # fmt: skip
