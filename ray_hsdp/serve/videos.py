@@ -122,7 +122,12 @@ class VideoJobs:
         return created
 
     def _start_video(self, video_id: str, job: GenerationRequest, fps: int, future=None, movable: bool = True) -> None:
-        """Runs a video job in the background on this replica's group, to its MP4 in the table."""
+        """Runs a video job in the background on this replica's group, to its MP4 in the table.
+
+        The job is this replica's from now on: a cancel of an earlier copy of it here (its queued
+        copy, stopped when another replica took it over, which may hand it back) no longer applies."""
+        while video_id in self._cancelled:
+            self._cancelled.remove(video_id)
         task = asyncio.create_task(self._run_video(video_id, job, fps, future, movable))
         self._videos[video_id] = VideoRun(task, job, fps, movable)
         task.add_done_callback(lambda _: self._videos.pop(video_id, None))
