@@ -135,14 +135,16 @@ def test_a_burst_adds_a_group_and_a_removed_group_hands_its_job_over(server):
         "default_size": "64x64",
         "max_steps": 3000,
         "drain_timeout_s": 0.5,
+        "video_takeover_after_s": 0.5,
         "autoscaling": {
             "min_groups": 1,
             "max_groups": 2,
             "target_per_lane": 2,
             "upscale_delay_s": 0,
-            # Starts once the burst is deleted: both seeded jobs run within it, and they (700
-            # steps: 10 s or more here) outlast it and Serve's reaction.
-            "downscale_delay_s": 2,
+            # Starts once the burst is deleted: both seeded jobs run well within it (one queued on
+            # a busy group moves within video_takeover_after_s and a poll), and they (700 steps:
+            # 15 s or more here) outlast it and Serve's reaction.
+            "downscale_delay_s": 4,
             "metrics_interval_s": 0.5,
             "look_back_period_s": 1,
         },
