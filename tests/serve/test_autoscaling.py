@@ -119,7 +119,7 @@ def wait_running(base: str, video_id: str, deadline_s: float) -> dict | None:
 def test_a_burst_adds_a_group_and_a_removed_group_hands_its_job_over(server):
     """Groups of one rank that run one request at a time and hold 2 (target_per_lane). (A group of
     one rank starts and steps fastest here; what is tested is the pool, not the sharding.) A burst of
-    four long video jobs makes Serve add a second group; the burst is deleted once it runs. Two
+    four long video jobs makes Serve add a second group; the burst is deleted once that serves. Two
     seeded jobs then run one on each group (a group runs one at a time; an idle group takes what is
     queued on the other), and their load (2) calls for one group. Serve removes one while both run:
     its job outlives drain_timeout_s and the other group takes it over with the same seed (one
