@@ -3,14 +3,36 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
+import forkserver
 import pytest
 from support import METRICS_EXPORT_S, NODE_CPUS, free_port
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory):
-    """Two simulated nodes of NODE_CPUS logical CPUs each (``ray.cluster_utils.Cluster``).
+def worker_forkserver(tmp_path_factory):
+    """The fork server the session's Ray workers start from (``tests/forkserver.py`` says why).
+
+    Yields the ``worker_path`` to give each node."""
+    path = str(tmp_path_factory.mktemp("forkserver") / "socket")
+    server = subprocess.Popen([sys.executable, forkserver.__file__, "--serve", path], stdout=subprocess.PIPE, text=True)
+    try:
+        if server.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the fork server did not start (exit status {server.wait()})")
+        os.environ[forkserver.SOCKET_ENV] = path
+        yield forkserver.__file__
+    finally:
+        server.kill()
+        server.wait()
+        os.environ.pop(forkserver.SOCKET_ENV, None)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory, worker_forkserver):
+    """Two simulated nodes of NODE_CPUS logical CPUs each (``ray.cluster_utils.Cluster``), whose
+    Python workers start from the fork server.
 
     ``RAY_HSDP_HOME`` and ``RAY_ADDRESS`` are set before the nodes start, so rank processes,
     ``serve run`` subprocesses and notebook kernels all find the same cluster and cache.
@@ -27,9 +49,14 @@ def ray_cluster(tmp_path_factory):
     os.environ["RAY_HSDP_TEST_METRICS_PORTS"] = ",".join(map(str, ports))
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": NODE_CPUS, "include_dashboard": False, "metrics_export_port": ports[0]},
+        head_node_args={
+            "num_cpus": NODE_CPUS,
+            "include_dashboard": False,
+            "metrics_export_port": ports[0],
+            "worker_path": worker_forkserver,
+        },
     )
-    cluster.add_node(num_cpus=NODE_CPUS, metrics_export_port=ports[1])
+    cluster.add_node(num_cpus=NODE_CPUS, metrics_export_port=ports[1], worker_path=worker_forkserver)
     cluster.wait_for_nodes()
     os.environ["RAY_ADDRESS"] = cluster.address
     ray.init(address=cluster.address, log_to_driver=False)
