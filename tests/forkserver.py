@@ -66,6 +66,27 @@ def _receive_message(sock: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(data), list(fds)
 
 
+def _threads_from_ray() -> None:
+    """Sizes torch's thread pool the way a fresh worker's is.
+
+    A fresh worker imports torch after Ray has set ``OMP_NUM_THREADS`` to its task's CPUs (before
+    the first task runs), and torch sizes its pool from it; the server's torch was sized at import.
+    So when Ray sets it here, torch is told."""
+    import torch
+    from ray._private import utils
+
+    set_if_unset = utils.set_omp_num_threads_if_unset
+
+    def set_and_apply() -> bool:
+        changed = set_if_unset()
+        threads = os.environ.get("OMP_NUM_THREADS", "")
+        if threads.isdigit() and int(threads) > 0:
+            torch.set_num_threads(int(threads))
+        return changed
+
+    utils.set_omp_num_threads_if_unset = set_and_apply
+
+
 def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> None:
     """In the forked child: becomes the worker the raylet asked for, then exits."""
     import runpy
@@ -79,6 +100,7 @@ def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> None:
     os.chdir(request["cwd"])
     sys.argv = request["argv"]
     sys.path[0] = os.path.dirname(request["argv"][0])
+    _threads_from_ray()
 
     def exit_with_the_client() -> None:  # the raylet's process is gone: so is this worker
         while conn.recv(64):
