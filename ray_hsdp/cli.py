@@ -71,7 +71,8 @@ def memory_table(ranks: list[dict], component: str = "transformer") -> str:
 def _save_images(response: dict, stem: Path) -> list[Path]:
     paths = []
     for i, item in enumerate(response["data"]):
-        path = stem.with_name(f"{stem.name}-{i}.png") if len(response["data"]) > 1 else stem.with_suffix(".png")
+        suffix = "." + response.get("output_format", "png")
+        path = stem.with_name(f"{stem.name}-{i}{suffix}") if len(response["data"]) > 1 else stem.with_suffix(suffix)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(base64.b64decode(item["b64_json"]))
         paths.append(path)

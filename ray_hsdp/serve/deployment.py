@@ -242,8 +242,12 @@ class HSDPServer(OpenAIRoutes, VideoJobs):
         job = to_generation_request(body, self.config, request_id=uuid.uuid4().hex)
         self.group.check(job)
         result, first_error = await self._result(job)
+        # Off the event loop: a large PNG takes hundreds of ms, and the loop serves every other call.
+        encoded = await asyncio.to_thread(
+            image_response, result, self.model_name, body.output_format, body.output_compression
+        )
         response = {
-            **image_response(result, self.model_name),
+            **encoded,
             "id": job.request_id,
             "retried": first_error is not None,
             # What ran: the request's defaults may come from the app or from an adapter (lora_defaults).

@@ -1,4 +1,5 @@
-"""Responses as media files: H.264 MP4 (PyAV, which brings its own FFmpeg) and PNG."""
+"""Responses as media files: H.264 MP4 (PyAV, which brings its own FFmpeg), and PNG, JPEG or WebP
+images (Pillow)."""
 
 from __future__ import annotations
 
@@ -53,12 +54,48 @@ def decode_mp4(data: bytes) -> tuple[np.ndarray, float]:
         return frames, float(stream.average_rate)
 
 
-def encode_png(frame: np.ndarray) -> bytes:
-    """PNG of one ``(H, W, 3)`` frame: uint8, or float in [0, 1]."""
+#: The images API's ``output_format`` values (OpenAI's), with Pillow's name for each.
+IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
+#: zlib level of a PNG: level 1 keeps most of the default's (6) compression at a fraction of its
+#: time, and the response waits on it.
+PNG_COMPRESS_LEVEL = 1
+#: Quality of a JPEG or WebP when the request gives no ``output_compression`` (OpenAI's default).
+DEFAULT_QUALITY = 100
+#: WebP's encoder effort, 0 (fastest) to 6: Pillow's default (4) takes several times as long.
+WEBP_METHOD = 0
+
+
+def to_uint8(frame: np.ndarray) -> np.ndarray:
+    """A frame as uint8: uint8 as it is, float in [0, 1] scaled and rounded."""
+    if frame.dtype == np.uint8:
+        return frame
+    return (np.clip(frame, 0.0, 1.0) * 255).round().astype(np.uint8)
+
+
+def encode_image(frame: np.ndarray, output_format: str = "png", quality: int | None = None) -> bytes:
+    """One ``(H, W, 3)`` frame (uint8, or float in [0, 1]) as an ``output_format`` file.
+
+    Args:
+        frame: The image.
+        output_format: ``png`` (lossless, at ``PNG_COMPRESS_LEVEL``), ``jpeg`` or ``webp``.
+        quality: 0-100 for ``jpeg`` and ``webp`` (``DEFAULT_QUALITY`` when None); a PNG takes none.
+    """
     from PIL import Image
 
-    if frame.dtype != np.uint8:
-        frame = (np.clip(frame, 0.0, 1.0) * 255).round().astype(np.uint8)
+    if output_format not in IMAGE_FORMATS:
+        raise ValueError(f"output_format must be one of {sorted(IMAGE_FORMATS)}, got {output_format!r}")
+    if output_format == "png" and quality is not None:
+        raise ValueError("a png is lossless: it takes no quality")
+    options: dict = {"compress_level": PNG_COMPRESS_LEVEL}
+    if output_format != "png":
+        options = {"quality": DEFAULT_QUALITY if quality is None else quality}
+    if output_format == "webp":
+        options["method"] = WEBP_METHOD
     buffer = io.BytesIO()
-    Image.fromarray(frame).save(buffer, format="PNG")
+    Image.fromarray(to_uint8(frame)).save(buffer, format=IMAGE_FORMATS[output_format], **options)
     return buffer.getvalue()
+
+
+def encode_png(frame: np.ndarray) -> bytes:
+    """PNG of one ``(H, W, 3)`` frame: uint8, or float in [0, 1]."""
+    return encode_image(frame, "png")

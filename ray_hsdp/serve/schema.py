@@ -8,14 +8,22 @@ import secrets
 import time
 from typing import Annotated, Literal
 
-import numpy as np
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
 
 from ray_hsdp import deadlines
 from ray_hsdp.config import AppConfig, parse_size
 from ray_hsdp.request import GenerationRequest, GenerationResult, InvalidRequestError, fit_image, parse_lora
-from ray_hsdp.serve.media import encode_png as png_bytes
-from ray_hsdp.serve.media import frames_for_seconds
+from ray_hsdp.serve.media import encode_image, frames_for_seconds
 
 MAX_SEED = 2**63 - 1
 
@@ -75,7 +83,19 @@ class ImageGenerationRequest(BaseModel):
     size: Annotated[StrictStr | None, AfterValidator(_size_is_wxh)] = Field(
         None, description="'WxH', each a multiple of 16; the server default when omitted."
     )
-    response_format: Literal["b64_json"] = Field("b64_json", description="Only base64 PNG is returned.")
+    response_format: Literal["b64_json"] = Field("b64_json", description="Images come back as base64 (b64_json).")
+    output_format: Literal["png", "jpeg", "webp"] = Field(
+        "png",
+        description="File format of each image (OpenAI's): png (lossless, fast zlib level), or jpeg and webp "
+        "(lossy, smaller, at output_compression's quality; jpeg is the fastest to encode).",
+    )
+    output_compression: StrictInt | None = Field(
+        None,
+        ge=0,
+        le=100,
+        description="Quality of a jpeg or webp image, 0-100 (OpenAI's name); 100 when omitted. A png is lossless "
+        "and takes none.",
+    )
     user: StrictStr | None = Field(None, description="OpenAI's end-user id; accepted and ignored.")
     negative_prompt: StrictStr | None = Field(None, description="Negative prompt.")
     num_inference_steps: StrictInt | None = Field(None, ge=1, description="Denoising steps.")
@@ -109,6 +129,12 @@ class ImageGenerationRequest(BaseModel):
         "as base64, a data: URL or {'image_url': 'data:...'}; fitted to the size (cover, then centre crop). A model "
         "that makes images from text alone refuses it.",
     )
+
+    @model_validator(mode="after")
+    def _compression_of_a_lossy_format(self) -> ImageGenerationRequest:
+        if self.output_compression is not None and self.output_format == "png":
+            raise ValueError("output_compression is the quality of a jpeg or webp image; a png is lossless")
+        return self
 
 
 class RequestLimitError(InvalidRequestError):
@@ -282,17 +308,19 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
     )
 
 
-def encode_png(frame: np.ndarray) -> str:
-    """Base64 PNG of one ``(H, W, 3)`` float frame in [0, 1]."""
-    return base64.b64encode(png_bytes(frame)).decode("ascii")
+def image_response(
+    result: GenerationResult, model: str, output_format: str = "png", quality: int | None = None
+) -> dict:
+    """The OpenAI images response for one result, with our ``seed`` and ``rank`` extensions.
 
-
-def image_response(result: GenerationResult, model: str) -> dict:
-    """The OpenAI images response for one result, with our ``seed`` and ``rank`` extensions."""
+    Encodes each image as ``output_format`` (at ``quality`` for jpeg and webp): it takes hundreds of
+    milliseconds for a large PNG, so a server calls this off its event loop."""
+    images = [encode_image(image[0], output_format, quality) for image in result.frames]
     return {
         "created": int(time.time()),
         "model": model,
-        "data": [{"b64_json": encode_png(image[0])} for image in result.frames],
+        "data": [{"b64_json": base64.b64encode(data).decode("ascii")} for data in images],
+        "output_format": output_format,
         "seed": result.seed,
         "rank": result.rank,
         "elapsed_s": round(result.elapsed_s, 4),

@@ -3,6 +3,7 @@ the metrics they leave on Ray's Prometheus endpoints, and the dashboard built on
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import time
@@ -15,6 +16,7 @@ from support import reference_frames, wait_until
 
 from ray_hsdp.request import GenerationRequest
 from ray_hsdp.serve.autoscaling import TARGET_METRIC
+from ray_hsdp.serve.media import encode_image
 from ray_hsdp.serve.metrics import METRICS
 
 from .prometheus import SAMPLE, samples, scrape, total
@@ -125,6 +127,41 @@ def test_generation_returns_png_of_requested_size_equal_to_unsharded(server, ref
     assert np.abs(np.asarray(image, dtype=np.float64) - expected).max() <= 1
 
 
+@pytest.mark.parametrize(
+    "output_format, qualities", [("png", (None,)), ("jpeg", (95, 10)), ("webp", (None, 10))], ids=lambda v: str(v)
+)
+def test_each_output_format_decodes_as_itself_and_honours_its_compression(
+    server, reference_pipe, output_format, qualities
+):
+    """OpenAI's output_format and output_compression: the image is that format's file, the unsharded
+    run's pixels through the same encoder (lossless for png), and a lower quality a smaller file."""
+    body = {"prompt": "A small boat sails across a calm lake", "size": "96x64", "seed": 5, "num_inference_steps": 2}
+    ref = reference_frames(
+        reference_pipe,
+        GenerationRequest(
+            prompt=body["prompt"], width=96, height=64, num_inference_steps=2, guidance_scale=5.0, seed=5
+        ),
+    )
+    expected = (np.clip(ref[0, 0], 0, 1) * 255).round()
+    sizes = []
+    for quality in qualities:
+        asked = {**body, "output_format": output_format}
+        if quality is not None:
+            asked["output_compression"] = quality
+        response = requests.post(f"{server}/v1/images/generations", json=asked, timeout=120)
+        assert response.status_code == 200, response.text
+        assert response.json()["output_format"] == output_format
+        data = response.json()["data"][0]["b64_json"]
+        image = decode_png(data)
+        assert image.format == output_format.upper() and image.size == (96, 64)
+        # Lossy formats: as the unsharded run's pixels come out of the same encoder at that quality.
+        local = decode_png(base64.b64encode(encode_image(expected.astype(np.uint8), output_format, quality)))
+        error = np.abs(np.asarray(image, dtype=np.float64) - np.asarray(local, dtype=np.float64))
+        assert (error.max() if output_format == "png" else error.mean()) <= 1, error.mean()
+        sizes.append(len(data))
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes), sizes
+
+
 def test_server_defaults_and_n(server):
     response = requests.post(f"{server}/v1/images/generations", json={"prompt": "a teapot", "n": 2}, timeout=120)
     assert response.status_code == 200, response.text
@@ -171,6 +208,10 @@ BAD_REQUESTS = [
     ({"prompt": "a", "num_inference_steps": 2.5}, "num_inference_steps"),
     ({"prompt": "a", "guidance_scale": None, "num_inference_steps": None, "model": 7}, "model"),
     ({"prompt": "a", "response_format": "png"}, "response_format"),
+    ({"prompt": "a", "output_format": "gif"}, "output_format"),
+    ({"prompt": "a", "output_compression": 50}, "a png is lossless"),
+    ({"prompt": "a", "output_format": "jpeg", "output_compression": 101}, "output_compression"),
+    ({"prompt": "a", "output_format": "webp", "output_compression": "high"}, "output_compression"),
     ({"prompt": "a", "user": 42}, "user"),
     ({"prompt": "a", "quality": "hd"}, "quality"),
     ({"prompt": "a", "timeout_s": 0}, "timeout_s"),
