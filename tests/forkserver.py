@@ -101,6 +101,9 @@ def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> None:
     sys.argv = request["argv"]
     sys.path[0] = os.path.dirname(request["argv"][0])
     _threads_from_ray()
+    import numpy
+
+    numpy.random.seed()  # a fresh process seeds numpy's global generator from the OS; Python's reseeds itself
 
     def exit_with_the_client() -> None:  # the raylet's process is gone: so is this worker
         while conn.recv(64):
