@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ray_hsdp.config_blocks import AutoscalingSpec, LoraDefaults, StepCacheConfig
+from ray_hsdp.config_kernels import GroupKernels
 from ray_hsdp.embedded import EMBEDDED_LORAS, EMBEDDED_MODELS, TINY_MODEL
 from ray_hsdp.pairs import refuse_config
 from ray_hsdp.request import DEFAULT_GUIDANCE_SCALE
@@ -203,68 +204,6 @@ class GroupLayout(BaseModel):
         description="CPUs reserved per rank in its placement-group bundle; None: 1 on cuda, "
         f"{CPU_RANK_CPUS} on cpu (a gloo rank computes little between collectives, and 4 of them must fit a "
         "2-core laptop).",
-    )
-
-
-class GroupKernels(BaseModel):
-    """What speeds a forward and a decode up: attention backend, compile, FP8, streams, VAE tiling."""
-
-    attention_backend: str = Field(
-        "auto",
-        description="diffusers attention backend of the transformers ('native', '_native_cudnn', 'flash', 'sage' "
-        "(SageAttention 2, built on the GPU host: docs/attention.md; its V quantization turns a channel that is "
-        "zero at every key into NaN, so under it cross-attentions keep torch's SDPA), ...), or this project's "
-        "'fa3_fp8' (FlashAttention 3's FP8 forward on Hopper, built on the GPU host: docs/attention.md; "
-        "self-attentions only); 'auto' keeps diffusers' default, or '_native_cudnn' on CUDA when ring_degree > 1.",
-    )
-    compile: bool = Field(
-        False,
-        description="torch.compile the transformers' repeated blocks on every rank (regional compile, in place, "
-        "the gathers left eager); the group compiles with a warm-up request per lane before it serves (with "
-        "lane_sizes, per lane size on every lane: each size compiles graphs of its own; of as many steps as reach "
-        "every expert of a two-expert model), and each new request shape compiles again once.",
-    )
-    quantization: Literal["none", "fp8"] = Field(
-        "none",
-        description="'fp8': the sharded diffusers models' linear layers inside their units keep, gather and "
-        "multiply their weights in FP8 (e4m3, one scale per output row, activations scaled per token): half the "
-        "weights per GPU and per gather, FP8 matmuls, outputs that drift from bfloat16; with shard_size 1 the same "
-        "linears, whole on the rank. CUDA GPUs of compute capability 8.9 or above (H100, L40S), with gather "
-        "'in_place' when sharded; the group's start compiles the activations' scaling.",
-    )
-    request_streams: bool = Field(
-        False,
-        description="CUDA: run each request's own work (scheduler steps, VAE decode) on a stream of its own, "
-        "so that a rank's decode overlaps the group's forwards instead of queueing ahead of them; the forwards "
-        "and the group's NCCL collectives then run on streams of the highest priority, so that the decode yields "
-        "to them (the other ranks wait at each tick for this rank's forward, never for its decode).",
-    )
-    vae_tiling: Literal["auto", "on", "off"] = Field(
-        "auto",
-        description="Decode with the VAE's tiling (diffusers' enable_tiling): less memory, slower. "
-        "'auto': for frames larger than vae_tiling_above_pixels.",
-    )
-    vae_parallel: Literal["auto", "on", "rows", "off"] = Field(
-        "off",
-        description="Lanes of several ranks share the VAE's decode. 'on': each rank decodes some of the tiles of "
-        "diffusers' tiled decode and the leader blends them (frames equal to the one-rank tiled decode), for every "
-        "request whose frames make more than one tile; 'auto': so on lanes of 4 or more ranks, and on smaller lanes "
-        "where the decode is tiled anyway (vae_tiling); 'rows': each rank decodes one band of the picture's rows of "
-        "the whole, untiled decode, its neighbours lending the rows its convolutions read across the band's edges "
-        "(frames equal to the leader's untiled decode; a VAE whose policy has no row split, or a picture with fewer "
-        "latent rows than the lane has ranks, decodes on the leader alone); 'off' (the default): the leader decodes "
-        "alone.",
-    )
-    vae_tiling_above_pixels: int = Field(
-        1280 * 720,
-        ge=1,
-        description="'auto' tiles the decode of frames larger than this (width x height).",
-    )
-    vae_channels_last: bool = Field(
-        False,
-        description="Keep the VAE's 3D convolution weights in channels-last memory (NDHWC), so that cuDNN runs "
-        "its channels-last kernels on a video VAE's decode without transposing; the convolutions' summation "
-        "order changes, so frames differ from the default by rounding.",
     )
 
 

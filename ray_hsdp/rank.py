@@ -50,6 +50,14 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def compile_cache_counts() -> dict[str, int]:
+    """Inductor's FX graph cache in this process so far: graphs found in the cache (``hit``) and
+    compiled anew (``miss``). (Inductor keeps them in dynamo's counters; torch has no public ones.)"""
+    from torch._dynamo.utils import counters
+
+    return {f"fxgraph_cache_{kind}": int(counters["inductor"][f"fxgraph_cache_{kind}"]) for kind in ("hit", "miss")}
+
+
 class Rank(RankStart):
     """One rank of a shard group; the group turns this class into a Ray actor.
 
@@ -160,8 +168,9 @@ class Rank(RankStart):
     @ray.method(concurrency_group="control")
     def tick_stats(self) -> dict[str, int]:
         """What this rank did since it loaded (ticks, idle ticks, real forwards, ghost passes,
-        batched calls, forwards it ran as a helper of a widened lane) and its device memory: allocated
-        now, and the peak of its latest request."""
+        batched calls, forwards it ran as a helper of a widened lane), its device memory (allocated
+        now, and the peak of its latest request), and with ``compile`` its graphs and the compile
+        cache's hits and misses."""
         from ray_hsdp.memory import device_allocated_bytes
 
         runtime = self.runtime
@@ -176,6 +185,7 @@ class Rank(RankStart):
             "device_allocated_bytes": device_allocated_bytes(self.config.device),
             "last_request_peak_device_bytes": self.last_request_peak_device_bytes,
             "compiled_graphs": compiled_graphs() if self.config.compile else 0,
+            **(compile_cache_counts() if self.config.compile else {"fxgraph_cache_hit": 0, "fxgraph_cache_miss": 0}),
             # Exchanges of the split decodes this rank joined (rows lent, keys gathered).
             "decode_exchanges": sum(lane.exchanges for lane in self.pipeline.lane_tiles.values())
             if self.pipeline is not None

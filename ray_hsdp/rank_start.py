@@ -18,6 +18,16 @@ from ray_hsdp.variant import RankFeatures
 logger = logging.getLogger("ray_hsdp")
 
 
+def use_compile_cache(folder: str) -> None:
+    """Points inductor (its FX graph and AOTAutograd caches) and Triton at ``folder``.
+
+    Torch reads these variables when it compiles, so they are set before anything in this process
+    compiles (the FP8 load compiles the activations' scaling)."""
+    root = os.path.abspath(os.path.expanduser(folder))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(root, "triton")
+
+
 class RankStart:
     """The start of a ``Rank``: ``prepare``, ``address``, ``join``, ``load`` (in that order)."""
 
@@ -29,6 +39,8 @@ class RankStart:
         """
         from ray_hsdp.loading import import_component_classes, resolve_lora_path, resolve_model_path
 
+        if self.config.compile_cache_dir:
+            use_compile_cache(self.config.compile_cache_dir)
         with self.phases.phase("model files"):
             self.model_path = resolve_model_path(self.config.model)
             self.lora_paths = {
