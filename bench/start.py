@@ -49,6 +49,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="warm starts recorded")
     parser.add_argument("--cold", action="store_true", help="one more start after dropping the page cache")
     parser.add_argument("--compile", action="store_true", help="groups with compile: true (their warm-up)")
+    parser.add_argument(
+        "--compile-cache-dir",
+        default=None,
+        help="the groups' compile_cache_dir; the first start (recorded then) finds it empty, the next ones full",
+    )
     parser.add_argument("--ray-cpus", type=int, default=None, help="logical CPUs of the local Ray (CPU dry runs)")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--name", default=None)
@@ -63,10 +68,18 @@ def main() -> None:
     model_dir = Path(args.model_dir)
     ensure_model(args.arch, model_dir, args.device)
     start_ray(args.ray_cpus)
-    config = GroupConfig(model=str(model_dir), device=args.device, shard_size=args.shard_size, compile=args.compile)
+    config = GroupConfig(
+        model=str(model_dir),
+        device=args.device,
+        shard_size=args.shard_size,
+        compile=args.compile,
+        compile_cache_dir=args.compile_cache_dir,
+    )
     name = args.name or f"start-{args.arch}-s{args.shard_size}"
     rows: list[dict] = []
-    runs = ["warm-up"] + ["warm"] * args.repeats + (["cold"] if args.cold else [])
+    # With a compile cache the first start is the one that fills it: recorded.
+    first = "first (compile cache empty)" if args.compile_cache_dir else "warm-up"
+    runs = [first] + ["warm"] * args.repeats + (["cold"] if args.cold else [])
     for kind in runs:
         row: dict = {"run": kind}
         if kind == "cold":
@@ -78,15 +91,20 @@ def main() -> None:
             try:
                 request = GenerationRequest(prompt="a fox", num_inference_steps=1, request_id="first")
                 group.generate([request])
-                first = time.perf_counter() - started
+                answered = time.perf_counter() - started
                 start = group.describe()["start"]
+                stats = group.tick_stats()
             finally:
                 group.shutdown()
             ranks: dict[str, float] = {}
             for phases in start["ranks_phases_s"]:
                 for phase, seconds in phases.items():
                     ranks[phase] = max(ranks.get(phase, 0.0), seconds)
-            row.update(ready_s=round(ready, 2), first_answer_s=round(first, 2), group=start["phases_s"], ranks=ranks)
+            row.update(ready_s=round(ready, 2), first_answer_s=round(answered, 2), group=start["phases_s"], ranks=ranks)
+            if args.compile:
+                row["fxgraph_cache"] = {
+                    k: sum(s[k] for s in stats) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")
+                }
         except Exception as err:  # noqa: BLE001 - a failed start is a result; the next runs
             row["error"] = failure(err, 0)
         if kind != "warm-up":
@@ -99,7 +117,9 @@ def main() -> None:
 def table(rows: list[dict], args) -> str:
     group_phases = list(dict.fromkeys(p for r in rows for p in r.get("group", {})))
     rank_phases = list(dict.fromkeys(p for r in rows for p in r.get("ranks", {})))
+    cached = any("fxgraph_cache" in r for r in rows)
     header = ["run", "ready s", "first answer s", *group_phases, *[f"rank: {p}" for p in rank_phases]]
+    header += ["FX graphs found / compiled"] if cached else []
     lines = [
         f"# Group start: {args.arch}, {args.shard_size} ranks on {args.device}",
         "",
@@ -117,6 +137,9 @@ def table(rows: list[dict], args) -> str:
         cells = [r["run"], f"{r['ready_s']:.2f}", f"{r['first_answer_s']:.2f}"]
         cells += [f"{r['group'][p]:.2f}" if p in r["group"] else "-" for p in group_phases]
         cells += [f"{r['ranks'][p]:.2f}" if p in r["ranks"] else "-" for p in rank_phases]
+        if cached:
+            counts = r.get("fxgraph_cache", {})
+            cells.append(f"{counts.get('fxgraph_cache_hit', '-')} / {counts.get('fxgraph_cache_miss', '-')}")
         lines.append("| " + " | ".join(cells) + " |")
     notes = [f"{r['run']}: {r['cache']}." for r in rows if "cache" in r]
     lines += ["", *notes] if notes else []
