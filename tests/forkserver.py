@@ -2,7 +2,7 @@
 
 Why: on the suite's 2-core machines a rank process spends about 8 s of CPU before its group is
 ready, most of it importing torch, diffusers and transformers (``bench/results/suite-2core.md``);
-a suite run starts about 250 Ray workers, so those imports were a third of its time. Here the
+a suite run starts about 250 Ray workers, and the ranks were more than half of its CPU. Here the
 suite's two simulated nodes start each Python worker as this file (``worker_path``, passed to
 ``ray.cluster_utils.Cluster``). It hands the worker's command line, environment and standard
 streams to the fork server (``serve``), which forks a child that runs Ray's own
@@ -13,7 +13,8 @@ imports no Ray: the gRPC core must not exist before a fork.
 The process the raylet started (this file run as a script) stays until the worker exits and
 exits with its status; it forwards SIGTERM and SIGINT. If it dies, the worker sees its
 connection close and exits at once. The real start path (a fresh interpreter) is what the
-two-node test runs (``ray start`` in network namespaces).
+two-node test (``ray start`` in network namespaces) and ``tests/serve/test_usp.py`` (a Ray of its own)
+run.
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ def _receive_message(sock: socket.socket) -> tuple[dict, list[int]]:
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
+    while len(head) < 4:
+        more = sock.recv(4 - len(head))
+        if not more:
+            raise ConnectionError("the client closed its connection mid-message")
+        head += more
     (size,) = struct.unpack("!I", head)
     data = b""
     while len(data) < size:
