@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from ray_hsdp.serve.media import encode_image
+from ray_hsdp.serve.media import encode_image, to_uint8
 
 
 def stand_in_frame(width: int, height: int, seed: int = 0) -> np.ndarray:
@@ -44,7 +44,7 @@ def pil_default_png(frame: np.ndarray) -> bytes:
     from PIL import Image
 
     buffer = io.BytesIO()
-    Image.fromarray((np.clip(frame, 0, 1) * 255).round().astype(np.uint8)).save(buffer, format="PNG")
+    Image.fromarray(to_uint8(frame)).save(buffer, format="PNG")
     return buffer.getvalue()
 
 

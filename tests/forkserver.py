@@ -51,25 +51,28 @@ def _send_message(sock: socket.socket, payload: dict, fds: list[int]) -> None:
     sock.sendmsg([struct.pack("!I", len(data)), data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
 
 
+def _read_to(sock: socket.socket, data: bytes, size: int) -> bytes:
+    """``data`` read on from ``sock`` until it holds ``size`` bytes.
+
+    Raises:
+        ConnectionError: The other end closed the connection first.
+    """
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("the connection closed mid-message")
+        data += chunk
+    return data
+
+
 def _receive_message(sock: socket.socket) -> tuple[dict, list[int]]:
     fds = array.array("i")
     head, ancillary, _, _ = sock.recvmsg(4, socket.CMSG_SPACE(3 * fds.itemsize))
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
-    while len(head) < 4:
-        more = sock.recv(4 - len(head))
-        if not more:
-            raise ConnectionError("the client closed its connection mid-message")
-        head += more
-    (size,) = struct.unpack("!I", head)
-    data = b""
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
-            raise ConnectionError("the client closed its connection mid-message")
-        data += chunk
-    return json.loads(data), list(fds)
+    (size,) = struct.unpack("!I", _read_to(sock, head, 4))
+    return json.loads(_read_to(sock, b"", size)), list(fds)
 
 
 def _threads_from_ray() -> None:
@@ -201,13 +204,10 @@ def client(path: str, argv: list[str]) -> int:
     _send_message(sock, request, [0, 1, 2])
 
     def read_int() -> int | None:
-        data = b""
-        while len(data) < 4:
-            chunk = sock.recv(4 - len(data))
-            if not chunk:
-                return None
-            data += chunk
-        return struct.unpack("!i", data)[0]
+        try:
+            return struct.unpack("!i", _read_to(sock, b"", 4))[0]
+        except ConnectionError:
+            return None
 
     child = read_int()
     if child is None:

@@ -108,8 +108,20 @@ def test_the_dashboard_has_the_operator_panels_and_names_exported_metrics(server
                 assert name in ours or name in exported, (panel["title"], name)
 
 
+#: An image request, and the pixels (0-255) of the unsharded run of it: ``boat_pixels``.
+BOAT = {"prompt": "A small boat sails across a calm lake", "size": "96x64", "seed": 5, "num_inference_steps": 2}
+
+
+def boat_pixels(reference_pipe) -> np.ndarray:
+    """``BOAT``'s image from the unsharded pipeline (the server's default guidance, 5.0)."""
+    request = GenerationRequest(
+        prompt=BOAT["prompt"], width=96, height=64, num_inference_steps=2, guidance_scale=5.0, seed=5
+    )
+    return (np.clip(reference_frames(reference_pipe, request)[0, 0], 0, 1) * 255).round()
+
+
 def test_generation_returns_png_of_requested_size_equal_to_unsharded(server, reference_pipe):
-    body = {"prompt": "A small boat sails across a calm lake", "size": "96x64", "seed": 5, "num_inference_steps": 2}
+    body = BOAT
     response = requests.post(f"{server}/v1/images/generations", json=body, timeout=120)
     assert response.status_code == 200, response.text
     payload = response.json()
@@ -117,13 +129,7 @@ def test_generation_returns_png_of_requested_size_equal_to_unsharded(server, ref
     (item,) = payload["data"]
     image = decode_png(item["b64_json"])
     assert image.format == "PNG" and image.size == (96, 64) and image.mode == "RGB"
-    ref = reference_frames(
-        reference_pipe,
-        GenerationRequest(
-            prompt=body["prompt"], width=96, height=64, num_inference_steps=2, guidance_scale=5.0, seed=5
-        ),
-    )
-    expected = (np.clip(ref[0, 0], 0, 1) * 255).round()
+    expected = boat_pixels(reference_pipe)
     assert np.abs(np.asarray(image, dtype=np.float64) - expected).max() <= 1
 
 
@@ -135,14 +141,8 @@ def test_each_output_format_decodes_as_itself_and_honours_its_compression(
 ):
     """OpenAI's output_format and output_compression: the image is that format's file, the unsharded
     run's pixels through the same encoder (lossless for png), and a lower quality a smaller file."""
-    body = {"prompt": "A small boat sails across a calm lake", "size": "96x64", "seed": 5, "num_inference_steps": 2}
-    ref = reference_frames(
-        reference_pipe,
-        GenerationRequest(
-            prompt=body["prompt"], width=96, height=64, num_inference_steps=2, guidance_scale=5.0, seed=5
-        ),
-    )
-    expected = (np.clip(ref[0, 0], 0, 1) * 255).round()
+    body = BOAT
+    expected = boat_pixels(reference_pipe)
     sizes = []
     for quality in qualities:
         asked = {**body, "output_format": output_format}
