@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ray_hsdp.config_blocks import AutoscalingSpec, LoraDefaults, StepCacheConfig
+from ray_hsdp.config_blocks import AutoscalingSpec, LoraDefaults, StepCacheConfig, WarmUpShape
 from ray_hsdp.config_kernels import GroupKernels
 from ray_hsdp.embedded import EMBEDDED_LORAS, EMBEDDED_MODELS, TINY_MODEL
 from ray_hsdp.pairs import refuse_config
@@ -477,6 +477,14 @@ class AppConfig(GroupConfig):
         "each is handed to another group (its seed makes the same video there); one that none takes fails with the "
         "reason.",
     )
+    warm_up: list[WarmUpShape] | None = Field(
+        None,
+        description="Request shapes each group runs before it serves (at its start and after a rebuild), through a "
+        "request's whole path (the loop, the VAE decode, the frames, the response's PNG or MP4), on every lane and "
+        "with as few steps as reach every expert: a first request of a warmed shape compiles nothing. Costs that "
+        "run's time at each start. None: with compile, default_size at the default clip length; without, none. "
+        "[]: none (with compile, a small warm-up per lane compiles the first forwards).",
+    )
     lora_defaults: dict[str, LoraDefaults] = Field(
         default_factory=dict,
         description="Per adapter of loras, the steps, guidance and flow_shift a request naming it gets when it "
@@ -485,10 +493,16 @@ class AppConfig(GroupConfig):
     )
 
     @model_validator(mode="after")
-    def _check_default_size(self) -> AppConfig:
+    def _check_against_limits(self) -> AppConfig:
         width, height = parse_size(self.default_size)
         if width * height > self.max_pixels:
             raise ValueError(f"default_size {self.default_size} exceeds max_pixels={self.max_pixels}")
+        for shape in self.warm_up or []:
+            shape_width, shape_height = parse_size(shape.size)
+            if shape_width * shape_height > self.max_pixels:
+                raise ValueError(f"warm_up size {shape.size} exceeds max_pixels={self.max_pixels}")
+            if (shape.num_frames or 1) > self.max_frames:
+                raise ValueError(f"warm_up num_frames={shape.num_frames} exceeds max_frames={self.max_frames}")
         unknown = sorted(set(self.lora_defaults) - set(self.loras))
         if unknown:
             raise ValueError(f"lora_defaults names {unknown}, which loras does not register")
@@ -499,6 +513,12 @@ class AppConfig(GroupConfig):
                     f"max_steps={self.max_steps}"
                 )
         return self
+
+    def warm_up_shapes(self) -> list[WarmUpShape]:
+        """The shapes a group warms before it serves (``warm_up``, its default resolved)."""
+        if self.warm_up is not None:
+            return list(self.warm_up)
+        return [WarmUpShape(size=self.default_size)] if self.compile else []
 
     def request_defaults(
         self, lora: tuple[tuple[str, float], ...], given: frozenset[str] = frozenset()

@@ -118,6 +118,20 @@ class LoraDefaults(BaseModel):
     )
 
 
+class WarmUpShape(BaseModel):
+    """One request shape a group runs before it serves (``AppConfig.warm_up``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    size: str = Field(..., description="'WxH' of the requests to warm, each a multiple of 16.")
+    num_frames: int | None = Field(
+        None,
+        ge=1,
+        description="Frames of the video requests to warm; the app's default clip length (default_video_seconds) "
+        "when omitted. An image model takes only 1 or none.",
+    )
+
+
 class AutoscalingSpec(BaseModel):
     """Shard groups that Serve adds and removes with the load (one Serve replica per group)."""
 

@@ -17,7 +17,7 @@ from ray_hsdp.config import (
     RequestFeatures,
     ServedModel,
 )
-from ray_hsdp.config_blocks import AutoscalingSpec, LoraDefaults, StepCacheConfig
+from ray_hsdp.config_blocks import AutoscalingSpec, LoraDefaults, StepCacheConfig, WarmUpShape
 
 #: The models the page describes, with what each section says of where its fields go.
 SECTIONS: tuple[tuple[str, type[BaseModel], str], ...] = (
@@ -34,6 +34,7 @@ SECTIONS: tuple[tuple[str, type[BaseModel], str], ...] = (
     ("`cache`", StepCacheConfig, "A group's step cache and the settings a request gets."),
     ("`autoscaling`", AutoscalingSpec, "Shard groups that Serve adds and removes with their load."),
     ("`lora_defaults.<adapter>`", LoraDefaults, "What a request naming the adapter gets for the fields it omits."),
+    ("`warm_up[]`", WarmUpShape, "One shape of the list: what a group runs before it serves."),
 )
 
 

@@ -58,6 +58,19 @@ def compile_cache_counts() -> dict[str, int]:
     return {f"fxgraph_cache_{kind}": int(counters["inductor"][f"fxgraph_cache_{kind}"]) for kind in ("hit", "miss")}
 
 
+#: How dynamo's counters name a function that reached the recompile limit.
+RECOMPILE_LIMIT_REASON = "Dynamo recompile limit exceeded"
+
+
+def recompile_limit_hits() -> int:
+    """Times a compiled function reached ``torch._dynamo.config.recompile_limit`` graphs in this
+    process and so runs eagerly from then on, silently but for one warning (dynamo counts it with
+    its "unimplemented" reasons; torch has no public count)."""
+    from torch._dynamo.utils import counters
+
+    return sum(n for reason, n in counters["unimplemented"].items() if reason.startswith(RECOMPILE_LIMIT_REASON))
+
+
 class Rank(RankStart):
     """One rank of a shard group; the group turns this class into a Ray actor.
 
@@ -170,7 +183,7 @@ class Rank(RankStart):
         """What this rank did since it loaded (ticks, idle ticks, real forwards, ghost passes,
         batched calls, forwards it ran as a helper of a widened lane), its device memory (allocated
         now, and the peak of its latest request), and with ``compile`` its graphs and the compile
-        cache's hits and misses."""
+        cache's hits and misses, and how often a compiled block reached its recompile limit."""
         from ray_hsdp.memory import device_allocated_bytes
 
         runtime = self.runtime
@@ -185,6 +198,7 @@ class Rank(RankStart):
             "device_allocated_bytes": device_allocated_bytes(self.config.device),
             "last_request_peak_device_bytes": self.last_request_peak_device_bytes,
             "compiled_graphs": compiled_graphs() if self.config.compile else 0,
+            "recompile_limit_hits": recompile_limit_hits() if self.config.compile else 0,
             **(compile_cache_counts() if self.config.compile else {"fxgraph_cache_hit": 0, "fxgraph_cache_miss": 0}),
             # Exchanges of the split decodes this rank joined (rows lent, keys gathered).
             "decode_exchanges": sum(lane.exchanges for lane in self.pipeline.lane_tiles.values())

@@ -214,7 +214,7 @@ def test_a_group_runs_lanes_of_one_and_two_at_once_and_equals_unsharded(ray_clus
 
 
 def test_the_warm_up_fills_every_place_of_every_lane_of_each_size_in_turn():
-    from ray_hsdp.group.core import warm_up_requests
+    from ray_hsdp.group.warm_up import warm_up_requests
 
     batches = warm_up_requests(DIMS, requests_per_rank=2, image_input=False)
     assert [[r.lane_size for r in batch] for batch in batches] == [[1] * 8, [2] * 4, [4] * 2]

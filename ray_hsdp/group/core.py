@@ -12,7 +12,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 import ray
@@ -26,86 +26,17 @@ from ray_hsdp.group.inspection import GroupInspection
 from ray_hsdp.group.lanes import LaneTimes, LeanLanes, TickModel
 from ray_hsdp.group.records import GroupRecords
 from ray_hsdp.group.scheduler import GroupScheduler, QueuedJob, RequestRecord, resolve
+from ray_hsdp.group.warm_up import GroupWarmUp
 from ray_hsdp.group.widening import GroupWidening
 from ray_hsdp.phases import Phases
 from ray_hsdp.rank import CONCURRENCY_GROUPS, Rank
 from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
 from ray_hsdp.topology import PLACEMENT_STRATEGY, ParallelDims
 from ray_hsdp.variant import RequestVariant
-from ray_hsdp.variant.lane import sequence_tokens
 
 logger = logging.getLogger("ray_hsdp")
 
 _RENDEZVOUS_TRIES = 3
-
-
-#: The warm-up's height, in tokens of the pipeline's token grid (64 pixels at Wan's stride of 16):
-#: small, as its time is part of the group's start.
-WARM_UP_SIDE = 4
-
-
-def warm_up_size(sequence: Mapping | None, degree: int) -> tuple[int, int]:
-    """``(width, height)`` of a one-frame warm-up request whose tokens split over ``degree``
-    sequence ranks, from the pipeline's token grid (``sequence``: ``ShardedPipeline.facts``):
-    ``WARM_UP_SIDE`` tokens high and the least multiple of ``degree`` at least that wide.
-
-    Raises:
-        ValueError: Not even that splits (the message names the degree and the tokens).
-    """
-    if not sequence or degree == 1:
-        return 64, 64
-    stride = sequence["spatial_stride"]
-    width, height = -(-WARM_UP_SIDE // degree) * degree * stride, WARM_UP_SIDE * stride
-    tokens = sequence_tokens(sequence, height, width, 1)
-    if tokens % degree:
-        raise ValueError(
-            f"compile: the warm-up of a lane of {degree} sequence ranks ({width}x{height}, one frame) is {tokens} "
-            f"tokens, which do not split over {degree}; leave compile off or choose lanes that split it"
-        )
-    return width, height
-
-
-def warm_up_requests(
-    dims: ParallelDims, requests_per_rank: int, image_input: bool, steps: int = 1, sequence: Mapping | None = None
-) -> list[list[GenerationRequest]]:
-    """Small requests, in batches run one after the other, that compile a compiled group's first
-    forwards at its start, not in a user's request: one per lane; with adaptive lanes, for each lane
-    size in turn, one per place of every lane of that size (a rank compiles graphs of its own per
-    lane size, and a lane fills its places before the next lane of its size takes one). Each is of a
-    size whose tokens split over its lane's sequence ranks (``warm_up_size`` of the pipeline's token
-    grid ``sequence``). An image-to-video pipeline (``image_input``) takes no request without its
-    first frame; each request runs ``steps`` steps, enough to reach every expert of a two-expert
-    pipeline (the pipeline's ``warm_up_steps`` fact).
-
-    Raises:
-        ValueError: A lane's sequence ranks split no warm-up size (``warm_up_size``).
-    """
-
-    def warm(name: str, degree: int, lane_size: int | None = None) -> GenerationRequest:
-        width, height = warm_up_size(sequence, degree)
-        return GenerationRequest(
-            prompt="warm up", num_inference_steps=steps, request_id=f"warm-up-{name}", width=width, height=height,
-            num_frames=1, image=_gray_png(width, height) if image_input else None, lane_size=lane_size,
-            size_given=False,  # the group's pick: a pipeline whose size follows its image makes its own
-        )  # fmt: skip
-
-    if not dims.adaptive:
-        return [[warm(str(lane), dims.ring * dims.ulysses) for lane in range(dims.num_lanes)]]
-    return [
-        [warm(f"{size}-{i}", dims.lane_shape(size)[1], size) for i in range(len(dims.blocks(size)) * requests_per_rank)]
-        for size in sorted(dims.lane_sizes)
-    ]
-
-
-def _gray_png(width: int, height: int) -> bytes:
-    """A plain gray PNG: the first frame of an image-to-video warm-up request."""
-    import io
-
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.new("RGB", (width, height), (128, 128, 128)).save(out, format="PNG")
-    return out.getvalue()
 
 
 def check_placeable(bundles: list[dict[str, float]]) -> None:
@@ -137,7 +68,7 @@ def check_placeable(bundles: list[dict[str, float]]) -> None:
     )
 
 
-class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords):
+class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, GroupWarmUp):
     """S ranks that together hold one copy of the pipeline and run requests from one queue.
 
     The ranks form lanes (``ParallelDims``): a lane runs each of its requests on all its ranks
@@ -197,15 +128,22 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords):
         self._failure: str | None = None
         self._closed = False
         self.phases = Phases(f"group {self.group_id}")
+        self._started = time.perf_counter()  # (again at ``start``) what the start's total counts from
         self.rank_phases: list[dict[str, float]] = []
 
     # ---- lifecycle -------------------------------------------------------------------------
 
-    def start(self) -> ShardGroup:
-        """Places the ranks, forms the process group, loads and shards the pipeline, starts intake."""
+    def start(self, warm_up: bool = True) -> ShardGroup:
+        """Places the ranks, forms the process group, loads and shards the pipeline, starts intake.
+
+        Args:
+            warm_up: With ``compile``, compile each lane's first forwards with small requests before
+                the group serves (``compile_warm_up``). A caller that warms the shapes its users
+                send (``warm_up``: a Serve replica) leaves this out.
+        """
         if not ray.is_initialized():
             ray.init()
-        started = time.perf_counter()
+        self._started = started = time.perf_counter()
         self.config = self.config.resolve_device(ray.cluster_resources().get("GPU", 0) > 0)
         bundles = self.dims.bundles(self.config.device, self.config.cpus_per_rank)
         try:
@@ -232,20 +170,8 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords):
             self._watch("rank", watch)
         self._scheduler = threading.Thread(target=self._schedule, name="ray_hsdp-scheduler", daemon=True)
         self._scheduler.start()
-        if self.config.compile:
-            try:
-                with self.phases.phase("warm-up"):
-                    facts = self.pipeline_facts
-                    batches = warm_up_requests(
-                        self.dims, self.config.requests_per_rank, bool(facts.get("image_input")),
-                        facts["warm_up_steps"], facts.get("sequence"),
-                    )  # fmt: skip
-                    for warm in batches:
-                        for future in [self._enqueue(request, warm_up=True) for request in warm]:
-                            future.result()
-            except BaseException:
-                self.shutdown()
-                raise
+        if warm_up and self.config.compile:
+            self.compile_warm_up()
         self.phases.seconds["total"] = round(time.perf_counter() - started, 3)
         logger.info(
             "Shard group ready in %.1f s: %d ranks on %s, mode=%s",

@@ -31,6 +31,16 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         ("model", "rank"),
         "forwards of requests with a step cache that reused it instead of running every block",
     ),
+    "ray_hsdp_compiled_graphs_total": (
+        "counter",
+        ("model", "rank"),
+        "graphs compile built on the rank, its start's warm-up included (growing while serving: unwarmed shapes)",
+    ),
+    "ray_hsdp_recompile_limit_hits_total": (
+        "counter",
+        ("model", "rank"),
+        "compiled functions that reached torch's recompile limit and run eagerly since",
+    ),
     "ray_hsdp_device_allocated_bytes": ("gauge", ("model", "rank"), "GPU memory allocated on the rank now"),
     "ray_hsdp_device_peak_bytes": ("gauge", ("model", "rank"), "peak GPU memory of the rank's latest request"),
     "ray_hsdp_group_failures_total": ("counter", ("model",), "shard group failures (each starts a rebuild)"),
@@ -55,6 +65,8 @@ _RANK_COUNTERS = {
     "ray_hsdp_idle_ticks_total": "idle_ticks",
     "ray_hsdp_forwards_total": "forwards",
     "ray_hsdp_step_cache_reused_total": "step_cache_reused",
+    "ray_hsdp_compiled_graphs_total": "compiled_graphs",
+    "ray_hsdp_recompile_limit_hits_total": "recompile_limit_hits",
 }
 _RANK_GAUGES = {
     "ray_hsdp_device_allocated_bytes": "device_allocated_bytes",

@@ -357,6 +357,9 @@ def test_models_health_and_pool(server):
     assert (pool["replicate_size"], pool["shard_size"], pool["mode"], pool["device"]) == (1, 2, "batch", "cpu")
     assert [r["shard_index"] for r in pool["ranks"]] == [0, 1]
     assert len({r["node_id"] for r in pool["ranks"]}) == 1
+    # The YAML's warm_up ran before the group served, and counts in its start.
+    phases = pool["start"]["phases_s"]
+    assert 0 < phases["warm-up"] < phases["total"], phases
     for rank in pool["ranks"]:
         assert rank["device"] == "cpu"
         assert 0 < rank["total"]["sharded_local"] < rank["total"]["sharded_full"]

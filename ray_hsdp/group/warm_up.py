@@ -1,0 +1,147 @@
+"""A group's warm-up: requests run on every lane before the group serves, so that what a first
+request would pay once (``torch.compile``'s tracing and compiling of a shape, the first run of the
+VAE at a size) is paid at the start. The warm-up is marked: no record, listener or lane time
+counts it (``GroupRecords``).
+
+Shapes and ``torch.compile``: blocks compile with ``dynamic=None`` (torch's automatic dynamic
+shapes). The first shape a block sees compiles a static graph; a second shape of the same block
+compiles one graph with dynamic sizes, which then takes every later shape without tracing again.
+A block gets at most ``torch._dynamo.config.recompile_limit`` (8) graphs before it silently runs
+eagerly; ``recompile_limit_hits`` (``ray_hsdp.rank``) counts how often that happened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from ray_hsdp.request import GenerationRequest, GenerationResult
+from ray_hsdp.topology import ParallelDims
+from ray_hsdp.variant.lane import sequence_tokens
+
+#: The compile warm-up's height, in tokens of the pipeline's token grid (64 pixels at Wan's stride
+#: of 16): small, as its time is part of the group's start.
+WARM_UP_SIDE = 4
+
+
+def warm_up_size(sequence: Mapping | None, degree: int) -> tuple[int, int]:
+    """``(width, height)`` of a one-frame warm-up request whose tokens split over ``degree``
+    sequence ranks, from the pipeline's token grid (``sequence``: ``ShardedPipeline.facts``):
+    ``WARM_UP_SIDE`` tokens high and the least multiple of ``degree`` at least that wide.
+
+    Raises:
+        ValueError: Not even that splits (the message names the degree and the tokens).
+    """
+    if not sequence or degree == 1:
+        return 64, 64
+    stride = sequence["spatial_stride"]
+    width, height = -(-WARM_UP_SIDE // degree) * degree * stride, WARM_UP_SIDE * stride
+    tokens = sequence_tokens(sequence, height, width, 1)
+    if tokens % degree:
+        raise ValueError(
+            f"compile: the warm-up of a lane of {degree} sequence ranks ({width}x{height}, one frame) is {tokens} "
+            f"tokens, which do not split over {degree}; leave compile off or choose lanes that split it"
+        )
+    return width, height
+
+
+def on_every_lane(
+    dims: ParallelDims, requests_per_rank: int, make: Callable[[str, int, int | None], GenerationRequest]
+) -> list[list[GenerationRequest]]:
+    """Batches, run one after the other, that reach every lane: one request per lane; with adaptive
+    lanes, for each lane size in turn, one per place of every lane of that size (a rank compiles
+    graphs of its own per lane size, and a lane fills its places before the next lane of its size
+    takes one). ``make(name, sequence_degree, lane_size)`` builds each request."""
+    if not dims.adaptive:
+        return [[make(str(lane), dims.ring * dims.ulysses, None) for lane in range(dims.num_lanes)]]
+    return [
+        [make(f"{size}-{i}", dims.lane_shape(size)[1], size) for i in range(len(dims.blocks(size)) * requests_per_rank)]
+        for size in sorted(dims.lane_sizes)
+    ]
+
+
+def warm_up_requests(
+    dims: ParallelDims, requests_per_rank: int, image_input: bool, steps: int = 1, sequence: Mapping | None = None
+) -> list[list[GenerationRequest]]:
+    """The compile warm-up of a group started without shapes to warm (``on_every_lane``): small
+    requests of a size whose tokens split over each lane's sequence ranks (``warm_up_size`` of the
+    pipeline's token grid ``sequence``). An image-to-video pipeline (``image_input``) takes no
+    request without its first frame; each request runs ``steps`` steps, enough to reach every
+    expert of a two-expert pipeline (the pipeline's ``warm_up_steps`` fact).
+
+    Raises:
+        ValueError: A lane's sequence ranks split no warm-up size (``warm_up_size``).
+    """
+
+    def warm(name: str, degree: int, lane_size: int | None) -> GenerationRequest:
+        width, height = warm_up_size(sequence, degree)
+        return GenerationRequest(
+            prompt="warm up", num_inference_steps=steps, request_id=f"warm-up-{name}", width=width, height=height,
+            num_frames=1, image=gray_png(width, height) if image_input else None, lane_size=lane_size,
+            size_given=False,  # the group's pick: a pipeline whose size follows its image makes its own
+        )  # fmt: skip
+
+    return on_every_lane(dims, requests_per_rank, warm)
+
+
+def gray_png(width: int, height: int) -> bytes:
+    """A plain gray PNG: the first frame of an image-to-video warm-up request."""
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (128, 128, 128)).save(out, format="PNG")
+    return out.getvalue()
+
+
+class GroupWarmUp:
+    """The warm-up side of ``ShardGroup``."""
+
+    def warm_up(
+        self,
+        requests: Sequence[GenerationRequest],
+        follow: Callable[[GenerationRequest, GenerationResult], None] | None = None,
+    ) -> None:
+        """Runs each request on every lane of the group (``on_every_lane``; each copy under its own
+        id), marked as the warm-up, then ``follow(request, result)`` with one of its results (a
+        caller warms what follows the group: a response's encoding), all in the start's
+        ``warm-up`` phase. A warm-up that fails shuts the group down: it would fail a user's
+        request the same way."""
+        try:
+            with self.phases.phase("warm-up"):
+                for request in requests:
+                    result = self._warm_on_every_lane(request)
+                    if follow is not None:
+                        follow(request, result)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.phases.seconds["total"] = round(time.perf_counter() - self._started, 3)
+
+    def _warm_on_every_lane(self, request: GenerationRequest) -> GenerationResult:
+        def copy(name: str, degree: int, lane_size: int | None) -> GenerationRequest:
+            return dataclasses.replace(request, request_id=f"{request.request_id}-{name}", lane_size=lane_size)
+
+        first = None
+        for batch in on_every_lane(self.dims, self.config.requests_per_rank, copy):
+            results = [future.result() for future in [self._enqueue(r, warm_up=True) for r in batch]]
+            first = first or results[0]
+        return first
+
+    def compile_warm_up(self) -> None:
+        """Compiles each lane's first forwards with small requests (``warm_up_requests``)."""
+        facts = self.pipeline_facts
+        batches = warm_up_requests(
+            self.dims, self.config.requests_per_rank, bool(facts.get("image_input")), facts["warm_up_steps"],
+            facts.get("sequence"),
+        )  # fmt: skip
+        try:
+            with self.phases.phase("warm-up"):
+                for batch in batches:
+                    for future in [self._enqueue(request, warm_up=True) for request in batch]:
+                        future.result()
+        except BaseException:
+            self.shutdown()
+            raise

@@ -1,0 +1,85 @@
+"""A replica's warm-up: the app's ``warm_up`` shapes run through a request's whole path before
+its group serves (the request built from the API's body, the loop on every lane, the VAE decode,
+the uint8 frames, the response's encoding), so that a user's first request at a warmed shape runs
+as fast as the second. The group marks the runs as its warm-up: no record, metric, lane time or
+video job counts them."""
+
+from __future__ import annotations
+
+import logging
+
+from ray_hsdp.config import AppConfig
+from ray_hsdp.config_blocks import WarmUpShape
+from ray_hsdp.group import ShardGroup
+from ray_hsdp.group.warm_up import gray_png
+from ray_hsdp.request import GenerationRequest, GenerationResult
+from ray_hsdp.serve.errors import RequestLimitError
+from ray_hsdp.serve.media import encode_mp4, encode_png
+from ray_hsdp.serve.schema import (
+    ImageGenerationRequest,
+    VideoCreateRequest,
+    image_response,
+    to_generation_request,
+    to_video_request,
+)
+
+logger = logging.getLogger("ray_hsdp")
+
+#: The warm-up's prompt: its text encoder's input shape is padded to a fixed length, as a user's.
+PROMPT = "warm up"
+
+
+def warm_up_request(shape: WarmUpShape, config: AppConfig, facts: dict, index: int) -> tuple[GenerationRequest, int]:
+    """The request of one shape, built from an API body as a user's is, with the fewest steps that
+    reach every expert (``warm_up_steps``), and the MP4's frame rate (0: an image model).
+
+    Raises:
+        ValueError: The shape is not one the model takes (the message names the shape and why).
+    """
+    width, height = shape.size.split("x")
+    image = gray_png(int(width), int(height)) if facts.get("image_input") else None
+    fields = {"prompt": PROMPT, "size": shape.size, "num_inference_steps": facts["warm_up_steps"], "seed": 0}
+    request_id = f"warm-up-{index}"
+    try:
+        if facts.get("video"):
+            body = VideoCreateRequest(**fields, num_frames=shape.num_frames, input_reference=image)
+            request, fps = to_video_request(body, config, facts["temporal_compression"], request_id)
+            return request, fps
+        if (shape.num_frames or 1) != 1:
+            raise RequestLimitError(f"the model makes images, which have 1 frame, not num_frames={shape.num_frames}")
+        request = to_generation_request(ImageGenerationRequest(**fields, input_reference=image), config, request_id)
+        return request, 0
+    except RequestLimitError as err:
+        raise ValueError(f"warm_up {shape.model_dump(exclude_none=True)}: {err}") from None
+
+
+def warm_up(group: ShardGroup, config: AppConfig, shapes: list[WarmUpShape]) -> None:
+    """Runs each shape on every lane of a started ``group`` (``ShardGroup.warm_up``) and encodes
+    one result of each as its response would be.
+
+    Raises:
+        ValueError: A shape is not one the model takes; InvalidRequestError: not one its lanes
+            take. Either way the group is shut down.
+    """
+    try:
+        requests = [warm_up_request(shape, config, group.pipeline_facts, i) for i, shape in enumerate(shapes)]
+        for request, _ in requests:
+            group.check(request)  # a size whose tokens do not split over a lane: refused before any runs
+    except BaseException:
+        group.shutdown()
+        raise
+    rates = {request.request_id: fps for request, fps in requests}
+
+    def encode(request: GenerationRequest, result: GenerationResult) -> None:
+        frames, fps = result.frames[0], rates[request.request_id]
+        if fps:
+            encode_mp4(frames, fps)
+            encode_png(frames[0])  # the job's thumbnail
+        else:
+            image_response(result, config.served_model_name)
+
+    group.warm_up([request for request, _ in requests], follow=encode)
+    logger.info(
+        "Warmed %s in %.1f s", [f"{r.width}x{r.height}x{r.num_frames}" for r, _ in requests],
+        group.phases.seconds["warm-up"],
+    )  # fmt: skip

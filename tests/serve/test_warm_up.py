@@ -1,0 +1,74 @@
+"""``warm_up``: the shapes users send run through a request's whole path before a group serves, so a
+first request at a warmed shape traces and compiles nothing."""
+
+from __future__ import annotations
+
+import pytest
+from support import max_abs_diff, reference_frames
+
+from ray_hsdp.config import AppConfig
+from ray_hsdp.config_blocks import WarmUpShape
+from ray_hsdp.group import ShardGroup
+from ray_hsdp.serve.media import to_uint8
+from ray_hsdp.serve.schema import VideoCreateRequest, to_video_request
+from ray_hsdp.serve.warm_up import warm_up
+
+
+def test_warm_up_defaults_to_the_default_size_with_compile_and_is_checked_against_the_limits():
+    assert AppConfig(default_size="96x64").warm_up_shapes() == []
+    assert AppConfig(default_size="96x64", compile=True).warm_up_shapes() == [WarmUpShape(size="96x64")]
+    assert AppConfig(compile=True, warm_up=[]).warm_up_shapes() == []
+    shapes = [{"size": "832x480", "num_frames": 81}]
+    assert AppConfig(warm_up=shapes).warm_up_shapes() == [WarmUpShape(size="832x480", num_frames=81)]
+    with pytest.raises(ValueError, match="warm_up size 1920x1088 exceeds max_pixels"):
+        AppConfig(warm_up=[{"size": "1920x1088"}])
+    with pytest.raises(ValueError, match="warm_up num_frames=161 exceeds max_frames=129"):
+        AppConfig(warm_up=[{"size": "64x64", "num_frames": 161}])
+    with pytest.raises(ValueError, match="multiples of 16"):
+        AppConfig(warm_up=[{"size": "65x64"}])
+
+
+def test_a_first_request_at_a_warmed_shape_compiles_nothing_and_equals_diffusers(
+    ray_cluster, tiny_model, reference_pipe
+):
+    """Two shapes warmed on a compiled group of two lanes (torch's automatic dynamic shapes: the
+    first compiles static graphs, the second one dynamic graph per block): user requests at either
+    shape then trace nothing (dynamo's graph count stays; no run is marked as compiled), and no
+    block reached its recompile limit. The warm-up is no user's request: no listener hears of it,
+    the group learns no time from it, and the start's phases show it."""
+    config = AppConfig(
+        model=tiny_model, device="cpu", shard_size=2, compile=True, default_steps=2,
+        warm_up=[{"size": "64x64", "num_frames": 5}, {"size": "96x64", "num_frames": 9}],
+    )  # fmt: skip
+    records = []
+    group = ShardGroup(config)
+    group.listeners.append(records.append)
+    group.start(warm_up=False)
+    try:
+        warm_up(group, config, config.warm_up_shapes())
+        warmed = group.tick_stats()
+        assert records == [] and group.lane_times.as_dict() == {}
+        assert group.phases.seconds["warm-up"] > 0
+        requests = []
+        for i, (size, frames) in enumerate([("96x64", 9), ("64x64", 5), ("96x64", 9)]):
+            body = VideoCreateRequest(prompt="a red fox", size=size, num_frames=frames, seed=3 + i)
+            request, _ = to_video_request(body, config, 4, request_id=f"user-{i}")
+            requests.append(request)
+        results = group.generate(requests)
+        after = group.tick_stats()
+    finally:
+        group.shutdown()
+    assert [s["compiled_graphs"] for s in after] == [s["compiled_graphs"] for s in warmed]
+    assert all(s["compiled_graphs"] > 0 and s["recompile_limit_hits"] == 0 for s in after)
+    assert sorted(r.request_id for r in records) == ["user-0", "user-1", "user-2"]
+    assert not any(r.compiled for r in records)
+    for request, result in zip(requests, results):  # uint8 frames: one level apart at most, at a rounding edge
+        assert max_abs_diff(result.frames, to_uint8(reference_frames(reference_pipe, request))) <= 1
+
+
+def test_a_shape_the_model_does_not_take_fails_the_start_with_the_shape_named(ray_cluster, tiny_model):
+    config = AppConfig(model=tiny_model, device="cpu", shard_size=1, warm_up=[{"size": "64x64", "num_frames": 6}])
+    group = ShardGroup(config).start(warm_up=False)
+    with pytest.raises(ValueError, match=r"warm_up \{'size': '64x64', 'num_frames': 6\}: num_frames=6 is not a count"):
+        warm_up(group, config, config.warm_up_shapes())
+    assert group.ranks == []  # shut down
