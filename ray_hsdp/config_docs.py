@@ -39,6 +39,8 @@ SECTIONS: tuple[tuple[str, type[BaseModel], str], ...] = (
 
 
 def _default(field) -> str:
+    if field.is_required():
+        return "required"
     value = field.default_factory() if field.default_factory is not None else field.default
     return "its fields below" if isinstance(value, BaseModel) else f"`{value!r}`"
 
