@@ -86,6 +86,9 @@ def main() -> None:
                 raise RuntimeError(f"serve run exited ({proc.returncode}); see {log.name}")
             time.sleep(2)
         ready_s = time.perf_counter() - started
+        # Where the group's start went (its phases, the warm-up of the YAML's shapes among them).
+        pool = requests.get(f"{base}/v1/pool", headers={"Authorization": f"Bearer {key}"}, timeout=60).json()
+        args.start_phases = pool["start"]["phases_s"]
         client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, timeout=1800, max_retries=0)
         # As a user sends a file: the openai client makes it a part of a multipart form.
         image = {"input_reference": ("first.png", first_frame_png(*parse_size(args.size)), "image/png")}
@@ -152,6 +155,7 @@ def report(args, ready_s, video, job_s, earlier, progress, mp4, frames, fps, pla
         "environment": environment(),
         "config": str(args.config),
         "server_ready_s": round(ready_s, 1),
+        "group_start_phases_s": args.start_phases,
         "video": video.model_dump(),
         "job_s": round(job_s, 2),
         "earlier_jobs_s": earlier,
@@ -170,12 +174,13 @@ def report(args, ready_s, video, job_s, earlier, progress, mp4, frames, fps, pla
             f"Command: `{payload['environment']['command']}`",
             "",
             f"- server up (group loaded) after {ready_s:.1f} s",
+            f"- the group's start: {', '.join(f'{k} {v:.1f} s' for k, v in args.start_phases.items())}",
             f"- job {video.id}{' (image to video)' if args.image else ''}: {video.status}, {args.size}, "
             f"{args.seconds} s, {args.steps} steps: "
             f"{job_s:.1f} s from create to completed",
             f"- MP4: {len(mp4) / 2**20:.2f} MiB, decodes to {frames.shape[0]} frames of "
             f"{frames.shape[2]}x{frames.shape[1]} at {fps:g} fps",
-            *[f"- an earlier job of the same request: {s:.1f} s" for _, s in earlier],
+            *[f"- an earlier job of the same request: {s:.1f} s ({s / job_s:.2f}x the last)" for _, s in earlier],
             f"- progress seen: {', '.join(str(p[2]) for p in progress)}",
             *([f"- overrides: {' '.join(args.set)}"] if args.set else []),
             "",
