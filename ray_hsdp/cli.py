@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from ray_hsdp.checkpoints.architectures import ARCHITECTURES
+from ray_hsdp.config import GroupConfig
 from ray_hsdp.embedded import TINY_MODEL
 from ray_hsdp.request import CACHE_KINDS, DEFAULT_GUIDANCE_SCALE
 from ray_hsdp.serve_command import add_serve
@@ -299,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_make_tiny(sub)
     _add_make_random(sub)
     _add_make_random_lora(sub)
+    _add_quantize(sub)
     _add_demo(sub)
     add_serve(sub)
     _add_check(sub)
@@ -398,6 +400,54 @@ def _add_make_tiny(sub) -> None:
     p.add_argument("--i2v", action="store_true", help="the image-to-video pipeline (WanImageToVideoPipeline)")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_make_tiny)
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    """Writes the FP8 folder of a model, with the options of the group that will serve it."""
+    from ray_hsdp.checkpoints.quantize import write_fp8_folder
+    from ray_hsdp.loading import resolve_lora_path, resolve_model_path
+    from ray_hsdp.request import parse_lora
+    from ray_hsdp.serve_cli import lora_files
+
+    config = GroupConfig(
+        model=args.model, device="cpu", dtype=args.dtype, min_num_params=args.min_num_params,
+        loras=lora_files(args.lora_file), fuse_loras=dict(parse_lora(args.fuse_lora)),
+        **({"shard_components": tuple(args.shard_components.split(","))} if args.shard_components else {}),
+    )  # fmt: skip
+    fused = {
+        name: (config.fuse_loras[name], {part: resolve_lora_path(source) for part, source in parts.items()})
+        for name, parts in config.lora_sources(fused=True).items()
+    }
+    started = time.perf_counter()
+    record = write_fp8_folder(
+        resolve_model_path(config.model), Path(args.out), dtype=args.dtype, min_num_params=config.min_num_params,
+        shard_components=config.shard_components, fused=fused,
+    )  # fmt: skip
+    linears = {name: len(names) for name, names in record["components"].items()}
+    print(f"Wrote {args.out} in {time.perf_counter() - started:.0f} s: FP8 linears {linears}; serve it with "
+          f"quantization: fp8, dtype: {args.dtype}, min_num_params: {config.min_num_params}"
+          + (f", fuse_loras: {record['fuse_loras']}" if record["fuse_loras"] else ""))  # fmt: skip
+    return 0
+
+
+def _add_quantize(sub) -> None:
+    """The ``quantize`` subcommand: an FP8 folder (``ray_hsdp.fp8_folder``)."""
+    p = sub.add_parser(
+        "quantize", help="write a copy of a model whose transformers' linears are stored in FP8 (quantization: fp8)"
+    )
+    p.add_argument("model", help="a diffusers folder (or an embedded model's name)")
+    p.add_argument("out", help="the folder to write (must not exist)")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                   help="the dtype the group serves the model in")  # fmt: skip
+    p.add_argument("--min-num-params", type=int, default=GroupConfig.model_fields["min_num_params"].default,
+                   help="the sharding policy's size rule, as the serving group's")  # fmt: skip
+    p.add_argument("--shard-components", default=None, metavar="NAME,...",
+                   help="components that may be quantized (default: the group's default shard_components)")  # fmt: skip
+    p.add_argument("--lora-file", action="append", default=[], metavar="NAME=PATH",
+                   help="register a LoRA adapter (repeatable): those of --fuse-lora are merged first")  # fmt: skip
+    p.add_argument("--fuse-lora", default=None, metavar="NAME[:SCALE],...",
+                   help="adapters merged before quantizing: serve with the same fuse_loras")  # fmt: skip
+    p.set_defaults(func=cmd_quantize)
 
 
 def _add_make_random(sub) -> None:

@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ray_hsdp import step_cache
+from ray_hsdp.fp8_folder import check_stored_linears
 from ray_hsdp.loading import (
     build_on_meta,
     fill_from_checkpoint,
@@ -30,7 +31,7 @@ from ray_hsdp.loading import (
 from ray_hsdp.phases import Phases
 from ray_hsdp.sharding import compile_units, resolve_plan, shard_module
 from ray_hsdp.sharding.context_parallel import LaneParallel, enable_context_parallel, set_attention_backend
-from ray_hsdp.sharding.fp8 import fp8_linears, quantize_fp8
+from ray_hsdp.sharding.fp8 import expect_stored_fp8, fp8_linears, quantize_fp8
 from ray_hsdp.sharding.policy import registered_policy
 from ray_hsdp.topology import ParallelDims
 
@@ -58,6 +59,8 @@ class LoadFacts:
         quantization: ``"none"`` or ``"fp8"`` (a diffusers model's unit linears).
         fused: Adapters merged into the weights as they load.
         pipeline_cls: The class the pipeline loads as (its LoRA loader reads the fused adapters).
+        fp8_stored: Components whose FP8 linears the folder stores as they load (an FP8 folder:
+            ``fp8_folder.stored_fp8_components``); their fused adapters are in those weights.
     """
 
     dtype: str
@@ -73,6 +76,7 @@ class LoadFacts:
     quantization: str
     fused: FusedLoras
     pipeline_cls: type
+    fp8_stored: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -134,6 +138,7 @@ def shard_component(
     plan = resolve_plan(module, facts.min_num_params)
     denoiser = hasattr(module, "enable_parallelism")  # diffusers models, not text encoders
     fp8 = facts.quantization == "fp8" and denoiser
+    stored = fp8 and name in facts.fp8_stored
     if fp8:
         fp8_linears(plan)
     sharding = shard_module(
@@ -147,14 +152,34 @@ def shard_component(
         keep_gathered=facts.keep_gathered if denoiser else 0.0,
     )
     keep_recorded_outputs(module)
+    if stored:  # after sharding, which splits a unit by the dtypes it finds: as for a bfloat16 folder
+        check_stored_linears(folder.parent, name, expect_stored_fp8(module))
     materialize(module, facts.device)
     stats = fill_from_checkpoint(module, folder, facts.allow_pickle, model_key)
-    if facts.fused:  # before activate: the in-place gathers take over the shards there
+    if facts.fused and not stored:  # before activate: the in-place gathers take over the shards there
         fuse_adapters(facts.pipeline_cls, module, name, facts.fused)
     if fp8:  # each rank its own rows, before the gathers take over the shards
         quantize_fp8(module)
     sharding.activate()
     return module, sharding, stats
+
+
+def load_stored_fp8(folder: Path, class_info: tuple[str, str], facts: LoadFacts, module: nn.Module | None = None):
+    """A denoiser of an FP8 folder on a rank that shards nothing (diffusers' ``from_pretrained``
+    would cast its FP8 weights): built on the meta device, its linears of the policy's units made
+    to take their FP8 weights and scales, materialised on the rank's device and filled there.
+
+    Returns:
+        ``(module, load stats)``.
+    """
+    module = module if module is not None else build_on_meta(folder, *class_info, facts.dtype)
+    model_key = model_key_names(module)
+    fp8_linears(resolve_plan(module, facts.min_num_params))
+    check_stored_linears(folder.parent, folder.name, expect_stored_fp8(module))
+    materialize(module, facts.device)
+    stats = fill_from_checkpoint(module, folder, facts.allow_pickle, model_key)
+    quantize_fp8(module)  # each linear takes its loaded FP8 weight as it is
+    return module, stats
 
 
 def quantize_unsharded(models: Mapping[str, nn.Module], min_num_params: int, device: str, phases: Phases) -> int:
@@ -284,10 +309,17 @@ def load_parts(
                 f"None of shard_components={list(shard_components)} is a component of this pipeline "
                 f"(its components: {sorted(index)}); nothing would be sharded"
             )
+    elif facts.fp8_stored:
+        index = model_index(path)
+        for name in sorted(facts.fp8_stored):
+            with phases.phase(f"fp8 weights of {name}"):
+                prebuilt[name], stats[name] = load_stored_fp8(
+                    path / name, index[name], facts, (meta_models or {}).get(name)
+                )
     fused = facts.fused
     with phases.phase("other components"):
         pipe = load_pipeline(path, facts.dtype, facts.allow_pickle, facts.pipeline_cls, **prebuilt)
-        for component in sorted({c for _, parts in fused.values() for c in parts} - set(shardings)):
+        for component in sorted({c for _, parts in fused.values() for c in parts} - set(shardings) - facts.fp8_stored):
             module = getattr(pipe, component, None)
             if not isinstance(module, nn.Module):
                 raise ValueError(f"fuse_loras: {type(pipe).__name__} has no component {component!r}")
@@ -296,7 +328,8 @@ def load_parts(
     candidates = {name: getattr(pipe, name, None) for name in shard_components}
     models = {name: m for name, m in candidates.items() if hasattr(m, "enable_parallelism")}
     if facts.quantization == "fp8" and facts.mesh is None:  # after the fused adapters, which it quantizes
-        quantize_unsharded(models, facts.min_num_params, facts.device, phases)
+        to_quantize = {name: m for name, m in models.items() if name not in facts.fp8_stored}
+        quantize_unsharded(to_quantize, facts.min_num_params, facts.device, phases)
     sequence = lane_parallel = None
     with phases.phase("parallel setup"):
         if dims.splits_sequence:

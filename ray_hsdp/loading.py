@@ -242,8 +242,9 @@ def build_on_meta(folder: Path, library: str, class_name: str, dtype: str) -> nn
 
 
 def materialize(model: nn.Module, device: str) -> None:
-    """Allocates the (sharded) parameters on ``device``, keeping the real buffers' values."""
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    """Allocates the (sharded) parameters on ``device``, keeping the real buffers' values (a meta
+    buffer is one the checkpoint fills: an FP8 folder's scales)."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
     model.to_empty(device=device)
     with torch.no_grad():
         for name, value in buffers.items():
@@ -279,6 +280,7 @@ _SAFETENSORS_DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,  # an FP8 folder's linears (ray_hsdp.fp8_folder)
 }
 
 
@@ -457,6 +459,12 @@ def _fill(reader: SafetensorsReader | _PickleReader, key: str, target: torch.Ten
     local = target.to_local() if isinstance(target, DTensor) else target
     with torch.no_grad():
         value = reader.read(key, local_rows(target), out=local)
+        if (value.dtype == torch.float8_e4m3fn) != (local.dtype == torch.float8_e4m3fn):
+            # copy_ would cast: FP8 values without their scales (or the reverse) are wrong weights.
+            raise CheckpointError(
+                f"{reader.path.name}/{key}: stored as {value.dtype}, the model holds {local.dtype} there "
+                "(an FP8 folder loads with quantization: fp8, and only as `ray-hsdp quantize` wrote it)"
+            )
         if value is not local:
             local.copy_(value)
     return value.numel() * value.element_size()

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ray_hsdp.fp8_folder import stored_fp8_components
 from ray_hsdp.frames import to_host
 from ray_hsdp.load_steps import FusedLoras, LoadFacts, load_parts
 from ray_hsdp.memory import module_memory, peak_device_bytes, unit_memory
@@ -167,21 +168,17 @@ class ShardedPipeline(RequestSlots):
             start = start_facts(Path(path), pipeline, shard_components, dtype)
             refuse_start(start, dims, attention_backend, cache_hooks["kind"] if cache_hooks else "none")
         fused = dict(fuse_loras or {})
-        facts = LoadFacts(
-            dtype=dtype,
-            device=device,
-            mesh=mesh,
-            min_num_params=min_num_params,
-            gather=gather,
-            reshard_after_forward=reshard_after_forward,
-            forward_prefetch=forward_prefetch,
-            keep_gathered=keep_gathered,
-            allow_pickle=allow_pickle,
-            cache_hooks=cache_hooks,
-            quantization=quantization,
-            fused=fused,
-            pipeline_cls=start.pipeline_cls,
+        # An FP8 folder (ray-hsdp quantize) gives its linears as stored, to the configuration it was made with.
+        scales = {name: scale for name, (scale, _) in fused.items()}
+        fp8_stored = stored_fp8_components(
+            Path(path), quantization, dtype, min_num_params, scales, torch.__version__, shard_components
         )
+        facts = LoadFacts(
+            dtype=dtype, device=device, mesh=mesh, min_num_params=min_num_params, gather=gather,
+            reshard_after_forward=reshard_after_forward, forward_prefetch=forward_prefetch,
+            keep_gathered=keep_gathered, allow_pickle=allow_pickle, cache_hooks=cache_hooks,
+            quantization=quantization, fused=fused, pipeline_cls=start.pipeline_cls, fp8_stored=fp8_stored,
+        )  # fmt: skip
         backend = attention_backend_for(attention_backend, device, dims.ring)
         parts = load_parts(
             path,

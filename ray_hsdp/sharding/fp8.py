@@ -87,12 +87,35 @@ class Fp8Linear(nn.Linear):
         new.bias = linear.bias
         return new
 
+    def expect_stored_(self) -> None:
+        """Makes this linear take its FP8 weight and its scales as a checkpoint stores them (an FP8
+        folder: ``ray_hsdp.fp8_folder``): the (meta) weight becomes FP8 with the same sharding, and
+        ``weight_scale`` a persistent buffer of every row's scale that the loader fills whole. Call
+        after sharding (whose split of a unit follows the dtypes it finds) and before the model is
+        materialised."""
+        weight = self.weight
+        if isinstance(weight, DTensor):
+            local = torch.empty_like(weight.to_local(), dtype=FP8)
+            weight = DTensor.from_local(
+                local, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape,
+                stride=weight.stride(),
+            )  # fmt: skip
+        else:
+            weight = torch.empty_like(weight, dtype=FP8)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        scale = torch.empty(1, self.out_features, dtype=torch.float32, device=self.weight.device)
+        self.register_buffer("weight_scale", scale, persistent=True)
+
     @torch.no_grad()
     def quantize_(self) -> None:
         """Replaces this rank's rows of the weight (a DTensor sharded on dim 0, or a whole tensor)
-        by their FP8 values and keeps the scales of every row (gathered once from the other ranks)."""
+        by their FP8 values and keeps the scales of every row (gathered once from the other ranks);
+        a weight loaded in FP8 (``expect_stored_``) stays as it is."""
         weight = self.weight
         local = weight.to_local() if isinstance(weight, DTensor) else weight.detach()
+        self.scale_rows = fused_scale_rows() if local.is_cuda else scale_rows
+        if local.dtype == FP8:  # loaded as an FP8 folder stores it, with its scales
+            return
         scale = local.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
         quantized = (local.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
         if isinstance(weight, DTensor):
@@ -109,7 +132,6 @@ class Fp8Linear(nn.Linear):
             )
         else:
             full_scale = scale
-        self.scale_rows = fused_scale_rows() if local.is_cuda else scale_rows
         self.weight = nn.Parameter(quantized, requires_grad=False)
         # (1, out): _scaled_mm's row-wise scale of its second matrix, the weight's transpose.
         self.weight_scale = full_scale.reshape(1, -1).contiguous()
@@ -160,11 +182,24 @@ def fp8_linears(plan: ShardPlan) -> int:
     return len(candidates)
 
 
+def expect_stored_fp8(root: nn.Module) -> list[str]:
+    """Makes every ``Fp8Linear`` of ``root`` take its weight and scales in FP8 from the checkpoint
+    (``Fp8Linear.expect_stored_``).
+
+    Returns:
+        Their names in ``root``: what the folder must store.
+    """
+    names = [name for name, m in root.named_modules() if isinstance(m, Fp8Linear)]
+    for name in names:
+        root.get_submodule(name).expect_stored_()
+    return names
+
+
 def quantize_fp8(root: nn.Module) -> int:
-    """Quantizes every loaded ``Fp8Linear`` of ``root`` (each rank its own rows); call after the
-    load and before the in-place gathers are activated. On GPUs the activations' scaling compiles
-    here, at the group's start, rather than in the first request's forward, where the other ranks of
-    the group would wait on it.
+    """Quantizes every loaded ``Fp8Linear`` of ``root`` (each rank its own rows; those loaded in
+    FP8 stay as they are); call after the load and before the in-place gathers are activated. On
+    GPUs the activations' scaling compiles here, at the group's start, rather than in the first
+    request's forward, where the other ranks of the group would wait on it.
 
     Returns:
         How many linears were quantized.
@@ -172,7 +207,8 @@ def quantize_fp8(root: nn.Module) -> int:
     linears = [m for m in root.modules() if isinstance(m, Fp8Linear)]
     if not linears:
         return 0
-    dtype = linears[0].weight.dtype  # the activations' dtype: the model's
+    # The activations' dtype: the model's (a weight loaded in FP8 no longer says it).
+    dtype = next(p.dtype for p in root.parameters() if p.dtype.is_floating_point and p.element_size() > 1)
     for linear in linears:
         linear.quantize_()
     first = linears[0]

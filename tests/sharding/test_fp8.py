@@ -142,3 +142,55 @@ def test_a_rank_that_shards_nothing_quantizes_its_denoisers_linears_whole(tmp_pa
 def test_fp8_is_allowed_on_a_group_of_one_rank():
     assert GroupConfig(quantization="fp8", shard_size=1, device="cuda").quantization == "fp8"
     assert GroupConfig(quantization="fp8", shard_size=1, gather="fsdp2", device="cuda").gather == "fsdp2"  # unused
+
+
+def fp8_folder_shard_and_compare(mesh, rank, folder: str, source: str):
+    """The transformer of an FP8 folder and of its source, each sharded over the pair: the first
+    loads its rows in FP8 with every row's scale, the second quantizes its rows at the start."""
+    from pathlib import Path
+
+    from ray_hsdp.load_steps import LoadFacts, shard_component
+    from ray_hsdp.loading import model_index
+
+    def load(path: str, stored: frozenset[str]):
+        facts = LoadFacts(
+            dtype="float32", device="cpu", mesh=mesh, min_num_params=GroupConfig().min_num_params,
+            gather="in_place", reshard_after_forward=True, forward_prefetch=1, keep_gathered=0.0, allow_pickle=False,
+            cache_hooks=None, quantization="fp8", fused={}, pipeline_cls=None, fp8_stored=stored,
+        )  # fmt: skip
+        module, _, stats = shard_component(Path(path) / "transformer", model_index(Path(path))["transformer"], facts,
+                                           "transformer")  # fmt: skip
+        return module, stats
+
+    stored, stored_stats = load(folder, frozenset({"transformer"}))
+    at_start, start_stats = load(source, frozenset())
+    torch.manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, stored.config.in_channels, 2, 8, 8),
+        timestep=torch.tensor([500]),
+        encoder_hidden_states=torch.randn(1, 8, stored.config.text_dim),
+    )
+    with torch.no_grad():
+        equal = torch.equal(stored(**inputs)[0], at_start(**inputs)[0])
+    linears = [m for m in stored.modules() if isinstance(m, Fp8Linear)]
+    return {
+        "equal": equal,
+        "fp8_shards": bool(linears) and all(m.weight.to_local().dtype == FP8 for m in linears),
+        "whole_scales": all(m.weight_scale.shape == (1, m.out_features) for m in linears),
+        "bytes_read": (stored_stats["bytes_read"], start_stats["bytes_read"]),
+    }
+
+
+def test_an_fp8_folder_s_rows_load_in_fp8_and_equal_quantizing_at_the_start(gloo_pair, tmp_path):
+    from ray_hsdp.checkpoints.quantize import write_fp8_folder
+    from ray_hsdp.checkpoints.tiny import make_tiny
+
+    source = make_tiny(tmp_path / "tiny")
+    folder = tmp_path / "tiny-fp8"
+    write_fp8_folder(source, folder, dtype="float32", min_num_params=GroupConfig().min_num_params,
+                     shard_components=("transformer",), fused={})  # fmt: skip
+    for result in gloo_pair.run(fp8_folder_shard_and_compare, str(folder), str(source)):
+        assert result["equal"] and result["fp8_shards"] and result["whole_scales"], result
+        stored_bytes, start_bytes = result["bytes_read"]
+        # One byte per weight of this rank's rows (float32's four), plus every row's scale on each rank.
+        assert stored_bytes < 0.6 * start_bytes, result
