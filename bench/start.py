@@ -9,6 +9,16 @@ cache, or where the host refuses that, after evicting the model's files from it)
 shuts it down. Records the group's phases (``describe()["start"]``: placement, rank processes and
 imports, rendezvous, load, warm-up) and, per phase of the ranks, the slowest rank's seconds. On
 CPU it starts the tiny model on gloo ranks.
+
+With ``--config YAML`` the group is configured by the YAML's first application (``--model-dir`` its
+model, ``--set FIELD=VALUE`` any other field) and starts as a Serve replica builds its group: its
+``warm_up`` shapes run through a request's path. Then two requests at the first warmed shape are
+timed (each its group's ``elapsed_s``: the first should take as long as the second), and with
+``--kill`` the last start's rank 0 is killed and the time to the next request answered (by the
+rebuilt, warmed group) recorded:
+
+    python -m bench.start --config serve_configs/wan2.1_t2v_14b_fast_1gpu.yaml --model-dir /tmp/wan14b-fp8 \
+        --set attention_backend=auto --compile-cache-dir /tmp/compile-cache --repeats 1 --kill
 """
 
 from __future__ import annotations
@@ -18,6 +28,8 @@ import os
 import subprocess
 import time
 from pathlib import Path
+
+import yaml
 
 from bench.common import ensure_model, environment, failure, start_ray, write_results
 
@@ -40,7 +52,7 @@ def drop_page_cache(model_dir: Path) -> str:
         return "model files evicted from the page cache (drop_caches refused)"
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--arch", default="wan2.1-t2v-14b")
     parser.add_argument("--model-dir", required=True)
@@ -54,28 +66,53 @@ def main() -> None:
         default=None,
         help="the groups' compile_cache_dir; the first start (recorded then) finds it empty, the next ones full",
     )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="a Serve YAML: its first application's args (model: --model-dir) configure the group, which starts "
+        "and warms its warm_up shapes as a replica does; then two requests at the first shape are timed",
+    )
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a field of the args")
+    parser.add_argument("--steps", type=int, default=8, help="steps of the timed requests (with --config)")
+    parser.add_argument(
+        "--kill", action="store_true", help="with --config: then kill a rank, time it to the next request answered"
+    )
     parser.add_argument("--ray-cpus", type=int, default=None, help="logical CPUs of the local Ray (CPU dry runs)")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--name", default=None)
-    args = parser.parse_args()
+    return parser
 
+
+def group_config(args):
+    """The groups' configuration: a Serve YAML's args (``AppConfig``), or the flags' ``GroupConfig``."""
+    from ray_hsdp.config import AppConfig, GroupConfig
+    from ray_hsdp.serve_cli import parse_value, set_dotted
+
+    if args.config is None:
+        fields = {"shard_size": args.shard_size, "compile": args.compile}
+        cls = GroupConfig
+    else:
+        fields = dict(yaml.safe_load(args.config.read_text())["applications"][0]["args"])
+        cls = AppConfig
+    fields.update(model=args.model_dir, device=args.device)
+    if args.compile_cache_dir:
+        fields["compile_cache_dir"] = args.compile_cache_dir
+    for field in args.set:  # as `ray-hsdp serve --set` reads them: JSON where it parses, dotted names
+        name, _, value = field.partition("=")
+        set_dotted(fields, name, parse_value(value))
+    return cls(**fields)
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     import ray
-
-    from ray_hsdp.config import GroupConfig
-    from ray_hsdp.group import ShardGroup
-    from ray_hsdp.request import GenerationRequest
 
     model_dir = Path(args.model_dir)
     ensure_model(args.arch, model_dir, args.device)
     start_ray(args.ray_cpus)
-    config = GroupConfig(
-        model=str(model_dir),
-        device=args.device,
-        shard_size=args.shard_size,
-        compile=args.compile,
-        compile_cache_dir=args.compile_cache_dir,
-    )
-    name = args.name or f"start-{args.arch}-s{args.shard_size}"
+    config = group_config(args)
+    name = args.name or f"start-{args.arch}-s{config.shard_size}"
     rows: list[dict] = []
     # With a compile cache the first start is the one that fills it: recorded.
     first = "first (compile cache empty)" if args.compile_cache_dir else "warm-up"
@@ -85,43 +122,113 @@ def main() -> None:
         if kind == "cold":
             row["cache"] = drop_page_cache(model_dir)
         try:
-            started = time.perf_counter()
-            group = ShardGroup(config).start()
-            ready = time.perf_counter() - started
-            try:
-                request = GenerationRequest(prompt="a fox", num_inference_steps=1, request_id="first")
-                group.generate([request])
-                answered = time.perf_counter() - started
-                start = group.describe()["start"]
-                stats = group.tick_stats()
-            finally:
-                group.shutdown()
-            ranks: dict[str, float] = {}
-            for phases in start["ranks_phases_s"]:
-                for phase, seconds in phases.items():
-                    ranks[phase] = max(ranks.get(phase, 0.0), seconds)
-            row.update(ready_s=round(ready, 2), first_answer_s=round(answered, 2), group=start["phases_s"], ranks=ranks)
-            if args.compile:
-                row["fxgraph_cache"] = {
-                    k: sum(s[k] for s in stats) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")
-                }
+            row.update(one_start(config, args, kill=args.kill and kind == runs[-1]))
         except Exception as err:  # noqa: BLE001 - a failed start is a result; the next runs
             row["error"] = failure(err, 0)
         if kind != "warm-up":
             rows.append(row)
         print(row, flush=True)
-        write_results(Path(args.out), name, {"rows": rows, "environment": environment()}, table(rows, args))
+        payload = {"rows": rows, "config": config.model_dump(mode="json"), "environment": environment()}
+        write_results(Path(args.out), name, payload, table(rows, args, config))
     ray.shutdown()
 
 
-def table(rows: list[dict], args) -> str:
+def build(config):
+    """A started group, as a Serve replica builds its own (with ``--config``: its shapes warmed)."""
+    from ray_hsdp.config import AppConfig
+    from ray_hsdp.group import ShardGroup
+    from ray_hsdp.serve.warm_up import start_warm
+
+    group = ShardGroup(config)
+    return start_warm(group, config) if isinstance(config, AppConfig) else group.start()
+
+
+def one_start(config, args, kill: bool) -> dict:
+    """One start, its first answers, and with ``kill`` a rank's kill to the rebuilt group's answer."""
+    from ray_hsdp.serve.keeper import GroupKeeper
+
+    started = time.perf_counter()
+    keeper = GroupKeeper(lambda: build(config))
+    group = keeper.group
+    ready = time.perf_counter() - started
+    try:
+        requests = timed_requests(config, group.pipeline_facts, args.steps)
+        results = [group.generate([request])[0] for request in requests]
+        answered = time.perf_counter() - started
+        start, stats = group.describe()["start"], group.tick_stats()
+        row = {"ready_s": round(ready, 2), "first_answer_s": round(answered, 2), "group": start["phases_s"]}
+        row["ranks"] = slowest_rank_phases(start["ranks_phases_s"])
+        if len(results) > 1:
+            row["requests_elapsed_s"] = [round(r.elapsed_s, 3) for r in results]
+            row["shape"] = f"{requests[0].width}x{requests[0].height}x{requests[0].num_frames}, {args.steps} steps"
+        if config.compile:
+            row["fxgraph_cache"] = {k: sum(s[k] for s in stats) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
+            row["compiled_graphs"] = [s["compiled_graphs"] for s in stats]
+        if kill:
+            row["kill_to_answer_s"] = kill_to_answer(keeper, requests[-1])
+    finally:
+        keeper.shutdown()
+    return row
+
+
+def timed_requests(config, facts: dict, steps: int) -> list:
+    """Two requests at the config's first warmed shape (a Serve YAML's), or one 1-step request."""
+    import dataclasses
+
+    from ray_hsdp.config import AppConfig
+    from ray_hsdp.request import GenerationRequest
+    from ray_hsdp.serve.warm_up import warm_up_request
+
+    shapes = config.warm_up_shapes() if isinstance(config, AppConfig) else []
+    if not shapes:
+        return [GenerationRequest(prompt="a fox", num_inference_steps=1, request_id="first")]
+    request, _ = warm_up_request(shapes[0], config, facts, 0)
+    return [
+        dataclasses.replace(request, prompt="a red fox in the snow", num_inference_steps=steps, request_id=f"timed-{i}")
+        for i in range(2)
+    ]
+
+
+def kill_to_answer(keeper, request) -> float:
+    """Kills the group's rank 0 and returns the seconds until the rebuilt group answered ``request``
+    (the keeper notices the death, shuts the group down and builds a new one, warm-up included)."""
+    import dataclasses
+
+    import ray
+
+    failed = keeper.group
+    killed = time.perf_counter()
+    ray.kill(failed.ranks[0], no_restart=True)
+    while True:
+        group = keeper.current().result(timeout=1800)  # a rebuild's future once the death is noticed
+        if group is not failed:
+            break
+        time.sleep(0.05)  # the group has not noticed yet
+    group.generate([dataclasses.replace(request, request_id="after-kill")])
+    return round(time.perf_counter() - killed, 2)
+
+
+def slowest_rank_phases(ranks_phases: list[dict]) -> dict[str, float]:
+    ranks: dict[str, float] = {}
+    for phases in ranks_phases:
+        for phase, seconds in phases.items():
+            ranks[phase] = max(ranks.get(phase, 0.0), seconds)
+    return ranks
+
+
+def table(rows: list[dict], args, config) -> str:
     group_phases = list(dict.fromkeys(p for r in rows for p in r.get("group", {})))
     rank_phases = list(dict.fromkeys(p for r in rows for p in r.get("ranks", {})))
     cached = any("fxgraph_cache" in r for r in rows)
     header = ["run", "ready s", "first answer s", *group_phases, *[f"rank: {p}" for p in rank_phases]]
     header += ["FX graphs found / compiled"] if cached else []
+    timed = any("requests_elapsed_s" in r for r in rows)
+    header += ["first / second request s (ratio)"] if timed else []
+    killed = any("kill_to_answer_s" in r for r in rows)
+    header += ["rank killed to next answer s"] if killed else []
+    source = f" from `{args.config}`" if args.config else ""
     lines = [
-        f"# Group start: {args.arch}, {args.shard_size} ranks on {args.device}",
+        f"# Group start{source}: {args.arch}, {config.shard_size} ranks on {args.device}",
         "",
         f"GPUs: {', '.join(environment()['gpus']) or 'none'}",
         "",
@@ -140,6 +247,11 @@ def table(rows: list[dict], args) -> str:
         if cached:
             counts = r.get("fxgraph_cache", {})
             cells.append(f"{counts.get('fxgraph_cache_hit', '-')} / {counts.get('fxgraph_cache_miss', '-')}")
+        if timed:
+            first, second = r.get("requests_elapsed_s", [0.0, 0.0])
+            cells.append(f"{first:.2f} / {second:.2f} ({first / second:.3f}) at {r['shape']}" if second else "-")
+        if killed:
+            cells.append(f"{r['kill_to_answer_s']:.2f}" if "kill_to_answer_s" in r else "-")
         lines.append("| " + " | ".join(cells) + " |")
     notes = [f"{r['run']}: {r['cache']}." for r in rows if "cache" in r]
     lines += ["", *notes] if notes else []

@@ -31,7 +31,7 @@ from ray_hsdp.loading import (
 from ray_hsdp.phases import Phases
 from ray_hsdp.sharding import compile_units, resolve_plan, shard_module
 from ray_hsdp.sharding.context_parallel import LaneParallel, enable_context_parallel, set_attention_backend
-from ray_hsdp.sharding.fp8 import expect_stored_fp8, fp8_linears, quantize_fp8
+from ray_hsdp.sharding.fp8 import compile_fp8_scaling, expect_stored_fp8, fp8_linears, quantize_fp8
 from ray_hsdp.sharding.policy import registered_policy
 from ray_hsdp.topology import ParallelDims
 
@@ -178,7 +178,7 @@ def load_stored_fp8(folder: Path, class_info: tuple[str, str], facts: LoadFacts,
     check_stored_linears(folder.parent, folder.name, expect_stored_fp8(module))
     materialize(module, facts.device)
     stats = fill_from_checkpoint(module, folder, facts.allow_pickle, model_key)
-    quantize_fp8(module)  # each linear takes its loaded FP8 weight as it is
+    quantize_fp8(module, compile_scaling=False)  # each linear takes its loaded FP8 weight as it is
     return module, stats
 
 
@@ -194,10 +194,13 @@ def quantize_unsharded(models: Mapping[str, nn.Module], min_num_params: int, dev
     """
     swapped = 0
     for name, module in models.items():
-        with phases.phase(f"fp8 of {name}"):
+        with phases.phase(f"{name} to {device}"):
             module.to(device)
+        with phases.phase(f"fp8 of {name}"):
             swapped += fp8_linears(resolve_plan(module, min_num_params))
-            quantize_fp8(module)
+            quantize_fp8(module, compile_scaling=False)
+        with phases.phase("fp8 scaling compile"):
+            compile_fp8_scaling(module)
     return swapped
 
 
@@ -316,6 +319,8 @@ def load_parts(
                 prebuilt[name], stats[name] = load_stored_fp8(
                     path / name, index[name], facts, (meta_models or {}).get(name)
                 )
+            with phases.phase("fp8 scaling compile"):
+                compile_fp8_scaling(prebuilt[name])
     fused = facts.fused
     with phases.phase("other components"):
         pipe = load_pipeline(path, facts.dtype, facts.allow_pickle, facts.pipeline_cls, **prebuilt)

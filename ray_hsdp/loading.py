@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ray_hsdp.checkpoints.tiny import is_pipeline_folder, make_tiny
 from ray_hsdp.embedded import EMBEDDED_LORAS, EMBEDDED_MODELS, TINY_MODEL, cache_dir, embedded_folder
 from ray_hsdp.sharding.layout import rows_of
+from ray_hsdp.staged_reads import StagedReads, ThreadStagings
 
 logger = logging.getLogger("ray_hsdp")
 
@@ -308,15 +309,9 @@ class SafetensorsReader:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.header[key]["shape"])
 
-    def read(self, key: str, rows: slice | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The tensor ``key``, or only rows ``rows`` of its first dimension.
-
-        Args:
-            key: Tensor name.
-            rows: Rows of the first dimension to read; all when ``None``.
-            out: Where to read into when it is a contiguous CPU tensor of the stored dtype and
-                shape (no intermediate copy); otherwise a new tensor is returned.
-        """
+    def extent(self, key: str, rows: slice | None = None) -> tuple[torch.dtype, list[int], int, int]:
+        """``(dtype, shape, offset in the file, bytes)`` of tensor ``key``, or of rows ``rows`` of
+        its first dimension."""
         entry = self.header[key]
         dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
         if dtype is None:
@@ -328,14 +323,36 @@ class SafetensorsReader:
             start, stop = rows.start, min(rows.stop, shape[0])
             begin, end = begin + start * row_bytes, begin + stop * row_bytes
             shape[0] = max(stop - start, 0)
+        return dtype, shape, self.data_start + begin, end - begin
+
+    def read(self, key: str, rows: slice | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor ``key``, or only rows ``rows`` of its first dimension.
+
+        Args:
+            key: Tensor name.
+            rows: Rows of the first dimension to read; all when ``None``.
+            out: Where to read into when it is a contiguous CPU tensor of the stored dtype and
+                shape (no intermediate copy); otherwise a new tensor is returned.
+        """
+        dtype, shape, offset, _ = self.extent(key, rows)
         direct = out is not None and out.device.type == "cpu" and out.dtype == dtype and out.is_contiguous()
         if not (direct and list(out.shape) == shape):
             out = torch.empty(shape, dtype=dtype)
         if out.numel():
             with open(self.path, "rb") as f:
-                f.seek(self.data_start + begin)
+                f.seek(offset)
                 f.readinto(out.view(torch.uint8).reshape(-1).numpy())
         return out
+
+    def read_staged(self, key: str, rows: slice | None, out: torch.Tensor, staging: StagedReads) -> bool:
+        """Reads into ``out`` on a GPU through ``staging``'s pinned buffers; whether it could (the
+        stored dtype and shape are ``out``'s, and ``out`` is contiguous)."""
+        dtype, shape, offset, nbytes = self.extent(key, rows)
+        if dtype != out.dtype or list(out.shape) != shape or not out.is_contiguous():
+            return False
+        if nbytes:
+            staging.read(self.path, offset, nbytes, out)
+        return True
 
 
 class _PickleReader:
@@ -406,7 +423,7 @@ def fill_from_checkpoint(model: nn.Module, folder: Path, allow_pickle: bool = Fa
     built, before sharding renamed its classes). Tied parameters (one tensor under several names)
     are filled once from whichever name the checkpoint holds. The keys are matched first, so a
     mismatch fails before any byte is read; then ``READ_THREADS`` threads read the slices, each
-    straight into its tensor on CPU, or into a host buffer copied to the device.
+    straight into its tensor on CPU, or through pinned buffers onto a GPU (``staged_reads``).
 
     Returns:
         ``{"files": n, "bytes_read": b}``: what this rank read.
@@ -449,16 +466,27 @@ def fill_from_checkpoint(model: nn.Module, folder: Path, allow_pickle: bool = Fa
             f"missing keys {missing[:20]}{' ...' if len(missing) > 20 else ''}; "
             f"unexpected keys {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}"
         )
+    # Onto a GPU through pinned buffers, each thread's copies overlapping its next read.
+    on_gpu = [t for _, _, t in reads if (t.to_local() if isinstance(t, DTensor) else t).is_cuda]
+    stagings = ThreadStagings(on_gpu[0].device) if on_gpu else None
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ray_hsdp-read") as pool:
-        bytes_read = sum(pool.map(lambda read: _fill(*read), reads))
+        bytes_read = sum(pool.map(lambda read: _fill(*read, stagings), reads))
+    if stagings is not None:
+        stagings.finish()
     return {"files": len(files), "bytes_read": bytes_read}
 
 
-def _fill(reader: SafetensorsReader | _PickleReader, key: str, target: torch.Tensor) -> int:
+def _fill(
+    reader: SafetensorsReader | _PickleReader, key: str, target: torch.Tensor, stagings: ThreadStagings | None
+) -> int:
     """Reads ``key``'s slice into ``target``'s local tensor; returns the bytes read."""
     local = target.to_local() if isinstance(target, DTensor) else target
+    rows = local_rows(target)
+    if stagings is not None and isinstance(reader, SafetensorsReader):
+        if reader.read_staged(key, rows, local, stagings.mine()):
+            return local.numel() * local.element_size()
     with torch.no_grad():
-        value = reader.read(key, local_rows(target), out=local)
+        value = reader.read(key, rows, out=local)
         if (value.dtype == torch.float8_e4m3fn) != (local.dtype == torch.float8_e4m3fn):
             # copy_ would cast: FP8 values without their scales (or the reverse) are wrong weights.
             raise CheckpointError(

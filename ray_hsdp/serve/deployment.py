@@ -27,7 +27,7 @@ from ray_hsdp.serve.metrics import ReplicaMetrics
 from ray_hsdp.serve.routing import GROUP_LOAD, GROUP_OK
 from ray_hsdp.serve.schema import ImageGenerationRequest, image_response, to_generation_request
 from ray_hsdp.serve.videos import VideoJobs, VideoRun
-from ray_hsdp.serve.warm_up import warm_up
+from ray_hsdp.serve.warm_up import start_warm
 from ray_hsdp.topology import ParallelDims
 
 logger = logging.getLogger("ray_hsdp")
@@ -95,11 +95,7 @@ class HSDPServer(OpenAIRoutes, VideoJobs):
         labels = {"replica": self._replica}
         group = ShardGroup(self.config, placement_group=self._placement, dims=self.dims, labels=labels)
         group.listeners.append(self.metrics.request_done)
-        shapes = self.config.warm_up_shapes()
-        group.start(warm_up=not shapes)  # the shapes' warm-up compiles what the small one would
-        if shapes:
-            warm_up(group, self.config, shapes)
-        return group
+        return start_warm(group, self.config)
 
     def _report_metrics(self) -> None:
         """Every ``metrics_interval_s``: the group's queue and ranks, its failures, the job table."""

@@ -53,6 +53,21 @@ def warm_up_request(shape: WarmUpShape, config: AppConfig, facts: dict, index: i
         raise ValueError(f"warm_up {shape.model_dump(exclude_none=True)}: {err}") from None
 
 
+def start_warm(group: ShardGroup, config: AppConfig) -> ShardGroup:
+    """Starts ``group`` and warms the app's shapes (``AppConfig.warm_up_shapes``); without shapes,
+    the group's own start (with compile, its small warm-up per lane). How a replica builds its
+    group, at its start and for a rebuild.
+
+    Raises:
+        ValueError: A shape is not one the model takes (the group is shut down).
+    """
+    shapes = config.warm_up_shapes()
+    group.start(warm_up=not shapes)  # the shapes' warm-up compiles what the small one would
+    if shapes:
+        warm_up(group, config, shapes)
+    return group
+
+
 def warm_up(group: ShardGroup, config: AppConfig, shapes: list[WarmUpShape]) -> None:
     """Runs each shape on every lane of a started ``group`` (``ShardGroup.warm_up``) and encodes
     one result of each as its response would be.

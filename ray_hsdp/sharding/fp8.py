@@ -195,23 +195,29 @@ def expect_stored_fp8(root: nn.Module) -> list[str]:
     return names
 
 
-def quantize_fp8(root: nn.Module) -> int:
+def quantize_fp8(root: nn.Module, compile_scaling: bool = True) -> int:
     """Quantizes every loaded ``Fp8Linear`` of ``root`` (each rank its own rows; those loaded in
-    FP8 stay as they are); call after the load and before the in-place gathers are activated. On
-    GPUs the activations' scaling compiles here, at the group's start, rather than in the first
-    request's forward, where the other ranks of the group would wait on it.
+    FP8 stay as they are); call after the load and before the in-place gathers are activated. With
+    ``compile_scaling``, then ``compile_fp8_scaling``.
 
     Returns:
         How many linears were quantized.
     """
     linears = [m for m in root.modules() if isinstance(m, Fp8Linear)]
-    if not linears:
-        return 0
-    # The activations' dtype: the model's (a weight loaded in FP8 no longer says it).
-    dtype = next(p.dtype for p in root.parameters() if p.dtype.is_floating_point and p.element_size() > 1)
     for linear in linears:
         linear.quantize_()
-    first = linears[0]
-    if first.scale_rows is not scale_rows:  # the fused one: one compile serves every row count and width
-        first.scale_rows(torch.zeros(16, first.in_features, dtype=dtype, device=first.weight_scale.device))
+    if compile_scaling:
+        compile_fp8_scaling(root)
     return len(linears)
+
+
+def compile_fp8_scaling(root: nn.Module) -> None:
+    """On GPUs, compiles the activations' scaling of ``root``'s quantized linears now, at the
+    group's start, rather than in the first request's forward, where the other ranks of the group
+    would wait on it (one compile serves every row count and width)."""
+    first = next((m for m in root.modules() if isinstance(m, Fp8Linear)), None)
+    if first is None or first.scale_rows is scale_rows:  # none, or the eager one (CPU)
+        return
+    # The activations' dtype: the model's (a weight loaded in FP8 no longer says it).
+    dtype = next(p.dtype for p in root.parameters() if p.dtype.is_floating_point and p.element_size() > 1)
+    first.scale_rows(torch.zeros(16, first.in_features, dtype=dtype, device=first.weight_scale.device))
