@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Issue 62's GPU runs on a one-GPU host (H100 / H200), one part per call (/tmp stays between calls
+# while the machine is held):
+#
+#   bash bench/gpu/issue62.sh fp8     the random Wan2.1-T2V-14B written to $MODELS/wan14b, its FP8 folder
+#                                     (ray-hsdp quantize) to $MODELS/wan14b-fp8, both loaded by a rank of
+#                                     its own and one forward of each compared (bench.fp8_folder)
+#   bash bench/gpu/issue62.sh start   the one-GPU fast YAML's group started as a replica builds it, from
+#                                     the FP8 folder with a compile cache: first start (cache empty), one
+#                                     warm start, two requests at the warmed shape, a rank killed
+#                                     (bench.start --config ... --kill)
+#   bash bench/gpu/issue62.sh video   the same YAML through `serve run` and the openai client: two
+#                                     81-frame jobs at the warmed shape, then plain diffusers
+#                                     (bench.video_http --plain; from the bf16 folder, which plain
+#                                     diffusers reads)
+#
+# No sage wheel on a fresh host: the YAML's attention_backend is replaced by diffusers' default.
+# OUT (default bench/results) is where logs and results go; MODELS (default /tmp) the checkpoints.
+set -uo pipefail
+PART=${1:?fp8, start or video}
+OUT=${OUT:-bench/results}
+MODELS=${MODELS:-/tmp}
+STEPS=${STEPS:-4}
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | sed -e "s/NVIDIA //" -e "s/ .*//")
+YAML=serve_configs/wan2.1_t2v_14b_fast_1gpu.yaml
+mkdir -p "$OUT"
+
+case "$PART" in
+  fp8)
+    python -m bench.fp8_folder --model-dir "$MODELS/wan14b" --fp8-dir "$MODELS/wan14b-fp8" --out "$OUT" \
+      --name "fp8-folder-wan2.1-t2v-14b-1x$GPU" 2>&1 | tail -20
+    ;;
+  start)
+    python -m bench.start --config "$YAML" --model-dir "$MODELS/wan14b-fp8" --set attention_backend=auto \
+      --compile-cache-dir "$MODELS/compile-cache" --repeats 1 --kill --steps "$STEPS" --out "$OUT" \
+      --name "start-yaml-wan2.1-t2v-14b-fp8-folder-1x$GPU" >"$OUT/start-yaml-1x$GPU.log" 2>&1
+    echo "start: exit $?"
+    grep "^{'run'" "$OUT/start-yaml-1x$GPU.log" | cut -c1-600
+    ;;
+  video)
+    python -m bench.video_http --config "$YAML" --model "$MODELS/wan14b" --set attention_backend=auto \
+      --set compile_cache_dir="$MODELS/compile-cache" --size 832x480 --seconds 5 --steps "$STEPS" --jobs 2 \
+      --out "$OUT" --name "video-http-wan2.1-t2v-14b-fast-warmup-1x$GPU" --plain 2>&1 | tail -5
+    cat "$OUT/video-http-wan2.1-t2v-14b-fast-warmup-1x$GPU.md"
+    ;;
+  *)
+    echo "unknown part $PART" >&2
+    exit 2
+    ;;
+esac
