@@ -67,6 +67,29 @@ def forward(transformer):
         return transformer(**inputs, return_dict=False)[0]
 
 
+def differing_tensors(a, b) -> list[str]:
+    """Names of the parameters and buffers (persistent or not) whose bytes differ between the two
+    modules, with their dtypes."""
+    import torch
+
+    def tensors(module):
+        return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+    ta, tb = tensors(a), tensors(b)
+    out = [f"{n}: only in one" for n in sorted(set(ta) ^ set(tb))]
+    for name in sorted(set(ta) & set(tb)):
+        x, y = ta[name], tb[name]
+        if x is None or y is None:
+            if (x is None) != (y is None):
+                out.append(f"{name}: None in one")
+            continue
+        if x.dtype != y.dtype or x.shape != y.shape:
+            out.append(f"{name}: {x.dtype}{tuple(x.shape)} vs {y.dtype}{tuple(y.shape)}")
+        elif not torch.equal(x.detach().reshape(-1).view(torch.uint8), y.detach().reshape(-1).view(torch.uint8)):
+            out.append(f"{name}: {x.dtype} bytes differ")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--arch", default="wan2.1-t2v-14b")
@@ -92,13 +115,14 @@ def main() -> None:
         "source transformer": plain_read(args.model_dir / "transformer"),
         "fp8 transformer": plain_read(args.fp8_dir / "transformer"),
     }
-    outputs = {}
+    outputs, transformers = {}, {}
     for name, path in (("quantized at start", args.model_dir), ("fp8 folder", args.fp8_dir)):
         pipeline, seconds, phases = load(path, name)
         outputs[name] = forward(pipeline.pipe.transformer).float().cpu()
+        transformers[name] = pipeline.pipe.transformer
         result[name] = {"load_s": seconds, "phases_s": phases}
         del pipeline
-        torch.cuda.empty_cache()
+    result["tensors_that_differ"] = differing_tensors(*transformers.values())
     a, b = outputs.values()
     result["forward_equal"] = bool(torch.equal(a, b))
     result["forward_max_abs_diff"] = float((a - b).abs().max())
@@ -116,6 +140,8 @@ def main() -> None:
         ],  # fmt: skip
         f"- one transformer forward (81 frames at 832x480) of each: equal {result['forward_equal']}, "
         f"max abs diff {result['forward_max_abs_diff']}",
+        f"- tensors of the two transformers that differ: {len(result['tensors_that_differ'])} "
+        f"{result['tensors_that_differ'][:8]}",
         "",
         "| load | seconds | " + " | ".join(sorted({p for k in outputs for p in result[k]["phases_s"]})) + " |",
     ]
