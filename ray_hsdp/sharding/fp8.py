@@ -116,7 +116,9 @@ class Fp8Linear(nn.Linear):
         self.scale_rows = fused_scale_rows() if local.is_cuda else scale_rows
         if local.dtype == FP8:  # loaded as an FP8 folder stores it, with its scales
             return
-        scale = local.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+        # Times the reciprocal, not divided by FP8_MAX: CUDA divides a tensor by a scalar that way, the
+        # CPU truly divides, and a folder quantized on one must equal quantizing on the other.
+        scale = local.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) * (1.0 / FP8_MAX)
         quantized = (local.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
         if isinstance(weight, DTensor):
             mesh = weight.device_mesh
