@@ -115,7 +115,8 @@ def main() -> None:
     name = args.name or f"start-{args.arch}-s{config.shard_size}"
     rows: list[dict] = []
     # With a compile cache the first start is the one that fills it: recorded.
-    first = "first (compile cache empty)" if args.compile_cache_dir else "warm-up"
+    empty = args.compile_cache_dir and not any(Path(args.compile_cache_dir).glob("*"))
+    first = "first (compile cache empty)" if empty else "warm-up"
     runs = [first] + ["warm"] * args.repeats + (["cold"] if args.cold else [])
     for kind in runs:
         row: dict = {"run": kind}
