@@ -12,6 +12,7 @@ from ray_hsdp.config import AppConfig
 from ray_hsdp.config_blocks import WarmUpShape
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.group.warm_up import gray_png
+from ray_hsdp.page_cache import read_ahead_in_background
 from ray_hsdp.request import GenerationRequest, GenerationResult
 from ray_hsdp.serve.errors import RequestLimitError
 from ray_hsdp.serve.media import encode_mp4, encode_png
@@ -55,12 +56,15 @@ def warm_up_request(shape: WarmUpShape, config: AppConfig, facts: dict, index: i
 
 def start_warm(group: ShardGroup, config: AppConfig) -> ShardGroup:
     """Starts ``group`` and warms the app's shapes (``AppConfig.warm_up_shapes``); without shapes,
-    the group's own start (with compile, its small warm-up per lane). How a replica builds its
-    group, at its start and for a rebuild.
+    the group's own start (with compile, its small warm-up per lane). The model's weight files are
+    read ahead into the page cache meanwhile (``page_cache``). How a replica builds its group, at
+    its start and for a rebuild.
 
     Raises:
         ValueError: A shape is not one the model takes (the group is shut down).
     """
+    # On the ranks' node (a replica shares its group's placement group): the disk reads while they start.
+    read_ahead_in_background(config.model)
     shapes = config.warm_up_shapes()
     group.start(warm_up=not shapes)  # the shapes' warm-up compiles what the small one would
     if shapes:

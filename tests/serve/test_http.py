@@ -495,6 +495,7 @@ def test_a_killed_rank_fails_its_request_with_503_and_the_group_heals(server):
     # still run now that the other (4 steps) is done.
     assert deleted not in pool_after["requests"], pool_after["requests"]
     assert victim not in [r["pid"] for r in pool_after["ranks"]] and len(pool_after["ranks"]) == 2
+    assert pool_after["start"]["phases_s"]["warm-up"] > 0  # the rebuilt group warmed the YAML's shapes too
     message = response.json()["error"]["message"]
     print(
         f"\nrank 0 killed -> client 503 in {error_s:.2f}s ({message[:80]}); a video job created meanwhile answered "
