@@ -9,20 +9,20 @@ import pytest
 from ray_hsdp.page_cache import PIECE_BYTES, read_ahead, read_ahead_in_background, weight_files
 
 
-def test_every_weight_file_is_asked_for_in_pieces_largest_first(tmp_path, monkeypatch):
+def test_every_weight_file_is_read_in_pieces_largest_first(tmp_path, monkeypatch):
     (tmp_path / "transformer").mkdir()
     (tmp_path / "text_encoder").mkdir()
     (tmp_path / "transformer" / "model.safetensors").write_bytes(b"\0" * 3000)
     (tmp_path / "text_encoder" / "model.safetensors").write_bytes(b"\0" * 1000)
     (tmp_path / "text_encoder" / "config.json").write_text("{}")
     assert [p.parent.name for p in weight_files(tmp_path)] == ["transformer", "text_encoder"]
-    advised = []
-    real = os.posix_fadvise
+    sent = []
+    real = os.sendfile
     monkeypatch.setattr("ray_hsdp.page_cache.PIECE_BYTES", 1024)  # three pieces of the larger file
-    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: advised.append((offset, length))
-                        or real(fd, offset, length, advice))  # fmt: skip
+    monkeypatch.setattr(os, "sendfile", lambda out, source, offset, count: sent.append((offset, count))
+                        or real(out, source, offset, count))  # fmt: skip
     assert read_ahead(tmp_path) == 4000
-    assert advised == [(0, 1024), (1024, 1024), (2048, 952), (0, 1000)]
+    assert sent == [(0, 1024), (1024, 1024), (2048, 952), (0, 1000)]
     assert PIECE_BYTES >= 2**20
 
 
