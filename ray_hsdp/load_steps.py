@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,22 +165,53 @@ def shard_component(
     return module, sharding, stats
 
 
-def load_stored_fp8(folder: Path, class_info: tuple[str, str], facts: LoadFacts, module: nn.Module | None = None):
-    """A denoiser of an FP8 folder on a rank that shards nothing (diffusers' ``from_pretrained``
-    would cast its FP8 weights): built on the meta device, its linears of the policy's units made
-    to take their FP8 weights and scales, materialised on the rank's device and filled there.
+def load_whole(folder: Path, module: nn.Module, facts: LoadFacts, name: str) -> dict:
+    """A shard component on a rank that shards nothing, built on the meta device (``module``),
+    materialised on the rank's device and filled there, through the pinned staging of the reads
+    (diffusers' and transformers' loaders read into host memory, which the pipeline would then copy
+    over, and cast an FP8 folder's weights); its fused adapters merged. An FP8 folder's linears
+    (``facts.fp8_stored``) take their FP8 weights and scales as stored.
 
     Returns:
-        ``(module, load stats)``.
+        The load stats.
     """
-    module = module if module is not None else build_on_meta(folder, *class_info, facts.dtype)
     model_key = model_key_names(module)
-    fp8_linears(resolve_plan(module, facts.min_num_params))
-    check_stored_linears(folder.parent, folder.name, expect_stored_fp8(module))
+    stored = name in facts.fp8_stored
+    if stored:
+        fp8_linears(resolve_plan(module, facts.min_num_params))
+        check_stored_linears(folder.parent, name, expect_stored_fp8(module))
     materialize(module, facts.device)
     stats = fill_from_checkpoint(module, folder, facts.allow_pickle, model_key)
-    quantize_fp8(module, compile_scaling=False)  # each linear takes its loaded FP8 weight as it is
-    return module, stats
+    if stored:
+        quantize_fp8(module, compile_scaling=False)  # each linear takes its loaded FP8 weight as it is
+    elif facts.fused:  # an FP8 folder's were merged before it was quantized
+        fuse_adapters(facts.pipeline_cls, module, name, facts.fused)
+    return stats
+
+
+def load_whole_components(
+    path: Path, names: list[str], facts: LoadFacts, phases: Phases, meta_models: Mapping[str, nn.Module]
+) -> tuple[dict, dict]:
+    """``load_whole`` of each of ``names`` at once, in threads of their own (each reads with its own
+    threads and copies on its own streams). The models are built on the meta device first, one
+    after the other: accelerate's ``init_empty_weights`` patches ``nn.Module`` for every thread.
+
+    Returns:
+        ``(modules, load stats)`` by name.
+    """
+    index = model_index(path)
+    modules = {
+        name: meta_models[name] if name in meta_models else build_on_meta(path / name, *index[name], facts.dtype)
+        for name in names
+    }
+
+    def load(name: str) -> dict:
+        with phases.phase(f"weights of {name}"):
+            return load_whole(path / name, modules[name], facts, name)
+
+    with ThreadPoolExecutor(max(1, len(names)), thread_name_prefix="ray_hsdp-component") as pool:
+        stats = dict(zip(names, pool.map(load, names)))
+    return modules, stats
 
 
 def quantize_unsharded(models: Mapping[str, nn.Module], min_num_params: int, device: str, phases: Phases) -> int:
@@ -312,19 +344,18 @@ def load_parts(
                 f"None of shard_components={list(shard_components)} is a component of this pipeline "
                 f"(its components: {sorted(index)}); nothing would be sharded"
             )
-    elif facts.fp8_stored:
+    else:
         index = model_index(path)
-        for name in sorted(facts.fp8_stored):
-            with phases.phase(f"fp8 weights of {name}"):
-                prebuilt[name], stats[name] = load_stored_fp8(
-                    path / name, index[name], facts, (meta_models or {}).get(name)
-                )
-            with phases.phase("fp8 scaling compile"):
+        names = [n for n in shard_components if n in index]
+        with phases.phase("weights of shard components"):
+            prebuilt, stats = load_whole_components(path, names, facts, phases, meta_models or {})
+        with phases.phase("fp8 scaling compile"):
+            for name in sorted(facts.fp8_stored):
                 compile_fp8_scaling(prebuilt[name])
     fused = facts.fused
     with phases.phase("other components"):
         pipe = load_pipeline(path, facts.dtype, facts.allow_pickle, facts.pipeline_cls, **prebuilt)
-        for component in sorted({c for _, parts in fused.values() for c in parts} - set(shardings) - facts.fp8_stored):
+        for component in sorted({c for _, parts in fused.values() for c in parts} - set(prebuilt)):
             module = getattr(pipe, component, None)
             if not isinstance(module, nn.Module):
                 raise ValueError(f"fuse_loras: {type(pipe).__name__} has no component {component!r}")

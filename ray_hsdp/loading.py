@@ -244,9 +244,18 @@ def build_on_meta(folder: Path, library: str, class_name: str, dtype: str) -> nn
 
 def materialize(model: nn.Module, device: str) -> None:
     """Allocates the (sharded) parameters on ``device``, keeping the real buffers' values (a meta
-    buffer is one the checkpoint fills: an FP8 folder's scales)."""
+    buffer is one the checkpoint fills: an FP8 folder's scales) and the parameters' ties."""
     buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            holders.setdefault(id(param), []).append((module, name))
     model.to_empty(device=device)
+    # to_empty gives each module a new parameter of its own: tied ones (a T5's shared embedding) are
+    # tied again, so that the checkpoint's one tensor fills both names.
+    for (first, first_name), *others in holders.values():
+        for module, name in others:
+            setattr(module, name, getattr(first, first_name))
     with torch.no_grad():
         for name, value in buffers.items():
             model.get_buffer(name).copy_(value)
