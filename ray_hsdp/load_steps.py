@@ -214,7 +214,7 @@ def load_whole_components(
     return modules, stats
 
 
-def quantize_unsharded(models: Mapping[str, nn.Module], min_num_params: int, device: str, phases: Phases) -> int:
+def quantize_unsharded(models: Mapping[str, nn.Module], min_num_params: int, phases: Phases) -> int:
     """FP8 linears on a rank that shards nothing (a group of one rank): in each diffusers model of
     the shard components, the linears its policy's units hold, each quantized whole, row by row:
     the very weights the ranks of a sharded group quantize in slices and gather. Each model moves
@@ -226,8 +226,6 @@ def quantize_unsharded(models: Mapping[str, nn.Module], min_num_params: int, dev
     """
     swapped = 0
     for name, module in models.items():
-        with phases.phase(f"{name} to {device}"):
-            module.to(device)
         with phases.phase(f"fp8 of {name}"):
             swapped += fp8_linears(resolve_plan(module, min_num_params))
             quantize_fp8(module, compile_scaling=False)
@@ -349,8 +347,8 @@ def load_parts(
         names = [n for n in shard_components if n in index]
         with phases.phase("weights of shard components"):
             prebuilt, stats = load_whole_components(path, names, facts, phases, meta_models or {})
-        with phases.phase("fp8 scaling compile"):
-            for name in sorted(facts.fp8_stored):
+        for name in sorted(facts.fp8_stored):
+            with phases.phase("fp8 scaling compile"):
                 compile_fp8_scaling(prebuilt[name])
     fused = facts.fused
     with phases.phase("other components"):
@@ -365,7 +363,7 @@ def load_parts(
     models = {name: m for name, m in candidates.items() if hasattr(m, "enable_parallelism")}
     if facts.quantization == "fp8" and facts.mesh is None:  # after the fused adapters, which it quantizes
         to_quantize = {name: m for name, m in models.items() if name not in facts.fp8_stored}
-        quantize_unsharded(to_quantize, facts.min_num_params, facts.device, phases)
+        quantize_unsharded(to_quantize, facts.min_num_params, phases)
     sequence = lane_parallel = None
     with phases.phase("parallel setup"):
         if dims.splits_sequence:
