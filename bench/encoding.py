@@ -1,7 +1,9 @@
 """What a response's encoding costs: each images-API ``output_format`` (``ray_hsdp.serve.media``'s
-own encoder, as a replica runs it) and PIL's default PNG level, at a size, on this machine's CPU.
+own encoder, as a replica runs it) and PIL's default PNG level, at a size, on this machine's CPU;
+with ``--frames N``, a video job's MP4 of N frames at x264's served preset and at "medium".
 
     python -m bench.encoding --size 1328x1328 --out bench/results/encoding-2core.md
+    python -m bench.encoding --size 832x480 --frames 81 --repeat 2
 
 The frame is a generated image's stand-in: smooth colour fields with Gaussian noise (sigma 0.03), in
 [0, 1] float32 as a group returns it; the time includes the conversion to uint8. Best of ``--repeat``.
@@ -17,7 +19,7 @@ import time
 
 import numpy as np
 
-from ray_hsdp.serve.media import encode_image, to_uint8
+from ray_hsdp.serve.media import MP4_PRESET, encode_image, encode_mp4, to_uint8
 
 
 def stand_in_frame(width: int, height: int, seed: int = 0) -> np.ndarray:
@@ -52,21 +54,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="1328x1328", help="WxH of the frame")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--frames", type=int, default=None, help="an MP4 of this many frames instead of images")
     parser.add_argument("--out", help="a Markdown file to write the table to")
     args = parser.parse_args()
     width, height = map(int, args.size.split("x"))
     frame = stand_in_frame(width, height)
-    cases = [
-        ("png, PIL's default level (before)", lambda: pil_default_png(frame)),
-        ("png (the default)", lambda: encode_image(frame, "png")),
-        ("jpeg, output_compression omitted (100)", lambda: encode_image(frame, "jpeg")),
-        ("jpeg, output_compression 90", lambda: encode_image(frame, "jpeg", 90)),
-        ("webp, output_compression omitted (100)", lambda: encode_image(frame, "webp")),
-        ("webp, output_compression 80", lambda: encode_image(frame, "webp", 80)),
-    ]
+    if args.frames:
+        cases, what = video_cases(width, height, args.frames), f"an MP4 of {args.frames} frames of {width}x{height}"
+    else:
+        cases, what = image_cases(frame), f"one {width}x{height} image"
+    cpu = platform.processor() or platform.machine()
     rows = [
-        f"Encoding one {width}x{height} image, best of {args.repeat}, on {platform.processor() or platform.machine()} "
-        f"({os.cpu_count()} CPUs)",
+        f"Encoding {what}, best of {args.repeat}, on {cpu} ({os.cpu_count()} CPUs)",
         "",
         "| output | ms | MB |",
         "| --- | ---: | ---: |",
@@ -78,7 +77,33 @@ def main() -> None:
     print(text)
     if args.out:
         with open(args.out, "w") as out:
-            out.write(f"# Response encoding\n\nCommand: `python -m bench.encoding --size {args.size}`\n\n{text}\n")
+            out.write(text + "\n")
+
+
+def video_cases(width: int, height: int, frames: int) -> list:
+    """The served preset and "medium" on a moving stand-in clip (each frame its own noise, the
+    fields shifting), and on pure noise: the worst case for x264, and what random weights make."""
+    clip = np.stack([to_uint8(np.roll(stand_in_frame(width, height, seed=i), 4 * i, axis=1)) for i in range(frames)])
+    noise = np.random.default_rng(0).integers(0, 256, clip.shape, dtype=np.uint8)
+    return [
+        (
+            f"{name}, x264 {preset}{' (served)' if preset == MP4_PRESET else ''}",
+            lambda v=video, p=preset: encode_mp4(v, 16, p),
+        )
+        for name, video in (("moving stand-in", clip), ("noise", noise))
+        for preset in (MP4_PRESET, "medium")
+    ]
+
+
+def image_cases(frame: np.ndarray) -> list:
+    return [
+        ("png, PIL's default level (before)", lambda: pil_default_png(frame)),
+        ("png (the default)", lambda: encode_image(frame, "png")),
+        ("jpeg, output_compression omitted (100)", lambda: encode_image(frame, "jpeg")),
+        ("jpeg, output_compression 90", lambda: encode_image(frame, "jpeg", 90)),
+        ("webp, output_compression omitted (100)", lambda: encode_image(frame, "webp")),
+        ("webp, output_compression 80", lambda: encode_image(frame, "webp", 80)),
+    ]
 
 
 if __name__ == "__main__":
