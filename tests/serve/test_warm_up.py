@@ -31,13 +31,14 @@ def test_warm_up_defaults_to_the_default_size_with_compile_and_is_checked_agains
 def test_a_first_request_at_a_warmed_shape_compiles_nothing_and_equals_diffusers(
     ray_cluster, tiny_model, reference_pipe
 ):
-    """The app's shape warmed on a compiled group of two lanes, as a replica builds its group: user
-    requests at that shape, one on each lane, then trace nothing (dynamo's graph count stays; no run
-    is marked as compiled), and no block reached its recompile limit. The warm-up is no user's
+    """The app's shape warmed on a compiled group, as a replica builds its group (on every lane: the
+    same ``on_every_lane`` as compile's own warm-up, ``test_adaptive_lanes``): user requests at that
+    shape then trace nothing (dynamo's graph count stays; no run is marked as compiled), and no
+    block reached its recompile limit. The warm-up is no user's
     request: no listener hears of it, the group learns no time from it, and the start's phases show
     it. (What a second warmed shape does: ``ray_hsdp.group.warm_up``'s docstring.)"""
     config = AppConfig(
-        model=tiny_model, device="cpu", shard_size=2, compile=True, default_steps=2,
+        model=tiny_model, device="cpu", shard_size=1, compile=True, default_steps=2,
         warm_up=[{"size": "96x64", "num_frames": 9}],
     )  # fmt: skip
     records = []
@@ -60,7 +61,6 @@ def test_a_first_request_at_a_warmed_shape_compiles_nothing_and_equals_diffusers
     assert [s["compiled_graphs"] for s in after] == [s["compiled_graphs"] for s in warmed]
     assert all(s["compiled_graphs"] > 0 and s["recompile_limit_hits"] == 0 for s in after)
     assert sorted(r.request_id for r in records) == ["user-0", "user-1"]
-    assert {r.rank for r in results} == {0, 1}  # both lanes ran one
     assert not any(r.compiled for r in records)
     for request, result in zip(requests, results):  # uint8 frames: one level apart at most, at a rounding edge
         assert max_abs_diff(result.frames, to_uint8(reference_frames(reference_pipe, request))) <= 1
