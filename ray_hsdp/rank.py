@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 
 import ray
 
@@ -79,9 +80,14 @@ class Rank(RankStart):
         config: The group's configuration, with device and dtype resolved.
         dims: The pool's mesh arithmetic, built once by the group's creator.
         group_id: The group's id, in this rank's log lines and Ray's prefix of its logs.
+        spawned_at: When the group asked Ray for this rank (``time.time()``): the start's "actor
+            start" phase (Ray starts a worker process, which imports this class's modules) counts
+            from it, on the clocks of the group's and the rank's nodes (one node for a replica's).
     """
 
-    def __init__(self, rank: int, config: GroupConfig, dims: ParallelDims, group_id: str = ""):
+    def __init__(
+        self, rank: int, config: GroupConfig, dims: ParallelDims, group_id: str = "", spawned_at: float | None = None
+    ):
         from ray_hsdp import distributed
 
         distributed.apply_nccl_env(config.nccl_max_ctas)
@@ -98,6 +104,8 @@ class Rank(RankStart):
         self.decode_groups = {}  # lane size -> the process group of this rank's lane of that size, for split decodes
         self.tick_group = None  # with tick_exchange "host": the gloo group of the tick's all-gather
         self.phases = Phases(f"rank {rank}")  # where this rank's part of the group's start went
+        if spawned_at is not None:
+            self.phases.seconds["actor start"] = round(max(0.0, time.time() - spawned_at), 3)
         self.load_s = 0.0
         self.load_peak_rss_bytes = 0
         self.last_request_peak_device_bytes = 0

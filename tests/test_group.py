@@ -54,6 +54,8 @@ def test_the_start_says_where_its_time_went(batch_group):
         # The rank's own: its imports, process group, each sharded component's slices, the rest.
         assert {"imports", "process group", "shards of transformer", "shards of text_encoder"} <= set(rank)
         assert {"other components", "request slots"} <= set(rank)
+        # Ray's worker start and the rank's class imports, then its own imports: within the group's wait.
+        assert 0 < rank["actor start"] and rank["actor start"] + rank["imports"] <= group["rank processes and imports"]
         # Its loading phases happen inside the group's "load" wait.
         loading = ("shards of transformer", "shards of text_encoder", "other components", "parallel setup")
         assert sum(rank[k] for k in loading if k in rank) <= group["load"]

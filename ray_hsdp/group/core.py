@@ -188,19 +188,20 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, G
         for attempt in range(1, _RENDEZVOUS_TRIES + 1):
             # Named, so that `ray list actors` and operators can tell the ranks of each group apart.
             names = [f"ray_hsdp-{self.group_id}-{attempt}-rank{i}" for i in range(self.dims.shard_size)]
-            self.ranks = [
-                actor.options(
-                    name=names[i],
-                    num_cpus=bundle["CPU"],
-                    num_gpus=bundle.get("GPU", 0),
-                    max_restarts=0,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=self._pg, placement_group_bundle_index=i
-                    ),
-                ).remote(i, self.config, self.dims, self.group_id)
-                for i in range(self.dims.shard_size)
-            ]
             with self.phases.phase("rank processes and imports"):
+                spawned_at = time.time()  # each rank's "actor start" counts from it
+                self.ranks = [
+                    actor.options(
+                        name=names[i],
+                        num_cpus=bundle["CPU"],
+                        num_gpus=bundle.get("GPU", 0),
+                        max_restarts=0,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            placement_group=self._pg, placement_group_bundle_index=i
+                        ),
+                    ).remote(i, self.config, self.dims, self.group_id, spawned_at)
+                    for i in range(self.dims.shard_size)
+                ]
                 ray.get([r.prepare.remote() for r in self.ranks], timeout=self.config.load_timeout_s)
             master, port = ray.get(self.ranks[0].address.remote(), timeout=self.config.rendezvous_timeout_s)
             try:
