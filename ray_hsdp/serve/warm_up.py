@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from ray_hsdp.config import AppConfig
+from ray_hsdp.config import AppConfig, parse_size
 from ray_hsdp.config_blocks import WarmUpShape
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.group.warm_up import gray_png
@@ -37,8 +37,7 @@ def warm_up_request(shape: WarmUpShape, config: AppConfig, facts: dict, index: i
     Raises:
         ValueError: The shape is not one the model takes (the message names the shape and why).
     """
-    width, height = shape.size.split("x")
-    image = gray_png(int(width), int(height)) if facts.get("image_input") else None
+    image = gray_png(*parse_size(shape.size)) if facts.get("image_input") else None
     fields = {"prompt": PROMPT, "size": shape.size, "num_inference_steps": facts["warm_up_steps"], "seed": 0}
     request_id = f"warm-up-{index}"
     try:
