@@ -111,11 +111,16 @@ def start_refusals(config: AppConfig, dims, folder: Path, report: AppReport):
     (``ray_hsdp.start_checks``) on the folder's classes and its sharded diffusers models built on
     the meta device, added to ``report``'s failures; the models, for the weights per GPU (``None``
     when a check failed)."""
+    from ray_hsdp.fp8_folder import stored_fp8_components
     from ray_hsdp.start_checks import refuse_start, start_facts
 
     try:
         facts = start_facts(folder, config.pipeline_class, config.shard_components, config.dtype)
         refuse_start(facts, dims, config.attention_backend, config.cache.kind)
+        stored_fp8_components(
+            folder, config.quantization, config.dtype, config.min_num_params, config.fuse_loras, None,
+            config.shard_components,
+        )  # fmt: skip
     except ValueError as err:
         report.failures.append(str(err))
         return None

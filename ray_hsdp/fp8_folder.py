@@ -37,11 +37,12 @@ def stored_fp8_components(
     dtype: str,
     min_num_params: int,
     fuse_loras: Mapping[str, float],
-    torch_version: str,
+    torch_version: str | None,
     shard_components: tuple[str, ...],
 ) -> frozenset[str]:
     """The components whose FP8 linears ``folder`` stores, checked against the configuration that
-    loads it; empty for a folder without a record.
+    loads it; empty for a folder without a record. ``torch_version`` ``None``: not compared
+    (``ray-hsdp check`` runs on a host whose torch need not be the ranks').
 
     Raises:
         ValueError: The configuration differs from the one the folder was written with (the
@@ -57,8 +58,9 @@ def stored_fp8_components(
         "dtype": dtype,
         "min_num_params": min_num_params,
         "fuse_loras": {name: float(scale) for name, scale in sorted(fuse_loras.items())},
-        "torch": torch_release(torch_version),
     }
+    if torch_version is not None:
+        wanted["torch"] = torch_release(torch_version)
     written = {**record, "torch": torch_release(record["torch"])}
     for field, value in wanted.items():
         if written[field] != value:

@@ -135,3 +135,14 @@ def test_linears_other_than_the_stored_ones_are_refused(fp8_folder):
     check_stored_linears(fp8_folder, "transformer", list(reversed(stored)))
     with pytest.raises(ValueError, match="makes other linears of transformer FP8 than the folder stores"):
         check_stored_linears(fp8_folder, "transformer", stored[1:])
+
+
+def test_check_refuses_a_configuration_the_folder_was_not_written_with(fp8_folder):
+    """``ray-hsdp check`` runs the same comparison (all but torch's version, which is the ranks')."""
+    from ray_hsdp.check import check_app
+
+    args = {"model": str(fp8_folder), "device": "cuda", "dtype": "float32", "shard_size": 1}
+    refused = check_app("x", {**args, "quantization": "none"}, None, None, strict=True)
+    assert any("serve it with quantization: fp8" in failure for failure in refused.failures), refused
+    fused = {"quantization": "fp8", "loras": {"style": "tiny-style"}, "fuse_loras": {"style": 0.5}}
+    assert check_app("x", {**args, **fused}, None, None, strict=True).failures == []
