@@ -419,10 +419,14 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         for name, parts in config.lora_sources(fused=True).items()
     }
     started = time.perf_counter()
-    record = write_fp8_folder(
-        resolve_model_path(config.model), Path(args.out), dtype=args.dtype, min_num_params=config.min_num_params,
-        shard_components=config.shard_components, fused=fused,
-    )  # fmt: skip
+    try:
+        record = write_fp8_folder(
+            resolve_model_path(config.model), Path(args.out), dtype=args.dtype, min_num_params=config.min_num_params,
+            shard_components=config.shard_components, fused=fused,
+        )  # fmt: skip
+    except (FileExistsError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     linears = {name: len(names) for name, names in record["components"].items()}
     print(f"Wrote {args.out} in {time.perf_counter() - started:.0f} s: FP8 linears {linears}; serve it with "
           f"quantization: fp8, dtype: {args.dtype}, min_num_params: {config.min_num_params}"

@@ -146,3 +146,10 @@ def test_check_refuses_a_configuration_the_folder_was_not_written_with(fp8_folde
     assert any("serve it with quantization: fp8" in failure for failure in refused.failures), refused
     fused = {"quantization": "fp8", "loras": {"style": "tiny-style"}, "fuse_loras": {"style": 0.5}}
     assert check_app("x", {**args, **fused}, None, None, strict=True).failures == []
+
+
+def test_quantize_into_a_folder_that_exists_is_refused(fp8_folder, tiny_model):
+    again = subprocess.run(
+        [sys.executable, "-m", "ray_hsdp.cli", "quantize", tiny_model, str(fp8_folder)], capture_output=True, text=True
+    )
+    assert again.returncode == 2 and f"{fp8_folder} exists; quantize into a new folder" in again.stderr
