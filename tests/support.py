@@ -102,3 +102,15 @@ def free_port() -> int:
         _HANDED_OUT.add(port)
         return port
     raise RuntimeError(f"no free TCP port between {low} and {high}")
+
+
+def wan_transformer_inputs(config) -> dict:
+    """A forward's inputs for a Wan transformer of ``config`` (the tiny one's shapes: 2 latent frames of
+    8x8, 8 text tokens), drawn from torch's global generator: seed it first."""
+    import torch
+
+    return dict(
+        hidden_states=torch.randn(1, config.in_channels, 2, 8, 8),
+        timestep=torch.tensor([500]),
+        encoder_hidden_states=torch.randn(1, 8, config.text_dim),
+    )

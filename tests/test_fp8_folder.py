@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import wan_transformer_inputs
 
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.fp8_folder import RECORD, check_stored_linears, stored_fp8_components
@@ -57,11 +58,7 @@ def load_facts(stored: frozenset[str]):
 
 def transformer_output(transformer) -> torch.Tensor:
     torch.manual_seed(0)
-    inputs = dict(
-        hidden_states=torch.randn(1, transformer.config.in_channels, 2, 8, 8),
-        timestep=torch.tensor([500]),
-        encoder_hidden_states=torch.randn(1, 8, transformer.config.text_dim),
-    )
+    inputs = wan_transformer_inputs(transformer.config)
     with torch.no_grad():
         return transformer(**inputs)[0]
 

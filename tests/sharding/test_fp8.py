@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from support import wan_transformer_inputs
 
 from ray_hsdp.config import GroupConfig
 from ray_hsdp.sharding.fp8 import FP8, Fp8Linear, check_fp8_device, fp8_linears, quantize_fp8
@@ -23,6 +24,7 @@ def _wan():
     from ray_hsdp.checkpoints.random_weights import transformer_kwargs
 
     model = WanTransformer3DModel(**transformer_kwargs(get_architecture("wan2.1-t2v-14b"), tiny=True))
+    # (Spelled out: this runs in a gloo worker, which cannot import the tests' support module.)
     inputs = dict(
         hidden_states=torch.randn(1, model.config.in_channels, 2, 8, 8),
         timestep=torch.tensor([500]),
@@ -130,11 +132,7 @@ def test_a_rank_that_shards_nothing_quantizes_its_denoisers_linears_whole(tmp_pa
     assert fp8_linears(resolve_plan(reference, min_num_params)) == len(linears)
     quantize_fp8(reference)
     torch.manual_seed(0)
-    inputs = dict(
-        hidden_states=torch.randn(1, transformer.config.in_channels, 2, 8, 8),
-        timestep=torch.tensor([500]),
-        encoder_hidden_states=torch.randn(1, 8, transformer.config.text_dim),
-    )
+    inputs = wan_transformer_inputs(transformer.config)
     with torch.no_grad():
         assert torch.equal(transformer(**inputs)[0], reference(**inputs)[0])
 
@@ -165,6 +163,7 @@ def fp8_folder_shard_and_compare(mesh, rank, folder: str, source: str):
     stored, stored_stats = load(folder, frozenset({"transformer"}))
     at_start, start_stats = load(source, frozenset())
     torch.manual_seed(0)
+    # (Spelled out: this runs in a gloo worker, which cannot import the tests' support module.)
     inputs = dict(
         hidden_states=torch.randn(1, stored.config.in_channels, 2, 8, 8),
         timestep=torch.tensor([500]),
