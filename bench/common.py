@@ -283,3 +283,77 @@ def stop_server(proc) -> None:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+class ServedYaml:
+    """``serve run`` of a copy of a committed YAML whose first application's ``model`` is
+    ``model`` and whose other fields are changed by ``overrides`` (``FIELD=VALUE``, as ``ray-hsdp
+    serve --set`` reads them), with a fresh API key; ready once ``/health`` answers.
+
+    A context manager: on entry the server is up (``base``, ``key``, ``ready_s``, and ``phases``:
+    the group's start phases from ``/v1/pool``), on exit it is stopped."""
+
+    READY_TIMEOUT_S = 1800
+
+    def __init__(self, config_path: Path, model: str, overrides: list[str], out: Path, name: str):
+        import os
+        import secrets
+
+        import yaml
+
+        from ray_hsdp.serve_cli import parse_value, set_dotted
+
+        config = yaml.safe_load(config_path.read_text())
+        args = config["applications"][0]["args"]
+        args["model"] = model
+        for field in overrides:
+            key, _, value = field.partition("=")
+            set_dotted(args, key, parse_value(value))
+        self.device = args.get("device", "cuda")
+        self.key = secrets.token_urlsafe(24)
+        self.base = f"http://127.0.0.1:{config['http_options']['port']}"
+        out.mkdir(parents=True, exist_ok=True)
+        self.served = out / f"{config_path.stem}.served.yaml"
+        self.served.write_text(yaml.safe_dump(config))
+        self.log_path = out / f"{name}.serve.log"
+        self.env = {**os.environ, "RAY_HSDP_API_KEY": self.key}
+        self.proc = None
+
+    def __enter__(self) -> ServedYaml:
+        import requests
+
+        self._log = open(self.log_path, "w")
+        started = time.perf_counter()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ray.serve.scripts", "run", str(self.served)],  # the `serve` CLI, wherever installed
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+        )
+        try:
+            while True:
+                try:
+                    if requests.get(f"{self.base}/health", timeout=5).status_code == 200:
+                        break
+                except requests.RequestException:
+                    pass
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"serve run exited ({self.proc.returncode}); see {self.log_path}")
+                if time.perf_counter() - started > self.READY_TIMEOUT_S:  # Serve retries a failing replica forever
+                    raise TimeoutError(f"no answer from {self.base}/health within {self.READY_TIMEOUT_S} s")
+                time.sleep(2)
+            self.ready_s = time.perf_counter() - started
+            pool = requests.get(f"{self.base}/v1/pool", headers=self.headers, timeout=60).json()
+            self.phases = pool["start"]["phases_s"]
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.key}"}
+
+    def __exit__(self, *exc) -> None:
+        stop_server(self.proc)
+        self._log.close()

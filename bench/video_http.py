@@ -13,16 +13,10 @@ its environment (``RAY_HSDP_API_KEY``), as a YAML that listens on every address 
 from __future__ import annotations
 
 import argparse
-import os
-import secrets
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import yaml
-
-from bench.common import environment, first_frame_png, stop_server, write_results
+from bench.common import ServedYaml, environment, first_frame_png, write_results
 
 PROMPT = "A red fox runs through fresh snow at dawn, cinematic"
 
@@ -49,46 +43,14 @@ def main() -> None:
     args = build_parser().parse_args()
 
     import openai
-    import requests
 
     from ray_hsdp.config import parse_size
     from ray_hsdp.serve.media import decode_mp4
-    from ray_hsdp.serve_cli import parse_value, set_dotted
 
-    config = yaml.safe_load(args.config.read_text())
-    config["applications"][0]["args"]["model"] = args.model
-    args.device = config["applications"][0]["args"].get("device", "cuda")
-    for field in args.set:  # as `ray-hsdp serve --set` reads them: JSON where it parses, dotted names
-        name, _, value = field.partition("=")
-        set_dotted(config["applications"][0]["args"], name, parse_value(value))
-    key = secrets.token_urlsafe(24)
-    port = config["http_options"]["port"]
-    served = args.out / f"{args.config.stem}.served.yaml"
-    args.out.mkdir(parents=True, exist_ok=True)
-    served.write_text(yaml.safe_dump(config))
-    log = open(args.out / f"{args.name}.serve.log", "w")
-    started = time.perf_counter()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ray.serve.scripts", "run", str(served)],  # the `serve` CLI, wherever installed
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "RAY_HSDP_API_KEY": key},
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            try:
-                if requests.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if proc.poll() is not None:
-                raise RuntimeError(f"serve run exited ({proc.returncode}); see {log.name}")
-            time.sleep(2)
-        ready_s = time.perf_counter() - started
-        # Where the group's start went (its phases, the warm-up of the YAML's shapes among them).
-        pool = requests.get(f"{base}/v1/pool", headers={"Authorization": f"Bearer {key}"}, timeout=60).json()
-        args.start_phases = pool["start"]["phases_s"]
+    server = ServedYaml(args.config, args.model, args.set, args.out, args.name)
+    args.device = server.device
+    with server:
+        ready_s, args.start_phases, base, key = server.ready_s, server.phases, server.base, server.key
         client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, timeout=1800, max_retries=0)
         # As a user sends a file: the openai client makes it a part of a multipart form.
         image = {"input_reference": ("first.png", first_frame_png(*parse_size(args.size)), "image/png")}
@@ -114,9 +76,6 @@ def main() -> None:
         frames, fps = decode_mp4(mp4)
         # Written before the server stops: its shutdown can take a minute.
         report(args, ready_s, video, job_s, earlier, progress, mp4, frames, fps)
-    finally:
-        stop_server(proc)
-        log.close()
     if args.plain:
         plain = run_plain_request(args, video, frames)
         report(args, ready_s, video, job_s, earlier, progress, mp4, frames, fps, plain=plain)

@@ -37,6 +37,7 @@ class RankStart:
 
         Runs before the process group exists: model writers save only on distributed rank 0.
         """
+        from ray_hsdp import distributed
         from ray_hsdp.loading import import_component_classes, resolve_lora_path, resolve_model_path
 
         if self.config.compile_cache_dir:
@@ -49,9 +50,12 @@ class RankStart:
             }
         # Code first, weights later: the load's memory report then counts weights only, and its
         # time is the weights' (the sharding code took another second of imports on CPU there).
-        with self.phases.phase("imports"):
+        with self.phases.phase("imports"):  # on CUDA, the device context made meanwhile
+            context = distributed.start_device_context(self.config.device)
             import_component_classes(self.model_path)
             importlib.import_module("ray_hsdp.sharded_pipeline")
+            if context is not None:
+                context.join()
         return str(self.model_path)
 
     def address(self) -> tuple[str, int]:

@@ -5,6 +5,8 @@
 #   bash bench/gpu/issue62.sh fp8     the random Wan2.1-T2V-14B written to $MODELS/wan14b, its FP8 folder
 #                                     (ray-hsdp quantize) to $MODELS/wan14b-fp8, both loaded by a rank of
 #                                     its own and one forward of each compared (bench.fp8_folder)
+#   bash bench/gpu/issue62.sh probe   where a rank's actor start and imports go (bench.actor_start), after
+#                                     writing $MODELS/wan14b and its FP8 folder if they are not there
 #   bash bench/gpu/issue62.sh start   the one-GPU fast YAML's group started as a replica builds it, from
 #                                     the FP8 folder with a compile cache: first start (cache empty), one
 #                                     warm start, two requests at the warmed shape, a rank killed
@@ -13,11 +15,14 @@
 #                                     81-frame jobs at the warmed shape, then plain diffusers
 #                                     (bench.video_http --plain; from the bf16 folder, which plain
 #                                     diffusers reads)
+#   bash bench/gpu/issue62.sh image   Qwen-Image (random, real size; $MODELS/wan14b* removed first: the disk
+#                                     holds one of them) on one GPU through `serve run`: png and jpeg
+#                                     responses against the group's own run (bench.image_http)
 #
 # No sage wheel on a fresh host: the YAML's attention_backend is replaced by diffusers' default.
 # OUT (default bench/results) is where logs and results go; MODELS (default /tmp) the checkpoints.
 set -uo pipefail
-PART=${1:?fp8, start or video}
+PART=${1:?fp8, probe, start, video or image}
 OUT=${OUT:-bench/results}
 MODELS=${MODELS:-/tmp}
 STEPS=${STEPS:-4}
@@ -29,6 +34,12 @@ case "$PART" in
   fp8)
     python -m bench.fp8_folder --model-dir "$MODELS/wan14b" --fp8-dir "$MODELS/wan14b-fp8" --out "$OUT" \
       --name "fp8-folder-wan2.1-t2v-14b-1x$GPU" 2>&1 | tail -20
+    ;;
+  probe)
+    [ -d "$MODELS/wan14b" ] || python -m ray_hsdp.cli make-random wan2.1-t2v-14b "$MODELS/wan14b" 2>&1 | tail -2
+    [ -d "$MODELS/wan14b-fp8" ] || python -m ray_hsdp.cli quantize "$MODELS/wan14b" "$MODELS/wan14b-fp8" 2>&1 | tail -2
+    python -m bench.actor_start --model-dir "$MODELS/wan14b-fp8" --repeats 2 --out "$OUT" \
+      --name "actor-start-1x$GPU" 2>&1 | grep "^|"
     ;;
   start)
     python -m bench.start --config "$YAML" --model-dir "$MODELS/wan14b-fp8" --set attention_backend=auto \
@@ -42,6 +53,13 @@ case "$PART" in
       --set compile_cache_dir="$MODELS/compile-cache" --size 832x480 --seconds 5 --steps "$STEPS" --jobs 2 \
       --out "$OUT" --name "video-http-wan2.1-t2v-14b-fast-warmup-1x$GPU" --plain 2>&1 | tail -5
     cat "$OUT/video-http-wan2.1-t2v-14b-fast-warmup-1x$GPU.md"
+    ;;
+  image)
+    rm -rf "$MODELS/wan14b" "$MODELS/wan14b-fp8"
+    [ -d "$MODELS/qwen-image" ] || python -m ray_hsdp.cli make-random qwen-image "$MODELS/qwen-image" 2>&1 | tail -2
+    python -m bench.image_http --config serve_configs/qwen_image.yaml --model "$MODELS/qwen-image" \
+      --set shard_size=1 --set replicate_size=1 --size 1328x1328 --steps "$STEPS" --formats png jpeg --repeats 3 \
+      --out "$OUT" --name "image-http-qwen-image-1x$GPU" 2>&1 | tail -12
     ;;
   *)
     echo "unknown part $PART" >&2
