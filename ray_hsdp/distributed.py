@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 from datetime import timedelta
 
 import torch
@@ -46,19 +45,6 @@ def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
-
-
-def start_device_context(device: str) -> threading.Thread | None:
-    """Creates this process's CUDA context in a thread and returns it (``None`` off CUDA).
-
-    The context takes a second or more to create; the factory call that creates it releases the
-    GIL, so the caller's imports run meanwhile instead of the load waiting for it later. Ray shows
-    a rank only its own GPU: it is device 0."""
-    if device != "cuda" or not torch.cuda.is_available():
-        return None
-    thread = threading.Thread(target=torch.zeros, args=(1,), kwargs={"device": "cuda:0"}, name="ray_hsdp-cuda-context")
-    thread.start()
-    return thread
 
 
 def backend_for(device: str) -> str:

@@ -37,25 +37,22 @@ class RankStart:
 
         Runs before the process group exists: model writers save only on distributed rank 0.
         """
-        from ray_hsdp import distributed
-        from ray_hsdp.loading import import_component_classes, resolve_lora_path, resolve_model_path
-
         if self.config.compile_cache_dir:
             use_compile_cache(self.config.compile_cache_dir)
+        # Code first, weights later: the load's memory report then counts weights only, and its
+        # time is the weights'.
+        with self.phases.phase("imports"):
+            # The loader pulls in torch's DTensor, dynamo and sympy: seconds on a GPU host.
+            from ray_hsdp.loading import import_component_classes, resolve_lora_path, resolve_model_path
         with self.phases.phase("model files"):
             self.model_path = resolve_model_path(self.config.model)
             self.lora_paths = {
                 name: {component: resolve_lora_path(source) for component, source in parts.items()}
                 for name, parts in self.config.lora_sources().items()
             }
-        # Code first, weights later: the load's memory report then counts weights only, and its
-        # time is the weights' (the sharding code took another second of imports on CPU there).
-        with self.phases.phase("imports"):  # on CUDA, the device context made meanwhile
-            context = distributed.start_device_context(self.config.device)
+        with self.phases.phase("imports"):  # adds to the phase above
             import_component_classes(self.model_path)
             importlib.import_module("ray_hsdp.sharded_pipeline")
-            if context is not None:
-                context.join()
         return str(self.model_path)
 
     def address(self) -> tuple[str, int]:
