@@ -18,6 +18,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from ray_hsdp.config import AppConfig
+from ray_hsdp.config_endpoint import served_models
 from ray_hsdp.embedded import EMBEDDED_MODELS
 
 #: Bytes per element of the float dtypes a rank serves in.
@@ -195,7 +196,18 @@ def check_file(path: str, device: str | None = None, gpu_memory_gib: float | Non
         if not str(app.get("import_path", "")).startswith("ray_hsdp"):
             continue
         args = dict(app.get("args") or {})
-        reports.append(check_app(app.get("name", "default"), args, device, gpu_memory_gib, strict))
+        name = app.get("name", "default")
+        if "models" not in args:
+            reports.append(check_app(name, args, device, gpu_memory_gib, strict))
+            continue
+        try:  # an application of several models: the endpoint's fields once, then each model's report
+            served = served_models(args)
+        except ValueError as err:
+            reports.append(AppReport(name, failures=[str(err)]))
+            continue
+        for model, block in zip(served.names, args["models"]):
+            fields = {**block, **served.endpoint.model_dump()}
+            reports.append(check_app(f"{name} / {model}", fields, device, gpu_memory_gib, strict))
     if not reports:
         reports.append(AppReport(path, failures=[f"{path} holds no application of ray_hsdp (import_path ray_hsdp...)"]))
     return reports

@@ -270,6 +270,35 @@ def serve_config(args: argparse.Namespace, file_fields: dict | None = None) -> A
     return AppConfig(**config)
 
 
+def served_args(args: argparse.Namespace, file_fields: dict) -> dict:
+    """The application's ``args`` where ``--config``'s application names several ``models``: the
+    file's, with ``--set`` changing the endpoint's fields (``config_endpoint``); each model's fields
+    are the file's to give, so MODEL and the model flags are refused.
+
+    Raises:
+        UsageError: MODEL, a model flag, or ``--set`` of a model's field is given.
+    """
+    from ray_hsdp.config_endpoint import ENDPOINT_FIELDS
+
+    if args.model:
+        raise UsageError(f"--config {args.config} serves several models (its models list): drop MODEL ({args.model})")
+    flags = sorted({*omni_fields(args), *args.fields})
+    if flags:
+        raise UsageError(
+            f"--config {args.config} serves several models: set {', '.join(flags)} in each model's block there"
+        )
+    fields = dict(file_fields)
+    for override in args.overrides:
+        dotted, sep, text = override.partition("=")
+        if not sep or dotted not in ENDPOINT_FIELDS:
+            raise UsageError(
+                f"--set {override!r}: with several models --set changes only the endpoint's fields "
+                f"({', '.join(ENDPOINT_FIELDS)}); a model's are set in its block of --config"
+            )
+        fields[dotted] = field_value(dotted, text)
+    return fields
+
+
 def default_app_name(model: str) -> str:
     """The application name the CLI deploys under: the model folder's name (``tiny`` for the tiny model)."""
     name = Path(model.rstrip("/")).name or "model"

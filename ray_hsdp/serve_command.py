@@ -15,24 +15,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
     moment (while it deploys too), and stops Ray only where this command started it."""
     from pydantic import ValidationError
 
+    from ray_hsdp.config_endpoint import served_models
     from ray_hsdp.serve.keys import read_api_key
-    from ray_hsdp.serve_cli import UsageError, default_app_name, file_application, serve_config
+    from ray_hsdp.serve_cli import UsageError, default_app_name, file_application, serve_config, served_args
 
     try:
         application = file_application(args.config, args.app) if args.config else {"args": {}}
-        config = serve_config(args, application["args"])
+        if "models" in application["args"]:  # one endpoint, several models: the file gives each
+            fields = served_args(args, application["args"])
+            served = served_models(fields)
+        else:
+            if not args.model:
+                raise UsageError("MODEL is required (a diffusers pipeline folder, or 'tiny')")
+            config = serve_config(args, application["args"])
+            fields, served = config.model_dump(exclude_unset=True), served_models({**config.model_dump()})
         # Read here and carried to every replica: a cluster started without the key in its nodes'
         # environment still asks for it.
-        api_key = read_api_key(config)
+        api_key = read_api_key(served.endpoint)
     except (UsageError, ValidationError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    drain_s = max(model.drain_timeout_s for model in served.models)
+    what = ", ".join(served.names)
     import ray
     from ray import serve
 
     from ray_hsdp.serve.app import build_application
 
-    name = args.name or application.get("name") or default_app_name(args.model)
+    name = args.name or application.get("name") or default_app_name(args.model or served.names[0])
     route_prefix = args.route_prefix or application.get("route_prefix") or "/"
     # Ctrl-C and a plain kill remove the application, also where the shell started this in the
     # background (which leaves SIGINT ignored).
@@ -44,11 +54,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         url = f"{_listening(args)}{route_prefix.rstrip('/')}"
-        app = build_application(config.model_dump(exclude_unset=True), api_key)
-        print(f"Deploying {args.model} as application {name!r} at {url} (Ctrl-C removes it)", flush=True)
+        app = build_application(fields, api_key)
+        print(f"Deploying {what} as application {name!r} at {url} (Ctrl-C removes it)", flush=True)
         deploying = True  # from here the application may exist: every way out removes it
         serve.run(app, name=name, route_prefix=route_prefix)
-        print(f"Serving {args.model} as application {name!r} on {url} (POST /v1/images/generations); "
+        print(f"Serving {what} as application {name!r} on {url} (POST /v1/images/generations); "
               "Ctrl-C removes it", flush=True)  # fmt: skip
         while True:
             time.sleep(3600)
@@ -59,7 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"error: application {name!r} failed to deploy: {err}", file=sys.stderr)
     finally:
         if deploying:
-            remove_application(name, config.drain_timeout_s + 60)
+            remove_application(name, drain_s + 60)
         if started_ray:
             ray.shutdown()
     return 1 if failed else 0
@@ -115,7 +125,9 @@ def add_serve(sub) -> None:
     from ray_hsdp.serve_cli import add_serve_options
 
     p = sub.add_parser("serve", help="serve a diffusers pipeline folder over HTTP")
-    p.add_argument("model", help="diffusers pipeline folder, or 'tiny'")
+    p.add_argument(
+        "model", nargs="?", help="diffusers pipeline folder, or 'tiny' (none where --config names several models)"
+    )
     p.add_argument("--name", help="the Serve application's name (default: --config's, else the model folder's name)")
     p.add_argument("--route-prefix", help="the application's HTTP route prefix (default: --config's, else /)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1 unless told otherwise)")

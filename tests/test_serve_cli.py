@@ -171,3 +171,21 @@ def test_app_takes_the_applications_name_and_route_prefix_too(tmp_path):
     args_file = tmp_path / "args.yaml"
     args_file.write_text(yaml.safe_dump({"device": "cpu"}))
     assert file_application(str(args_file), None) == {"args": {"device": "cpu"}}  # the CLI's defaults then
+
+
+def test_a_yaml_of_several_models_takes_only_the_endpoints_fields_from_the_command_line():
+    from ray_hsdp.config_endpoint import served_models
+    from ray_hsdp.serve_cli import file_args, served_args
+
+    shipped = str(ROOT / "serve_configs" / "tiny_cpu_models.yaml")
+    fields = served_args(parsed("--config", shipped, "--set", "retry_after_s=5"), file_args(shipped, None))
+    served = served_models(fields)
+    assert served.names == ["tiny-wan", "tiny-qwen-image"] and served.endpoint.retry_after_s == 5
+    assert all(model.retry_after_s == 5 for model in served.models)  # each model carries the endpoint's value
+    for argv, message in [
+        (("tiny",), "serves several models .*: drop MODEL \\(tiny\\)"),
+        (("--shard-size", "4"), "set shard_size in each model's block there"),
+        (("--set", "default_steps=2"), "changes only the endpoint's fields"),
+    ]:
+        with pytest.raises(UsageError, match=message):
+            served_args(parsed(*argv, "--config", shipped), file_args(shipped, None))

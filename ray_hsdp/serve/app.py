@@ -1,21 +1,35 @@
-"""The app builder a Serve YAML points at: ``import_path: ray_hsdp.serve:build_app``."""
+"""The app builder a Serve YAML points at: ``import_path: ray_hsdp.serve:build_app``.
+
+An application is one ingress (``OpenAIIngress``: HTTP and the handle API, a replica on each node)
+in front of one group deployment per model (``HSDPServer``: a replica per shard group) and the
+video job table they share."""
 
 from __future__ import annotations
+
+import re
 
 import ray
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from ray_hsdp.config import AppConfig
+from ray_hsdp.config_endpoint import served_models
 from ray_hsdp.group import check_placeable
 from ray_hsdp.serve.autoscaling import autoscaling_config
 from ray_hsdp.serve.deployment import HSDPServer
 from ray_hsdp.serve.jobs import VideoJobTable, limits
 from ray_hsdp.serve.keys import KeyCheck
+from ray_hsdp.serve.openai_ingress import OpenAIIngress
 from ray_hsdp.serve.routing import GroupAwareRouter
 from ray_hsdp.topology import PLACEMENT_STRATEGY
 
 OVERFLOW = 64
+
+#: Calls one ingress replica holds at once: every model's groups' room, and then some (it only forwards).
+INGRESS_MAX_ONGOING = 4096
+
+#: The group deployment's name where the application serves one model (several: one per model, named by it).
+SERVER_NAME = "HSDPServer"
 
 
 def build_app(args: dict) -> Application:
@@ -24,22 +38,47 @@ def build_app(args: dict) -> Application:
     return build_application(args)
 
 
+def server_name(model_id: str, models: int) -> str:
+    """The group deployment's name of a model: ``HSDPServer``, or ``HSDPServer-<id>`` among several."""
+    return SERVER_NAME if models == 1 else f"{SERVER_NAME}-{re.sub(r'[^A-Za-z0-9_.-]', '_', model_id)}"
+
+
 def build_application(args: dict, api_key: str | None = None) -> Application:
-    """Builds the ray_hsdp application: ``replicate_size`` replicas (or ``autoscaling``'s), each one
-    shard group.
+    """Builds the ray_hsdp application: its ingress, and per model ``replicate_size`` replicas (or
+    ``autoscaling``'s), each one shard group.
 
     Args:
-        args: ``AppConfig`` fields (the ``args`` of a Serve YAML application).
-        api_key: The key every replica asks for, carried from where the application is built
+        args: One model's ``AppConfig`` fields, or the endpoint's fields and ``models`` (a list of
+            models' fields; ``config_endpoint``): the ``args`` of a Serve YAML application.
+        api_key: The key the ingress asks for, carried from where the application is built
             (``ray-hsdp serve``'s environment) as its check (``serve.keys.KeyCheck``: the
-            deployment holds no key); ``None``: each replica finds its own (``serve.keys``).
+            deployment holds no key); ``None``: each ingress replica finds its own (``serve.keys``).
 
     Returns:
-        The bound deployment, ready for ``serve.run`` or a Serve config.
+        The bound ingress, ready for ``serve.run`` or a Serve config.
     """
     if not ray.is_initialized():
         ray.init()
-    config = AppConfig(**args).resolve_device(ray.cluster_resources().get("GPU", 0) > 0)
+    served = served_models(args)
+    has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+    jobs = VideoJobTable.options(user_config=limits(served.endpoint)).bind()
+    servers = {
+        config.served_model_name: group_deployment(config.resolve_device(has_gpus), len(served.models), jobs)
+        for config in served.models
+    }
+    nodes = sum(1 for node in ray.nodes() if node["Alive"])
+    return OpenAIIngress.options(
+        # One on each node: Serve starts an HTTP proxy only where a replica lives (EveryNode), and a
+        # proxy prefers its own node's replica, so a node's loss takes only its own ingress.
+        num_replicas=nodes,
+        max_replicas_per_node=1,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=INGRESS_MAX_ONGOING,
+    ).bind(served.endpoint.model_dump(), servers, jobs, KeyCheck.of(api_key) if api_key else None)
+
+
+def group_deployment(config: AppConfig, models: int, jobs) -> Application:
+    """One model's group deployment, bound: its replicas are its shard groups."""
     dims = config.parallel_dims()
     bundles = dims.bundles(config.device, config.cpus_per_rank)
     check_placeable(bundles)  # else Serve waits forever for a node that could hold the replica
@@ -49,6 +88,7 @@ def build_application(args: dict, api_key: str | None = None) -> Application:
     else:
         scale = {"num_replicas": dims.replicate_size}
     return HSDPServer.options(
+        name=server_name(config.served_model_name, models),
         **scale,
         # A removed group drains its video jobs first (HSDPServer.__del__), then shuts its ranks down.
         graceful_shutdown_timeout_s=config.drain_timeout_s + 60,
@@ -65,9 +105,4 @@ def build_application(args: dict, api_key: str | None = None) -> Application:
         request_router_config=RequestRouterConfig(
             request_router_class=GroupAwareRouter, request_routing_stats_period_s=1
         ),
-    ).bind(
-        config.model_dump(),
-        dims,
-        VideoJobTable.options(user_config=limits(config)).bind(),
-        KeyCheck.of(api_key) if api_key else None,
-    )
+    ).bind(config.model_dump(), dims, jobs)

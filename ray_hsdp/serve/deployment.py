@@ -1,6 +1,6 @@
-"""The Serve deployment: one replica owns one shard group (the engine, kept by ``GroupKeeper``)
-and answers HTTP (``ingress``) and handle calls; its video jobs run in ``videos``; every error is
-answered by ``errors``' one table."""
+"""A model's group deployment: one replica owns one shard group (the engine, kept by
+``GroupKeeper``) and answers handle calls from the application's ingress (``openai_ingress``), never
+HTTP; its video jobs run in ``videos``; every error is answered by ``errors``' one table, there."""
 
 import asyncio
 import collections
@@ -20,10 +20,10 @@ from ray_hsdp.config import AppConfig
 from ray_hsdp.group import GroupFailedError, QueueTimeoutError, ShardGroup, remote_cause
 from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
 from ray_hsdp.serve.errors import RequestLimitError, UnknownModelError
-from ray_hsdp.serve.ingress import OpenAIRoutes, api, refuse_keyless, serve_http_host
 from ray_hsdp.serve.keeper import GroupKeeper
-from ray_hsdp.serve.keys import KeyCheck, replica_key
+from ray_hsdp.serve.logs import show_logs
 from ray_hsdp.serve.metrics import ReplicaMetrics
+from ray_hsdp.serve.model_facts import ModelFacts
 from ray_hsdp.serve.routing import GROUP_LOAD, GROUP_OK
 from ray_hsdp.serve.schema import ImageGenerationRequest, image_response, to_generation_request
 from ray_hsdp.serve.videos import VideoJobs, VideoRun
@@ -33,25 +33,9 @@ from ray_hsdp.topology import ParallelDims
 logger = logging.getLogger("ray_hsdp")
 
 
-def show_logs() -> None:
-    """Sends the ``ray_hsdp`` logger's INFO lines (the request log) to this process's stderr.
-
-    Serve configures only its own ``ray.serve`` logger in a replica; without this, the one JSON
-    line per request and the group's lifecycle lines would be dropped at the root logger's WARNING.
-    """
-    ours = logging.getLogger("ray_hsdp")
-    if not ours.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-        ours.addHandler(handler)
-        ours.setLevel(logging.INFO)
-        ours.propagate = False
-
-
 @serve.deployment
-@serve.ingress(api)
-class HSDPServer(OpenAIRoutes, VideoJobs):
-    """One Serve replica = one shard group, placed in the replica's own placement group.
+class HSDPServer(VideoJobs, ModelFacts):
+    """One Serve replica = one shard group of one model, placed in the replica's own placement group.
 
     Args:
         config: ``AppConfig`` fields as a dict (what the app builder passes).
@@ -59,16 +43,11 @@ class HSDPServer(OpenAIRoutes, VideoJobs):
         jobs: The application's video job table (``VideoJobTable``'s handle).
     """
 
-    def __init__(self, config: dict, dims: ParallelDims, jobs: DeploymentHandle, api_key: KeyCheck | None = None):
+    def __init__(self, config: dict, dims: ParallelDims, jobs: DeploymentHandle):
         show_logs()
         self.config = AppConfig(**config)
         self.dims = dims
         self.model_name = self.config.served_model_name
-        #: The check of the key every route but /health asks for (the ingress' guard reads it);
-        #: None: none. ``serve.keys`` says where it comes from.
-        app = serve.get_replica_context().app_name
-        self.key_check = replica_key(api_key, self.config, app)
-        refuse_keyless(self.key_check, self.config, serve_http_host(), app)
         self._placement = ray.util.get_current_placement_group()
         self._replica = serve.get_replica_context().replica_id.unique_id
         self.metrics = ReplicaMetrics(self.model_name)
@@ -302,6 +281,11 @@ class HSDPServer(OpenAIRoutes, VideoJobs):
             # What requests may ask of the step cache ('cache'), and what they get by default.
             "cache": self.config.cache.model_dump(),
         }
+
+    def health(self) -> None:
+        """Every rank of the group answers within the deadline (the ingress' ``/health``); raises
+        while the group is rebuilt (503) or could not be."""
+        self._ready_group().check_health()
 
     def progress(self) -> dict:
         """Request id -> state (queued, or running with its denoising step) of this replica's requests."""

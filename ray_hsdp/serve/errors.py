@@ -7,6 +7,7 @@ import logging
 
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 
 from ray_hsdp.group import (
@@ -22,12 +23,19 @@ from ray_hsdp.variant.lane import UnsplittableRequestError
 logger = logging.getLogger("ray_hsdp")
 
 
-def error_json(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param}})
+def error_json(status: int, message: str, kind: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    error = {"message": message, "type": kind, "param": param, "code": code}
+    return JSONResponse(status_code=status, content={"error": error})
 
 
 class UnknownModelError(LookupError):
     """The request names a model this deployment does not serve."""
+
+
+class GroupLostError(RuntimeError):
+    """The shard group running a request was lost (its replica's process or node died), and no
+    other group of its model could run it."""
 
 
 class VideoNotFoundError(LookupError):
@@ -45,6 +53,7 @@ class JobTableFullError(RuntimeError):
 #: The one error table: exception class -> (HTTP status, OpenAI error type, the param it names,
 #: whether the client should retry after ``retry_after_s``). The first class an error is an
 #: instance of decides (more specific classes first); anything else is a 500 with its cause.
+#: ``CODES`` gives some of them OpenAI's ``code`` too.
 ERRORS: list[tuple[type[BaseException], int, str, str | None, bool]] = [
     (ImageTooLargeError, 413, "invalid_request_error", "input_reference", False),
     (RequestLimitError, 400, "invalid_request_error", None, False),
@@ -57,11 +66,18 @@ ERRORS: list[tuple[type[BaseException], int, str, str | None, bool]] = [
     (JobTableFullError, 429, "rate_limit_error", None, True),
     (BackPressureError, 503, "server_error", None, True),  # Serve's own queue is full
     (GroupFailedError, 503, "server_error", None, True),
+    (GroupLostError, 503, "server_error", None, True),
+    # A group's replica that died (its process, its node) under a call no one retries (pool, health).
+    (RayActorError, 503, "server_error", None, True),
+    (ActorUnavailableError, 503, "server_error", None, True),
     (GroupUnplaceableError, 503, "server_error", None, False),
     (TimeoutError, 504, "server_error", None, False),  # deadline or queue_timeout_s missed
     (InvalidRequestError, 400, "invalid_request_error", None, False),  # the group or the pipeline refused it
     (ValidationError, 400, "invalid_request_error", None, False),  # a body the schema refused (handle, form)
 ]
+#: OpenAI's ``error.code`` of the errors that have one.
+CODES: dict[type[BaseException], str] = {UnknownModelError: "model_not_found"}
+
 #: A failed video job's error code, by the status its error would answer with.
 JOB_ERROR_CODES = {400: "invalid_request", 413: "invalid_request", 409: "cancelled", 429: "overloaded",
                    503: "group_failed", 504: "timeout"}  # fmt: skip
@@ -84,8 +100,8 @@ def error_response(exc: BaseException, retry_after_s: int) -> JSONResponse:
     exc = remote_cause(exc)
     row = error_row(exc)
     if row is not None:
-        _, status, kind, param, retry = row
-        response = error_json(status, str(exc), kind, param)
+        cls, status, kind, param, retry = row
+        response = error_json(status, str(exc), kind, param, CODES.get(cls))
         if retry:
             response.headers["Retry-After"] = str(retry_after_s)
         return response

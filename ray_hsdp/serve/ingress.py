@@ -1,6 +1,6 @@
-"""The HTTP side of a replica, as Ray Serve LLM splits it: the FastAPI app, its guard (API key,
-body size), the error answers (``errors``), how a video body is read, and the OpenAI-shaped
-routes (``OpenAIRoutes``, which the deployment class takes on).
+"""The HTTP side of the application's ingress, as Ray Serve LLM splits it: the FastAPI app, its
+guard (API key, body size), the error answers (``errors``), how a video body is read, and the
+OpenAI-shaped routes (``OpenAIRoutes``, which ``openai_ingress.OpenAIIngress`` takes on).
 
 No ``from __future__ import annotations`` here: FastAPI reads the routes' annotations as types."""
 
@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from ray import serve
 
-from ray_hsdp.config import AppConfig
+from ray_hsdp.config_endpoint import EndpointConfig
 from ray_hsdp.serve.errors import RequestLimitError, VideoNotFoundError, error_json, error_response
 from ray_hsdp.serve.keys import KeyCheck
 from ray_hsdp.serve.schema import ImageGenerationRequest, VideoCreateRequest
@@ -46,9 +46,9 @@ IMAGE_INPUT_ROUTES = ("/v1/images/generations", "/v1/videos", "/v1/videos/sync")
 @api.middleware("http")
 async def _guard(request: Request, call_next):
     """API key and body size, before any route runs; an error no handler took still answers JSON."""
-    # The replica this process serves (its constructor has run: Serve routes nothing here before).
+    # The ingress replica this process serves (its constructor has run: Serve routes nothing here before).
     server = serve.get_replica_context().servable_object
-    config: AppConfig = server.config
+    config: EndpointConfig = server.config
     key: KeyCheck | None = server.key_check
     path = request.url.path.removeprefix(request.scope.get("root_path", ""))  # route prefix of the app
     if key and path != "/health":
@@ -74,7 +74,7 @@ async def _guard(request: Request, call_next):
         response = await call_next(request)
     except Exception as exc:  # noqa: BLE001 - every route error is answered here, by ERRORS
         response = error_response(exc, config.retry_after_s)
-    # Which replica answered: jobs live in a table every replica reaches, so any may answer.
+    # Which ingress replica answered.
     response.headers["X-Ray-Hsdp-Replica"] = serve.get_replica_context().replica_id.unique_id
     return response
 
@@ -95,7 +95,7 @@ def serve_http_host() -> str | None:
     return serve_http_options()[0]
 
 
-def refuse_keyless(api_key: KeyCheck | str | None, config: AppConfig, host: str | None, app: str = "") -> None:
+def refuse_keyless(api_key: KeyCheck | str | None, config: EndpointConfig, host: str | None, app: str = "") -> None:
     """Refuses to serve with no key where strangers may reach the server: a HTTP host that is not
     a loopback address (or is unknown), unless ``allow_unauthenticated``.
 
@@ -208,36 +208,20 @@ class OpenAIRoutes:
         return await self.delete_video(video_id)
 
     @api.get("/v1/models")
-    def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "ray_hsdp"}]}
+    async def models_list(self) -> dict:
+        return await self.models()
 
     @api.get("/v1/loras")
-    def loras(self) -> dict:
-        """The LoRA adapters: those requests may name (``lora``) and those merged into the weights
-        (``fused``: the scale every request runs them at), with the components each adapts and the
-        defaults a request gets from it."""
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "lora",
-                    "components": sorted(parts),
-                    "fused": self.config.fuse_loras.get(name),
-                    "defaults": self.config.lora_defaults[name].model_dump(exclude_none=True)
-                    if name in self.config.lora_defaults
-                    else {},
-                }
-                for name, parts in sorted(self.config.lora_sources().items())
-            ],
-            "max_loras_per_request": self.config.max_loras_per_request,
-        }
+    async def loras_list(self, model: str | None = None) -> dict:
+        """The LoRA adapters of a model (or of each): those requests may name (``lora``) and those
+        merged into the weights (``fused``: the scale every request runs them at), with the
+        components each adapts and the defaults a request gets from it."""
+        return await self.loras(model)
 
     @api.get("/health")
-    def health(self) -> dict:
-        self._ready_group().check_health()
-        return {"status": "ok"}
+    async def health_route(self) -> dict:
+        return await self.health()
 
     @api.get("/v1/pool")
-    def pool_route(self) -> dict:
-        return self.pool()
+    async def pool_route(self, model: str | None = None) -> dict:
+        return await self.pool(model)

@@ -39,6 +39,7 @@ def limits(config) -> dict:
         "max_bytes": config.max_video_bytes,
         "ttl_s": config.video_ttl_s,
         "stale_after_s": config.video_stale_after_s,
+        "lost_wait_s": config.video_lost_wait_s,
     }
 
 
@@ -49,18 +50,25 @@ class JobTable:
         max_jobs: Most jobs kept (any status); a create beyond it is refused.
         max_bytes: Most MP4 and thumbnail bytes kept; a create while at it is refused.
         ttl_s: How long a finished job is kept (its ``expires_at``); expired jobs are gone (404).
-        stale_after_s: A queued or running job whose replica has not reported for this long is
-            failed: the replica (or its process) is gone.
+        stale_after_s: A queued or running job whose replica has not reported for this long has
+            lost its replica (or its process, or its node): it waits for another group, or fails.
+        lost_wait_s: How long such a job waits for a group of its model to take it (``take_waiting``).
     """
 
     def __init__(
-        self, max_jobs: int = 256, max_bytes: int = 2 * 1024**3, ttl_s: float = 3600.0, stale_after_s: float = 60.0
+        self,
+        max_jobs: int = 256,
+        max_bytes: int = 2 * 1024**3,
+        ttl_s: float = 3600.0,
+        stale_after_s: float = 60.0,
+        lost_wait_s: float = 300.0,
     ):
         self.jobs: dict[str, dict] = {}  # insertion order = creation order
         self.media: dict[str, dict[str, bytes]] = {}
         # Serve may run a deployment's sync methods on several threads.
         self._lock = threading.RLock()
-        self.reconfigure({"max_jobs": max_jobs, "max_bytes": max_bytes, "ttl_s": ttl_s, "stale_after_s": stale_after_s})
+        limits = {"max_jobs": max_jobs, "max_bytes": max_bytes, "ttl_s": ttl_s, "stale_after_s": stale_after_s}
+        self.reconfigure({**limits, "lost_wait_s": lost_wait_s})
 
     def reconfigure(self, config: dict) -> None:
         """Applies new limits (Serve calls it with the ``user_config`` at start and on a redeploy)."""
@@ -69,6 +77,7 @@ class JobTable:
             self.max_bytes = int(config["max_bytes"])
             self.ttl_s = float(config["ttl_s"])
             self.stale_after_s = float(config["stale_after_s"])
+            self.lost_wait_s = float(config.get("lost_wait_s", 300.0))
 
     # ---- the table's own housekeeping ------------------------------------------------------
 
@@ -77,9 +86,21 @@ class JobTable:
         for video_id, job in list(self.jobs.items()):
             if job["expires_at"] is not None and job["expires_at"] <= now:
                 self._drop(video_id)
-            elif job["status"] == "queued" and not job["_owner"]:
-                continue  # released by a group that filled up: it waits for the next taker, not for a report
-            elif job["status"] in ("queued", "in_progress") and now - job["_heartbeat"] > self.stale_after_s:
+            elif job["status"] not in ("queued", "in_progress"):
+                continue
+            elif job["_lost"] and now - job["_heartbeat"] > self.lost_wait_s:
+                message = (
+                    f"the replica running this job stopped reporting for {self.stale_after_s:g}s, and no other "
+                    f"group took it over within video_lost_wait_s={self.lost_wait_s:g}s"
+                )
+                self._move(video_id, "failed", error={"code": "replica_lost", "message": message})
+            elif not job["_owner"] or now - job["_heartbeat"] <= self.stale_after_s:
+                continue  # reported lately, or owned by none: waits for a taker, not for a report
+            elif job["_spec"] is not None:
+                # Its replica stopped reporting (its process or node is gone): the job waits, owned
+                # by none, for a group of its model to run it again from its spec, same seed.
+                job.update(_owner="", _heartbeat=now, _waiting_since=0.0, _lost=True)
+            else:  # no spec to run it again from: a caller waited for it on the lost replica
                 message = f"the replica running this job stopped reporting for {self.stale_after_s:g}s"
                 self._move(video_id, "failed", error={"code": "replica_lost", "message": message})
 
@@ -146,6 +167,7 @@ class JobTable:
                 "_waiting_since": time.time(),  # queued on its owner's group since
                 "_owner": owner,
                 "_spec": spec,
+                "_lost": False,  # True while it waits for a group after its replica was lost
             }
             return "ok", self._public(self.jobs[video_id])
 
@@ -184,10 +206,11 @@ class JobTable:
                 job["progress"] = max(job["progress"], min(int(progress), 99))
             return True
 
-    def take_waiting(self, replica: str, waited_s: float) -> tuple[str, tuple] | None:
-        """Hands ``replica`` (whose group has a free lane) the oldest job that has waited queued
-        for at least ``waited_s`` on another replica's busy group. Its old replica stops its copy at
-        its next report, which this makes fail.
+    def take_waiting(self, replica: str, waited_s: float, model: str | None = None) -> tuple[str, tuple] | None:
+        """Hands ``replica`` (whose group of ``model`` has a free lane) the oldest job of that model
+        that has waited queued for at least ``waited_s`` on another replica's busy group, or whose
+        replica was lost (``_sweep``). Its old replica stops its copy at its next report, which
+        this makes fail.
 
         Returns:
             ``(video_id, spec)`` (the spec ``create`` got), or None when no job waits so long.
@@ -197,13 +220,14 @@ class JobTable:
             now = time.time()
             for video_id, job in self.jobs.items():
                 if (
-                    job["status"] == "queued"
+                    (job["status"] == "queued" or job["_lost"])
                     and job["_owner"] != replica
                     and job["_spec"] is not None
+                    and (model is None or job.get("model") == model)
                     and now - job["_waiting_since"] >= waited_s
                 ):
-                    job["_owner"] = replica
-                    job["_heartbeat"] = job["_waiting_since"] = now
+                    job.update(_owner=replica, _heartbeat=now, _waiting_since=now, _lost=False)
+                    job["retried"] = job["retried"] or job["status"] == "in_progress"
                     return video_id, job["_spec"]
             return None
 

@@ -23,10 +23,6 @@ GROUP_LOAD = "group_load"
 #: (``request_routing_stats_period_s`` is 1 s), by when the replica's own report holds it.
 RECENT_S = 2.0
 
-#: The HTTP route that creates video jobs (under the application's route prefix); its ``GET``
-#: lists them, rarely, and counts alike for ``RECENT_S``.
-VIDEOS_ROUTE = "/v1/videos"
-
 
 class GroupAwareRouter(RequestRouter):
     """Power of two choices over the replicas whose shard group is healthy and least loaded.
@@ -53,7 +49,7 @@ class GroupAwareRouter(RequestRouter):
         """Serve calls this when a replica accepted a request (its default, strict
         ``max_ongoing_requests``): a video job's creation is remembered."""
         meta = pending_request.metadata
-        if meta.call_method == "create_video" or (meta.call_method == "__call__" and meta.route.endswith(VIDEOS_ROUTE)):
+        if meta.call_method == "create_video":  # the ingress' call (its POST /v1/videos)
             self._sent.setdefault(replica_id, deque()).append(self._get_curr_time_s())
 
     def _load(self, replica: RunningReplica) -> float:

@@ -309,6 +309,12 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
     )
 
 
+def with_seed(body: ImageGenerationRequest | VideoCreateRequest):
+    """``body`` with a seed drawn now where it has none: where it runs again (a retry on another
+    group) it then makes the same output."""
+    return body if body.seed is not None else body.model_copy(update={"seed": secrets.randbelow(2**31)})
+
+
 def image_response(
     result: GenerationResult, model: str, output_format: str = "png", quality: int | None = None
 ) -> dict:

@@ -50,7 +50,29 @@ class VideoRun(NamedTuple):
     movable: bool = True
 
 
-class VideoJobs:
+class JobReads:
+    """A job's object and content, read from the application's job table (``self.jobs``)."""
+
+    async def video(self, video_id: str) -> dict:
+        """The video object of a job."""
+        found = await self.jobs.get.remote(video_id)
+        if found is None:
+            raise VideoNotFoundError(f"no video {video_id!r} (never created, deleted, or expired)")
+        return found
+
+    async def video_content(self, video_id: str, variant: str = "video") -> bytes:
+        """The MP4 of a completed job, or its first frame as PNG (``variant="thumbnail"``)."""
+        if variant not in ("video", "thumbnail"):
+            raise RequestLimitError(f"variant must be 'video' or 'thumbnail', got {variant!r}")
+        status, content = await self.jobs.content.remote(video_id, variant)
+        if status == "missing":
+            raise VideoNotFoundError(f"no video {video_id!r} (never created, deleted, or expired)")
+        if status == "not_ready":
+            raise VideoNotReadyError(f"video {video_id!r} is {content}; its content exists once it is completed")
+        return content
+
+
+class VideoJobs(JobReads):
     """The video-job side of ``HSDPServer``."""
 
     def _start_video_tasks(self) -> None:
@@ -165,7 +187,7 @@ class VideoJobs:
             group = self.keeper.group
             for _ in range(group.idle_lanes()):
                 try:
-                    taken = await self.jobs.take_waiting.remote(self._replica, waited_s)
+                    taken = await self.jobs.take_waiting.remote(self._replica, waited_s, self.model_name)
                 except Exception as err:  # noqa: BLE001 - the table answers again at the next round
                     logger.warning("Asking the job table for waiting video jobs failed: %s", err)
                     break
@@ -251,34 +273,6 @@ class VideoJobs:
             for video_id, still in zip(videos, kept):
                 if still is False and video_id in self._videos:
                     self._cancel(video_id)
-
-    async def video(self, video_id: str) -> dict:
-        """The video object of a job."""
-        found = await self.jobs.get.remote(video_id)
-        if found is None:
-            raise VideoNotFoundError(f"no video {video_id!r} (never created, deleted, or expired)")
-        return found
-
-    async def video_content(self, video_id: str, variant: str = "video") -> bytes:
-        """The MP4 of a completed job, or its first frame as PNG (``variant="thumbnail"``)."""
-        if variant not in ("video", "thumbnail"):
-            raise RequestLimitError(f"variant must be 'video' or 'thumbnail', got {variant!r}")
-        status, content = await self.jobs.content.remote(video_id, variant)
-        if status == "missing":
-            raise VideoNotFoundError(f"no video {video_id!r} (never created, deleted, or expired)")
-        if status == "not_ready":
-            raise VideoNotReadyError(f"video {video_id!r} is {content}; its content exists once it is completed")
-        return content
-
-    async def delete_video(self, video_id: str) -> dict:
-        """Deletes a job: a queued one is dropped, a running one stops at its next step without
-        decoding; afterwards the id is 404. The replica that runs it stops it: at once when that
-        is this one, else at its next report to the table (every 0.25 s)."""
-        if not await self.jobs.delete.remote(video_id):
-            raise VideoNotFoundError(f"no video {video_id!r} (never created, deleted, or expired)")
-        if video_id in self._videos:
-            self._cancel(video_id)  # a job's request id is its video id
-        return {"id": video_id, "object": "video.deleted", "deleted": True}
 
     async def generate_video(self, request: dict | VideoCreateRequest) -> dict:
         """Creates a video job and waits for it (the handle's entry point); it runs on this

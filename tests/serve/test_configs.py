@@ -12,12 +12,23 @@ import requests
 import yaml
 
 CONFIGS = Path(__file__).resolve().parents[2] / "serve_configs"
+
+
+def devices(args: dict) -> list[str | None]:
+    """The devices an application's args name: its one model's, or each of its models'."""
+    return [block.get("device") for block in args["models"]] if "models" in args else [args.get("device")]
+
+
 CPU_YAMLS = sorted(
     path.name
     for path in CONFIGS.glob("*.yaml")
-    if all(app["args"].get("device") == "cpu" for app in yaml.safe_load(path.read_text())["applications"])
+    if all(d == "cpu" for app in yaml.safe_load(path.read_text())["applications"] for d in devices(app["args"]))
 )
-STARTED_BY = {"tiny_cpu.yaml": "conftest.server", "tiny_cpu_usp.yaml": "test_usp.server"}
+STARTED_BY = {
+    "tiny_cpu.yaml": "conftest.server",
+    "tiny_cpu_usp.yaml": "test_usp.server",
+    "tiny_cpu_models.yaml": "test_many_models.models_app",  # its args by build_app, beside the shared server
+}
 
 
 def test_every_cpu_yaml_is_started_by_a_fixture_of_the_suite():
@@ -26,15 +37,15 @@ def test_every_cpu_yaml_is_started_by_a_fixture_of_the_suite():
 
 def test_every_gpu_yaml_is_a_valid_app_config():
     """The GPU YAMLs cannot start here: their app args at least validate, with the mesh they ask for."""
-    from ray_hsdp.config import AppConfig
+    from ray_hsdp.config_endpoint import served_models
 
     gpu_yamls = sorted(set(p.name for p in CONFIGS.glob("*.yaml")) - set(CPU_YAMLS))
     assert gpu_yamls
     for name in gpu_yamls:
         for app in yaml.safe_load((CONFIGS / name).read_text())["applications"]:
-            config = AppConfig(**app["args"])
-            assert config.device == "cuda", name
-            config.parallel_dims()  # the layout fits the shard size
+            for config in served_models(app["args"]).models:
+                assert config.device == "cuda", name
+                config.parallel_dims()  # the layout fits the shard size
 
 
 def test_the_shared_server_is_the_tiny_yaml(server):

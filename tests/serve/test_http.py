@@ -330,8 +330,10 @@ def test_each_error_class_is_its_status_in_the_json_error_shape(server, method, 
     response = requests.request(method, f"{server}{path}", json=body, timeout=120)
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert set(error) == {"message", "type", "param"} and error["type"] == kind
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == kind
     assert mentions in error["message"], error
+    # OpenAI's code where it has one: an unknown model is model_not_found, as OpenAI answers it.
+    assert error["code"] == ("model_not_found" if mentions == "sora" else None), error
 
 
 def test_content_before_completion_is_409(server):

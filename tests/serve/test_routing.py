@@ -49,9 +49,9 @@ async def first_tier(router: GroupAwareRouter) -> set[str]:
     return {replica.replica_id.unique_id for replica in tiers[0]}
 
 
-def routed(router: GroupAwareRouter, name: str, route: str = "/v1/videos", call_method: str = "__call__") -> None:
-    """``name``'s replica accepted a request to ``route`` (Serve's callback after the send)."""
-    meta = RequestMetadata(request_id=route, internal_request_id=route, call_method=call_method, route=route)
+def routed(router: GroupAwareRouter, name: str, call_method: str = "create_video") -> None:
+    """``name``'s replica accepted a call of ``call_method`` from the ingress (Serve's callback after the send)."""
+    meta = RequestMetadata(request_id=call_method, internal_request_id=call_method, call_method=call_method)
     replica = next(replica for replica in router.curr_replicas if replica.unique_id == name)
     router.on_request_routed(PendingRequest(args=[], kwargs={}, metadata=meta), replica, None)
 
@@ -64,18 +64,18 @@ def test_requests_this_router_sent_count_as_load_until_the_replica_s_report_hold
         router = GroupAwareRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN, get_curr_time_s=lambda: now[0])
         router.update_replicas([running(a, 0), running(b, 0)])
         assert await first_tier(router) == {a, b}
-        # Requests that end before they return leave the choice as it was...
+        # Calls that end before they return leave the choice as it was...
         for _ in range(3):
-            routed(router, a, route="/v1/pool")
-            routed(router, a, route="/i2v/v1/images/generations")
+            routed(router, a, call_method="pool")
+            routed(router, a, call_method="generate")
         assert await first_tier(router) == {a, b}
-        # ...a video job's POST returns at once: the next one, before a report holds it, goes elsewhere.
-        routed(router, a, route="/i2v/v1/videos")
+        # ...a video job's creation returns at once: the next one, before a report holds it, goes elsewhere.
+        routed(router, a)
         assert await first_tier(router) == {b}
         now[0] += 1.0
         router.update_replicas([running(a, 0), running(b, 0)])  # a report taken before the job arrived
         assert await first_tier(router) == {b}
-        routed(router, b, call_method="create_video")  # the Python handle's way
+        routed(router, b)
         assert await first_tier(router) == {a, b}
         # Past RECENT_S the replicas' reports speak alone.
         now[0] += RECENT_S + 0.5

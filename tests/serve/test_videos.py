@@ -313,6 +313,32 @@ def test_a_job_whose_replica_stops_reporting_reads_failed_and_stays_failed():
     assert table.get(video["id"])["error"]["code"] == "replica_lost"
 
 
+def test_a_job_whose_replica_is_lost_runs_again_on_a_group_of_its_model_with_one_record():
+    """Issue 63: a movable job whose replica stopped reporting (its node lost) waits, owned by none,
+    for a group of its own model, which runs it again from its spec (same seed); the lost replica's
+    late reports and MP4 are refused, so the job completes once. One that no group takes fails."""
+    from ray_hsdp.serve.jobs import JobTable
+
+    table = JobTable(max_jobs=8, max_bytes=2**20, ttl_s=60, stale_after_s=0.3, lost_wait_s=0.3)
+    _, lost = table.create({"model": "wan", "prompt": "lost"}, "a", ("spec lost", 16))
+    _, alone = table.create({"model": "wan", "prompt": "alone"}, "a", ("spec alone", 16))
+    assert table.update(lost["id"], "a", progress=40) and table.update(alone["id"], "a", progress=10)
+    time.sleep(0.5)  # a stopped reporting
+    assert table.get(lost["id"])["status"] == "in_progress"  # not failed: it waits for a taker
+    assert table.take_waiting("q", waited_s=60, model="qwen") is None  # another model's group
+    assert table.take_waiting("b", waited_s=60, model="wan") == (lost["id"], ("spec lost", 16))  # at once
+    assert table.update(lost["id"], "a", progress=60) is False  # a, back to life, stops its copy
+    assert table.update(lost["id"], "b", running=True)
+    assert table.complete(lost["id"], b"a's", b"png", "a") is False
+    assert table.complete(lost["id"], b"b's", b"png", "b") and table.content(lost["id"], "video") == ("ok", b"b's")
+    moved = table.get(lost["id"])
+    assert (moved["status"], moved["replica"], moved["retried"]) == ("completed", "b", True)
+    time.sleep(0.4)  # nobody took the other one within lost_wait_s
+    failed = table.get(alone["id"])
+    assert failed["status"] == "failed" and failed["error"]["code"] == "replica_lost", failed
+    assert "no other group took it over within video_lost_wait_s" in failed["error"]["message"]
+
+
 def test_the_job_table_moves_only_forward():
     from ray_hsdp.serve.jobs import TRANSITIONS, JobTable
 
@@ -356,6 +382,8 @@ def test_a_job_waiting_on_a_busy_group_moves_once_to_a_group_with_a_free_lane():
     table.release(own["id"], "c")
     assert table.update(own["id"], "b") is False
     # Owned by none, nobody reports for it: the sweep must not fail it while it waits for a taker.
+    # (The running job ends first: a job whose replica stops reporting waits for a taker too.)
+    assert table.complete(running["id"], b"mp4", b"png", "a")
     table.stale_after_s = 0.01
     time.sleep(0.05)
     assert table.get(own["id"])["status"] == "queued"

@@ -1,0 +1,99 @@
+"""One application, one endpoint, one or several models: which fields belong to the endpoint (set
+once for the application: the key, the body and image limits, ``retry_after_s``, the video job
+table's limits) and which to each model (everything else of ``AppConfig``).
+
+A Serve YAML's ``args`` is either one model's ``AppConfig`` (today's one-model YAMLs) or::
+
+    args:
+      allow_unauthenticated: false      # endpoint fields, once
+      models:
+        - {model: /models/Wan2.2-T2V-A14B, shard_size: 4, ...}
+        - {model: /models/Qwen-Image, model_name: qwen-image, ...}
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from pydantic import ConfigDict, ValidationError, create_model
+
+from ray_hsdp.config import AppConfig
+
+#: The fields of the endpoint, not of a model: one value for the whole application.
+ENDPOINT_FIELDS = (
+    "api_key_env",
+    "api_key_file",
+    "allow_unauthenticated",
+    "max_body_bytes",
+    "max_image_bytes",
+    "retry_after_s",
+    "max_video_jobs",
+    "max_video_bytes",
+    "video_ttl_s",
+    "video_stale_after_s",
+    "video_lost_wait_s",
+)
+
+#: The endpoint's configuration: ``AppConfig``'s endpoint fields, with their defaults and descriptions.
+EndpointConfig = create_model(
+    "EndpointConfig",
+    __config__=ConfigDict(extra="forbid", frozen=True),
+    **{name: (AppConfig.model_fields[name].annotation, AppConfig.model_fields[name]) for name in ENDPOINT_FIELDS},
+)
+
+
+class ServedModels(NamedTuple):
+    """What one application serves: its endpoint and its models, in the order given."""
+
+    endpoint: EndpointConfig
+    models: list[AppConfig]
+
+    @property
+    def names(self) -> list[str]:
+        """The models' ids (``model`` in a request)."""
+        return [model.served_model_name for model in self.models]
+
+
+def served_models(args: dict) -> ServedModels:
+    """Reads an application's ``args``: one model's fields, or endpoint fields and ``models``.
+
+    Every model's ``AppConfig`` carries the endpoint's values of the endpoint fields.
+
+    Raises:
+        ValueError: An endpoint field in a model's block, a model field beside ``models``, no
+            model, two models of one id, or a field a model refuses (pydantic's message).
+    """
+    if "models" not in args:
+        config = AppConfig(**args)
+        return ServedModels(EndpointConfig(**{name: getattr(config, name) for name in ENDPOINT_FIELDS}), [config])
+    blocks = args["models"]
+    endpoint_args = {name: value for name, value in args.items() if name != "models"}
+    misplaced = sorted(set(endpoint_args) - set(ENDPOINT_FIELDS))
+    if misplaced:
+        raise ValueError(
+            f"{', '.join(misplaced)} {'belongs' if len(misplaced) == 1 else 'belong'} to a model, not to the "
+            f"endpoint: set {'it' if len(misplaced) == 1 else 'them'} in each model's block under models "
+            f"(beside models go only {', '.join(ENDPOINT_FIELDS)})"
+        )
+    if not isinstance(blocks, list) or not blocks or not all(isinstance(block, dict) for block in blocks):
+        raise ValueError("models must be a list of at least one model's fields (each a mapping with its model)")
+    endpoint = EndpointConfig(**endpoint_args)
+    models = []
+    for index, block in enumerate(blocks):
+        where = f"models[{index}] ({block.get('model_name') or block.get('model', '?')})"
+        inside = sorted(set(block) & set(ENDPOINT_FIELDS))
+        if inside:
+            verb = "belongs" if len(inside) == 1 else "belong"
+            raise ValueError(
+                f"{where} sets {', '.join(inside)}, which {verb} to the endpoint: set it once for the application, "
+                "beside models"
+            )
+        try:
+            models.append(AppConfig(**block, **endpoint.model_dump()))
+        except ValidationError as err:
+            raise ValueError(f"{where}: {err}") from None
+    names = [model.served_model_name for model in models]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ValueError(f"two models are named {', '.join(twice)}: give each its own model_name")
+    return ServedModels(endpoint, models)
