@@ -32,7 +32,7 @@ def models_app(server):
 
     args = yaml.safe_load(YAML.read_text())["applications"][0]["args"]
     yield deploy(server, APP, args)
-    serve.delete(APP)
+    serve.delete(APP, _blocking=False)  # its ranks stop while the next tests run
 
 
 def pixels(b64: str) -> np.ndarray:
