@@ -26,7 +26,7 @@ from pathlib import Path
 
 import ray
 
-from ray_hsdp.config import AppConfig
+from ray_hsdp.config_endpoint import EndpointConfig
 
 #: The Ray namespace of the stored keys' actors.
 KEY_NAMESPACE = "ray_hsdp"
@@ -70,7 +70,7 @@ def read_key(path: str | None, env: str) -> str | None:
     return (os.environ.get(env) or "").strip() or None
 
 
-def read_api_key(config: AppConfig) -> str | None:
+def read_api_key(config: EndpointConfig) -> str | None:
     """The API key from ``api_key_file`` or the ``api_key_env`` variable; ``None`` when neither is set."""
     return read_key(config.api_key_file, config.api_key_env)
 
@@ -130,7 +130,7 @@ def store_key(app: str, key: str) -> None:
     ray.get(actor.check.remote(), timeout=60)
 
 
-def replica_key(carried: KeyCheck | None, config: AppConfig, app: str) -> KeyCheck | None:
+def replica_key(carried: KeyCheck | None, config: EndpointConfig, app: str) -> KeyCheck | None:
     """The key check a replica of application ``app`` serves with (the module's order); ``None``: no key."""
     if carried is not None:
         return carried
