@@ -273,6 +273,26 @@ def wait_until(condition, timeout_s: float = 60, what: str = "the condition", in
         time.sleep(interval_s)
 
 
+def wait_until_healthy(base: str, proc, deadline_s: float = 180, interval_s: float = 1.0) -> None:
+    """Polls ``base``/health until it answers 200; kills ``proc`` (the server) and fails if it exits
+    first or the deadline passes (Serve retries a failing replica forever: the deadline ends that)."""
+    import requests
+
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            if requests.get(f"{base}/health", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        exited = proc.poll()
+        if exited is not None or time.monotonic() > deadline:
+            proc.kill()
+            why = f"it exited ({exited})" if exited is not None else f"no answer within {deadline_s:g} s"
+            raise RuntimeError(f"the server at {base} did not come up: {why}")
+        time.sleep(interval_s)
+
+
 def stop_server(proc) -> None:
     """Stops a ``serve run`` process as Ctrl-C does (it shuts down Serve and the Ray it started),
     killing it if it has not gone within a minute."""
@@ -331,17 +351,10 @@ class ServedYaml:
             env=self.env,
         )
         try:
-            while True:
-                try:
-                    if requests.get(f"{self.base}/health", timeout=5).status_code == 200:
-                        break
-                except requests.RequestException:
-                    pass
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"serve run exited ({self.proc.returncode}); see {self.log_path}")
-                if time.perf_counter() - started > self.READY_TIMEOUT_S:  # Serve retries a failing replica forever
-                    raise TimeoutError(f"no answer from {self.base}/health within {self.READY_TIMEOUT_S} s")
-                time.sleep(2)
+            try:
+                wait_until_healthy(self.base, self.proc, self.READY_TIMEOUT_S, interval_s=2)
+            except RuntimeError as err:
+                raise RuntimeError(f"{err}; see {self.log_path}") from None
             self.ready_s = time.perf_counter() - started
             pool = requests.get(f"{self.base}/v1/pool", headers=self.headers, timeout=60).json()
             self.phases = pool["start"]["phases_s"]

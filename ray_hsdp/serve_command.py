@@ -28,7 +28,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             if not args.model:
                 raise UsageError("MODEL is required (a diffusers pipeline folder, or 'tiny')")
             config = serve_config(args, application["args"])
-            fields, served = config.model_dump(exclude_unset=True), served_models({**config.model_dump()})
+            fields = config.model_dump(exclude_unset=True)
+            served = served_models(fields)
         # Read here and carried to every replica: a cluster started without the key in its nodes'
         # environment still asks for it.
         api_key = read_api_key(served.endpoint)

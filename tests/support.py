@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import random
 import socket
-import time
 from pathlib import Path
 
 import numpy as np
 
-from bench.common import wait_until  # noqa: F401 (shared with the benches)
+from bench.common import wait_until, wait_until_healthy  # noqa: F401 (shared with the benches)
 from bench.reference import (  # noqa: F401 (shared with the benches)
     pipeline_with_adapters,
     random_png,
@@ -23,23 +22,6 @@ from bench.reference import (  # noqa: F401 (shared with the benches)
 NODE_CPUS = 4
 #: How often the session's cluster exports metrics (``RAY_metrics_report_interval_ms``).
 METRICS_EXPORT_S = 1.0
-
-
-def wait_until_healthy(base: str, proc, deadline_s: float = 180) -> None:
-    """Polls ``base``/health until it answers 200; fails if ``proc`` exits or the deadline passes."""
-    import requests
-
-    deadline = time.monotonic() + deadline_s
-    while True:
-        try:
-            if requests.get(f"{base}/health", timeout=5).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"the server at {base} did not come up")
-        time.sleep(1)
 
 
 def embedded_pipeline(name: str, pipeline_class: str | None = None) -> tuple[str, object]:

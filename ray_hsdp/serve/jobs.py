@@ -77,7 +77,7 @@ class JobTable:
             self.max_bytes = int(config["max_bytes"])
             self.ttl_s = float(config["ttl_s"])
             self.stale_after_s = float(config["stale_after_s"])
-            self.lost_wait_s = float(config.get("lost_wait_s", 300.0))
+            self.lost_wait_s = float(config["lost_wait_s"])
 
     # ---- the table's own housekeeping ------------------------------------------------------
 
