@@ -438,14 +438,15 @@ class AppConfig(GroupConfig):
     video_stale_after_s: float = Field(
         60.0,
         gt=0,
-        description="A running video job whose replica has not reported for this long is failed (the replica is gone).",
+        description="A video job whose replica has not reported for this long is released (the replica, its "
+        "process or its node is gone): the ingress places it on another group of its model.",
     )
     video_lost_wait_s: float = Field(
         300.0,
         gt=0,
-        description="A video job whose replica stopped reporting (its process or node lost) waits this long for "
-        "a group of its model to run it again from the start (same seed): a group with a free lane, or the one "
-        "Serve starts in the lost one's place; then it is failed.",
+        description="A released video job (its replica stopped reporting, its group failed under it, or its replica "
+        "was removed) waits this long for another group of its model to run it again from the start (same seed); "
+        "then it is failed.",
     )
     video_takeover_after_s: float | None = Field(
         2.0,

@@ -1,11 +1,11 @@
 """Every deadline of a request, in one place.
 
 A request has two, and may ask for a target: the **queue deadline**, by which a rank must have
-taken it (``queue_timeout_s`` from its arrival, kept through a rebuild's wait, the queue, a retry
-of one that never ran and a takeover; a 504 when missed), and the **run deadline**, from the moment a rank takes it
+taken it (``queue_timeout_s`` from its arrival, kept through a rebuild's wait, the queue and a
+takeover of a queued job; a 504 when missed), and the **run deadline**, from the moment a rank takes it
 (``timeout_s``, or the group's ``request_timeout_s``; the request is interrupted at its next step
-and answered with a 504). A request that ran and is run again elsewhere (a retry after its group
-failed under it, a video job taken over from a removed replica) waits its turn anew. The
+and answered with a 504). A request run again on another group (the ingress' retry after its group
+was lost or failed under it, a released video job placed elsewhere) waits its turn anew. The
 **target** (``deadline_s`` from arrival) stops nothing: a group serves earliest targets first
 (one its measured times say can no longer make it waits behind those that can), and an adaptive
 group's lane policy gives the request a lane that finishes by then (``group.lanes``).

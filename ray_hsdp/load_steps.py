@@ -30,7 +30,7 @@ from ray_hsdp.loading import (
     model_key_names,
 )
 from ray_hsdp.phases import Phases
-from ray_hsdp.sharding import compile_units, resolve_plan, shard_module
+from ray_hsdp.sharding import compile_repeated_blocks, compile_units, resolve_plan, shard_module
 from ray_hsdp.sharding.context_parallel import LaneParallel, enable_context_parallel, set_attention_backend
 from ray_hsdp.sharding.fp8 import compile_fp8_scaling, expect_stored_fp8, fp8_linears, quantize_fp8
 from ray_hsdp.sharding.policy import registered_policy
@@ -93,6 +93,7 @@ class LoadedParts:
     sequence: dict | None
     cfg_split: tuple[str, ...]
     lane_parallel: LaneParallel | None = None
+    compiled_modules: int = 0  # modules whose forward torch.compile compiled (each repeated block)
 
 
 def fuse_adapters(pipeline_cls: type, module: nn.Module, component: str, fused: FusedLoras) -> None:
@@ -377,11 +378,12 @@ def load_parts(
             # No split, but the group still counts a request's work by its tokens (group.lanes.LaneTimes).
             gridded = [(m, policies[n]) for n, m in models.items() if getattr(policies.get(n), "token_grid", None)]
             sequence = token_grid(pipe, *gridded[0], degree=1) if gridded else None
+        compiled = 0
         if compile:
             for name, module in models.items():
                 if name in shardings:
-                    compile_units(shardings[name])
-                else:  # a group of one rank: diffusers' own regional compile
-                    module.compile_repeated_blocks()
+                    compiled += compile_units(shardings[name])
+                else:  # a group of one rank: the blocks diffusers' regional compile would pick
+                    compiled += compile_repeated_blocks(module)
     split = cfg_split_of(dims, shardings, policies)
-    return LoadedParts(pipe, shardings, stats, policies, sequence, split, lane_parallel)
+    return LoadedParts(pipe, shardings, stats, policies, sequence, split, lane_parallel, compiled)

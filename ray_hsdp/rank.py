@@ -51,6 +51,22 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def compile_report(modules: int) -> dict:
+    """What ``torch.compile`` did in this process: the modules whose forward it compiles (each
+    repeated block), the graphs dynamo built for them, and the graph breaks with their most common
+    reasons. A block compiled without breaks is one graph per shape; every break splits it, with
+    eager Python between the pieces. (dynamo keeps these in its counters; torch has no public ones.)"""
+    from torch._dynamo.utils import counters
+
+    breaks = counters["graph_break"]
+    return {
+        "modules": modules,
+        "graphs": compiled_graphs(),
+        "graph_breaks": int(sum(breaks.values())),
+        "graph_break_reasons": dict(breaks.most_common(5)),
+    }
+
+
 def compile_cache_counts() -> dict[str, int]:
     """Inductor's FX graph cache in this process so far: graphs found in the cache (``hit``) and
     compiled anew (``miss``). (Inductor keeps them in dynamo's counters; torch has no public ones.)"""
@@ -252,6 +268,11 @@ class Rank(RankStart):
             "device_allocated_bytes": device_allocated_bytes(self.config.device),
             "last_request_peak_device_bytes": self.last_request_peak_device_bytes,
             **report,
+            **(
+                {"compile": compile_report(self.pipeline.compiled_modules)}
+                if self.config.compile and self.pipeline
+                else {}
+            ),
         }
 
     @ray.method(concurrency_group="control")

@@ -95,6 +95,8 @@ class RankStart:
         return {
             "rank": self.rank,
             "node_id": ray.get_runtime_context().get_node_id(),
+            # The placement group this process runs in, as Ray reports it (its group's, a replica's).
+            "placement_group": ray.get_runtime_context().get_placement_group_id(),
             "namespace": ray.get_runtime_context().namespace,
             "node_ip": distributed.node_ip(),
             "pid": os.getpid(),

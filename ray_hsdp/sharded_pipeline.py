@@ -94,6 +94,7 @@ class ShardedPipeline(RequestSlots):
         self.sequence = sequence
         #: Components whose cond / uncond calls of a step run on the two CFG halves of a lane.
         self.cfg_split = cfg_split
+        self.compiled_modules = 0  # modules whose forward is compiled (``load_steps``)
         self._running_slot = threading.local()
         #: Whether each request slot runs its own work (scheduler, VAE) on a CUDA stream of its
         #: own, so that a decode overlaps the group's forwards instead of queueing before them.
@@ -194,12 +195,14 @@ class ShardedPipeline(RequestSlots):
         )
         with phases.phase("replicated components to device"):
             return cls(parts.pipe, device, rank, parts.shardings, parts.stats, parts.sequence, parts.cfg_split)._with(
-                parts.lane_parallel
+                parts.lane_parallel, parts.compiled_modules
             )
 
-    def _with(self, lane_parallel) -> ShardedPipeline:
-        """This pipeline, its models switched per forward to its request's lane (adaptive lanes)."""
+    def _with(self, lane_parallel, compiled_modules: int) -> ShardedPipeline:
+        """This pipeline, its models switched per forward to its request's lane (adaptive lanes),
+        knowing how many of its modules' forwards are compiled."""
         self.features.lane_parallel = lane_parallel
+        self.compiled_modules = compiled_modules
         return self
 
     @property

@@ -270,6 +270,9 @@ def test_a_compiled_group_warms_every_lane_size_and_learns_no_time_from_a_run_th
         work = group.check(new_shape).work
         group.generate([dataclasses.replace(new_shape, request_id="new-shape-again")])
         assert f"1x{work}" in group.lane_times.as_dict()
+        # Each sharded block compiled whole: its gather hooks and the lane's splits stay outside.
+        compiled_blocks = [rank["compile"] for rank in group.memory()]
+    assert all(c["modules"] > 0 and c["graph_breaks"] == 0 for c in compiled_blocks), compiled_blocks
     assert all(count > 0 for count in warmed)
     by_id = {r.request_id: r for r in records}
     assert not any(name.startswith("warm-up") for name in by_id)

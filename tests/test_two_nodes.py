@@ -13,6 +13,7 @@ import os
 import secrets
 import sys
 import threading
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -137,44 +138,61 @@ def ended(proxy: str, jobs: list, timeout_s: float) -> list:
     return states
 
 
-def one_running_on(proxy: str, replica: str, seeds: range) -> list:
-    """Long video jobs (80 steps) sent one at a time until one runs on ``replica``: the jobs sent.
+#: Denoising steps of the video jobs that load the groups before node B is lost, and of the
+#: requests in flight on B's group when it is: enough to outlast the few seconds between their
+#: start and the kill, few enough that their runs again on A's group fit the calls' timeouts.
+LONG_STEPS = 160
+IN_FLIGHT_STEPS = 100
 
-    A group holds 4 jobs at once (2 ranks, 2 requests each), and a replica's load reaches the
-    router a second or more late: jobs sent all at once may all land on the other group, which
-    runs them without a queue for ``replica`` to take over. The next job, sent once the router sees
-    the first one's load, goes to the idle group; a job that ends before then leaves the router's
-    choice to chance, so there are up to ten tries."""
+
+def jobs_by_replica(proxy: str, jobs: list) -> dict[str, str]:
+    """Job id -> the replica that runs it, of ``jobs`` running now."""
+    states = [client(proxy).videos.retrieve(job.id) for job in jobs]
+    return {job.id: job.replica for job in states if job.status == "in_progress"}
+
+
+def busier_than(proxy: str, busy: str, idle: str) -> tuple[list, dict[str, str]]:
+    """Long video jobs sent one at a time, each once the one before runs, until more run on
+    ``busy``'s group than on ``idle``'s and at least one runs on ``idle``'s: the jobs sent, and
+    where each runs.
+
+    The router sends a request to the least loaded group (``GroupAwareRouter``), so jobs alternate
+    between the groups; once ``busy`` holds more, every request goes to ``idle`` until its load
+    catches up."""
     jobs: list = []
-    states: list = []
+    where: dict[str, str] = {}
 
-    def one_running():
-        states[:] = [client(proxy).videos.retrieve(job.id) for job in jobs]
-        return any(job.status == "in_progress" and job.replica == replica for job in states)
+    def newest_runs() -> bool:
+        where.clear()
+        where.update(jobs_by_replica(proxy, jobs))
+        return jobs[-1].id in where
 
-    for seed in seeds:
-        jobs.append(video(proxy, steps=80, seed=seed))
-        try:
-            wait_until(one_running, 5, "a job running there", 0.1)
-            return jobs
-        except AssertionError:
-            continue
-    pools = {}
-    for _ in range(10):  # one replica answers each call
-        pool = requests.get(f"{proxy}/v1/pool", headers=AUTH, timeout=30).json()
-        pools[pool["replica"]] = pool["requests"]
-    seen = [(job.status, job.progress, job.replica, job.error) for job in states]
-    raise AssertionError(f"no video job ran on replica {replica}: jobs {seen}; groups' requests {pools}")
+    for seed in range(10, 18):
+        jobs.append(video(proxy, steps=LONG_STEPS, seed=seed))
+        wait_until(newest_runs, 20, "the newest job running", 0.1)
+        counts = Counter(where.values())
+        if counts[busy] > counts[idle] >= 1:
+            return jobs, where
+    raise AssertionError(f"the jobs did not load {busy} more than {idle}: {where}")
 
 
-def running_requests(proxy: str, replica: str) -> list[str]:
-    """The ids of the requests running now on ``replica``'s group (its ranks' progress, through the
+def held_requests(proxy: str, replica: str) -> set[str]:
+    """The ids of the requests ``replica``'s group holds now, queued or running (through the
     ingress' ``/v1/pool``, which answers for one group of the model per call)."""
     for _ in range(20):
         pool = requests.get(f"{proxy}/v1/pool", headers=AUTH, timeout=30).json()
         if pool["replica"] == replica:
-            return [rid for rid, state in pool["requests"].items() if state["state"] == "running"]
-    return []
+            return set(pool["requests"])
+    return set()
+
+
+def groups_requests(proxy: str) -> dict[str, dict]:
+    """Replica -> the requests its group holds (``/v1/pool`` answers for one group per call)."""
+    seen: dict[str, dict] = {}
+    for _ in range(20):
+        pool = requests.get(f"{proxy}/v1/pool", headers=AUTH, timeout=30).json()
+        seen[pool["replica"]] = pool["requests"]
+    return seen
 
 
 def png_pixels(body: dict) -> np.ndarray:
@@ -200,6 +218,33 @@ def image_call(proxy: str, steps: int, answers: list, timeout_s: float = 60) -> 
         answers.append((reply.status_code, reply.json() if reply.status_code == 200 else reply.text[:300]))
     except requests.RequestException as err:  # a hang would end here, at the timeout
         answers.append((None, repr(err)))
+
+
+SYNC_BODY = {
+    "prompt": "A synchronous fox",
+    "size": "64x64",
+    "num_frames": 5,
+    "num_inference_steps": IN_FLIGHT_STEPS,
+    "seed": 5,
+}
+
+
+def sync_video_call(proxy: str, answers: list, timeout_s: float = 120) -> None:
+    """One synchronous video (``/v1/videos/sync``): its status code, its job's id and its MP4 (or
+    the error that ended it) go to ``answers``."""
+    try:
+        reply = requests.post(f"{proxy}/v1/videos/sync", headers=AUTH, json=SYNC_BODY, timeout=timeout_s)
+        body = reply.content if reply.status_code == 200 else reply.text[:300]
+        answers.append((reply.status_code, reply.headers.get("X-Video-Id"), body))
+    except requests.RequestException as err:
+        answers.append((None, None, repr(err)))
+
+
+def mp4_mae(a: bytes, b: bytes) -> float:
+    """Mean absolute difference (0-255) of two MP4s' decoded frames."""
+    from ray_hsdp.serve.media import decode_mp4
+
+    return float(np.abs(decode_mp4(a)[0].astype(np.float64) - decode_mp4(b)[0]).mean())
 
 
 def test_two_nodes_serve_with_the_key_from_a_file_and_keep_serving_after_one_node_is_lost(tiny_model, tmp_path):
@@ -244,38 +289,54 @@ def test_two_nodes_serve_with_the_key_from_a_file_and_keep_serving_after_one_nod
             assert {job.status for job in done} == {"completed"}, [job.error for job in done]
             assert {job.replica for job in done} == set(groups), [job.replica for job in done]
 
-            # Node B lost under load: its raylet killed while a video job and image requests that
-            # entered through node A's proxy (A's ingress) run on B's group. Images are sent one at a
-            # time until one runs there (the router picks by load and chance).
-            long_jobs = one_running_on(proxies[0], on_b, seeds=range(10, 20))
-            videos = {job.id for job in long_jobs}
+            # Node B lost under load: its raylet killed while video jobs and image requests that
+            # entered through node A's proxy (A's ingress) run on B's group. A's group holds more
+            # jobs than B's, so the router sends the images to B's.
+            (on_a,) = set(groups) - {on_b}
+            long_jobs, ran_on = busier_than(proxies[0], busy=on_a, idle=on_b)
             answers: list = []
-            calls: list = []
-            images_on_b: set = set()  # as seen once: a second look may not reach B's group through the ingress
-            for _ in range(8):
-                calls.append(threading.Thread(target=image_call, args=(proxies[0], 60, answers, 120)))
-                calls[-1].start()
-                try:
-                    images_on_b = wait_until(
-                        lambda: set(running_requests(proxies[0], on_b)) - videos, 5, "an image on B", 0.1
-                    )
-                    break
-                except AssertionError:
-                    continue
-            assert images_on_b, "no image request ran on node B's group"
+            synced: list = []
+            calls = [threading.Thread(target=sync_video_call, args=(proxies[0], synced))]
+            calls += [
+                threading.Thread(target=image_call, args=(proxies[0], IN_FLIGHT_STEPS, answers, 120)) for _ in range(2)
+            ]
+            for call in calls:
+                call.start()
+
+            def on_b_now():  # (the sync video's request id is its job's: "video_...")
+                held = held_requests(proxies[0], on_b) - set(ran_on)
+                images = {rid for rid in held if not rid.startswith("video_")}
+                return (images, held - images) if images and held - images else None
+
+            try:
+                images_on_b, sync_on_b = wait_until(on_b_now, 30, "an image and the sync video on B", 0.1)
+            except AssertionError as err:
+                held = groups_requests(proxies[0])
+                raise AssertionError(f"{err}: {held}; jobs {jobs_by_replica(proxies[0], long_jobs)}") from None
             assert nodes.kill(1, "raylet"), "no raylet on node B"
+            for job_id, replica in ran_on.items():  # A's jobs only loaded A: B's are the ones to follow
+                if replica == on_a:
+                    client(proxies[0]).videos.delete(job_id)
             for call in calls:
                 call.join(timeout=130)
             # Every request is answered 200: the ingress sent each whose group was lost to A's
             # group, with its seed, so it equals its lone run there (below); none hangs, no 500.
-            assert [code for code, _ in answers] == [200] * len(calls), answers
+            assert [code for code, _ in answers] == [200] * len(answers) == [200, 200], answers
             shown = [{key: body.get(key) for key in ("retried", "first_error", "elapsed_s")} for _, body in answers]
             retried = [body for _, body in answers if body["retried"] and "was lost" in body["first_error"]]
             assert len(retried) >= len(images_on_b), (images_on_b, shown)
-            # Each video job completes: one that ran on B runs again on A's group (its replica
-            # stopped reporting; same seed), leaving one completed record.
-            for job in ended(proxies[0], long_jobs, 90):
-                assert job.status == "completed" and job.replica != on_b, (job.status, job.replica, job.error)
+            # The sync video's job ran again on A's group (same seed): one record, completed there.
+            ((code, sync_id, sync_mp4),) = synced
+            assert code == 200 and {sync_id} == sync_on_b, (code, sync_id, sync_on_b, sync_mp4)
+            record = client(proxies[0]).videos.retrieve(sync_id)
+            assert (record.status, record.replica, record.retried) == ("completed", on_a, True), record
+            listed = client(proxies[0]).videos.list(limit=100).data
+            assert [job.id for job in listed if job.prompt == SYNC_BODY["prompt"]] == [sync_id]
+            # Each video job that ran on B completes on A's group (its replica stopped reporting; same
+            # seed), leaving one completed record.
+            on_b_jobs = [job for job in long_jobs if ran_on.get(job.id) == on_b]
+            for job in ended(proxies[0], on_b_jobs, 90):
+                assert (job.status, job.replica, job.retried) == ("completed", on_a, True), (job.status, job.error)
             # Node A's proxy keeps serving: the next requests succeed on A's group.
             wait_until(
                 lambda: requests.post(
@@ -289,10 +350,13 @@ def test_two_nodes_serve_with_the_key_from_a_file_and_keep_serving_after_one_nod
                 image_call(proxies[0], 4, after)
             assert [code for code, _ in after] == [200, 200, 200], after
             lone: list = []
-            image_call(proxies[0], 60, lone)  # the lost node's requests' lone run, on A's group
+            image_call(proxies[0], IN_FLIGHT_STEPS, lone)  # the lost node's requests' lone run, on A's group
             assert lone[0][0] == 200, lone
             for _, body in answers:  # equal up to the PNG's rounding; the random seeds' images differ far more
                 assert np.abs(png_pixels(body) - png_pixels(lone[0][1])).max() <= 1, (body["retried"], body["seed"])
+            lone_sync: list = []
+            sync_video_call(proxies[0], lone_sync)
+            assert lone_sync[0][0] == 200 and mp4_mae(sync_mp4, lone_sync[0][2]) <= 0.2, lone_sync[0][:2]
             # The key is in no log of either node, Serve's and the ranks' included.
             logs = [path for path in nodes.temp_dir.rglob("logs/**/*") if path.is_file()]
             assert logs and not [path for path in logs if KEY.encode() in path.read_bytes()]

@@ -209,7 +209,9 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, G
                     joined = ray.get(
                         [r.join.remote(master, port) for r in self.ranks], timeout=self.config.rendezvous_timeout_s
                     )
-                self.placement = [{**place, "actor_name": name} for place, name in zip(joined, names)]
+                self.placement = [
+                    {**place, "actor_name": name, "bundle": i} for i, (place, name) in enumerate(zip(joined, names))
+                ]
                 return
             except (ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError) as err:
                 # The port was free when rank 0 picked it; another process may have taken it since.

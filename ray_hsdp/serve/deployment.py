@@ -11,13 +11,11 @@ import uuid
 
 import ray
 from ray import serve
-from ray.serve.exceptions import BackPressureError
-from ray.serve.exceptions import RequestCancelledError as ServeCancelledError
-from ray.serve.handle import DeploymentHandle, DeploymentResponse
+from ray.serve.handle import DeploymentHandle
 
 from ray_hsdp import deadlines
 from ray_hsdp.config import AppConfig
-from ray_hsdp.group import GroupFailedError, QueueTimeoutError, ShardGroup, remote_cause
+from ray_hsdp.group import GroupFailedError, QueueTimeoutError, ShardGroup
 from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
 from ray_hsdp.serve.errors import RequestLimitError, UnknownModelError
 from ray_hsdp.serve.keeper import GroupKeeper
@@ -26,7 +24,7 @@ from ray_hsdp.serve.metrics import ReplicaMetrics
 from ray_hsdp.serve.model_facts import ModelFacts
 from ray_hsdp.serve.routing import GROUP_LOAD, GROUP_OK
 from ray_hsdp.serve.schema import ImageGenerationRequest, image_response, to_generation_request
-from ray_hsdp.serve.videos import VideoJobs, VideoRun
+from ray_hsdp.serve.videos import VideoJobs
 from ray_hsdp.serve.warm_up import start_warm
 from ray_hsdp.topology import ParallelDims
 
@@ -52,12 +50,10 @@ class HSDPServer(VideoJobs, ModelFacts):
         self._replica = serve.get_replica_context().replica_id.unique_id
         self.metrics = ReplicaMetrics(self.model_name)
         self.jobs = jobs
-        #: Video id -> the job this replica runs (a drain hands them over).
-        self._videos: dict[str, VideoRun] = {}
+        #: Video id -> the task that runs it here (a drain releases those left).
+        self._videos: dict[str, asyncio.Task] = {}
         #: Ids this replica cancelled lately (ids are unique: a bounded memory is enough).
         self._cancelled: collections.deque[str] = collections.deque(maxlen=4096)
-        #: Request id -> its retry on another replica, while it runs there (a stop cancels it there).
-        self._retries: dict[str, DeploymentResponse] = {}
         self._draining = False
         self._stopping = threading.Event()
         self.keeper: GroupKeeper | None = None  # while None, the group is starting
@@ -130,89 +126,45 @@ class HSDPServer(VideoJobs, ModelFacts):
         is remembered too, so that a request waiting for its group's rebuild is never handed to the
         rebuilt group."""
         self._cancelled.append(request_id)
-        retry = self._retries.get(request_id)
-        if retry is not None:  # it runs on another replica's group: Serve cancels it there (run_request)
-            retry.cancel()
         try:
             self.group.cancel(request_id)
         except Exception as err:  # noqa: BLE001 - a failed group answers the request itself
             logger.warning("Cancelling %s failed: %s", request_id, err)
 
-    async def _result(
-        self, job: GenerationRequest, future=None, retry: bool = True
-    ) -> tuple[GenerationResult, str | None]:
-        """The result of ``job`` (awaiting ``future``, or submitting it), and the failure it was
-        retried after, if any: with ``retry``, a job whose group fails under it is retried once on
-        another replica's group (every request has a seed, drawn on arrival if the client sent none:
-        the same seed gives the same output). A caller that goes away (its HTTP client disconnects)
-        cancels it, on this group or where its retry runs."""
+    async def _result(self, job: GenerationRequest, future=None) -> GenerationResult:
+        """The result of ``job`` (awaiting ``future``, or submitting it). A caller that goes away
+        (the ingress' call is cancelled: its client disconnected, or a retry elsewhere won) stops it
+        here. (A group failing under it raises ``GroupFailedError``: the ingress retries the call on
+        another group, ``OpenAIIngress._call``.)"""
         try:
-            try:
-                if future is None:
-                    future = await self._submit(job)
-                return await asyncio.shield(asyncio.wrap_future(future)), None
-            except GroupFailedError as err:
-                if not retry or serve.get_replica_context().world_size < 2:
-                    raise
-                return await self._retry_elsewhere(job, err), str(err)
+            if future is None:
+                future = await self._submit(job)
+            return await asyncio.shield(asyncio.wrap_future(future))
         except asyncio.CancelledError:
             self._cancel(job.request_id)
             raise
-
-    async def _retry_elsewhere(self, job: GenerationRequest, error: GroupFailedError) -> GenerationResult:
-        logger.warning("Retrying a request on another shard group after: %s", error)
-        if error.ran:  # it had waited its turn: the retry gets a wait of its own
-            job = deadlines.waits_anew(job, self.config)
-        context = serve.get_replica_context()
-        handle = serve.get_deployment_handle(context.deployment, context.app_name)
-        response = handle.run_request.remote(job, avoid_replica=context.replica_id.unique_id)
-        self._retries[job.request_id] = response
-        try:
-            return await response
-        except ServeCancelledError:  # stopped here (``_cancel``): a DELETE, or its caller gone
-            raise RequestCancelledError(f"request {job.request_id!r} was cancelled during its retry") from None
-        except ray.exceptions.RayTaskError as err:
-            # The other replica's own error (429, 503, ...), without the remote traceback.
-            cause = remote_cause(err)
-            if isinstance(cause, GroupFailedError):
-                raise GroupFailedError(f"{error}; the retry on another shard group failed too: {cause}") from None
-            raise cause from None
-        except BackPressureError as err:  # every other replica's queue is full
-            raise GroupFailedError(f"{error}; no other shard group could take the retry now: {err}") from None
-        finally:
-            self._retries.pop(job.request_id, None)
-
-    async def run_request(self, job: GenerationRequest, avoid_replica: str | None = None) -> GenerationResult:
-        """Runs a prepared request on this replica's group: how another replica retries one.
-
-        Args:
-            job: The request, defaults and limits applied.
-            avoid_replica: The replica whose group failed it (the router steers clear of it; if it
-                lands there anyway, it is refused at once). A retry is not retried again.
-        """
-        if avoid_replica == serve.get_replica_context().replica_id.unique_id:
-            raise GroupFailedError("no other shard group could take the retry")
-        result, _ = await self._result(job, retry=False)  # Serve cancelling this call stops the run
-        return result
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise UnknownModelError(f"model {model!r} is not served here; available: [{self.model_name!r}]")
 
-    async def generate(self, request: dict | ImageGenerationRequest) -> dict:
-        """Generates images for one request (the handle's entry point; HTTP uses the same path).
-
-        A request whose shard group fails under it is retried once on another
-        replica's group; the response then says ``"retried": true`` and carries the first failure
-        in ``first_error``.
+    async def generate(self, request: dict | ImageGenerationRequest, avoid_replica: str | None = None) -> dict:
+        """Generates images for one request (the ingress' call).
 
         Args:
-            request: The ``/v1/images/generations`` body, as a dict or the schema object.
+            request: The ``/v1/images/generations`` body, as a dict or the schema object, its seed drawn.
+            avoid_replica: The replica whose group failed the request's first run: the router sends
+                the retry elsewhere when it can; where it cannot, this replica refuses it at once.
 
         Returns:
-            The OpenAI images response: ``created``, ``data[i].b64_json``, plus ``seed``, ``rank``,
-            ``retried`` and the steps and guidance it ran with.
+            The OpenAI images response: ``created``, ``data[i].b64_json``, plus ``seed``, ``rank``
+            and the steps and guidance it ran with.
+
+        Raises:
+            GroupFailedError: The group failed under it; ``replica`` names this replica.
         """
+        if avoid_replica == self._replica:
+            raise GroupFailedError("no other shard group could take the retry")
         body = ImageGenerationRequest.model_validate(request)
         self._check_model(body.model)
         if self.group.pipeline_facts.get("image_input"):
@@ -221,15 +173,18 @@ class HSDPServer(VideoJobs, ModelFacts):
             )
         job = to_generation_request(body, self.config, request_id=uuid.uuid4().hex)
         self.group.check(job)
-        result, first_error = await self._result(job)
+        try:
+            result = await self._result(job)
+        except GroupFailedError as err:
+            err.replica = self._replica  # what the ingress' retry avoids
+            raise
         # Off the event loop: a large PNG takes hundreds of ms, and the loop serves every other call.
         encoded = await asyncio.to_thread(
             image_response, result, self.model_name, body.output_format, body.output_compression
         )
-        response = {
+        return {
             **encoded,
             "id": job.request_id,
-            "retried": first_error is not None,
             # What ran: the request's defaults may come from the app or from an adapter (lora_defaults).
             "num_inference_steps": job.num_inference_steps,
             "guidance_scale": job.guidance_scale,
@@ -237,7 +192,6 @@ class HSDPServer(VideoJobs, ModelFacts):
             "guidance_scale_2": job.guidance_scale_2,
             "flow_shift": job.flow_shift,
         }
-        return {**response, "first_error": first_error} if first_error else response
 
     # ---- video jobs ------------------------------------------------------------------------
 
@@ -312,10 +266,11 @@ class HSDPServer(VideoJobs, ModelFacts):
 
     async def __del__(self) -> None:
         """Serve removes this replica (a downscale, a redeploy): its video jobs get
-        ``drain_timeout_s`` to finish; then each is handed to another replica (one that none takes
-        fails with the reason). Only then does the group shut down. (Serve has stopped routing
-        requests here and waited for the ongoing ones before it calls this.) When the whole
-        application goes, the group shuts down at once."""
+        ``drain_timeout_s`` to finish; then each is released for the ingress to place on another
+        group (one that none takes within ``video_lost_wait_s`` fails with the reason). Only then
+        does the group shut down. (Serve has stopped routing requests here and waited for the
+        ongoing ones before it calls this.) When the whole application goes, the group shuts down
+        at once."""
         if getattr(self, "_draining", False):  # once: Serve calls it, the garbage collector may again
             return
         self._draining = True

@@ -83,6 +83,24 @@ JOB_ERROR_CODES = {400: "invalid_request", 413: "invalid_request", 409: "cancell
                    503: "group_failed", 504: "timeout"}  # fmt: skip
 
 
+#: A failed video job's error code -> the error a caller that waited for the job (``/v1/videos/sync``)
+#: is answered with; any other code is a 500.
+JOB_FAILURES: dict[str, type[BaseException]] = {
+    "invalid_request": InvalidRequestError,
+    "cancelled": RequestCancelledError,
+    "overloaded": GroupOverloadedError,
+    "group_failed": GroupFailedError,
+    "replica_lost": GroupLostError,
+    "drained": GroupLostError,
+    "timeout": TimeoutError,
+}
+
+
+def job_failure(error: dict) -> BaseException:
+    """The error of a failed job's ``error`` (``{"code", "message"}``), for its waiting caller."""
+    return JOB_FAILURES.get(error["code"], RuntimeError)(error["message"])
+
+
 def error_row(exc: BaseException) -> tuple[type[BaseException], int, str, str | None, bool] | None:
     """The row of ``ERRORS`` that answers ``exc`` (its remote cause), or None: a 500."""
     exc = remote_cause(exc)

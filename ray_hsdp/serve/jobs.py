@@ -51,8 +51,8 @@ class JobTable:
         max_bytes: Most MP4 and thumbnail bytes kept; a create while at it is refused.
         ttl_s: How long a finished job is kept (its ``expires_at``); expired jobs are gone (404).
         stale_after_s: A queued or running job whose replica has not reported for this long has
-            lost its replica (or its process, or its node): it waits for another group, or fails.
-        lost_wait_s: How long such a job waits for a group of its model to take it (``take_waiting``).
+            lost its replica (or its process, or its node): it is released (``_release``).
+        lost_wait_s: How long a released job waits for a group of its model to adopt it (``claim``).
     """
 
     def __init__(
@@ -88,21 +88,21 @@ class JobTable:
                 self._drop(video_id)
             elif job["status"] not in ("queued", "in_progress"):
                 continue
-            elif job["_lost"] and now - job["_heartbeat"] > self.lost_wait_s:
-                message = (
-                    f"the replica running this job stopped reporting for {self.stale_after_s:g}s, and no other "
-                    f"group took it over within video_lost_wait_s={self.lost_wait_s:g}s"
-                )
-                self._move(video_id, "failed", error={"code": "replica_lost", "message": message})
+            elif job["_released"] is not None and now - job["_heartbeat"] > self.lost_wait_s:
+                code, why = job["_released"]
+                message = f"{why}; no other group took it over within video_lost_wait_s={self.lost_wait_s:g}s"
+                self._move(video_id, "failed", error={"code": code, "message": message})
             elif not job["_owner"] or now - job["_heartbeat"] <= self.stale_after_s:
                 continue  # reported lately, or owned by none: waits for a taker, not for a report
-            elif job["_spec"] is not None:
-                # Its replica stopped reporting (its process or node is gone): the job waits, owned
-                # by none, for a group of its model to run it again from its spec, same seed.
-                job.update(_owner="", _heartbeat=now, _waiting_since=0.0, _lost=True)
-            else:  # no spec to run it again from: a caller waited for it on the lost replica
-                message = f"the replica running this job stopped reporting for {self.stale_after_s:g}s"
-                self._move(video_id, "failed", error={"code": "replica_lost", "message": message})
+            else:  # its replica stopped reporting (its process or node is gone)
+                why = f"the replica running this job stopped reporting for {self.stale_after_s:g}s"
+                self._release(job, "replica_lost", why)
+
+    def _release(self, job: dict, code: str, why: str) -> None:
+        """The job waits, owned by none, for the ingress to run it again from its spec on another
+        group of its model (``claim``); ``code`` and ``why`` fail it if none does in ``lost_wait_s``."""
+        now = time.time()
+        job.update(_owner="", _heartbeat=now, _waiting_since=0.0, _released=(code, why), _claimed_until=0.0)
 
     def _drop(self, video_id: str) -> None:
         self.jobs.pop(video_id, None)
@@ -132,25 +132,31 @@ class JobTable:
 
     # ---- what replicas call ----------------------------------------------------------------
 
-    def create(self, fields: dict, owner: str = "", spec: tuple | None = None) -> tuple[str, dict | str]:
-        """Adds a queued job.
+    def create(self, fields: dict, owner: str, spec: tuple, video_id: str | None = None) -> tuple[str, dict | str]:
+        """Adds a queued job, or has ``owner`` adopt the one the ingress named.
 
         Args:
             fields: The video object's fields.
             owner: The replica whose group will run it.
-            spec: What another replica needs to run it instead (``take_waiting``): the prepared
-                request and its fps; None: it never moves (a caller waits for it on its replica).
+            spec: What another group needs to run it instead (``take_waiting``, ``claim``): the
+                prepared request and its fps.
+            video_id: The job's id, picked by the ingress so that a create it sends again (its
+                first replica was lost under the call) is the same job: ``owner`` adopts it.
 
         Returns:
-            ``("ok", video object)``, or ``("full", why)`` when a limit is reached.
+            ``("ok", video object)`` for a job ``owner`` runs from now; ``("ended", video object)``
+            for a named job that has finished or is gone; ``("full", why)`` when a limit is reached.
         """
         with self._lock:
             self._sweep()
+            if video_id in self.jobs:
+                adopted = self.adopt(video_id, owner)
+                return ("ok" if adopted else "ended"), self._public(self.jobs[video_id])
             if len(self.jobs) >= self.max_jobs:
                 return "full", f"the video job table holds {len(self.jobs)} jobs (max_video_jobs={self.max_jobs})"
             if self._bytes_kept() >= self.max_bytes:
                 return "full", f"the video job table holds {self._bytes_kept()} bytes of videos (max_video_bytes)"
-            video_id = f"video_{uuid.uuid4().hex}"
+            video_id = video_id or f"video_{uuid.uuid4().hex}"
             self.jobs[video_id] = {
                 "id": video_id,
                 "object": "video",
@@ -167,36 +173,38 @@ class JobTable:
                 "_waiting_since": time.time(),  # queued on its owner's group since
                 "_owner": owner,
                 "_spec": spec,
-                "_lost": False,  # True while it waits for a group after its replica was lost
+                # (code, why) while it waits, owned by none, for another group (``_release``).
+                "_released": None,
+                "_claimed_until": 0.0,  # an ingress is placing it until then (``claim``)
+                "_last_owner": owner,  # the replica whose group ran it last: its next group is another
             }
             return "ok", self._public(self.jobs[video_id])
 
-    def update(
-        self,
-        video_id: str,
-        replica: str,
-        progress: int | None = None,
-        running: bool = False,
-        retried: bool = False,
-    ) -> bool:
-        """A job's report from the ``replica`` that runs it (also its heartbeat, queued or
-        running): ``running`` once a lane took it; progress never goes down; ``retried`` when this
-        replica adopts it (from a group being removed, or one that failed under it): the owner
-        changes, and a wait for a takeover (``take_waiting``) counts from now.
-
-        Returns:
-            False when the job is gone or finished (deleted, expired, failed by the sweep) or
-            another replica has taken it (``take_waiting``): this replica should stop it.
-        """
+    def adopt(self, video_id: str, replica: str) -> bool:
+        """``replica`` runs the job from now (the ingress placed it there after its group was
+        lost, failed or removed): the owner changes, its earlier owner stops its copy at its next
+        report, and a wait for a takeover (``take_waiting``) counts from now. False when the job
+        is gone or finished."""
         with self._lock:
             job = self.jobs.get(video_id)
             if job is None or job["status"] not in ("queued", "in_progress"):
                 return False
-            if retried:  # an adoption: the job is this replica's now, and waits here from now
-                job["retried"] = True
-                job["_owner"] = replica
-                job["_waiting_since"] = time.time()
-            elif job["_owner"] != replica:
+            now = time.time()
+            job.update(retried=True, _owner=replica, _last_owner=replica, _heartbeat=now, _waiting_since=now)
+            job.update(_released=None, _claimed_until=0.0)
+            return True
+
+    def update(self, video_id: str, replica: str, progress: int | None = None, running: bool = False) -> bool:
+        """A job's report from the ``replica`` that runs it (also its heartbeat, queued or
+        running): ``running`` once a lane took it; progress never goes down.
+
+        Returns:
+            False when the job is gone or finished (deleted, expired, failed by the sweep) or
+            another replica has taken it (``take_waiting``, ``adopt``): this replica should stop it.
+        """
+        with self._lock:
+            job = self.jobs.get(video_id)
+            if job is None or job["status"] not in ("queued", "in_progress") or job["_owner"] != replica:
                 return False
             job["_heartbeat"] = time.time()
             if running or progress:  # (a short job may end between two reports: progress says it ran)
@@ -208,9 +216,8 @@ class JobTable:
 
     def take_waiting(self, replica: str, waited_s: float, model: str | None = None) -> tuple[str, tuple] | None:
         """Hands ``replica`` (whose group of ``model`` has a free lane) the oldest job of that model
-        that has waited queued for at least ``waited_s`` on another replica's busy group, or whose
-        replica was lost (``_sweep``). Its old replica stops its copy at its next report, which
-        this makes fail.
+        that has waited queued for at least ``waited_s`` on another replica's busy group. Its old
+        replica stops its copy at its next report, which this makes fail.
 
         Returns:
             ``(video_id, spec)`` (the spec ``create`` got), or None when no job waits so long.
@@ -220,27 +227,41 @@ class JobTable:
             now = time.time()
             for video_id, job in self.jobs.items():
                 if (
-                    (job["status"] == "queued" or job["_lost"])
-                    and job["_owner"] != replica
-                    and job["_spec"] is not None
+                    job["status"] == "queued"
+                    and job["_owner"] not in ("", replica)
                     and (model is None or job.get("model") == model)
                     and now - job["_waiting_since"] >= waited_s
                 ):
-                    job.update(_owner=replica, _heartbeat=now, _waiting_since=now, _lost=False)
-                    job["retried"] = job["retried"] or job["status"] == "in_progress"
+                    job.update(_owner=replica, _last_owner=replica, _heartbeat=now, _waiting_since=now)
                     return video_id, job["_spec"]
             return None
 
-    def release(self, video_id: str, replica: str) -> None:
-        """``replica`` took the job (``take_waiting``) but its group filled up meanwhile: the job
-        waits, owned by none, for the next group with a free lane (its first replica may have
-        stopped its copy); the sweep leaves it be, as no replica reports for it."""
+    def release(self, video_id: str, replica: str, code: str, why: str) -> None:
+        """``replica`` gives the job up (its group failed under it, its drain ended, or it took the
+        job over and its group filled meanwhile): it waits, owned by none, for the ingress to place
+        it on another group of its model (``claim``); ``code`` and ``why`` fail it if none does."""
         with self._lock:
             job = self.jobs.get(video_id)
-            if job is not None and job["status"] == "queued" and job["_owner"] == replica:
-                job["_owner"] = ""
-                job["_heartbeat"] = time.time()
-                job["_waiting_since"] = 0.0  # the next asker takes it at once
+            if job is not None and job["status"] in ("queued", "in_progress") and job["_owner"] == replica:
+                self._release(job, code, why)
+
+    def claim(self, models: list[str], hold_s: float) -> list[tuple[str, str, tuple, str]]:
+        """The jobs of ``models`` that wait, owned by none, for a group (``_release``), each held
+        for the asking ingress for ``hold_s`` (another ingress replica skips it meanwhile): it sends
+        each to a group of its model (``HSDPServer.adopt_video``), which ``adopt``s it.
+
+        Returns:
+            ``(video_id, model, spec, the replica its last group belonged to)`` for each.
+        """
+        with self._lock:
+            self._sweep()
+            now = time.time()
+            claimed = []
+            for video_id, job in self.jobs.items():
+                if job["_released"] is not None and job.get("model") in models and job["_claimed_until"] <= now:
+                    job["_claimed_until"] = now + hold_s
+                    claimed.append((video_id, job["model"], job["_spec"], job["_last_owner"]))
+            return claimed
 
     def complete(self, video_id: str, mp4: bytes, thumbnail: bytes, replica: str, size: str | None = None) -> bool:
         """Stores the MP4 and its first frame from the ``replica`` that runs the job, and its

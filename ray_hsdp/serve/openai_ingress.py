@@ -1,21 +1,34 @@
 """The application's ingress (Ray Serve LLM's ``OpenAiIngress``): a light deployment, a replica on
 each node, that answers the HTTP API (``ingress``: the key, the limits, the routes) and the handle
-API for every model of the application. It picks the model's pool by the request's ``model``,
-calls that pool's group deployment (``HSDPServer``, one replica per shard group) by handle, and
-sends a call whose group was lost (its replica's process or node died) once more to another group
-of the model, with the seed the first run had. Video jobs are read from the job table.
+API for every model of the application. It picks the model's pool by the request's ``model`` and
+calls that pool's group deployment (``HSDPServer``, one replica per shard group) by handle.
+
+It is the one place where work moves between groups: a call whose group was lost (its replica's
+process or node died) or failed under it goes once more to another group of the model, with the
+seed the first run had; a video job released to the job table (its replica stopped reporting, its
+group failed under it, its replica was removed) is placed on another group of its model, which
+adopts it in the table. A synchronous video is a job like any other, waited for here.
 
 Results cross the hop encoded (PNG in the images response, MP4 bytes), never as frames."""
 
 import asyncio
 import logging
+import uuid
 
 import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from ray_hsdp.config_endpoint import EndpointConfig
-from ray_hsdp.serve.errors import GroupLostError, RequestLimitError, UnknownModelError, VideoNotFoundError
+from ray_hsdp.group import GroupFailedError, remote_cause
+from ray_hsdp.request import RequestCancelledError
+from ray_hsdp.serve.errors import (
+    GroupLostError,
+    RequestLimitError,
+    UnknownModelError,
+    VideoNotFoundError,
+    job_failure,
+)
 from ray_hsdp.serve.ingress import OpenAIRoutes, api, refuse_keyless, serve_http_host
 from ray_hsdp.serve.keys import KeyCheck, replica_key
 from ray_hsdp.serve.logs import show_logs
@@ -27,6 +40,13 @@ logger = logging.getLogger("ray_hsdp")
 #: How a lost group reaches a caller of its replica: the replica's actor died (its process, its
 #: node), or Ray cannot reach it now (which may pass: the first call is cancelled before the retry).
 LOST_GROUP = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+#: How often an ingress replica asks the job table for released jobs to place, and how often a
+#: synchronous video's caller looks at its job.
+JOBS_POLL_S = 0.25
+
+#: How long a released job the ingress is placing stays its own (another ingress replica skips it).
+CLAIM_HOLD_S = 30.0
 
 
 @serve.deployment
@@ -58,6 +78,8 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
         self.servers = servers
         self.jobs = jobs
         self._descriptions: dict[str, dict] = {}  # model id -> its /v1/models entry, once its group told it
+        # Serve runs the constructor on the replica's event loop; the loop holds tasks weakly.
+        self._placer = asyncio.get_running_loop().create_task(self._place_released_jobs())
 
     def _model(self, model: str | None) -> str:
         """The id of the model a request names; the only one where it names none."""
@@ -69,55 +91,97 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
             raise UnknownModelError(f"model {model!r} is not served here; available: {sorted(self.servers)}")
         return model
 
-    async def _call(self, model: str, method: str, *args, retry: bool = True):
-        """Calls ``method`` of a group of ``model``; a group lost under the call gets it once more
-        on another group (Serve's router no longer picks a replica whose actor died).
+    async def _call(self, model: str, method: str, *args, **kwargs):
+        """Calls ``method`` of a group of ``model``; a call whose group was lost (Serve's router no
+        longer picks a replica whose actor died) or failed under it (the retry avoids its replica)
+        goes once more to another group. Where Ray lost sight of the first only for a while, the
+        first is cancelled: one answer reaches the caller.
 
         Returns:
             ``(answer, first_error)``: ``first_error`` says why it was retried, or is ``None``.
         """
         handle = getattr(self.servers[model], method)
-        response = handle.remote(*args)
+        response = handle.remote(*args, **kwargs)
         try:
             return await response, None
         except LOST_GROUP as err:
-            if not retry:
-                raise GroupLostError(f"the shard group running it was lost: {err}") from None
-            first = f"the shard group running it was lost ({type(err).__name__})"
-        response.cancel()  # where Ray lost sight of it only for a while, its first run stops
+            first, avoid = f"the shard group running it was lost ({type(err).__name__})", None
+            response.cancel()
+        except Exception as err:
+            cause = remote_cause(err)
+            if not isinstance(cause, GroupFailedError):
+                raise
+            first, avoid = str(cause), getattr(cause, "replica", None)
         logger.warning("Retrying %s of %s on another shard group: %s", method, model, first)
         try:
-            return await handle.remote(*args), first
+            return await handle.remote(*args, **kwargs, avoid_replica=avoid), first
         except LOST_GROUP as err:
             raise GroupLostError(f"{first}; its retry on another shard group was lost too: {err}") from None
+        except Exception as err:
+            cause = remote_cause(err)
+            if isinstance(cause, GroupFailedError):
+                raise GroupFailedError(f"{first}; its retry on another shard group failed too: {cause}") from None
+            raise cause from None
 
     async def generate(self, request: dict | ImageGenerationRequest) -> dict:
         """Images for one request (``POST /v1/images/generations``; the handle's entry point).
 
-        A request whose group is lost under it runs once more on another group of its model with
-        the same seed; the response then says ``"retried": true`` and why in ``first_error``."""
+        A request whose group is lost or fails under it runs once more on another group of its
+        model with the same seed; the response then says ``"retried": true`` and why in
+        ``first_error``."""
         body = with_seed(ImageGenerationRequest.model_validate(request))
         answer, first_error = await self._call(self._model(body.model), "generate", body)
         if first_error is None:
-            return answer
-        errors = [first_error, answer.get("first_error")]  # the other group may have retried it too
-        return {**answer, "retried": True, "first_error": "; ".join(e for e in errors if e)}
+            return {**answer, "retried": False}
+        return {**answer, "retried": True, "first_error": first_error}
 
     async def create_video(self, request: dict | VideoCreateRequest) -> dict:
-        """Creates a video job on a group of its model (``POST /v1/videos``); returns its object at once."""
+        """Creates a video job on a group of its model (``POST /v1/videos``); returns its object at
+        once. The job's id is picked here: a create sent again after its group was lost under the
+        call is the same job."""
         body = with_seed(VideoCreateRequest.model_validate(request))
-        created, _ = await self._call(self._model(body.model), "create_video", body, retry=False)
+        video_id = f"video_{uuid.uuid4().hex}"
+        created, _ = await self._call(self._model(body.model), "create_video", body, video_id=video_id)
         return created
 
     async def generate_video(self, request: dict | VideoCreateRequest) -> dict:
         """Creates a video job and waits for it (``POST /v1/videos/sync``; the handle's entry point).
+        It moves between groups as any job does; a caller that goes away deletes it.
 
         Returns:
-            ``{"video": the video object, "mp4": the MP4's bytes}``; raises if the job failed.
+            ``{"video": the video object, "mp4": the MP4's bytes}``; raises what failed the job.
         """
-        body = with_seed(VideoCreateRequest.model_validate(request))
-        answer, _ = await self._call(self._model(body.model), "generate_video", body)
-        return answer
+        created = await self.create_video(request)
+        try:
+            while (video := await self.jobs.get.remote(created["id"])) is not None:
+                if video["status"] == "failed":
+                    raise job_failure(video["error"])
+                if video["status"] == "completed":
+                    return {"video": video, "mp4": await self.video_content(created["id"])}
+                await asyncio.sleep(JOBS_POLL_S)
+        except asyncio.CancelledError:
+            self.jobs.delete.remote(created["id"])  # its group stops it at its next report
+            raise
+        raise RequestCancelledError(f"video {created['id']!r} was deleted while the call waited for it")
+
+    async def _place_released_jobs(self) -> None:
+        """This replica's share of the released jobs (``JobTable.claim``): each is sent to a group of
+        its model other than its last (``HSDPServer.adopt_video``), which owns it from then on. One
+        that no group takes now is claimed again after ``CLAIM_HOLD_S``, until the table fails it
+        (``video_lost_wait_s``)."""
+        while True:
+            await asyncio.sleep(JOBS_POLL_S)
+            try:
+                claimed = await self.jobs.claim.remote(list(self.servers), CLAIM_HOLD_S)
+            except Exception as err:  # noqa: BLE001 - the table answers again at the next round
+                logger.warning("Asking the job table for released video jobs failed: %s", err)
+                continue
+            for video_id, model, (job, fps), last in claimed:
+                try:
+                    await self.servers[model].adopt_video.remote(video_id, job, fps, avoid_replica=last)
+                    logger.info("Placed video job %s on another shard group of %s", video_id, model)
+                except Exception as err:  # noqa: BLE001 - claimed again later, or failed by the table
+                    logger.warning("No shard group of %s took video job %s: %s", model, video_id, remote_cause(err))
 
     async def delete_video(self, video_id: str) -> dict:
         """Deletes a job: afterwards its id is 404; the group running it stops it at its next report."""

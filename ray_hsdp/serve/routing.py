@@ -8,8 +8,8 @@ from collections import deque
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-#: Keyword argument of ``HSDPServer.run_request`` and ``adopt_video`` naming the replica a retried
-#: request or a moved video job must avoid.
+#: Keyword argument of the ingress' retried calls (``HSDPServer.generate``, ``create_video``,
+#: ``adopt_video``) naming the replica whose group failed it or that a moved video job left.
 AVOID_REPLICA = "avoid_replica"
 
 #: Routing stat a replica reports: ``False`` while its shard group is failed or being rebuilt.
@@ -47,9 +47,9 @@ class GroupAwareRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         """Serve calls this when a replica accepted a request (its default, strict
-        ``max_ongoing_requests``): a video job's creation is remembered."""
+        ``max_ongoing_requests``): a video job's creation or placement is remembered."""
         meta = pending_request.metadata
-        if meta.call_method == "create_video":  # the ingress' call (its POST /v1/videos)
+        if meta.call_method in ("create_video", "adopt_video"):  # the ingress' calls
             self._sent.setdefault(replica_id, deque()).append(self._get_curr_time_s())
 
     def _load(self, replica: RunningReplica) -> float:

@@ -1,13 +1,14 @@
 """The video jobs of a replica (``HSDPServer``, whose group runs them): create, run to an MP4 in
-the application's job table, report progress (one poller per replica), delete, take over jobs
-waiting on busy groups, and hand them over when the replica is drained."""
+the application's job table, report progress (one poller per replica), take over jobs waiting on
+busy groups, run the jobs the ingress places here, and release to the table the jobs whose group
+failed or was removed (the ingress places them on another group: ``OpenAIIngress``). The job
+reads the ingress answers (``JobReads``) live here too."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
-from typing import NamedTuple
 
 from ray import serve
 
@@ -40,16 +41,6 @@ def _application_going() -> bool:
     return app is None or app.status == "DELETING"
 
 
-class VideoRun(NamedTuple):
-    """A video job this replica runs: its task, and what another replica needs to take it over
-    (``movable``: another replica may; a job a caller waits for here is not)."""
-
-    task: asyncio.Task
-    job: GenerationRequest
-    fps: int
-    movable: bool = True
-
-
 class JobReads:
     """A job's object and content, read from the application's job table (``self.jobs``)."""
 
@@ -72,7 +63,7 @@ class JobReads:
         return content
 
 
-class VideoJobs(JobReads):
+class VideoJobs:
     """The video-job side of ``HSDPServer``."""
 
     def _start_video_tasks(self) -> None:
@@ -86,25 +77,36 @@ class VideoJobs(JobReads):
 
     async def _drain_videos(self) -> None:
         """The replica is removed: its video jobs get ``drain_timeout_s`` to finish; then each is
-        handed to another replica (one that none takes fails with the reason). When the whole
-        application goes (serve.delete, shutdown), its job table goes with it: nothing would keep
-        a drained job's video, and nothing is drained."""
-        tasks = {video_id: run.task for video_id, run in getattr(self, "_videos", {}).items()}
+        released to the job table for the ingress to place on another group (its seed makes the
+        same video there), and stopped here. When the whole application goes (serve.delete,
+        shutdown), its job table goes with it: nothing would keep a drained job's video, and
+        nothing is drained."""
+        tasks = dict(getattr(self, "_videos", {}))
         if tasks and not await asyncio.to_thread(_application_going):
             logger.info("Draining %d video jobs (drain_timeout_s=%g)", len(tasks), self.config.drain_timeout_s)
             await asyncio.wait(tasks.values(), timeout=self.config.drain_timeout_s)
+            why = f"the shard group running it was removed and drain_timeout_s={self.config.drain_timeout_s:g} passed"
             for video_id, task in tasks.items():
                 if not task.done():
-                    await self._hand_over(video_id, task)
+                    await self.jobs.release.remote(video_id, self._replica, "drained", why)
+                    task.cancel()
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
 
-    async def create_video(self, request: dict | VideoCreateRequest) -> dict:
+    async def create_video(
+        self, request: dict | VideoCreateRequest, video_id: str | None = None, avoid_replica: str | None = None
+    ) -> dict:
         """Creates a video job (``POST /v1/videos``) and starts it; returns the video object at
         once, in every state of the group: while the group is rebuilt, the job waits queued (and
-        another group with a free lane may take it over: ``video_takeover_after_s``)."""
-        return await self._create_video(request, movable=True)
+        another group with a free lane may take it over: ``video_takeover_after_s``).
 
-    async def _create_video(self, request: dict | VideoCreateRequest, movable: bool) -> dict:
-        """``create_video``; a job that is not ``movable`` (a caller waits for it here) stays on this group."""
+        Args:
+            request: The body, its seed drawn.
+            video_id: The job's id, picked by the ingress: a create it sends again after its first
+                replica was lost under the call adopts the job that call may have created.
+            avoid_replica: The replica whose group failed the first call (it refuses the retry).
+        """
+        if avoid_replica == self._replica or self._draining:
+            raise GroupFailedError("this shard group is failed or being removed; it cannot take the job")
         body = VideoCreateRequest.model_validate(request)
         self._check_model(body.model)
         facts = self.group.pipeline_facts
@@ -125,10 +127,11 @@ class VideoJobs(JobReads):
             "guidance_scale_2": job.guidance_scale_2,
             "flow_shift": job.flow_shift,
         }
-        spec = (job, fps) if movable else None
-        status, created = await self.jobs.create.remote(fields, self._replica, spec)
+        status, created = await self.jobs.create.remote(fields, self._replica, (job, fps), video_id)
         if status == "full":
             raise JobTableFullError(created)
+        if status == "ended":
+            return created  # the first call's job, which ran to its end meanwhile
         job = dataclasses.replace(job, request_id=created["id"])
         future = None
         current = self.keeper.current()
@@ -139,39 +142,35 @@ class VideoJobs(JobReads):
                 await self.jobs.delete.remote(created["id"])
                 raise
             except GroupFailedError:
-                pass  # it failed just now: the job's task waits for the rebuild, or retries elsewhere
-        self._start_video(created["id"], job, fps, future, movable)
+                pass  # it failed just now: the job's task waits for the rebuild, or is released
+        self._start_video(created["id"], job, fps, future)
         return created
 
-    def _start_video(self, video_id: str, job: GenerationRequest, fps: int, future=None, movable: bool = True) -> None:
+    def _start_video(self, video_id: str, job: GenerationRequest, fps: int, future=None) -> None:
         """Runs a video job in the background on this replica's group, to its MP4 in the table.
 
         The job is this replica's from now on: a cancel of an earlier copy of it here (its queued
         copy, stopped when another replica took it over, which may hand it back) no longer applies."""
         while video_id in self._cancelled:
             self._cancelled.remove(video_id)
-        task = asyncio.create_task(self._run_video(video_id, job, fps, future, movable))
-        self._videos[video_id] = VideoRun(task, job, fps, movable)
+        task = asyncio.create_task(self._run_video(video_id, job, fps, future))
+        self._videos[video_id] = task
         task.add_done_callback(lambda _: self._videos.pop(video_id, None))
 
-    async def adopt_video(
-        self, video_id: str, job: GenerationRequest, fps: int, avoid_replica: str, ran: bool = True
-    ) -> bool:
-        """Takes over a video job from a replica being removed (its drain timed out) or whose group
-        failed under it (a retry): the job table makes this replica its owner, and its seed makes
-        the same video here. A job that ``ran`` there gets a wait of its own here; one that never
-        ran keeps the queue deadline of its arrival. Returns once the job runs here (False: the job
-        is gone).
+    async def adopt_video(self, video_id: str, job: GenerationRequest, fps: int, avoid_replica: str) -> bool:
+        """Runs a job the ingress placed here (``OpenAIIngress``): its group was lost, failed
+        under it, or was removed; the job table makes this replica its owner, and its seed makes
+        the same video here. It waits its turn anew. Returns once the job runs here (False: the
+        job is gone or ended).
 
         Raises:
             GroupFailedError: This is the replica to avoid, or it is being removed too.
         """
         if avoid_replica == self._replica or self._draining:
-            raise GroupFailedError("this shard group is being removed too; it cannot take the job over")
-        if not await self.jobs.update.remote(video_id, self._replica, retried=True):
+            raise GroupFailedError("this shard group is the one the job left, or is being removed; it cannot take it")
+        if not await self.jobs.adopt.remote(video_id, self._replica):
             return False  # deleted or expired meanwhile: nothing to take over
-        if ran:
-            job = deadlines.waits_anew(job, self.config)
+        job = dataclasses.replace(deadlines.waits_anew(job, self.config), request_id=video_id)
         self._start_video(video_id, job, fps)
         return True
 
@@ -201,28 +200,26 @@ class VideoJobs(JobReads):
                     future = group.submit(job)
                 except (GroupOverloadedError, GroupFailedError) as err:
                     logger.info("Could not take over video job %s: %s", video_id, err)
-                    await self.jobs.release.remote(video_id, self._replica)
+                    why = f"a group that took it over could not run it ({err})"
+                    await self.jobs.release.remote(video_id, self._replica, job_error_code(err), why)
                     break
                 logger.info("Took over video job %s, which waited queued on a busy shard group", video_id)
                 self._start_video(video_id, job, fps, future)
 
-    async def _run_video(
-        self, video_id: str, job: GenerationRequest, fps: int, future, movable: bool = True
-    ) -> BaseException | None:
-        """Runs a job to its MP4 in the table; returns the error that failed it, if any. A
-        ``movable`` job whose group fails under it moves to another replica, which owns it from
-        then on (``_move_video``); one that is not is retried from here (``_result``). Its MP4 is
-        encoded only by the replica that still owns it."""
+    async def _run_video(self, video_id: str, job: GenerationRequest, fps: int, future) -> BaseException | None:
+        """Runs a job to its MP4 in the table; returns the error that failed it, if any. A job
+        whose group fails under it is released to the table, for the ingress to place on another
+        group (with one group, it fails). Its MP4 is encoded only by the replica that still owns it."""
         try:
             try:
-                result, _ = await self._result(job, future, retry=not movable)
+                result = await self._result(job, future)
             except GroupFailedError as err:
-                # (A replica being removed hands its jobs over itself: ``_hand_over``.)
-                if not movable or self._draining or serve.get_replica_context().world_size < 2:
+                # (A replica being removed releases its jobs itself: ``_drain_videos``.)
+                if self._draining or serve.get_replica_context().world_size < 2:
                     raise
-                if not await self._move_video(video_id, job, fps, err):
-                    raise
-                return None  # another replica owns and runs it now
+                logger.warning("Releasing video job %s for another shard group after: %s", video_id, err)
+                await self.jobs.release.remote(video_id, self._replica, "group_failed", str(err))
+                return None
             if not await self.jobs.update.remote(video_id, self._replica, progress=DECODED):
                 return None  # deleted, or another replica owns it: its video is not this run's
             frames = result.frames[0]
@@ -237,17 +234,6 @@ class VideoJobs(JobReads):
             logger.warning("Video job %s failed: %s", video_id, err)
             await self.jobs.fail.remote(video_id, job_error_code(err), str(err), self._replica)
             return err
-
-    async def _move_video(self, video_id: str, job: GenerationRequest, fps: int, error: GroupFailedError) -> bool:
-        """A job whose group failed under it: another replica adopts it (``adopt_video``: the job
-        table's owner changes, so one replica reports, stops and encodes it); whether one did."""
-        logger.warning("Moving video job %s to another shard group after: %s", video_id, error)
-        context = serve.get_replica_context()
-        handle = serve.get_deployment_handle(context.deployment, context.app_name)
-        try:
-            return await handle.adopt_video.remote(video_id, job, fps, avoid_replica=self._replica, ran=error.ran)
-        except Exception as err:  # noqa: BLE001 - the job then fails here with both reasons
-            raise GroupFailedError(f"{error}; no other shard group could take it over: {remote_cause(err)}") from None
 
     async def _poll_progress(self) -> None:
         """The replica's one progress poller: every ``PROGRESS_INTERVAL_S``, one look at the
@@ -273,44 +259,3 @@ class VideoJobs(JobReads):
             for video_id, still in zip(videos, kept):
                 if still is False and video_id in self._videos:
                     self._cancel(video_id)
-
-    async def generate_video(self, request: dict | VideoCreateRequest) -> dict:
-        """Creates a video job and waits for it (the handle's entry point); it runs on this
-        replica's group.
-
-        Returns:
-            ``{"video": the video object, "mp4": the MP4's bytes}``; raises if the job failed.
-        """
-        created = await self._create_video(request, movable=False)
-        error = await asyncio.shield(self._videos[created["id"]].task)
-        if error is not None:
-            raise error  # answered by its own class: bad input 400, deadline 504, broken group 503
-        video = await self.video(created["id"])
-        return {"video": video, "mp4": await self.video_content(created["id"])}
-
-    async def _hand_over(self, video_id: str, task: asyncio.Task) -> None:
-        """A job still running when this replica's drain ends: another replica takes it over (its
-        seed makes the same video there), or it fails with the reason. Its run here stops either way."""
-        run = self._videos.get(video_id)
-        if run is None:  # it ended meanwhile
-            return
-        job, fps = run.job, run.fps
-        handed = False
-        reason = "no other shard group took it over"
-        # (The replica context's world size already counts this replica out.)
-        context = serve.get_replica_context()
-        handle = serve.get_deployment_handle(context.deployment, context.app_name)
-        try:
-            handed = await handle.adopt_video.remote(video_id, job, fps, avoid_replica=self._replica)
-        except Exception as err:  # noqa: BLE001 - the job then fails here with the reason
-            reason = f"no other shard group could take it over ({remote_cause(err)})"
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        if handed:
-            logger.info("Video job %s handed to another shard group", video_id)
-            return
-        message = (
-            f"the shard group running it was removed and drain_timeout_s={self.config.drain_timeout_s:g} passed; "
-            f"{reason}"
-        )
-        await self.jobs.fail.remote(video_id, "drained", message, self._replica)

@@ -1,7 +1,7 @@
 """Generic sharding (FSDP2 or in-place gathers) of pipeline components and the per-model policies it reads."""
 
 from ray_hsdp.sharding import policies  # noqa: F401 - registers the per-model policies
-from ray_hsdp.sharding.apply import FsdpUnits, compile_units, shard_module
+from ray_hsdp.sharding.apply import FsdpUnits, compile_repeated_blocks, compile_units, shard_module
 from ray_hsdp.sharding.in_place import InPlaceUnits
 from ray_hsdp.sharding.policy import ShardingPolicy, ShardingPolicyError, ShardPlan, register_policy, resolve_plan
 
@@ -11,6 +11,7 @@ __all__ = [
     "ShardPlan",
     "ShardingPolicy",
     "ShardingPolicyError",
+    "compile_repeated_blocks",
     "compile_units",
     "register_policy",
     "resolve_plan",

@@ -138,19 +138,47 @@ def shard_module(
     return sharded
 
 
+def compile_forward(module: nn.Module) -> None:
+    """Compiles ``module``'s ``forward`` in place (regional compile of one block).
+
+    ``forward``, not the module (``nn.Module.compile`` compiles ``_call_impl``, hooks included): the
+    hooks around a block (FSDP2's and the in-place gathers, which are ``torch.compiler.disable``;
+    step caches, which branch on data; diffusers' context-parallel splits) would each end the
+    graph there. Outside it, the block's body is one graph, its attention kernels custom ops
+    (``sharding.attention_ops``), and a unit still gathers and frees its weights as in eager mode;
+    ghost passes, which call no forward, are unchanged."""
+    module.forward = torch.compile(module.forward)
+
+
 def compile_units(sharded: FsdpUnits | InPlaceUnits) -> int:
-    """Compiles each unit below the root in place (regional compile of the repeated blocks).
+    """Compiles each unit below the root in place (``compile_forward``).
 
     ``fully_shard`` renames the block classes, so diffusers' ``compile_repeated_blocks`` (which
-    matches class names) finds nothing after sharding: the units themselves are compiled. The
-    gathers stay outside the compiled code (dynamo skips FSDP2's hooks, and the in-place hooks
-    are ``torch.compiler.disable``), so a unit still gathers and frees its weights as in eager
-    mode, and ghost passes, which call no forward, are unchanged.
+    matches class names) finds nothing after sharding: the units themselves are compiled.
 
     Returns:
         The number of units compiled.
     """
     units = [m for name, m in sharded.unit_modules if name]
     for unit in units:
-        unit.compile()
+        compile_forward(unit)
     return len(units)
+
+
+def compile_repeated_blocks(model: nn.Module) -> int:
+    """Compiles the repeated blocks of an unsharded ``model`` (``compile_forward``): those of the
+    classes its ``_repeated_blocks`` names, as diffusers' ``compile_repeated_blocks`` finds them.
+
+    Returns:
+        The number of blocks compiled.
+
+    Raises:
+        ValueError: The model names no repeated blocks, or none is found.
+    """
+    names = set(getattr(model, "_repeated_blocks", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(f"compile: {type(model).__name__} names no repeated blocks (_repeated_blocks) to compile")
+    for block in blocks:
+        compile_forward(block)
+    return len(blocks)

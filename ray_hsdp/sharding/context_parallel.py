@@ -22,7 +22,7 @@ from ray_hsdp.attention_backends import (  # noqa: F401 (read here by callers th
     RING_BACKENDS,
 )
 from ray_hsdp.pairs import refuse_model
-from ray_hsdp.sharding import fa3_fp8
+from ray_hsdp.sharding import attention_ops, fa3_fp8
 
 
 def attention_backend_for(requested: str, device: str, ring: int) -> str | None:
@@ -40,12 +40,13 @@ def attention_backend_for(requested: str, device: str, ring: int) -> str | None:
 
 
 def set_attention_backend(model: nn.Module, backend: str) -> None:
-    """diffusers' ``set_attention_backend`` on ``model`` (``fa3_fp8`` registered with diffusers
-    first, ``sharding.fa3_fp8.install``), except that under a backend of ``CROSS_ATTENTION_NATIVE``
-    its cross-attentions keep torch's SDPA: their keys (a text of a few hundred tokens) may hold a
-    channel that is zero at every key, and they are a small share of the attention time, which the
-    self-attentions over the video's tokens take."""
-    model.set_attention_backend(fa3_fp8.install() if backend == fa3_fp8.NAME else backend)
+    """diffusers' ``set_attention_backend`` on ``model`` (``fa3_fp8`` and ``sage`` registered with
+    diffusers first, around their kernels' custom ops: ``sharding.attention_ops``), except that under a
+    backend of ``CROSS_ATTENTION_NATIVE`` its cross-attentions keep torch's SDPA: their keys (a text
+    of a few hundred tokens) may hold a channel that is zero at every key, and they are a small share
+    of the attention time, which the self-attentions over the video's tokens take."""
+    installers = {fa3_fp8.NAME: fa3_fp8.install, attention_ops.SAGE: attention_ops.install_sage}
+    model.set_attention_backend(installers[backend]() if backend in installers else backend)
     if backend in CROSS_ATTENTION_NATIVE:
         keep_cross_attention_native(model)
 

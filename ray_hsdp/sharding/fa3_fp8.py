@@ -18,8 +18,9 @@ diffusers names its backends by an enum that cannot grow and has no public way t
 so ``install`` registers ``fa3_fp8_attention`` in the rank's process under the enum's ``_flash_3``
 (the same package's bf16 kernel, which diffusers registers without context parallel), through
 diffusers' ``_AttentionBackendRegistry`` and ``_templated_context_parallel_attention`` (the Ulysses
-all-to-all around a forward op, as its own ``sage`` backend does). Both are private: a diffusers
-release without them makes ``install`` fail at start with a message, not a forward later.
+all-to-all around a forward op, as its own ``sage`` backend does): ``attention_ops.register_backend``.
+The kernel call alone is a torch custom op (``attention_ops.fa3_fp8_attention``): the quantization
+around it stays in the compiled block's graph.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import importlib.util
 import torch
 
 from ray_hsdp.attention_backends import FA3_FP8
+from ray_hsdp.sharding import attention_ops
 from ray_hsdp.sharding.fp8 import FP8, FP8_MAX
 
 #: The project's name for the backend (``attention_backend``).
@@ -39,8 +41,6 @@ DIFFUSERS_NAME = "_flash_3"
 CAPABILITY = (9, 0)
 #: A head whose values are all zero gets this scale instead of 0 (0 / 0 would be NaN).
 TINY_AMAX = 1e-12
-#: FlashAttention 3's ``flash_attn_func``, imported by ``register`` (the package exists only on GPU hosts).
-_kernel = None
 
 
 def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,11 +74,9 @@ def _forward_op(
     # shrinks to their differences. Under Ulysses each rank holds whole sequences: the same mean.
     key_mean = key.mean(dim=1, keepdim=True)
     (q, q_descale), (k, k_descale), (v, v_descale) = (quantize_heads(t) for t in (query, key - key_mean, value))
-    result = _kernel(
-        q, k, v, softmax_scale=scale, causal=is_causal,
-        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, return_attn_probs=return_lse,
-    )  # fmt: skip
-    out, lse = result if isinstance(result, tuple) else (result, None)
+    out, lse = torch.ops.ray_hsdp.fa3_fp8_attention(
+        q, k, v, q_descale, k_descale, v_descale, scale, is_causal, return_lse
+    )
     out = out.to(query.dtype)
     if not return_lse:
         return out
@@ -140,21 +138,13 @@ def install() -> str:
 
 def register() -> str:
     """Registers ``fa3_fp8_attention`` with diffusers' dispatcher in this process, under
-    ``DIFFUSERS_NAME`` and with context parallel (again is harmless), with FlashAttention 3's
-    kernel imported; returns that name.
+    ``DIFFUSERS_NAME`` and with context parallel (again is harmless), its op calling FlashAttention
+    3's kernel; returns that name.
 
     Raises:
         ValueError: This diffusers has no registry or context-parallel template to use.
     """
-    global _kernel
-    from diffusers.models import attention_dispatch as dispatch
     from flash_attn_interface import flash_attn_func
 
-    _kernel = flash_attn_func
-    registry = getattr(dispatch, "_AttentionBackendRegistry", None)
-    if registry is None or not hasattr(dispatch, "_templated_context_parallel_attention"):
-        raise ValueError(f"attention_backend {NAME!r}: this diffusers has no attention registry to register it in")
-    registry.register(dispatch.AttentionBackendName(DIFFUSERS_NAME), constraints=[], supports_context_parallel=True)(
-        fa3_fp8_attention
-    )
-    return DIFFUSERS_NAME
+    attention_ops.KERNELS[NAME] = flash_attn_func
+    return attention_ops.register_backend(DIFFUSERS_NAME, fa3_fp8_attention)

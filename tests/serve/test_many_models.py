@@ -69,6 +69,11 @@ def test_one_endpoint_lists_both_models_and_routes_each_request_to_its_own_pool(
     assert [pool["model"] for pool in pools] == ["tiny-wan", "tiny-qwen-image"]
     ranks = [{(rank["node_id"], rank["pid"]) for rank in pool["ranks"]} for pool in pools]
     assert all(len(r) == 2 for r in ranks) and not ranks[0] & ranks[1], ranks
+    # Each group's ranks in one placement group (as each rank's process reports it), one per bundle.
+    bundles = [{(rank["placement_group"], rank["bundle"]) for rank in pool["ranks"]} for pool in pools]
+    groups = [{placement for placement, _ in b} for b in bundles]
+    assert [len(b) for b in bundles] == [2, 2] and [len(g) for g in groups] == [1, 1], bundles
+    assert None not in groups[0] | groups[1] and not groups[0] & groups[1], groups
     one = requests.get(f"{models_app}/v1/pool", params={"model": "tiny-qwen-image"}, timeout=60).json()
     assert one["model"] == "tiny-qwen-image" and one["shard_size"] == 2, one
 

@@ -358,7 +358,15 @@ def test_a_retried_request_and_a_moved_video_job_stop_where_they_run(pool):
     os.kill(groups[victim][0]["pid"], signal.SIGKILL)
     wait_until(lambda: requests.get(f"{url}/{video_id}", timeout=60).json()["replica"] == other, 30, "the job moved")
     assert requests.get(f"{url}/{video_id}", timeout=60).json()["retried"] is True
-    moved = wait_until(lambda: len(steps_on(groups[other])) == 2 and steps_on(groups[other]), 60, "both move", 0.05)
+    def both():
+        steps = steps_on(groups[other])
+        return len(steps) == 2 and steps
+
+    try:
+        moved = wait_until(both, 60, "both move", 0.05)
+    except AssertionError as err:  # what ran where: the job's record, the image's answer
+        job = requests.get(f"{url}/{video_id}", timeout=60).json()
+        raise AssertionError(f"{err}: {steps_on(groups[other])}, {job}, {image}") from None
     (image_id,) = set(moved) - {video_id}
     image.cancel()
     assert last_step_before_it_left(groups[other], image_id) < 150  # stopped, not run to its end

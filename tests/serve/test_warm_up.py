@@ -56,10 +56,13 @@ def test_a_first_request_at_a_warmed_shape_compiles_nothing_and_equals_diffusers
             requests.append(request)
         results = [future.result() for future in [group.submit(r) for r in requests]]
         after = group.tick_stats()
+        compiled_blocks = group.memory()[0]["compile"]
     finally:
         group.shutdown()
     assert [s["compiled_graphs"] for s in after] == [s["compiled_graphs"] for s in warmed]
     assert all(s["compiled_graphs"] > 0 and s["recompile_limit_hits"] == 0 for s in after)
+    # An unsharded rank's blocks (those diffusers' regional compile would pick), each one graph.
+    assert compiled_blocks["modules"] > 0 and compiled_blocks["graph_breaks"] == 0, compiled_blocks
     assert sorted(r.request_id for r in records) == ["user-0", "user-1"]
     assert not any(r.compiled for r in records)
     for request, result in zip(requests, results):  # uint8 frames: one level apart at most, at a rounding edge
