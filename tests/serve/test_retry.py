@@ -358,6 +358,7 @@ def test_a_retried_request_and_a_moved_video_job_stop_where_they_run(pool):
     os.kill(groups[victim][0]["pid"], signal.SIGKILL)
     wait_until(lambda: requests.get(f"{url}/{video_id}", timeout=60).json()["replica"] == other, 30, "the job moved")
     assert requests.get(f"{url}/{video_id}", timeout=60).json()["retried"] is True
+
     def both():
         steps = steps_on(groups[other])
         return len(steps) == 2 and steps
