@@ -19,7 +19,8 @@ from ray_hsdp.runtime.core import Observer
 #: Kernel kinds, by name, first match wins.
 KERNEL_KINDS = (
     ("collective", re.compile(r"nccl", re.I)),
-    ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
+    # (SageAttention's: its attention kernels, "..._attn_...", and the quantization of q, k and v.)
+    ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|quant_per_block|mean_scale_fuse_quant", re.I)),
     ("matmul", re.compile(r"gemm|cutlass|nvjet|cublas|matmul|sm90_xmma|wgmma", re.I)),
     ("conv", re.compile(r"conv|cudnn|winograd|implicit", re.I)),
 )

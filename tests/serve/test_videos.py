@@ -334,7 +334,7 @@ def test_a_released_job_is_placed_once_on_another_group_of_its_model_with_one_re
     time.sleep(0.2)
     assert table.adopt(failed_under["id"], "b")
     # A takeover counts its wait from the adoption (issue 54: a third group took a job the second ran).
-    assert table.take_waiting("c", waited_s=0.15) is None
+    assert table.take_waiting("c", waited_s=0.15, model="wan") is None
     assert table.claim(["wan"], hold_s=0) == []  # owned again
     assert table.update(failed_under["id"], "a", progress=60) is False  # a stops its copy
     assert table.update(failed_under["id"], "b", running=True)

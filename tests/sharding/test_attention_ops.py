@@ -51,7 +51,9 @@ def registry(monkeypatch):
     table = dispatch._AttentionBackendRegistry
     saved = {name: dict(getattr(table, name)) for name in ("_backends", "_constraints", "_supported_arg_names")}
     parallel = set(table._supports_context_parallel)
+    active = table._active_backend  # set_attention_backend sets the process's default too
     yield table
+    table._active_backend = active
     for name, entries in saved.items():
         getattr(table, name).clear()
         getattr(table, name).update(entries)
