@@ -43,7 +43,66 @@ def limits(config) -> dict:
     }
 
 
-class JobTable:
+class JobViews:
+    """What callers read of the table (``JobTable`` holds ``jobs``, ``media``, its lock and its sweep)."""
+
+    @staticmethod
+    def _public(job: dict) -> dict:
+        out = {k: v for k, v in job.items() if not k.startswith("_")}
+        if out["expires_at"] is not None:
+            out["expires_at"] = int(out["expires_at"])
+        return out
+
+    def counts(self) -> dict[str, int]:
+        """Jobs kept, by status (the metrics' gauge)."""
+        with self._lock:
+            self._sweep()
+            out: dict[str, int] = {}
+            for job in self.jobs.values():
+                out[job["status"]] = out.get(job["status"], 0) + 1
+            return out
+
+    def get(self, video_id: str) -> dict | None:
+        """The video object, or ``None`` when there is no such job (any more)."""
+        with self._lock:
+            self._sweep()
+            job = self.jobs.get(video_id)
+            return self._public(job) if job is not None else None
+
+    def list(self, limit: int, after: str | None, order: str) -> dict | None:
+        """A page of video objects (``order`` ``desc``: newest first), or ``None`` when ``after``
+        names no job."""
+        with self._lock:
+            self._sweep()
+            ids = list(self.jobs)
+            if order == "desc":
+                ids.reverse()
+            if after is not None:
+                if after not in self.jobs:
+                    return None
+                ids = ids[ids.index(after) + 1 :]
+            page = [self._public(self.jobs[i]) for i in ids[:limit]]
+            return {
+                "object": "list",
+                "data": page,
+                "has_more": len(ids) > limit,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+            }
+
+    def content(self, video_id: str, variant: str) -> tuple[str, bytes | str | None]:
+        """``("ok", bytes)``, ``("missing", None)`` or ``("not_ready", status)``."""
+        with self._lock:
+            self._sweep()
+            job = self.jobs.get(video_id)
+            if job is None:
+                return "missing", None
+            if job["status"] != "completed":
+                return "not_ready", job["status"]
+            return "ok", self.media[video_id][variant]
+
+
+class JobTable(JobViews):
     """Video jobs, newest last, with their MP4s (plain Python; ``VideoJobTable`` serves it).
 
     Args:
@@ -119,13 +178,6 @@ class JobTable:
             # The spec (with an image-to-video job's image) is only for moving a queued job.
             job.update(completed_at=int(now), expires_at=now + self.ttl_s, error=error, _spec=None)
         return True
-
-    @staticmethod
-    def _public(job: dict) -> dict:
-        out = {k: v for k, v in job.items() if not k.startswith("_")}
-        if out["expires_at"] is not None:
-            out["expires_at"] = int(out["expires_at"])
-        return out
 
     def _bytes_kept(self) -> int:
         return sum(len(b) for media in self.media.values() for b in media.values())
@@ -285,54 +337,6 @@ class JobTable:
             if replica is not None and job is not None and job["_owner"] != replica:
                 return False
             return self._move(video_id, "failed", error={"code": code, "message": message})
-
-    def counts(self) -> dict[str, int]:
-        """Jobs kept, by status (the metrics' gauge)."""
-        with self._lock:
-            self._sweep()
-            out: dict[str, int] = {}
-            for job in self.jobs.values():
-                out[job["status"]] = out.get(job["status"], 0) + 1
-            return out
-
-    def get(self, video_id: str) -> dict | None:
-        """The video object, or ``None`` when there is no such job (any more)."""
-        with self._lock:
-            self._sweep()
-            job = self.jobs.get(video_id)
-            return self._public(job) if job is not None else None
-
-    def list(self, limit: int, after: str | None, order: str) -> dict | None:
-        """A page of video objects (``order`` ``desc``: newest first), or ``None`` when ``after``
-        names no job."""
-        with self._lock:
-            self._sweep()
-            ids = list(self.jobs)
-            if order == "desc":
-                ids.reverse()
-            if after is not None:
-                if after not in self.jobs:
-                    return None
-                ids = ids[ids.index(after) + 1 :]
-            page = [self._public(self.jobs[i]) for i in ids[:limit]]
-            return {
-                "object": "list",
-                "data": page,
-                "has_more": len(ids) > limit,
-                "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None,
-            }
-
-    def content(self, video_id: str, variant: str) -> tuple[str, bytes | str | None]:
-        """``("ok", bytes)``, ``("missing", None)`` or ``("not_ready", status)``."""
-        with self._lock:
-            self._sweep()
-            job = self.jobs.get(video_id)
-            if job is None:
-                return "missing", None
-            if job["status"] != "completed":
-                return "not_ready", job["status"]
-            return "ok", self.media[video_id][variant]
 
     def delete(self, video_id: str) -> bool:
         """Removes a job (afterwards its id is 404); its replica stops it at its next report.
