@@ -29,8 +29,7 @@ class GroupFailedError(RuntimeError):
     """The group can no longer run requests (a rank died, missed its deadline, or the group shut down).
 
     Attributes:
-        ran: Whether a rank had taken the request it fails: a retry elsewhere of one that had not
-            goes on waiting against its arrival's ``queue_deadline``; one that had ran its wait.
+        ran: Whether a rank had taken the request it fails (it failed running, not queued).
     """
 
     def __init__(self, message: str, ran: bool = True):

@@ -66,6 +66,12 @@ class JobReads:
 class VideoJobs:
     """The video-job side of ``HSDPServer``."""
 
+    def _refusal(self, message: str) -> GroupFailedError:
+        """A refusal the ingress retries on another group: it names this replica, the one to avoid."""
+        error = GroupFailedError(message)
+        error.replica = self._replica
+        return error
+
     def _start_video_tasks(self) -> None:
         """Starts the replica's progress poller and, with ``video_takeover_after_s``, its takeover
         of waiting jobs. Serve runs the constructor on the replica's event loop: the tasks start
@@ -106,7 +112,7 @@ class VideoJobs:
             avoid_replica: The replica whose group failed the first call (it refuses the retry).
         """
         if avoid_replica == self._replica or self._draining:
-            raise GroupFailedError("this shard group is failed or being removed; it cannot take the job")
+            raise self._refusal("this shard group is failed or being removed; it cannot take the job")
         body = VideoCreateRequest.model_validate(request)
         self._check_model(body.model)
         facts = self.group.pipeline_facts
@@ -167,7 +173,7 @@ class VideoJobs:
             GroupFailedError: This is the replica to avoid, or it is being removed too.
         """
         if avoid_replica == self._replica or self._draining:
-            raise GroupFailedError("this shard group is the one the job left, or is being removed; it cannot take it")
+            raise self._refusal("this shard group is the one the job left, or is being removed; it cannot take it")
         if not await self.jobs.adopt.remote(video_id, self._replica):
             return False  # deleted or expired meanwhile: nothing to take over
         job = dataclasses.replace(deadlines.waits_anew(job, self.config), request_id=video_id)
