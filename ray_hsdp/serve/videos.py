@@ -136,8 +136,8 @@ class VideoJobs:
         status, created = await self.jobs.create.remote(fields, self._replica, (job, fps), video_id)
         if status == "full":
             raise JobTableFullError(created)
-        if status == "ended":
-            return created  # the first call's job, which ran to its end meanwhile
+        if status == "ended" or created["id"] in self._videos:
+            return created  # the first call's job: it ran to its end meanwhile, or runs here already
         job = dataclasses.replace(job, request_id=created["id"])
         future = None
         current = self.keeper.current()

@@ -143,10 +143,10 @@ def compile_forward(module: nn.Module) -> None:
 
     ``forward``, not the module (``nn.Module.compile`` compiles ``_call_impl``, hooks included): the
     hooks around a block (FSDP2's and the in-place gathers, which are ``torch.compiler.disable``;
-    step caches, which branch on data; diffusers' context-parallel splits) would each end the
-    graph there. Outside it, the block's body is one graph, its attention kernels custom ops
-    (``sharding.attention_ops``), and a unit still gathers and frees its weights as in eager mode;
-    ghost passes, which call no forward, are unchanged."""
+    step caches, which branch on data; diffusers' context-parallel splits) run as eager Python
+    outside the compiled code, which dynamo neither traces nor guards on. The block's body is one
+    graph, its attention kernels custom ops (``sharding.attention_ops``); a unit still gathers and
+    frees its weights as in eager mode; ghost passes, which call no forward, are unchanged."""
     module.forward = torch.compile(module.forward)
 
 
