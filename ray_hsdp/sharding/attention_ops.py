@@ -122,6 +122,20 @@ def _backward_op(ctx, grad_out, *args, **kwargs):
     raise NotImplementedError("the attention custom ops are forward (inference) kernels only")
 
 
+def run_forward_op(forward_op: Callable, query, key, value, attn_mask, is_causal, scale, return_lse, parallel):
+    """A diffusers backend's body: ``forward_op`` alone, or inside diffusers' context-parallel
+    template (the Ulysses all-to-alls around it) when the attention's processor holds a parallel
+    config (``parallel``)."""
+    if parallel is None:
+        return forward_op(None, query, key, value, attn_mask, 0.0, is_causal, scale, False, return_lse)
+    from diffusers.models.attention_dispatch import _templated_context_parallel_attention
+
+    return _templated_context_parallel_attention(
+        query, key, value, attn_mask, 0.0, is_causal, scale, False, return_lse,
+        forward_op=forward_op, backward_op=_backward_op, _parallel_config=parallel,
+    )  # fmt: skip
+
+
 def sage_backend(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -132,16 +146,9 @@ def sage_backend(
     return_lse: bool = False,
     _parallel_config=None,
 ):
-    """diffusers' ``sage`` backend through the op: alone, or inside diffusers' context-parallel
-    template when the attention's processor holds a parallel config (as diffusers' own does)."""
-    if _parallel_config is None:
-        return _sage_forward_op(None, query, key, value, attn_mask, 0.0, is_causal, scale, False, return_lse)
-    from diffusers.models.attention_dispatch import _templated_context_parallel_attention
-
-    return _templated_context_parallel_attention(
-        query, key, value, attn_mask, 0.0, is_causal, scale, False, return_lse,
-        forward_op=_sage_forward_op, backward_op=_backward_op, _parallel_config=_parallel_config,
-    )  # fmt: skip
+    """diffusers' ``sage`` backend through the op (``run_forward_op``), as diffusers' own runs sage."""
+    parallel = _parallel_config
+    return run_forward_op(_sage_forward_op, query, key, value, attn_mask, is_causal, scale, return_lse, parallel)
 
 
 def register_backend(name: str, backend: Callable) -> str:

@@ -86,10 +86,6 @@ def _forward_op(
     return out, lse.permute(0, 2, 1) + shift
 
 
-def _backward_op(ctx, grad_out, *args, **kwargs):
-    raise NotImplementedError("attention_backend 'fa3_fp8' is a forward (inference) kernel only")
-
-
 def fa3_fp8_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -100,16 +96,11 @@ def fa3_fp8_attention(
     return_lse: bool = False,
     _parallel_config=None,
 ):
-    """The backend diffusers' dispatcher calls: the forward op alone, or inside diffusers'
-    context-parallel template when the attention's processor holds a parallel config."""
-    if _parallel_config is None:
-        return _forward_op(None, query, key, value, attn_mask, 0.0, is_causal, scale, False, return_lse)
-    from diffusers.models.attention_dispatch import _templated_context_parallel_attention
-
-    return _templated_context_parallel_attention(
-        query, key, value, attn_mask, 0.0, is_causal, scale, False, return_lse,
-        forward_op=_forward_op, backward_op=_backward_op, _parallel_config=_parallel_config,
-    )  # fmt: skip
+    """The backend diffusers' dispatcher calls (``attention_ops.run_forward_op``): the forward op
+    alone, or inside diffusers' context-parallel template."""
+    return attention_ops.run_forward_op(
+        _forward_op, query, key, value, attn_mask, is_causal, scale, return_lse, _parallel_config
+    )
 
 
 def install() -> str:
