@@ -1,18 +1,27 @@
-"""One forward of Wan2.1-T2V-14B's transformer on one GPU, per setup: its time, the graphs and graph
-breaks dynamo made of its compiled blocks, and (``--profile``) its kernel time by kind.
+"""One forward of a transformer (Wan2.1-T2V-14B's, or ``--model qwen-image``) on one GPU, per setup:
+its time, the graphs and graph breaks dynamo made of its compiled blocks, and (``--profile``) its
+kernel time by kind.
 
 The transformer is built at real size with random bf16 weights on the GPU (no checkpoint: a
 forward's cost does not depend on the weights' values), fed the latents of a clip of ``--frames`` at
-``--size`` (81 frames at 832x480: 32,760 tokens) and a text of 512 tokens. Setups:
+``--size`` (Wan: 81 frames at 832x480, 32,760 tokens, and a text of 512 tokens; Qwen-Image: one
+1328x1328 image, 6,889 tokens, and a text of 128). Setups:
 
 - ``plain``: diffusers' eager forward, torch's SDPA, bf16 (what a plain pipeline runs);
 - ``sdpa-fp8``: FP8 linears (``sharding.fp8.Fp8Linear``), blocks compiled (``compile_forward``);
 - ``sage-diffusers-fp8``: the same under diffusers' own ``sage`` backend (its kernel called bare);
 - ``sage-op-fp8``: the same under ``sage`` through the custom op (``sharding.attention_ops``);
 - ``sage-op-fp8-cdt``, ``-autotune``: the same with inductor's ``coordinate_descent_tuning`` or
-  ``max_autotune`` (their compile time is the setup's ``warm_up_s``).
+  ``max_autotune`` (their compile time is the setup's ``warm_up_s``);
+- ``sage-op-fp8-cudagraphs``: the same with each block's graph replayed as a CUDA graph (inductor's
+  ``triton.cudagraphs``, what ``mode="reduce-overhead"`` sets);
+- ``sage-op-fp8-realrope`` (Qwen-Image): the same with its rotary embedding applied in real
+  arithmetic (``sharding.policies.qwen_image.rotate_real``) instead of diffusers' complex product,
+  which inductor leaves to eager kernels;
+- ``sdpa-fp8-cudagraphs``, ``-realrope``...: those options under torch's SDPA (no kernel to build).
 
     python -m bench.block_graph --out bench/results --name block-graph-wan2.1-14b-1xH200 --profile
+    python -m bench.block_graph --model qwen-image --out bench/results --name block-graph-qwen-image-1xH200
 """
 
 from __future__ import annotations
@@ -31,31 +40,67 @@ WAN_14B = dict(
     text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
     qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
 )  # fmt: skip
-SETUPS = ("plain", "sdpa-fp8", "sage-diffusers-fp8", "sage-op-fp8", "sage-op-fp8-cdt", "sage-op-fp8-autotune")
+#: Qwen-Image's transformer (its config.json).
+QWEN_IMAGE = dict(
+    patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128, num_attention_heads=24,
+    joint_attention_dim=3584, axes_dims_rope=(16, 56, 56),
+)  # fmt: skip
+#: Per model: its diffusers class, config, default size and how its layer count is named.
+MODELS = {
+    "wan2.1-14b": ("WanTransformer3DModel", WAN_14B, "832x480"),
+    "qwen-image": ("QwenImageTransformer2DModel", QWEN_IMAGE, "1328x1328"),
+}
+SETUPS = (
+    "plain", "sdpa-fp8", "sage-diffusers-fp8", "sage-op-fp8", "sage-op-fp8-cdt", "sage-op-fp8-autotune",
+    "sage-op-fp8-cudagraphs", "sage-op-fp8-realrope", "sage-op-fp8-realrope-cudagraphs", "sdpa-fp8-cudagraphs",
+    "sdpa-fp8-realrope", "sdpa-fp8-realrope-cudagraphs",
+)  # fmt: skip
 #: Inductor options of the setups that name them (the rest: inductor's defaults).
-INDUCTOR = {"cdt": {"coordinate_descent_tuning": True}, "autotune": {"max_autotune": True}}
+INDUCTOR = {
+    "cdt": {"coordinate_descent_tuning": True},
+    "autotune": {"max_autotune": True},
+    "cudagraphs": {"triton.cudagraphs": True},
+}
 #: The kernel kinds of the table (``ray_hsdp.profiling.KERNEL_KINDS``).
 KINDS = ("attention", "matmul", "other")
 
 
-def build(layers: int, device: str) -> torch.nn.Module:
-    from diffusers import WanTransformer3DModel
+def build(model_name: str, layers: int | None, device: str) -> torch.nn.Module:
+    import diffusers
 
+    class_name, config, _ = MODELS[model_name]
     torch.manual_seed(0)
     with torch.device(device):
-        model = WanTransformer3DModel(**{**WAN_14B, "num_layers": layers})
+        model = getattr(diffusers, class_name)(**{**config, "num_layers": layers or config["num_layers"]})
     return model.to(torch.bfloat16).eval().requires_grad_(False)
 
 
-def inputs(frames: int, width: int, height: int, device: str) -> dict:
-    latent = (1, 16, (frames - 1) // 4 + 1, height // 8, width // 8)
+def blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks (the classes its ``_repeated_blocks`` names)."""
+    names = set(model._repeated_blocks)
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def inputs(model_name: str, frames: int, width: int, height: int, device: str) -> tuple[dict, int]:
+    """A forward's inputs, and its image or video tokens."""
     gen = torch.Generator(device).manual_seed(1)
-    return {
-        "hidden_states": torch.randn(latent, generator=gen, device=device, dtype=torch.bfloat16),
+    bf16 = dict(generator=gen, device=device, dtype=torch.bfloat16)
+    if model_name == "qwen-image":  # packed 2x2 patches of the 16-channel latents, one frame
+        grid = (1, height // 16, width // 16)
+        feed = {
+            "hidden_states": torch.randn(1, grid[1] * grid[2], 64, **bf16),
+            "encoder_hidden_states": torch.randn(1, 128, 3584, **bf16),
+            "timestep": torch.tensor([0.5], device=device),
+            "img_shapes": [grid],
+        }
+        return {**feed, "return_dict": False}, grid[1] * grid[2]
+    latent = (1, 16, (frames - 1) // 4 + 1, height // 8, width // 8)
+    feed = {
+        "hidden_states": torch.randn(latent, **bf16),
         "timestep": torch.tensor([500], device=device),
-        "encoder_hidden_states": torch.randn(1, 512, 4096, generator=gen, device=device, dtype=torch.bfloat16),
-        "return_dict": False,
+        "encoder_hidden_states": torch.randn(1, 512, 4096, **bf16),
     }
+    return {**feed, "return_dict": False}, latent[2] * (height // 16) * (width // 16)
 
 
 def to_fp8(model: torch.nn.Module) -> int:
@@ -63,7 +108,7 @@ def to_fp8(model: torch.nn.Module) -> int:
     from ray_hsdp.sharding.fp8 import Fp8Linear
 
     swapped = 0
-    for block in model.blocks:
+    for block in blocks_of(model):
         for parent in list(block.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is torch.nn.Linear and not child.in_features % 16 and not child.out_features % 16:
@@ -74,10 +119,22 @@ def to_fp8(model: torch.nn.Module) -> int:
     return swapped
 
 
+def set_rope(setup: str) -> None:
+    """Qwen-Image's rotary embedding in real arithmetic for ``-realrope``, diffusers' own otherwise."""
+    from diffusers.models.transformers import transformer_qwenimage
+
+    from ray_hsdp.sharding.policies import qwen_image
+
+    own = getattr(set_rope, "own", transformer_qwenimage.apply_rotary_emb_qwen)
+    set_rope.own = own
+    transformer_qwenimage.apply_rotary_emb_qwen = qwen_image.rotate_real if "realrope" in setup else own
+
+
 def set_backend(model: torch.nn.Module, setup: str) -> None:
     from ray_hsdp.sharding import attention_ops
     from ray_hsdp.sharding.context_parallel import keep_cross_attention_native
 
+    set_rope(setup)
     if setup.startswith("sage-op"):
         model.set_attention_backend(attention_ops.install_sage())
     elif setup.startswith("sage-diffusers"):
@@ -94,7 +151,7 @@ def set_backend(model: torch.nn.Module, setup: str) -> None:
 def compile_blocks(model: torch.nn.Module) -> None:
     from ray_hsdp.sharding.apply import compile_forward
 
-    for block in model.blocks:
+    for block in blocks_of(model):
         block.__dict__.pop("forward", None)  # the class's forward again
         compile_forward(block)
 
@@ -180,9 +237,10 @@ def run_setup(model, feed: dict, setup: str, repeats: int, profile: bool) -> dic
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=40)
+    parser.add_argument("--model", default="wan2.1-14b", choices=sorted(MODELS))
+    parser.add_argument("--layers", type=int, default=None, help="default: the model's")
     parser.add_argument("--frames", type=int, default=81)
-    parser.add_argument("--size", default="832x480")
+    parser.add_argument("--size", default=None, help="default: the model's (Wan 832x480, Qwen-Image 1328x1328)")
     parser.add_argument("--setups", nargs="+", default=list(SETUPS[:4]), choices=SETUPS)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
@@ -190,13 +248,13 @@ def main(argv=None) -> None:
     parser.add_argument("--name", default="block-graph")
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the plain and sdpa setups")
     args = parser.parse_args(argv)
-    width, height = (int(x) for x in args.size.split("x"))
-    model = build(args.layers, args.device)
-    feed = inputs(args.frames, width, height, args.device)
-    tokens = feed["hidden_states"].shape[2] * (height // 16) * (width // 16)
+    size = args.size or MODELS[args.model][2]
+    width, height = (int(x) for x in size.split("x"))
+    model = build(args.model, args.layers, args.device)
+    feed, tokens = inputs(args.model, args.frames, width, height, args.device)
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (dry run)"
-    meta = {"gpu": gpu, "torch": torch.__version__, "layers": args.layers,
-            "frames": args.frames, "size": args.size, "tokens": tokens}  # fmt: skip
+    meta = {"gpu": gpu, "torch": torch.__version__, "model": args.model, "layers": len(blocks_of(model)),
+            "frames": args.frames, "size": size, "tokens": tokens}  # fmt: skip
     rows = []
     args.out.mkdir(parents=True, exist_ok=True)
     for setup in args.setups:
@@ -205,8 +263,8 @@ def main(argv=None) -> None:
         rows.append(run_setup(model, feed, setup, args.repeats, args.profile))
         print(json.dumps(rows[-1]), flush=True)
         (args.out / f"{args.name}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
-    lines = [f"# One forward of Wan2.1-T2V-14B's transformer, {tokens} tokens, on one {meta['gpu']}", "",
-             f"`python -m bench.block_graph --out {args.out} --name {args.name}"
+    lines = [f"# One forward of {args.model}'s transformer, {tokens} tokens, on one {meta['gpu']}", "",
+             f"`python -m bench.block_graph --model {args.model} --out {args.out} --name {args.name}"
              f"{' --profile' if args.profile else ''}` (torch {meta['torch']}; random bf16 weights)", "",
              "| setup | forward s | graphs | graph breaks | attention kernels s | GEMM kernels s | other kernels s |",
              "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip

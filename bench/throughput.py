@@ -176,6 +176,39 @@ def cache_figures(group, work, results, deadline_s: float | None) -> dict:
     }
 
 
+#: What a rank's result says of where a request's time went (``GenerationResult``).
+LOOP_PARTS = ("elapsed_s", "step_s", "before_loop_s", "after_loop_s")
+
+
+def loop_parts(results) -> dict:
+    """The mean over ``results`` of the seconds a rank ran each request, a step of its loop, before
+    the loop (encodings) and after it (decode, frames to the host)."""
+    parts = {}
+    for key in LOOP_PARTS:
+        values = [getattr(r, key) for r in results if getattr(r, key, None) is not None]
+        if values:
+            parts[key] = round(statistics.mean(values), 3)
+    return parts
+
+
+def loop_table(rows: list[dict], steps: int) -> list[str]:
+    """The time around the loop of the rows that have it: outside = request - steps x step."""
+    timed = [r for r in rows if "step_s" in r]
+    if not timed:
+        return []
+    lines = ["", "Where a request's time went on its rank (means; outside the forwards = request - steps x step):", "",
+             "| setup | frames | request s | step s | before the loop s | after the loop s | outside the forwards s |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for r in timed:
+        outside = r["elapsed_s"] - steps * r["step_s"]
+        before, after = (r.get(k, float("nan")) for k in ("before_loop_s", "after_loop_s"))
+        lines.append(
+            f"| {r['setup']} | {r['frames']} | {r['elapsed_s']:.2f} | {r['step_s']:.3f} "
+            f"| {before:.2f} | {after:.2f} | {outside:.2f} |"
+        )
+    return lines
+
+
 def drift(frames, reference) -> dict:
     """Max and mean abs difference of two results' frames."""
     import numpy as np
@@ -468,6 +501,7 @@ class ThroughputRun:
         results: list = []
         result = run_groups(groups, work, self.args.request_deadline, results)
         result["forwards"] = sum(forwards_of(r) for r in work)
+        result.update(loop_parts(results))
         if cache is not None:
             result.update(cache_figures(groups[0], work, results, self.args.request_deadline))
         if row == "batch":  # what a quantized setup's first request drifts from
@@ -543,6 +577,7 @@ def table(rows: list[dict], args, failed: list[dict] = ()) -> str:
             f"| {drift} | {clock} |"
         )
     lines += [f"| {f['setup']} | | | | failed: {f['error']} | | | | | | | |" for f in failed]
+    lines += loop_table(rows, args.steps)
     lines += ["", f"Command: `{environment()['command']}`", ""]
     return "\n".join(lines)
 

@@ -381,6 +381,9 @@ def load_parts(
         compiled = 0
         if compile:
             for name, module in models.items():
+                policy = registered_policy(module)  # (a group of one rank resolves no policies above)
+                if policy is not None and policy.traceable is not None:
+                    policy.traceable()
                 if name in shardings:
                     compiled += compile_units(shardings[name])
                 else:  # a group of one rank: the blocks diffusers' regional compile would pick

@@ -19,8 +19,15 @@ from ray_hsdp.runtime.core import Observer
 #: Kernel kinds, by name, first match wins.
 KERNEL_KINDS = (
     ("collective", re.compile(r"nccl", re.I)),
-    # (SageAttention's: its attention kernels, "..._attn_...", and the quantization of q, k and v.)
-    ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|quant_per_block|mean_scale_fuse_quant", re.I)),
+    # (SageAttention's: its attention kernels, "..._attn_...", and the layout and quantization of q, k and v.)
+    (
+        "attention",
+        re.compile(
+            r"flash|fmha|attention|attn|sdpa|quant_per_block|mean_scale_fuse_quant|TransposePadPermute|"
+            r"quant_(query|key)_per_thread",
+            re.I,
+        ),
+    ),
     ("matmul", re.compile(r"gemm|cutlass|nvjet|cublas|matmul|sm90_xmma|wgmma", re.I)),
     ("conv", re.compile(r"conv|cudnn|winograd|implicit", re.I)),
 )

@@ -9,11 +9,18 @@
 #                                     setup: plain, FP8 + compile (SDPA), and under sage through diffusers'
 #                                     own backend and through the custom op (bench.block_graph --profile);
 #                                     EXTRA="--setups ..." NAME=-suffix for other setups (inductor options)
+#   bash bench/gpu/issue64.sh more    the same forward compiled with and without CUDA graphs; Qwen-Image's
+#                                     forward at 1328x1328 with diffusers' complex RoPE and in real arithmetic;
+#                                     the VAE decode of 81 frames at 832x480, eager and compiled (channels-last)
+#   bash bench/gpu/issue64.sh loop    a random Wan2.1-T2V-14B written to $MODELS/wan14b, then 81 frames, 8 steps:
+#                                     plain diffusers, its compile, and one unsharded rank with the fast options,
+#                                     with where each request's time went around the loop (bench.throughput)
 #
 # OUT (default bench/results) is where logs and results go.
 set -uo pipefail
 PART=${1:?sage or block}
 OUT=${OUT:-bench/results}
+MODELS=${MODELS:-/tmp}
 SITE=${SITE:-/tmp/site}
 SRC=${SRC:-.devkernels/SageAttention}
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | sed -e "s/NVIDIA //" -e "s/ .*//")
@@ -28,5 +35,18 @@ case "$PART" in
     ;;
   block)
     python -m bench.block_graph --profile --out "$OUT" --name "block-graph-wan2.1-14b${NAME:-}-1x$GPU" ${EXTRA:-}
+    ;;
+  more)
+    python -m bench.block_graph --profile --setups sage-op-fp8 sage-op-fp8-cudagraphs --out "$OUT" \
+      --name "block-graph-wan2.1-14b-cudagraphs-1x$GPU"
+    python -m bench.block_graph --model qwen-image --profile --setups plain sage-op-fp8 sage-op-fp8-realrope \
+      --out "$OUT" --name "block-graph-qwen-image-1x$GPU"
+    python -m bench.vae --sizes 832x480 --tiling off --variants channels_last_3d channels_last_3d+compile \
+      --out "$OUT" --name "vae-decode-wan2.1-480p-compile-1x$GPU"
+    ;;
+  loop)
+    [ -d "$MODELS/wan14b" ] || python -m ray_hsdp.cli make-random wan2.1-t2v-14b "$MODELS/wan14b" 2>&1 | tail -2
+    python -m bench.throughput --model-dir "$MODELS/wan14b" --gpus 1 --frames 81 --steps 8 --requests-per-gpu 1 \
+      --setups plain plain-compile ceiling-fp8-compile-sage-vaecl --out "$OUT" ${EXTRA:-}
     ;;
 esac

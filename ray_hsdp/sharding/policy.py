@@ -51,6 +51,8 @@ class ShardingPolicy:
             of any length; ``None``: its split inputs always divide.
         masks_attention: Its attention always gets a mask (attention backends whose kernels take
             none cannot run it: a model row of ``ray_hsdp.pairs``).
+        traceable: Called before its blocks compile: puts its code in a form inductor generates
+            kernels for (an eager forward's result stays as it was); ``None``: nothing to change.
     """
 
     units: tuple[str, ...]
@@ -62,6 +64,7 @@ class ShardingPolicy:
     cfg_split: bool = False
     split_inputs: Callable | None = None
     masks_attention: bool = False
+    traceable: Callable[[], None] | None = None
 
 
 @dataclass

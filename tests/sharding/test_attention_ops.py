@@ -1,5 +1,6 @@
-"""The attention kernels as custom ops (``ray_hsdp.sharding.attention_ops``): a compiled Wan block
-under ``sage`` or ``fa3_fp8`` is one graph (no step cache: its hooks branch on data).
+"""The attention kernels as custom ops (``ray_hsdp.sharding.attention_ops``): a compiled block of
+Wan, Qwen-Image and FLUX.2 under ``sage`` or ``fa3_fp8`` is one graph, on one rank and on a Ulysses
+lane (no step cache: its hooks branch on data).
 
 SageAttention and FlashAttention 3 are CUDA builds. Here stand-ins follow their contracts in float32
 and, as a compiled extension is, are opaque to dynamo (``torch._dynamo.disable``): called bare in a
@@ -17,6 +18,8 @@ from torch._dynamo.utils import counters
 from ray_hsdp.sharding import attention_ops, fa3_fp8
 from ray_hsdp.sharding.apply import compile_forward
 from ray_hsdp.sharding.context_parallel import keep_cross_attention_native
+from ray_hsdp.sharding.policies import qwen_image
+from ray_hsdp.sharding.policy import registered_policy
 
 
 def _sage_contract(q, k, v, tensor_layout="NHD", is_causal=False, sm_scale=None, return_lse=False):
@@ -61,15 +64,62 @@ def registry(monkeypatch):
     table._supports_context_parallel.update(parallel)
 
 
-def compiled_breaks(model, inputs) -> tuple[torch.Tensor, int, int]:
-    """``model``'s eager output, then its output with its blocks compiled (``compile_forward``),
-    the graph breaks dynamo counted and the graphs it built."""
+def _tiny_qwen_image():
+    """A seeded Qwen-Image transformer and its inputs: 16 image tokens, a text of 8 without a mask
+    (its pipeline drops a mask of all ones)."""
+    from diffusers import QwenImageTransformer2DModel
+
+    torch.manual_seed(0)
+    model = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4),
+    ).eval()  # fmt: skip
+    inputs = dict(
+        hidden_states=torch.randn(1, 16, 16), encoder_hidden_states=torch.randn(1, 8, 16),
+        timestep=torch.tensor([1.0]), img_shapes=[(1, 4, 4)],
+    )  # fmt: skip
+    return model, inputs
+
+
+def _tiny_flux2():
+    """A seeded FLUX.2 transformer (a double-stream and a single-stream block) and its inputs."""
+    from diffusers import Flux2Transformer2DModel
+
+    torch.manual_seed(0)
+    model = Flux2Transformer2DModel(
+        patch_size=1, in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=16, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),
+    ).eval()  # fmt: skip
+    inputs = dict(
+        hidden_states=torch.randn(1, 16, 8), encoder_hidden_states=torch.randn(1, 8, 16),
+        timestep=torch.tensor([1.0]), guidance=torch.tensor([3.5]),
+        img_ids=torch.randint(0, 4, (1, 16, 4)).float(), txt_ids=torch.zeros(1, 8, 4),
+    )  # fmt: skip
+    return model, inputs
+
+
+#: A tiny model of each family whose blocks the ops must keep whole, by name.
+TINY = {"wan": _tiny_wan, "qwen-image": _tiny_qwen_image, "flux.2": _tiny_flux2}
+
+
+def blocks_of(model) -> list[torch.nn.Module]:
+    """The model's repeated blocks (the classes its ``_repeated_blocks`` names)."""
+    return [m for m in model.modules() if type(m).__name__ in model._repeated_blocks]
+
+
+def compiled_breaks(model, inputs, backend: str = "inductor") -> tuple[torch.Tensor, int, int]:
+    """``model``'s eager output, then its output with its blocks compiled (``compile_forward``;
+    with another ``backend``, their ``forward`` compiled by it), the graph breaks dynamo counted
+    and the graphs it built."""
     from torch._dynamo.utils import counters  # (imported here: this runs on gloo ranks too)
 
     with torch.no_grad():
         eager = model(**inputs, return_dict=False)[0]
-        for block in model.blocks:
-            compile_forward(block)
+        for block in blocks_of(model):
+            if backend == "inductor":
+                compile_forward(block)
+            else:
+                block.forward = torch.compile(block.forward, backend=backend)
         torch._dynamo.reset()
         counters.clear()
         compiled = model(**inputs, return_dict=False)[0]
@@ -85,14 +135,52 @@ def test_the_stand_in_kernel_breaks_a_compiled_function_called_bare():
     assert sum(counters["graph_break"].values()) >= 1
 
 
-@pytest.mark.parametrize("backend", ["sage", "fa3_fp8"])
-def test_a_compiled_block_under_each_kernel_op_is_one_graph(registry, backend):
-    model, inputs = _tiny_wan()
+def traceable(model) -> None:
+    """What a rank does before it compiles ``model``'s blocks: its policy's ``traceable`` step."""
+    policy = registered_policy(model)
+    if policy is not None and policy.traceable is not None:
+        policy.traceable()
+
+
+@pytest.fixture
+def diffusers_rope(monkeypatch):
+    """diffusers' Qwen-Image rotation put back afterwards (its policy replaces it in the module)."""
+    from diffusers.models.transformers import transformer_qwenimage
+
+    monkeypatch.setattr(transformer_qwenimage, "apply_rotary_emb_qwen", transformer_qwenimage.apply_rotary_emb_qwen)
+    return transformer_qwenimage.apply_rotary_emb_qwen
+
+
+@pytest.mark.parametrize(
+    "backend, family", [("sage", "wan"), ("fa3_fp8", "wan"), ("sage", "qwen-image"), ("sage", "flux.2")]
+)
+def test_a_compiled_block_under_each_kernel_op_is_one_graph(registry, diffusers_rope, backend, family):
+    """One graph per block class (FLUX.2 has two), no break, the eager output. (Both ops share
+    their diffusers backend's body, ``attention_ops.run_forward_op``: Wan runs each, the other
+    models sage's.)"""
+    model, inputs = TINY[family]()
     name = attention_ops.install_sage(_stand_in_sage) if backend == "sage" else fa3_fp8.register()
     model.set_attention_backend(name)
     keep_cross_attention_native(model)
+    traceable(model)
     _, breaks, graphs = compiled_breaks(model, inputs)
-    assert breaks == 0 and graphs == 1, (breaks, dict(counters["graph_break"]))
+    assert breaks == 0, dict(counters["graph_break"])
+    assert graphs == len({type(b) for b in blocks_of(model)})
+
+
+def test_qwen_image_rotates_in_real_arithmetic_as_diffusers_does_with_complex_numbers(diffusers_rope):
+    """The policy's ``traceable`` step: the same rotation, to the bit in eager mode, in the
+    processors' module from then on."""
+    from diffusers.models.transformers import transformer_qwenimage
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 40, 3, 16, generator=gen, dtype=torch.bfloat16)
+    freqs = torch.polar(torch.ones(40, 8), torch.randn(40, 8, generator=gen) * 3)
+    assert torch.equal(qwen_image.rotate_real(x, freqs), diffusers_rope(x, freqs, use_real=False))
+    registered_policy(_tiny_qwen_image()[0]).traceable()
+    assert transformer_qwenimage.apply_rotary_emb_qwen is qwen_image.rotate_real
+    with pytest.raises(ValueError, match="complex frequencies"):
+        qwen_image.rotate_real(x, (freqs.real, freqs.imag), use_real=True)
 
 
 def test_diffusers_own_sage_backend_breaks_the_graph_at_every_attention(registry):
@@ -119,31 +207,63 @@ def test_the_sage_op_runs_the_kernel_and_keeps_its_log_sum_exp(registry):
 
 
 def _ulysses_compiled(mesh, rank):
-    """On each of 2 gloo ranks: the tiny model under the sage op on a Ulysses lane of both, its
-    blocks compiled; the graph breaks, and how far the compiled output is from the eager one."""
+    """On each of 2 gloo ranks, for each tiny model: under the sage op on a Ulysses lane of both,
+    its blocks compiled (after its policy's ``traceable`` step); the graph breaks dynamo counted
+    (the compiled output equals the eager one, or this raises)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from ray_hsdp.sharding.context_parallel import enable_context_parallel
     from ray_hsdp.topology import LANE_MESH_DIM_NAMES
 
     dispatch._CAN_USE_SAGE_ATTN = True
-    model, inputs = _tiny_wan()
-    model.set_attention_backend(attention_ops.install_sage(_opaque(_sage_contract)))
-    keep_cross_attention_native(model)
     lane = init_device_mesh("cpu", (1, 1, 1, 2), mesh_dim_names=LANE_MESH_DIM_NAMES)
-    enable_context_parallel(model, lane, ring=1, ulysses=2, device="cpu", attention_backend=None)
     from torch._dynamo.utils import counters
 
-    _, breaks, _ = compiled_breaks(model, inputs)
-    return breaks, dict(counters["graph_break"])
+    breaks = {}
+    for family, tiny in TINY.items():
+        model, inputs = tiny()
+        model.set_attention_backend(attention_ops.install_sage(_opaque(_sage_contract)))
+        keep_cross_attention_native(model)
+        enable_context_parallel(model, lane, ring=1, ulysses=2, device="cpu", attention_backend=None)
+        traceable(model)
+        # Graph breaks are dynamo's, whatever the backend: aot_eager spares inductor's C++ builds here.
+        _, count, _ = compiled_breaks(model, inputs, backend="aot_eager")
+        breaks[family] = (count, dict(counters["graph_break"]))
+    return breaks
 
 
-def test_a_compiled_block_on_a_ulysses_lane_is_one_graph(ray_cluster):
+def test_a_compiled_block_of_each_model_on_a_ulysses_lane_is_one_graph(ray_cluster):
     """The all-to-alls around the op stay in the block's graph (a process group is no op argument)."""
     from gloo import GlooGroup
     from ray import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[_tiny_wan.__module__])  # (test modules travel by value)
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
     with GlooGroup(2) as group:
-        for breaks, reasons in group.run(_ulysses_compiled):
-            assert breaks == 0, reasons
+        for breaks in group.run(_ulysses_compiled):
+            assert set(breaks) == set(TINY)
+            assert all(count == 0 for count, _ in breaks.values()), breaks
+
+
+def test_a_rank_that_compiles_qwen_image_takes_its_policys_traceable_step(tmp_path, diffusers_rope):
+    """``load_parts`` with ``compile`` runs the policy's step before it compiles the blocks; without
+    compile the model's code stays diffusers' own."""
+    from diffusers.models.transformers import transformer_qwenimage
+
+    from ray_hsdp.checkpoints.tiny import make_tiny
+    from ray_hsdp.config import GroupConfig
+    from ray_hsdp.load_steps import LoadFacts, load_parts
+    from ray_hsdp.phases import Phases
+    from ray_hsdp.topology import ParallelDims
+
+    folder = make_tiny(tmp_path / "qwen", arch="qwen-image")
+    facts = LoadFacts(
+        dtype="float32", device="cpu", mesh=None, min_num_params=GroupConfig().min_num_params, gather="in_place",
+        reshard_after_forward=True, forward_prefetch=1, keep_gathered=0.0, allow_pickle=False, cache_hooks=None,
+        quantization="none", fused={}, pipeline_cls=None,
+    )  # fmt: skip
+    for compile in (False, True):
+        parts = load_parts(folder, facts, ("transformer",), dims=ParallelDims(1, 1), lane_mesh=None, backend=None,
+                           compile=compile, phases=Phases("load"))  # fmt: skip
+        rotate = transformer_qwenimage.apply_rotary_emb_qwen
+        assert (rotate is qwen_image.rotate_real) is compile and parts.compiled_modules == (2 if compile else 0)
