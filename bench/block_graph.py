@@ -119,15 +119,22 @@ def to_fp8(model: torch.nn.Module) -> int:
     return swapped
 
 
+#: diffusers' own Qwen-Image rotation, kept before a ``-realrope`` setup replaces it in its module.
+DIFFUSERS_ROPE: dict = {}
+
+
 def set_rope(setup: str) -> None:
-    """Qwen-Image's rotary embedding in real arithmetic for ``-realrope``, diffusers' own otherwise."""
+    """Qwen-Image's rotary embedding in real arithmetic for ``-realrope`` (its policy's ``traceable``
+    step, as a rank takes it), diffusers' own otherwise."""
     from diffusers.models.transformers import transformer_qwenimage
 
     from ray_hsdp.sharding.policies import qwen_image
 
-    own = getattr(set_rope, "own", transformer_qwenimage.apply_rotary_emb_qwen)
-    set_rope.own = own
-    transformer_qwenimage.apply_rotary_emb_qwen = qwen_image.rotate_real if "realrope" in setup else own
+    DIFFUSERS_ROPE.setdefault("rotate", transformer_qwenimage.apply_rotary_emb_qwen)
+    if "realrope" in setup:
+        qwen_image.QWEN_IMAGE_TRANSFORMER.traceable()
+    else:
+        transformer_qwenimage.apply_rotary_emb_qwen = DIFFUSERS_ROPE["rotate"]
 
 
 def set_backend(model: torch.nn.Module, setup: str) -> None:

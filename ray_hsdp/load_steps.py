@@ -308,6 +308,21 @@ def cfg_split_of(dims: ParallelDims, shardings: dict, policies: dict) -> tuple[s
     return tuple(name for name in shardings if policies[name] is not None and policies[name].cfg_split)
 
 
+def compile_models(models: dict[str, nn.Module], shardings: dict) -> int:
+    """Compiles the blocks of each diffusers model: a sharded one's units, an unsharded one's
+    repeated blocks (``sharding.apply``), after its policy's ``traceable`` step. Returns how many."""
+    compiled = 0
+    for name, module in models.items():
+        policy = registered_policy(module)
+        if policy is not None and policy.traceable is not None:
+            policy.traceable()
+        if name in shardings:
+            compiled += compile_units(shardings[name])
+        else:  # a group of one rank: the blocks diffusers' regional compile would pick
+            compiled += compile_repeated_blocks(module)
+    return compiled
+
+
 def load_parts(
     path: Path,
     facts: LoadFacts,
@@ -378,15 +393,6 @@ def load_parts(
             # No split, but the group still counts a request's work by its tokens (group.lanes.LaneTimes).
             gridded = [(m, policies[n]) for n, m in models.items() if getattr(policies.get(n), "token_grid", None)]
             sequence = token_grid(pipe, *gridded[0], degree=1) if gridded else None
-        compiled = 0
-        if compile:
-            for name, module in models.items():
-                policy = registered_policy(module)  # (a group of one rank resolves no policies above)
-                if policy is not None and policy.traceable is not None:
-                    policy.traceable()
-                if name in shardings:
-                    compiled += compile_units(shardings[name])
-                else:  # a group of one rank: the blocks diffusers' regional compile would pick
-                    compiled += compile_repeated_blocks(module)
+        compiled = compile_models(models, shardings) if compile else 0
     split = cfg_split_of(dims, shardings, policies)
     return LoadedParts(pipe, shardings, stats, policies, sequence, split, lane_parallel, compiled)

@@ -29,6 +29,10 @@ def test_wan21_setups_on_two_ranks(ray_cluster, tmp_path):
     assert all(r["requests"] == 4 and r["requests_per_s"] > 0 for r in rows)
     assert "| batch | 5 |" in (out / "throughput-wan2.1-t2v-14b.md").read_text()
     assert all(r["latency_p50_s"] <= r["latency_p95_s"] <= r["latency_max_s"] for r in rows)
+    # Where a group's request spent its time: steps of 2, and outside them.
+    batch = next(r for r in rows if r["setup"] == "batch")
+    assert 0 < 2 * batch["step_s"] < batch["elapsed_s"] and batch["after_loop_s"] > 0
+    assert "| batch | 5 |" in (out / "throughput-wan2.1-t2v-14b.md").read_text().split("outside the forwards")[-1]
 
 
 def test_a14b_shard_two_holds_half_of_the_sharded_weights(ray_cluster, tmp_path):
