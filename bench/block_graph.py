@@ -18,7 +18,9 @@ forward's cost does not depend on the weights' values), fed the latents of a cli
 - ``sage-op-fp8-realrope`` (Qwen-Image): the same with its rotary embedding applied in real
   arithmetic (``sharding.policies.qwen_image.rotate_real``) instead of diffusers' complex product,
   which inductor leaves to eager kernels;
-- ``sdpa-fp8-cudagraphs``, ``-realrope``...: those options under torch's SDPA (no kernel to build).
+- ``sdpa-fp8-cudagraphs``, ``-realrope``...: those options under torch's SDPA (no kernel to build);
+- ``fa3fp8-op-fp8``: FP8 linears and compile under ``fa3_fp8`` (FlashAttention 3's FP8 forward,
+  built on the host by ``ray-hsdp build-kernels fa3``) through its custom op.
 
     python -m bench.block_graph --out bench/results --name block-graph-wan2.1-14b-1xH200 --profile
     python -m bench.block_graph --model qwen-image --out bench/results --name block-graph-qwen-image-1xH200
@@ -53,7 +55,7 @@ MODELS = {
 SETUPS = (
     "plain", "sdpa-fp8", "sage-diffusers-fp8", "sage-op-fp8", "sage-op-fp8-cdt", "sage-op-fp8-autotune",
     "sage-op-fp8-cudagraphs", "sage-op-fp8-realrope", "sage-op-fp8-realrope-cudagraphs", "sdpa-fp8-cudagraphs",
-    "sdpa-fp8-realrope", "sdpa-fp8-realrope-cudagraphs",
+    "sdpa-fp8-realrope", "sdpa-fp8-realrope-cudagraphs", "fa3fp8-op-fp8",
 )  # fmt: skip
 #: Inductor options of the setups that name them (the rest: inductor's defaults).
 INDUCTOR = {
@@ -138,12 +140,11 @@ def set_rope(setup: str) -> None:
 
 
 def set_backend(model: torch.nn.Module, setup: str) -> None:
-    from ray_hsdp.sharding import attention_ops
-    from ray_hsdp.sharding.context_parallel import keep_cross_attention_native
+    from ray_hsdp.sharding.context_parallel import keep_cross_attention_native, set_attention_backend
 
     set_rope(setup)
-    if setup.startswith("sage-op"):
-        model.set_attention_backend(attention_ops.install_sage())
+    if setup.startswith(("sage-op", "fa3fp8-op")):  # as a rank sets them: each kernel through its op
+        set_attention_backend(model, "sage" if setup.startswith("sage") else "fa3_fp8")
     elif setup.startswith("sage-diffusers"):
         from diffusers.models import attention_dispatch as dispatch
 
