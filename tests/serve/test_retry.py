@@ -223,7 +223,7 @@ def test_a_request_is_retried_on_the_other_group_when_its_group_dies(pool, refer
     assert plain.status_code == 200 and plain.json()["retried"] is False
     groups = live_groups(pool)
     # Long enough on 2 CPU ranks that the kill lands while it runs.
-    body = {"prompt": "a retried one", "num_inference_steps": 100, "size": "96x96"}
+    body = {"prompt": "a retried one", "num_inference_steps": 60, "size": "96x96"}
     with ThreadPoolExecutor(max_workers=1) as executor:
         pending = executor.submit(requests.post, url, json=body, timeout=600)
         victim = running_on(groups)
@@ -267,7 +267,7 @@ def test_a_request_whose_group_replica_dies_is_answered_by_the_other_group(pool,
     url = f"{pool}/v1/images/generations"
     groups = live_groups(pool)
     time.sleep(2)  # the router has seen both groups healthy (routing stats come every second)
-    body = {"prompt": "its replica died", "num_inference_steps": 100, "size": "96x96"}
+    body = {"prompt": "its replica died", "num_inference_steps": 60, "size": "96x96"}
     with ThreadPoolExecutor(max_workers=1) as executor:
         pending = executor.submit(requests.post, url, json=body, timeout=600)
         victim = running_on(groups)
