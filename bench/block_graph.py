@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from ray_hsdp.sharding.apply import repeated_blocks
+
 #: Wan2.1-T2V-14B's transformer (its config.json).
 WAN_14B = dict(
     patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
@@ -77,12 +79,6 @@ def build(model_name: str, layers: int | None, device: str) -> torch.nn.Module:
     return model.to(torch.bfloat16).eval().requires_grad_(False)
 
 
-def blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's repeated blocks (the classes its ``_repeated_blocks`` names)."""
-    names = set(model._repeated_blocks)
-    return [m for m in model.modules() if type(m).__name__ in names]
-
-
 def inputs(model_name: str, frames: int, width: int, height: int, device: str) -> tuple[dict, int]:
     """A forward's inputs, and its image or video tokens."""
     gen = torch.Generator(device).manual_seed(1)
@@ -110,7 +106,7 @@ def to_fp8(model: torch.nn.Module) -> int:
     from ray_hsdp.sharding.fp8 import Fp8Linear
 
     swapped = 0
-    for block in blocks_of(model):
+    for block in repeated_blocks(model):
         for parent in list(block.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is torch.nn.Linear and not child.in_features % 16 and not child.out_features % 16:
@@ -159,7 +155,7 @@ def set_backend(model: torch.nn.Module, setup: str) -> None:
 def compile_blocks(model: torch.nn.Module) -> None:
     from ray_hsdp.sharding.apply import compile_forward
 
-    for block in blocks_of(model):
+    for block in repeated_blocks(model):
         block.__dict__.pop("forward", None)  # the class's forward again
         compile_forward(block)
 
@@ -261,7 +257,7 @@ def main(argv=None) -> None:
     model = build(args.model, args.layers, args.device)
     feed, tokens = inputs(args.model, args.frames, width, height, args.device)
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (dry run)"
-    meta = {"gpu": gpu, "torch": torch.__version__, "model": args.model, "layers": len(blocks_of(model)),
+    meta = {"gpu": gpu, "torch": torch.__version__, "model": args.model, "layers": len(repeated_blocks(model)),
             "frames": args.frames, "size": size, "tokens": tokens}  # fmt: skip
     rows = []
     args.out.mkdir(parents=True, exist_ok=True)

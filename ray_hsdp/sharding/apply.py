@@ -165,6 +165,13 @@ def compile_units(sharded: FsdpUnits | InPlaceUnits) -> int:
     return len(units)
 
 
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks of the classes ``model``'s ``_repeated_blocks`` names (as diffusers'
+    ``compile_repeated_blocks`` finds them); none for a model that names none."""
+    names = set(getattr(model, "_repeated_blocks", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
 def compile_repeated_blocks(model: nn.Module) -> int:
     """Compiles the repeated blocks of an unsharded ``model`` (``compile_forward``): those of the
     classes its ``_repeated_blocks`` names, as diffusers' ``compile_repeated_blocks`` finds them.
@@ -175,8 +182,7 @@ def compile_repeated_blocks(model: nn.Module) -> int:
     Raises:
         ValueError: The model names no repeated blocks, or none is found.
     """
-    names = set(getattr(model, "_repeated_blocks", None) or ())
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    blocks = repeated_blocks(model)
     if not blocks:
         raise ValueError(f"compile: {type(model).__name__} names no repeated blocks (_repeated_blocks) to compile")
     for block in blocks:

@@ -16,7 +16,7 @@ from test_fa3_fp8 import _reference_kernel, _reference_module, _tiny_wan
 from torch._dynamo.utils import counters
 
 from ray_hsdp.sharding import attention_ops, fa3_fp8
-from ray_hsdp.sharding.apply import compile_forward
+from ray_hsdp.sharding.apply import compile_forward, repeated_blocks
 from ray_hsdp.sharding.context_parallel import keep_cross_attention_native
 from ray_hsdp.sharding.policies import qwen_image
 from ray_hsdp.sharding.policy import registered_policy
@@ -102,11 +102,6 @@ def _tiny_flux2():
 TINY = {"wan": _tiny_wan, "qwen-image": _tiny_qwen_image, "flux.2": _tiny_flux2}
 
 
-def blocks_of(model) -> list[torch.nn.Module]:
-    """The model's repeated blocks (the classes its ``_repeated_blocks`` names)."""
-    return [m for m in model.modules() if type(m).__name__ in model._repeated_blocks]
-
-
 def compiled_breaks(model, inputs, backend: str = "inductor") -> tuple[torch.Tensor, int, int]:
     """``model``'s eager output, then its output with its blocks compiled (``compile_forward``;
     with another ``backend``, their ``forward`` compiled by it), the graph breaks dynamo counted
@@ -115,7 +110,7 @@ def compiled_breaks(model, inputs, backend: str = "inductor") -> tuple[torch.Ten
 
     with torch.no_grad():
         eager = model(**inputs, return_dict=False)[0]
-        for block in blocks_of(model):
+        for block in repeated_blocks(model):
             if backend == "inductor":
                 compile_forward(block)
             else:
@@ -165,7 +160,7 @@ def test_a_compiled_block_under_each_kernel_op_is_one_graph(registry, diffusers_
     traceable(model)
     _, breaks, graphs = compiled_breaks(model, inputs)
     assert breaks == 0, dict(counters["graph_break"])
-    assert graphs == len({type(b) for b in blocks_of(model)})
+    assert graphs == len({type(b) for b in repeated_blocks(model)})
 
 
 def test_qwen_image_rotates_in_real_arithmetic_as_diffusers_does_with_complex_numbers(diffusers_rope):
