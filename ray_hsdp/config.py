@@ -435,6 +435,18 @@ class AppConfig(GroupConfig):
     video_ttl_s: float = Field(
         3600.0, gt=0, description="How long a finished video job is kept (its expires_at); then it is gone (404)."
     )
+    job_store: str | None = Field(
+        None,
+        description="Where the video jobs' records live, as a SQLAlchemy URL (sqlite:////path/jobs.sqlite, "
+        "postgresql+psycopg://user:password@host/db); they outlive every redeploy and restart. None: a SQLite "
+        "file in the Ray session's folder on the head node (kept until the Ray cluster stops). One store per "
+        "cluster: every endpoint of it names the same.",
+    )
+    media_store: str | None = Field(
+        None,
+        description="Where the video jobs' MP4s and thumbnails live: a folder (on the head node, or one every "
+        "node mounts) or an fsspec URL (s3://bucket/videos). None: a folder beside the default job_store's file.",
+    )
     video_stale_after_s: float = Field(
         60.0,
         gt=0,

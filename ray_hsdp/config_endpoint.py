@@ -32,6 +32,8 @@ ENDPOINT_FIELDS = (
     "video_ttl_s",
     "video_stale_after_s",
     "video_lost_wait_s",
+    "job_store",
+    "media_store",
 )
 
 #: The endpoint's configuration: ``AppConfig``'s endpoint fields, with their defaults and descriptions.

@@ -1,8 +1,8 @@
 """The app builder a Serve YAML points at: ``import_path: ray_hsdp.serve:build_app``.
 
 An application is one ingress (``OpenAIIngress``: HTTP and the handle API, a replica on each node)
-in front of one group deployment per model (``HSDPServer``: a replica per shard group) and the
-video job table they share."""
+in front of one group deployment per model (``HSDPServer``: a replica per shard group). Their video
+jobs live in the cluster's job store (``job_actor``), which no application owns."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from ray_hsdp.config_endpoint import served_models
 from ray_hsdp.group import check_placeable
 from ray_hsdp.serve.autoscaling import autoscaling_config
 from ray_hsdp.serve.deployment import HSDPServer
-from ray_hsdp.serve.jobs import VideoJobTable, limits
+from ray_hsdp.serve.job_actor import open_store
 from ray_hsdp.serve.keys import KeyCheck
 from ray_hsdp.serve.openai_ingress import OpenAIIngress
 from ray_hsdp.serve.routing import GroupAwareRouter
@@ -61,9 +61,10 @@ def build_application(args: dict, api_key: str | None = None) -> Application:
         ray.init()
     served = served_models(args)
     has_gpus = ray.cluster_resources().get("GPU", 0) > 0
-    jobs = VideoJobTable.options(user_config=limits(served.endpoint)).bind()
+    # Started here, before any replica: a store with other locations fails the deploy, not a replica.
+    open_store(served.endpoint.job_store, served.endpoint.media_store)
     servers = {
-        config.served_model_name: group_deployment(config.resolve_device(has_gpus), len(served.models), jobs)
+        config.served_model_name: group_deployment(config.resolve_device(has_gpus), len(served.models))
         for config in served.models
     }
     nodes = sum(1 for node in ray.nodes() if node["Alive"])
@@ -74,10 +75,10 @@ def build_application(args: dict, api_key: str | None = None) -> Application:
         max_replicas_per_node=1,
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=INGRESS_MAX_ONGOING,
-    ).bind(served.endpoint.model_dump(), servers, jobs, KeyCheck.of(api_key) if api_key else None)
+    ).bind(served.endpoint.model_dump(), servers, KeyCheck.of(api_key) if api_key else None)
 
 
-def group_deployment(config: AppConfig, models: int, jobs) -> Application:
+def group_deployment(config: AppConfig, models: int) -> Application:
     """One model's group deployment, bound: its replicas are its shard groups."""
     dims = config.parallel_dims()
     bundles = dims.bundles(config.device, config.cpus_per_rank)
@@ -105,4 +106,4 @@ def group_deployment(config: AppConfig, models: int, jobs) -> Application:
         request_router_config=RequestRouterConfig(
             request_router_class=GroupAwareRouter, request_routing_stats_period_s=1
         ),
-    ).bind(config.model_dump(), dims, jobs)
+    ).bind(config.model_dump(), dims)

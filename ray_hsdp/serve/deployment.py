@@ -11,7 +11,6 @@ import uuid
 
 import ray
 from ray import serve
-from ray.serve.handle import DeploymentHandle
 
 from ray_hsdp import deadlines
 from ray_hsdp.config import AppConfig
@@ -38,10 +37,9 @@ class HSDPServer(VideoJobs, ModelFacts):
     Args:
         config: ``AppConfig`` fields as a dict (what the app builder passes).
         dims: The pool's mesh arithmetic, as the app builder computed it.
-        jobs: The application's video job table (``VideoJobTable``'s handle).
     """
 
-    def __init__(self, config: dict, dims: ParallelDims, jobs: DeploymentHandle):
+    def __init__(self, config: dict, dims: ParallelDims):
         show_logs()
         self.config = AppConfig(**config)
         self.dims = dims
@@ -49,9 +47,10 @@ class HSDPServer(VideoJobs, ModelFacts):
         self._placement = ray.util.get_current_placement_group()
         self._replica = serve.get_replica_context().replica_id.unique_id
         self.metrics = ReplicaMetrics(self.model_name)
-        self.jobs = jobs
-        #: Video id -> the task that runs it here (a drain releases those left).
+        self.jobs = None  # the cluster's video job store, found at its first use (``VideoJobs._store``)
+        #: Video id -> the task that runs it here (a drain releases those left), and the attempt it runs.
         self._videos: dict[str, asyncio.Task] = {}
+        self._attempts: dict[str, int] = {}
         #: Ids this replica cancelled lately (ids are unique: a bounded memory is enough).
         self._cancelled: collections.deque[str] = collections.deque(maxlen=4096)
         self._draining = False
@@ -83,7 +82,9 @@ class HSDPServer(VideoJobs, ModelFacts):
                     group = self.keeper.group
                     self.metrics.group(group.group_id, *group.load(), group.tick_stats())
                 self.metrics.keeper(self.keeper.failures, self.keeper.rebuilds)
-                self.metrics.video_jobs(self.jobs.counts.remote().result(timeout_s=self.config.metrics_interval_s))
+                if self.jobs is not None:
+                    counts = ray.get(self.jobs.counts.remote(), timeout=self.config.metrics_interval_s)
+                    self.metrics.video_jobs(counts)
             except Exception as err:  # noqa: BLE001 - a missed poll is reported again at the next one
                 logger.warning("Metrics poll failed: %s", err)
 

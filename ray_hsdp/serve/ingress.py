@@ -189,7 +189,7 @@ class OpenAIRoutes:
             raise RequestLimitError(f"limit must be between 1 and 100, got {limit}")
         if order not in ("asc", "desc"):
             raise RequestLimitError(f"order must be 'asc' or 'desc', got {order!r}")
-        page = await self.jobs.list.remote(limit, after, order)
+        page = await self.jobs.list.remote(self.endpoint, limit, after, order)
         if page is None:
             raise VideoNotFoundError(f"after={after!r} names no video")
         return page

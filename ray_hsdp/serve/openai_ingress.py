@@ -5,9 +5,9 @@ calls that pool's group deployment (``HSDPServer``, one replica per shard group)
 
 It is the one place where work moves between groups: a call whose group was lost (its replica's
 process or node died) or failed under it goes once more to another group of the model, with the
-seed the first run had; a video job released to the job table (its replica stopped reporting, its
-group failed under it, its replica was removed) is placed on another group of its model, which
-adopts it in the table. A synchronous video is a job like any other, waited for here.
+seed the first run had; a video job released in the job store (its replica stopped reporting, its
+group failed under it or filled, its replica was removed) is placed on another group of its model,
+which adopts it in the store. A synchronous video is a job like any other, waited for here.
 
 Results cross the hop encoded (PNG in the images response, MP4 bytes), never as frames."""
 
@@ -30,6 +30,8 @@ from ray_hsdp.serve.errors import (
     job_failure,
 )
 from ray_hsdp.serve.ingress import OpenAIRoutes, api, refuse_keyless, serve_http_host
+from ray_hsdp.serve.job_actor import open_store
+from ray_hsdp.serve.job_store import limits
 from ray_hsdp.serve.keys import KeyCheck, replica_key
 from ray_hsdp.serve.logs import show_logs
 from ray_hsdp.serve.schema import ImageGenerationRequest, VideoCreateRequest, with_seed
@@ -48,6 +50,13 @@ JOBS_POLL_S = 0.25
 #: How long a released job the ingress is placing stays its own (another ingress replica skips it).
 CLAIM_HOLD_S = 30.0
 
+#: The longest a group may take to answer one placement (``adopt_video``): a model whose groups
+#: cannot answer (none runs, or all are starting) delays only its own jobs, and only this long.
+PLACE_TIMEOUT_S = 10.0
+
+#: Why a job was released, for which its next group may be any, its last included: it was full.
+ROOM_CODES = ("overloaded",)
+
 
 @serve.deployment
 @serve.ingress(api)
@@ -57,7 +66,6 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
     Args:
         endpoint: ``EndpointConfig`` fields (the key, the limits).
         servers: Model id -> the handle of its group deployment, in the configuration's order.
-        jobs: The application's video job table (``VideoJobTable``'s handle).
         api_key: The key's check carried from where the application was built; ``None``: each
             replica finds its own (``serve.keys``).
     """
@@ -66,20 +74,24 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
         self,
         endpoint: dict,
         servers: dict[str, DeploymentHandle],
-        jobs: DeploymentHandle,
         api_key: KeyCheck | None = None,
     ):
         show_logs()
         self.config = EndpointConfig(**endpoint)
         app = serve.get_replica_context().app_name
+        #: The name the job store keeps this endpoint's jobs (and limits) under: the application's.
+        self.endpoint = app
         #: The check of the key every route but /health asks for (the guard reads it); None: none.
         self.key_check = replica_key(api_key, self.config, app)
         refuse_keyless(self.key_check, self.config, serve_http_host(), app)
         self.servers = servers
-        self.jobs = jobs
+        self.jobs = open_store(self.config.job_store, self.config.media_store)
+        # The endpoint's limits apply from now, to its jobs of earlier deployments too.
+        ray.get(self.jobs.configure.remote(self.endpoint, limits(self.config)), timeout=60)
         self._descriptions: dict[str, dict] = {}  # model id -> its /v1/models entry, once its group told it
         # Serve runs the constructor on the replica's event loop; the loop holds tasks weakly.
-        self._placer = asyncio.get_running_loop().create_task(self._place_released_jobs())
+        loop = asyncio.get_running_loop()
+        self._placers = [loop.create_task(self._place_released_jobs(model)) for model in self.servers]
 
     def _model(self, model: str | None) -> str:
         """The id of the model a request names; the only one where it names none."""
@@ -141,7 +153,8 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
         call is the same job."""
         body = with_seed(VideoCreateRequest.model_validate(request))
         video_id = f"video_{uuid.uuid4().hex}"
-        created, _ = await self._call(self._model(body.model), "create_video", body, video_id=video_id)
+        model = self._model(body.model)
+        created, _ = await self._call(model, "create_video", body, endpoint=self.endpoint, video_id=video_id)
         return created
 
     async def generate_video(self, request: dict | VideoCreateRequest) -> dict:
@@ -153,39 +166,43 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
         """
         created = await self.create_video(request)
         try:
-            while (video := await self.jobs.get.remote(created["id"])) is not None:
+            while (video := await self.jobs.get.remote(self.endpoint, created["id"])) is not None:
                 if video["status"] == "failed":
                     raise job_failure(video["error"])
                 if video["status"] == "completed":
                     return {"video": video, "mp4": await self.video_content(created["id"])}
                 await asyncio.sleep(JOBS_POLL_S)
         except asyncio.CancelledError:
-            self.jobs.delete.remote(created["id"])  # its group stops it at its next report
+            self.jobs.delete.remote(self.endpoint, created["id"])  # its group stops it at its next report
             raise
         raise RequestCancelledError(f"video {created['id']!r} was deleted while the call waited for it")
 
-    async def _place_released_jobs(self) -> None:
-        """This replica's share of the released jobs (``JobTable.claim``): each is sent to a group of
-        its model other than its last (``HSDPServer.adopt_video``), which owns it from then on. One
-        that no group takes now is claimed again after ``CLAIM_HOLD_S``, until the table fails it
-        (``video_lost_wait_s``)."""
+    async def _place_released_jobs(self, model: str) -> None:
+        """This replica's share of ``model``'s released jobs (``JobStore.claim``): each is sent to a
+        group of the model other than its last, unless it left that group for want of room
+        (``HSDPServer.adopt_video``), which adopts it as its next attempt. One that no group takes
+        within ``PLACE_TIMEOUT_S`` is claimed again after ``CLAIM_HOLD_S``, until the store fails
+        it (``video_lost_wait_s``). One task per model: a model without groups delays no other's."""
         while True:
             await asyncio.sleep(JOBS_POLL_S)
             try:
-                claimed = await self.jobs.claim.remote(list(self.servers), CLAIM_HOLD_S)
-            except Exception as err:  # noqa: BLE001 - the table answers again at the next round
-                logger.warning("Asking the job table for released video jobs failed: %s", err)
+                claimed = await self.jobs.claim.remote([model], CLAIM_HOLD_S)
+            except Exception as err:  # noqa: BLE001 - the store answers again at the next round
+                logger.warning("Asking the job store for released video jobs failed: %s", err)
                 continue
-            for video_id, model, (job, fps), last in claimed:
+            for video_id, _, spec, last, attempt, code in claimed:
+                avoid = None if code in ROOM_CODES else last
+                call = self.servers[model].adopt_video.remote(video_id, spec, attempt, avoid_replica=avoid)
                 try:
-                    await self.servers[model].adopt_video.remote(video_id, job, fps, avoid_replica=last)
-                    logger.info("Placed video job %s on another shard group of %s", video_id, model)
-                except Exception as err:  # noqa: BLE001 - claimed again later, or failed by the table
-                    logger.warning("No shard group of %s took video job %s: %s", model, video_id, remote_cause(err))
+                    if await asyncio.wait_for(call, PLACE_TIMEOUT_S):
+                        logger.info("Placed video job %s on another shard group of %s", video_id, model)
+                except Exception as err:  # noqa: BLE001 - claimed again later, or failed by the store
+                    call.cancel()
+                    logger.warning("No shard group of %s took video job %s: %r", model, video_id, remote_cause(err))
 
     async def delete_video(self, video_id: str) -> dict:
         """Deletes a job: afterwards its id is 404; the group running it stops it at its next report."""
-        if not await self.jobs.delete.remote(video_id):
+        if not await self.jobs.delete.remote(self.endpoint, video_id):
             raise VideoNotFoundError(f"no video {video_id!r} (never created, deleted, or expired)")
         return {"id": video_id, "object": "video.deleted", "deleted": True}
 

@@ -1,8 +1,9 @@
 """The video jobs of a replica (``HSDPServer``, whose group runs them): create, run to an MP4 in
-the application's job table, report progress (one poller per replica), take over jobs waiting on
-busy groups, run the jobs the ingress places here, and release to the table the jobs whose group
-failed or was removed (the ingress places them on another group: ``OpenAIIngress``). The job
-reads the ingress answers (``JobReads``) live here too."""
+the cluster's job store, report progress (one poller per replica), take over jobs waiting on busy
+groups, run the jobs the ingress places here, and release the jobs whose group failed, filled or
+was removed (the ingress places them on another group: ``OpenAIIngress``). Every change of a job's
+owner is a transition of the store (``job_store``), guarded by the job's attempt, which every
+report here carries. The job reads the ingress answers (``JobReads``) live here too."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ from ray_hsdp.serve.errors import (
     VideoNotReadyError,
     job_error_code,
 )
-from ray_hsdp.serve.jobs import DECODED, DENOISED
+from ray_hsdp.serve.job_actor import find_store
+from ray_hsdp.serve.job_records import decode_spec, encode_spec
+from ray_hsdp.serve.job_store import DECODED, DENOISED
 from ray_hsdp.serve.media import encode_mp4, encode_png
 from ray_hsdp.serve.schema import VideoCreateRequest, to_video_request
 
@@ -42,11 +45,12 @@ def _application_going() -> bool:
 
 
 class JobReads:
-    """A job's object and content, read from the application's job table (``self.jobs``)."""
+    """A job's object and content, read from the job store (``self.jobs``) as the endpoint
+    ``self.endpoint`` holds them."""
 
     async def video(self, video_id: str) -> dict:
         """The video object of a job."""
-        found = await self.jobs.get.remote(video_id)
+        found = await self.jobs.get.remote(self.endpoint, video_id)
         if found is None:
             raise VideoNotFoundError(f"no video {video_id!r} (never created, deleted, or expired)")
         return found
@@ -55,7 +59,7 @@ class JobReads:
         """The MP4 of a completed job, or its first frame as PNG (``variant="thumbnail"``)."""
         if variant not in ("video", "thumbnail"):
             raise RequestLimitError(f"variant must be 'video' or 'thumbnail', got {variant!r}")
-        status, content = await self.jobs.content.remote(video_id, variant)
+        status, content = await self.jobs.content.remote(self.endpoint, video_id, variant)
         if status == "missing":
             raise VideoNotFoundError(f"no video {video_id!r} (never created, deleted, or expired)")
         if status == "not_ready":
@@ -64,7 +68,14 @@ class JobReads:
 
 
 class VideoJobs:
-    """The video-job side of ``HSDPServer``."""
+    """The video-job side of ``HSDPServer``: ``self.jobs`` is the job store (found once an ingress
+    has started it), ``self._attempts`` the attempt of each job that runs here."""
+
+    async def _store(self):
+        """The cluster's job store (``job_actor``)."""
+        if self.jobs is None:
+            self.jobs = await asyncio.to_thread(find_store)
+        return self.jobs
 
     def _refusal(self, message: str) -> GroupFailedError:
         """A refusal the ingress retries on another group: it names this replica, the one to avoid."""
@@ -83,23 +94,35 @@ class VideoJobs:
 
     async def _drain_videos(self) -> None:
         """The replica is removed: its video jobs get ``drain_timeout_s`` to finish; then each is
-        released to the job table for the ingress to place on another group (its seed makes the
-        same video there), and stopped here. When the whole application goes (serve.delete,
-        shutdown), its job table goes with it: nothing would keep a drained job's video, and
-        nothing is drained."""
+        released in the store for the ingress to place on another group (its seed makes the same
+        video there), and stopped here. When the whole application goes (serve delete), no group
+        of it will take them: they fail at once, with that reason."""
         tasks = dict(getattr(self, "_videos", {}))
-        if tasks and not await asyncio.to_thread(_application_going):
+        if not tasks:
+            return
+        jobs = await self._store()
+        if await asyncio.to_thread(_application_going):
+            why = f"the application serving {self.model_name} was deleted"
+            await asyncio.gather(
+                *(jobs.fail.remote(v, "group_failed", why, self._replica, self._attempts[v]) for v in tasks)
+            )
+        else:
             logger.info("Draining %d video jobs (drain_timeout_s=%g)", len(tasks), self.config.drain_timeout_s)
             await asyncio.wait(tasks.values(), timeout=self.config.drain_timeout_s)
             why = f"the shard group running it was removed and drain_timeout_s={self.config.drain_timeout_s:g} passed"
             for video_id, task in tasks.items():
                 if not task.done():
-                    await self.jobs.release.remote(video_id, self._replica, "drained", why)
-                    task.cancel()
-            await asyncio.gather(*tasks.values(), return_exceptions=True)
+                    await jobs.release.remote(video_id, self._replica, self._attempts[video_id], "drained", why)
+        for task in tasks.values():
+            task.cancel()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
 
     async def create_video(
-        self, request: dict | VideoCreateRequest, video_id: str | None = None, avoid_replica: str | None = None
+        self,
+        request: dict | VideoCreateRequest,
+        endpoint: str,
+        video_id: str | None = None,
+        avoid_replica: str | None = None,
     ) -> dict:
         """Creates a video job (``POST /v1/videos``) and starts it; returns the video object at
         once, in every state of the group: while the group is rebuilt, the job waits queued (and
@@ -107,6 +130,7 @@ class VideoJobs:
 
         Args:
             request: The body, its seed drawn.
+            endpoint: The application whose ingress took it (the store keeps its jobs apart).
             video_id: The job's id, picked by the ingress: a create it sends again after its first
                 replica was lost under the call adopts the job that call may have created.
             avoid_replica: The replica whose group failed the first call (it refuses the retry).
@@ -133,58 +157,68 @@ class VideoJobs:
             "guidance_scale_2": job.guidance_scale_2,
             "flow_shift": job.flow_shift,
         }
-        status, created = await self.jobs.create.remote(fields, self._replica, (job, fps), video_id)
+        jobs = await self._store()
+        status, created = await jobs.create.remote(endpoint, fields, self._replica, encode_spec(job, fps), video_id)
         if status == "full":
             raise JobTableFullError(created)
-        if status == "ended" or created["id"] in self._videos:
-            return created  # the first call's job: it ran to its end meanwhile, or runs here already
+        if status == "ended":
+            return created  # the first call's job: it ran to its end meanwhile
         job = dataclasses.replace(job, request_id=created["id"])
         future = None
         current = self.keeper.current()
-        if current.done() and current.exception() is None:
+        if created["id"] not in self._videos and current.done() and current.exception() is None:
             try:
                 future = current.result().submit(job)
             except GroupOverloadedError:
-                await self.jobs.delete.remote(created["id"])
+                await jobs.delete.remote(endpoint, created["id"])
                 raise
             except GroupFailedError:
                 pass  # it failed just now: the job's task waits for the rebuild, or is released
-        self._start_video(created["id"], job, fps, future)
+        self._start_video(created["id"], created["attempt"], job, fps, future)
         return created
 
-    def _start_video(self, video_id: str, job: GenerationRequest, fps: int, future=None) -> None:
-        """Runs a video job in the background on this replica's group, to its MP4 in the table.
-
-        The job is this replica's from now on: a cancel of an earlier copy of it here (its queued
-        copy, stopped when another replica took it over, which may hand it back) no longer applies."""
+    def _start_video(self, video_id: str, attempt: int, job: GenerationRequest, fps: int, future=None) -> None:
+        """Runs ``attempt`` of a video job in the background on this replica's group, to its MP4 in
+        the store. Where a copy of the job runs here already (not stopped), it runs on as this
+        attempt; a stop of an earlier copy here no longer applies."""
+        self._attempts[video_id] = attempt
+        if video_id in self._videos and video_id not in self._cancelled:
+            return
         while video_id in self._cancelled:
             self._cancelled.remove(video_id)
         task = asyncio.create_task(self._run_video(video_id, job, fps, future))
         self._videos[video_id] = task
-        task.add_done_callback(lambda _: self._videos.pop(video_id, None))
+        task.add_done_callback(lambda done: self._forget_video(video_id, done))
 
-    async def adopt_video(self, video_id: str, job: GenerationRequest, fps: int, avoid_replica: str) -> bool:
-        """Runs a job the ingress placed here (``OpenAIIngress``): its group was lost, failed
-        under it, or was removed; the job table makes this replica its owner, and its seed makes
-        the same video here. It waits its turn anew. Returns once the job runs here (False: the
-        job is gone or ended).
+    def _forget_video(self, video_id: str, task: asyncio.Task) -> None:
+        if self._videos.get(video_id) is task:
+            del self._videos[video_id]
+            self._attempts.pop(video_id, None)
+
+    async def adopt_video(self, video_id: str, spec: str, attempt: int, avoid_replica: str | None = None) -> bool:
+        """Runs a job the ingress placed here (``OpenAIIngress``) as the next attempt of the
+        released ``attempt``: its group was lost, failed under it, filled, or was removed; its
+        seed makes the same video here. It waits its turn anew. Returns once the job runs here
+        (False: another replica adopted that attempt, or the job is gone or ended).
 
         Raises:
             GroupFailedError: This is the replica to avoid, or it is being removed too.
         """
         if avoid_replica == self._replica or self._draining:
             raise self._refusal("this shard group is the one the job left, or is being removed; it cannot take it")
-        if not await self.jobs.adopt.remote(video_id, self._replica):
-            return False  # deleted or expired meanwhile: nothing to take over
+        new_attempt = await (await self._store()).adopt.remote(video_id, self._replica, attempt)
+        if new_attempt is None:
+            return False
+        job, fps = decode_spec(spec)
         job = dataclasses.replace(deadlines.waits_anew(job, self.config), request_id=video_id)
-        self._start_video(video_id, job, fps)
+        self._start_video(video_id, new_attempt, job, fps)
         return True
 
     async def _take_waiting_jobs(self, waited_s: float) -> None:
         """While this group has idle lanes (``ShardGroup.idle_lanes``: nothing runs there, and
-        nothing waits for them): takes over the video jobs that have waited queued for ``waited_s``
-        on other, busy groups, one per idle lane (the job table picks the oldest; their first
-        replicas stop their copies at their next report)."""
+        nothing waits for them): adopts the video jobs that have waited queued for ``waited_s``
+        on other, busy groups, one per idle lane (the store picks the oldest; their first
+        replicas stop their copies at their next report, refused for its old attempt)."""
         while not self._stopping.is_set():
             await asyncio.sleep(waited_s / 2)
             if self._draining or self.keeper is None or not self.keeper.ready:
@@ -192,60 +226,68 @@ class VideoJobs:
             group = self.keeper.group
             for _ in range(group.idle_lanes()):
                 try:
-                    taken = await self.jobs.take_waiting.remote(self._replica, waited_s, self.model_name)
-                except Exception as err:  # noqa: BLE001 - the table answers again at the next round
-                    logger.warning("Asking the job table for waiting video jobs failed: %s", err)
+                    jobs = await self._store()
+                    taken = await jobs.take_waiting.remote(self._replica, self.model_name, waited_s)
+                except Exception as err:  # noqa: BLE001 - the store answers again at the next round
+                    logger.warning("Asking the job store for waiting video jobs failed: %s", err)
                     break
                 if taken is None:
                     break
-                video_id, (job, fps) = taken
-                if video_id in self._videos:
-                    continue  # released back to its first replica before it had stopped its copy: it runs on
+                video_id, spec, attempt = taken
+                job, fps = decode_spec(spec)
                 job = dataclasses.replace(job, request_id=video_id)
-                try:  # requests that came in while the table answered may have filled the group
-                    future = group.submit(job)
+                try:  # requests that came in while the store answered may have filled the group
+                    future = group.submit(job) if video_id not in self._videos else None
                 except (GroupOverloadedError, GroupFailedError) as err:
                     logger.info("Could not take over video job %s: %s", video_id, err)
                     why = f"a group that took it over could not run it ({err})"
-                    await self.jobs.release.remote(video_id, self._replica, job_error_code(err), why)
+                    await jobs.release.remote(video_id, self._replica, attempt, job_error_code(err), why)
                     break
                 logger.info("Took over video job %s, which waited queued on a busy shard group", video_id)
-                self._start_video(video_id, job, fps, future)
+                self._start_video(video_id, attempt, job, fps, future)
 
     async def _run_video(self, video_id: str, job: GenerationRequest, fps: int, future) -> BaseException | None:
-        """Runs a job to its MP4 in the table; returns the error that failed it, if any. A job
-        whose group fails under it is released to the table, for the ingress to place on another
-        group (with one group, it fails). Its MP4 is encoded only by the replica that still owns it."""
+        """Runs a job to its MP4 in the store; returns the error that failed it, if any. A job
+        whose group fails under it is released for the ingress to place on another group (with
+        one group, it fails); one placed here while the group is full is released to wait for
+        room. Its MP4 is stored only if this replica's attempt is still the job's."""
+        jobs = await self._store()
         try:
             try:
                 result = await self._result(job, future)
+            except GroupOverloadedError as err:
+                why = f"placed on a full shard group ({err})"
+                attempt, hold = self._attempts[video_id], self.config.retry_after_s
+                await jobs.release.remote(video_id, self._replica, attempt, "overloaded", why, hold)
+                return None
             except GroupFailedError as err:
                 # (A replica being removed releases its jobs itself: ``_drain_videos``.)
                 if self._draining or serve.get_replica_context().world_size < 2:
                     raise
                 logger.warning("Releasing video job %s for another shard group after: %s", video_id, err)
-                await self.jobs.release.remote(video_id, self._replica, "group_failed", str(err))
+                await jobs.release.remote(video_id, self._replica, self._attempts[video_id], "group_failed", str(err))
                 return None
-            if not await self.jobs.update.remote(video_id, self._replica, progress=DECODED):
-                return None  # deleted, or another replica owns it: its video is not this run's
+            if not await jobs.report.remote(video_id, self._replica, self._attempts[video_id], progress=DECODED):
+                return None  # deleted, or its attempt is another replica's: its video is not this run's
             frames = result.frames[0]
             mp4 = await asyncio.to_thread(encode_mp4, frames, fps)  # off the event loop, far from any tick
             size = f"{frames.shape[2]}x{frames.shape[1]}"  # the output's: a pipeline may pick it from the image
-            await self.jobs.complete.remote(video_id, mp4, encode_png(frames[0]), self._replica, size)
+            attempt = self._attempts[video_id]
+            await jobs.complete.remote(video_id, self._replica, attempt, mp4, encode_png(frames[0]), size)
             return None
         except RequestCancelledError as err:
-            return err  # deleted: nothing is kept
+            return err  # deleted or moved: nothing is kept
         except Exception as err:  # noqa: BLE001 - the job says why it failed
             err = remote_cause(err)
             logger.warning("Video job %s failed: %s", video_id, err)
-            await self.jobs.fail.remote(video_id, job_error_code(err), str(err), self._replica)
+            await jobs.fail.remote(video_id, job_error_code(err), str(err), self._replica, self._attempts[video_id])
             return err
 
     async def _poll_progress(self) -> None:
         """The replica's one progress poller: every ``PROGRESS_INTERVAL_S``, one look at the
-        group's progress, and a report of each of this replica's video jobs to the table (also
-        its heartbeat, queued or running). A job the table answers is gone (deleted, failed by its
-        sweep, taken over by another replica) is cancelled here."""
+        group's progress, and a report of each of this replica's video jobs to the store (also
+        its heartbeat, queued or running). A job the store refuses (gone, ended, or its attempt
+        no longer this replica's) is stopped here."""
         while not self._stopping.is_set():
             await asyncio.sleep(PROGRESS_INTERVAL_S)
             videos = list(self._videos)
@@ -255,13 +297,16 @@ class VideoJobs:
                 states = await asyncio.to_thread(self.group.progress)
             except Exception:  # noqa: BLE001 - a failed group answers its jobs itself
                 states = {}
+            jobs = await self._store()
+            attempts = [self._attempts.get(video_id, 0) for video_id in videos]
             reports = []
-            for video_id in videos:  # a job's request id is its video id
+            for video_id, attempt in zip(videos, attempts):  # a job's request id is its video id
                 state = states.get(video_id)
                 running = state is not None and state["state"] == "running"
                 progress = DENOISED * state["step"] // max(state["total"], 1) if running else None
-                reports.append(self.jobs.update.remote(video_id, self._replica, progress=progress, running=running))
+                reports.append(jobs.report.remote(video_id, self._replica, attempt, progress=progress, running=running))
             kept = await asyncio.gather(*reports, return_exceptions=True)
-            for video_id, still in zip(videos, kept):
-                if still is False and video_id in self._videos:
+            for video_id, attempt, still in zip(videos, attempts, kept):
+                # (A job adopted here again meanwhile runs on under its new attempt.)
+                if still is False and self._attempts.get(video_id) == attempt:
                     self._cancel(video_id)

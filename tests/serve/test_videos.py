@@ -290,143 +290,29 @@ def test_the_job_table_refuses_work_at_its_limits_and_forgets_expired_jobs(limit
     assert over.status_code == 429 and "max_video_bytes" in over.json()["error"]["message"]
 
 
-def test_a_job_whose_replica_stops_reporting_is_released_then_fails_and_stays_failed():
-    """A replica that dies cannot say so: once it has not reported for a while its job is released
-    (owned by none, for the ingress to place); one that no group takes within ``lost_wait_s``
-    fails, and a failed job never completes afterwards (the table's transitions forbid it)."""
-    from ray_hsdp.serve.jobs import JobTable
-
-    table = JobTable(max_jobs=4, max_bytes=2**20, ttl_s=60, stale_after_s=0.3, lost_wait_s=0.3)
-    status, video = table.create({"model": "m", "prompt": "p", "size": "64x64"}, "a", ("spec", 16))
-    assert status == "ok" and table.update(video["id"], "a", progress=30)
-    time.sleep(0.4)  # a stopped reporting
-    assert table.get(video["id"])["status"] == "in_progress"  # released: it waits for another group
-    assert table.claim(["m"], hold_s=60) == [(video["id"], "m", ("spec", 16), "a")]
-    time.sleep(0.4)  # no group adopted it within lost_wait_s
-    failed = table.get(video["id"])
-    assert failed["status"] == "failed" and failed["error"]["code"] == "replica_lost", failed
-    assert "no other group took it over within video_lost_wait_s" in failed["error"]["message"]
-    assert failed["progress"] == 30 and failed["completed_at"] is not None
-    # Its replica comes back to life too late: the job stays failed, nothing is stored.
-    assert table.update(video["id"], "a", progress=60) is False
-    assert table.complete(video["id"], b"mp4", b"png", "a") is False
-    assert table.adopt(video["id"], "b") is False
-    assert table.content(video["id"], "video") == ("not_ready", "failed")
-    assert table.fail(video["id"], "other", "later") is False  # terminal: the first reason stays
-    assert table.get(video["id"])["error"]["code"] == "replica_lost"
-
-
-def test_a_released_job_is_placed_once_on_another_group_of_its_model_with_one_record():
-    """Issue 63: a job released by its replica (its group failed under it) or by the sweep (its
-    replica stopped reporting) is claimed by one ingress replica for a group of its own model, and
-    adopted there: the first replica's late reports and MP4 are refused, so it completes once."""
-    from ray_hsdp.serve.jobs import JobTable
-
-    table = JobTable(max_jobs=8, max_bytes=2**20, ttl_s=60, stale_after_s=60, lost_wait_s=60)
-    _, failed_under = table.create({"model": "wan", "prompt": "group failed"}, "a", ("spec 1", 16))
-    _, other_model = table.create({"model": "qwen", "prompt": "its own model"}, "a", ("spec 2", 16))
-    assert table.update(failed_under["id"], "a", progress=40)
-    table.release(failed_under["id"], "a", "group_failed", "rank 1 died")
-    table.release(other_model["id"], "z", "group_failed", "not z's to release")  # z does not own it
-    assert table.claim(["qwen"], hold_s=60) == []
-    assert table.claim(["wan"], hold_s=60) == [(failed_under["id"], "wan", ("spec 1", 16), "a")]
-    assert table.claim(["wan"], hold_s=60) == []  # held by the first claimant
-    time.sleep(0.2)
-    assert table.adopt(failed_under["id"], "b")
-    # A takeover counts its wait from the adoption (issue 54: a third group took a job the second ran).
-    assert table.take_waiting("c", waited_s=0.15, model="wan") is None
-    assert table.claim(["wan"], hold_s=0) == []  # owned again
-    assert table.update(failed_under["id"], "a", progress=60) is False  # a stops its copy
-    assert table.update(failed_under["id"], "b", running=True)
-    assert table.complete(failed_under["id"], b"a's", b"png", "a") is False
-    assert table.complete(failed_under["id"], b"b's", b"png", "b")
-    assert table.content(failed_under["id"], "video") == ("ok", b"b's")
-    moved = table.get(failed_under["id"])
-    assert (moved["status"], moved["replica"], moved["retried"]) == ("completed", "b", True)
-
-
-def test_a_create_sent_again_with_its_id_is_the_same_job():
-    """The ingress picks a job's id: a create it sends again after its replica was lost under the
-    call adopts the job the first call made (one record), and one that has ended is left be."""
-    from ray_hsdp.serve.jobs import JobTable
-
-    table = JobTable(max_jobs=8, max_bytes=2**20, ttl_s=60, stale_after_s=60)
-    assert table.create({"prompt": "p"}, "a", ("spec", 16), "video_x")[0] == "ok"
-    status, again = table.create({"prompt": "p"}, "b", ("spec", 16), "video_x")
-    assert (status, again["id"], again["retried"]) == ("ok", "video_x", True) and len(table.jobs) == 1
-    assert table.update("video_x", "a") is False and table.complete("video_x", b"mp4", b"png", "b")
-    assert table.create({"prompt": "p"}, "c", ("spec", 16), "video_x")[0] == "ended"
-    assert table.create({"prompt": "q"}, "c", ("spec", 16), "video_y")[1]["id"] == "video_y"
-
-
-def test_the_job_table_moves_only_forward():
-    from ray_hsdp.serve.jobs import TRANSITIONS, JobTable
-
-    table = JobTable(max_jobs=4, max_bytes=2**20, ttl_s=60, stale_after_s=60)
-    _, video = table.create({"prompt": "p"}, "a", ("spec", 16))
-    assert table.update(video["id"], "a", running=True) and table.get(video["id"])["status"] == "in_progress"
-    assert table.complete(video["id"], b"mp4", b"png", "a") and table.get(video["id"])["progress"] == 100
-    assert table.fail(video["id"], "late", "too late") is False and table.get(video["id"])["status"] == "completed"
-    assert all(not TRANSITIONS[state] for state in ("completed", "failed"))
-
-
-def test_a_job_waiting_on_a_busy_group_moves_once_to_a_group_with_a_free_lane():
-    """A queued job that waited long enough goes to the asking replica, and its first replica's
-    next report fails, which stops its copy there; a running job, a job of the asker's own, or one
-    that waited too little stays. One the taker cannot run after all is released to the ingress."""
-    from ray_hsdp.serve.jobs import JobTable
-
-    table = JobTable(max_jobs=8, max_bytes=2**20, ttl_s=60, stale_after_s=60)
-    _, running = table.create({"prompt": "running"}, "a", ("spec running", 16))
-    _, waiting = table.create({"prompt": "waiting"}, "a", ("spec waiting", 16))
-    _, own = table.create({"model": "m", "prompt": "own"}, "b", ("spec own", 16))
-    assert table.update(running["id"], "a", running=True)
-    assert table.take_waiting("b", waited_s=60) is None  # nothing waited a minute
-    time.sleep(0.05)
-    assert table.take_waiting("b", waited_s=0.01) == (waiting["id"], ("spec waiting", 16))
-    assert table.update(waiting["id"], "a") is False  # the first replica stops its copy
-    assert table.fail(waiting["id"], "group_failed", "its copy's failure", "a") is False  # not the job's
-    assert table.update(waiting["id"], "b", running=True)
-    moved = table.get(waiting["id"])
-    assert moved["status"] == "in_progress" and moved["replica"] == "b" and moved["retried"] is False
-    assert table.take_waiting("b", waited_s=0.01) is None  # the running job and b's own stay
-    assert table.take_waiting("c", waited_s=0.01) == (own["id"], ("spec own", 16))
-    assert "_spec" not in moved and "_owner" not in moved
-    # The first replica's copy of the moved job ran to the end anyway: its video is not the job's.
-    assert table.complete(waiting["id"], b"a's mp4", b"png", "a") is False
-    assert table.complete(waiting["id"], b"b's mp4", b"png", "b")
-    assert table.content(waiting["id"], "video") == ("ok", b"b's mp4")
-    # c's group filled up meanwhile: the job is released, and the sweep leaves it be (owned by none,
-    # nobody reports for it) while the ingress places it.
-    table.release(own["id"], "c", "overloaded", "c's group filled up")
-    assert table.update(own["id"], "b") is False and table.take_waiting("b", waited_s=0) is None
-    table.stale_after_s = 0.01
-    time.sleep(0.05)
-    assert table.get(own["id"])["status"] == "queued"
-    assert table.claim(["m"], hold_s=60) == [(own["id"], "m", ("spec own", 16), "c")]
-
-
-def test_a_redeploy_applies_new_limits_and_serve_delete_removes_the_table(limited, server):
-    """The table belongs to the app: a redeploy's limits apply, and the app's deletion takes the
-    table and its MP4s with it."""
+def test_jobs_and_their_mp4s_outlive_a_redeploy_and_the_apps_deletion(limited, server):
+    """The records and MP4s live in the cluster's job store, not in the application: a redeploy's
+    limits apply to them, and a completed job's MP4 downloads after the redeploy and is still in
+    the store after ``serve delete`` (issue 73; before, the table and its MP4s went with the app)."""
+    import ray
     from ray import serve
+
+    from ray_hsdp.serve.job_actor import find_store
 
     url = f"{limited}/v1/videos"
     body = {"prompt": "a", "num_frames": 5}
     codes = [requests.post(url, json=body, timeout=60).status_code for _ in range(3)]
     assert 429 in codes, codes  # max_video_jobs=2 (or the bytes of the limits test's MP4s)
-    deploy(server, "limited", {**LIMITED, "max_video_jobs": 100, "max_video_bytes": 2**30})
+    before = requests.get(url, timeout=60).json()["data"]
+    deploy(server, "limited", {**LIMITED, "max_video_jobs": 100, "max_video_bytes": 2**30, "video_ttl_s": 600})
+    after = requests.get(url, timeout=60).json()["data"]
+    assert {v["id"] for v in before} <= {v["id"] for v in after}, (before, after)  # none lost
     again = requests.post(url, json=body, timeout=60)
     assert again.status_code == 200, again.text  # the redeploy's limits
-    assert tables("limited")
+    video = wait_done(url, again.json()["id"])
+    assert video["status"] == "completed", video
+    mp4 = requests.get(f"{url}/{video['id']}/content", timeout=60).content
     serve.delete("limited")
-    assert "limited" not in serve.status().applications
-    wait_until(lambda: not tables("limited"), 30, "the job table's replica going with its app")
-
-
-def tables(app: str) -> list[str]:
-    """The live job-table replica actors of ``app`` (Serve names them after app and deployment)."""
-    import ray
-
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
-    return [n for n in names if "VideoJobTable" in n and f"{app}#" in n]
+    store = find_store()
+    assert ray.get(store.get.remote("limited", video["id"]))["status"] == "completed"
+    assert ray.get(store.content.remote("limited", video["id"], "video")) == ("ok", mp4)

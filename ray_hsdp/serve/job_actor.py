@@ -1,0 +1,106 @@
+"""The cluster's video job store as a Ray actor that no deployment owns.
+
+A detached actor on the head node (beside Serve's controller: a cluster that loses its head loses
+Serve anyway), named, so that every ingress and group replica of every application reaches the
+same one, and no ``serve deploy``, ``serve delete`` or replica restart takes it. Ray restarts it
+if its process dies; it then reopens its database, where every record already is.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import ray
+
+from ray_hsdp.serve.job_store import JobStore
+
+#: The store actor's name and Ray namespace.
+STORE_NAME = "video_jobs"
+STORE_NAMESPACE = "ray_hsdp"
+
+
+def default_folder() -> Path:
+    """Where the embedded store keeps its SQLite file and MP4s: under the Ray session's folder on
+    the head node (it outlives every deployment, not the Ray cluster); outside Ray, under the
+    user's data directory."""
+    try:
+        node = ray._private.worker.global_worker.node  # Ray has no public reader of the session folder
+        return Path(node.get_session_dir_path()) / "ray_hsdp" / "video_jobs"
+    except Exception:  # noqa: BLE001 - not in a Ray worker
+        data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+        return Path(data) / "ray_hsdp" / "video_jobs"
+
+
+class StoreActor(JobStore):
+    """``JobStore`` with the embedded defaults resolved where it runs (the head node).
+
+    Args:
+        job_store: The records' SQLAlchemy URL; ``None``: SQLite in ``default_folder()``.
+        media_store: The MP4s' folder or fsspec URL; ``None``: ``default_folder()/media``.
+    """
+
+    def __init__(self, job_store: str | None, media_store: str | None):
+        self._configured = (job_store, media_store)
+        folder = default_folder()
+        if job_store is None or media_store is None:
+            folder.mkdir(parents=True, exist_ok=True)
+        super().__init__(job_store or f"sqlite:///{folder / 'jobs.sqlite'}", media_store or str(folder / "media"))
+
+    def configured(self) -> tuple[str | None, str | None]:
+        """The ``job_store`` and ``media_store`` it was started with (``None``: the default)."""
+        return self._configured
+
+
+def open_store(job_store: str | None, media_store: str | None, timeout_s: float = 60.0):
+    """The cluster's store actor, started with these locations if none runs yet.
+
+    Raises:
+        ValueError: A store runs with other locations (one cluster, one store: say the same
+            ``job_store`` and ``media_store`` in every endpoint of the cluster).
+    """
+    actor = (
+        ray.remote(StoreActor)
+        .options(
+            name=STORE_NAME,
+            namespace=STORE_NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            resources={"node:__internal_head__": 0.001},
+            max_restarts=-1,
+            # A call in flight when its process died runs again on the restarted store: the
+            # transitions are guarded by owner and attempt, and a repeated complete answers as the first.
+            max_task_retries=-1,
+        )
+        .remote(job_store, media_store)
+    )
+    running = ray.get(actor.configured.remote(), timeout=timeout_s)
+    if tuple(running) != (job_store, media_store):
+        raise ValueError(
+            f"this cluster's video job store runs with job_store={running[0]!r}, media_store={running[1]!r}; "
+            f"this endpoint asks for job_store={job_store!r}, media_store={media_store!r}: give every endpoint "
+            "of the cluster the same two fields (or stop the store: ray.kill of the actor "
+            f"{STORE_NAME!r} in namespace {STORE_NAMESPACE!r})"
+        )
+    return actor
+
+
+def find_store(timeout_s: float = 60.0):
+    """The cluster's store actor, once an ingress has started it.
+
+    Raises:
+        TimeoutError: None runs after ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get_actor(STORE_NAME, namespace=STORE_NAMESPACE)
+        except ValueError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"no video job store ({STORE_NAME!r} in namespace {STORE_NAMESPACE!r}) after {timeout_s:g}s: "
+                    "an endpoint's ingress starts it"
+                ) from None
+            time.sleep(0.5)

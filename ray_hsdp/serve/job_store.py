@@ -1,0 +1,441 @@
+"""The video job store and its one state machine.
+
+Every change of a job's state or owner is one transition here, one database transaction, guarded
+by the job's ``owner`` and ``attempt`` (a compare-and-set ``UPDATE ... WHERE``): a report of an
+earlier attempt is refused, and one attempt is adopted once whichever replicas race, with one
+store process or several. The records and the MP4s outlive every deployment: they live in a
+database (SQLAlchemy URL: SQLite by default, PostgreSQL for several nodes) and a media store
+(``job_media``), not in any replica's memory.
+
+    create ──> queued ──start──> in_progress ──complete──> completed
+                 │  ▲               │
+                 │  └──adopt────────┤ (released: owned by none, progress back to 0)
+                 │    (attempt + 1) │
+                 └──release─────────┘
+    fail, cancel (delete) and expire end a job from any active state; terminal states never change.
+
+A store serves several endpoints (applications) of one cluster: each job belongs to the endpoint
+whose ingress took it, and each endpoint has its own limits (``configure``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+from sqlalchemy import and_, create_engine, delete, event, func, insert, select, update
+
+from ray_hsdp.serve.job_media import JobMedia
+from ray_hsdp.serve.job_records import ACTIVE, endpoints_table, jobs_table, metadata, public
+
+#: Progress (0-100) at the end of denoising; decode and MP4 encoding fill the rest.
+DENOISED = 90
+DECODED = 95
+
+#: The transitions of a job, each a method of ``JobStore`` (and the only writers of a job's row).
+TRANSITIONS = ("create", "start", "release", "claim", "adopt", "complete", "fail", "cancel", "expire")
+
+#: The default limits of an endpoint that has not configured its own.
+DEFAULT_LIMITS = {"max_jobs": 256, "max_bytes": 2 * 1024**3, "ttl_s": 3600.0, "stale_after_s": 60.0,
+                  "lost_wait_s": 300.0}  # fmt: skip
+
+#: How often at most the store looks for expired, stale and lost jobs (at a call, not in a thread).
+SWEEP_EVERY_S = 0.2
+
+
+def limits(config) -> dict:
+    """An endpoint's limits from its ``EndpointConfig`` (or an ``AppConfig``)."""
+    return {
+        "max_jobs": config.max_video_jobs,
+        "max_bytes": config.max_video_bytes,
+        "ttl_s": config.video_ttl_s,
+        "stale_after_s": config.video_stale_after_s,
+        "lost_wait_s": config.video_lost_wait_s,
+    }
+
+
+def _released(code: str, why: str, hold_s: float = 0.0) -> dict:
+    """A released job's values: queued, owned by none, back at progress 0, waiting since now, not
+    placed again for ``hold_s``."""
+    now = time.time()
+    return dict(owner=None, status="queued", progress=0, heartbeat=now, released_at=now, released_code=code,
+                released_why=why, claimed_until=now + hold_s)  # fmt: skip
+
+
+def _engine(url: str):
+    if url.startswith("sqlite"):
+        # One store process writes; readers wait for a write rather than fail.
+        engine = create_engine(url, connect_args={"timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _wal(connection, _):  # a write then never blocks the readers
+            connection.execute("PRAGMA journal_mode=WAL")
+            connection.execute("PRAGMA synchronous=NORMAL")
+
+        return engine
+    return create_engine(url, pool_pre_ping=True)
+
+
+class JobViews:
+    """What callers read of the store (``JobStore`` holds the engine, the media and the limits)."""
+
+    def _row(self, conn, video_id: str, endpoint: str | None = None):
+        query = select(jobs_table).where(jobs_table.c.id == video_id)
+        if endpoint is not None:
+            query = query.where(jobs_table.c.endpoint == endpoint)
+        return conn.execute(query).first()
+
+    def get(self, endpoint: str, video_id: str) -> dict | None:
+        """The video object, or ``None`` when the endpoint has no such job (any more)."""
+        self._sweep()
+        with self.engine.connect() as conn:
+            row = self._row(conn, video_id, endpoint)
+        return public(row) if row is not None else None
+
+    def list(self, endpoint: str, limit: int, after: str | None, order: str) -> dict | None:
+        """A page of video objects (``order`` ``desc``: newest first), or ``None`` when ``after``
+        names no job."""
+        self._sweep()
+        c = jobs_table.c
+        with self.engine.connect() as conn:
+            query = select(jobs_table).where(c.endpoint == endpoint)
+            if after is not None:
+                anchor = self._row(conn, after, endpoint)
+                if anchor is None:
+                    return None
+                query = query.where(c.seq < anchor.seq if order == "desc" else c.seq > anchor.seq)
+            query = query.order_by(c.seq.desc() if order == "desc" else c.seq.asc()).limit(limit + 1)
+            rows = conn.execute(query).all()
+        page = [public(row) for row in rows[:limit]]
+        return {
+            "object": "list",
+            "data": page,
+            "has_more": len(rows) > limit,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+        }
+
+    def content(self, endpoint: str, video_id: str, variant: str) -> tuple[str, bytes | str | None]:
+        """``("ok", bytes)``, ``("missing", None)`` or ``("not_ready", status)``."""
+        self._sweep()
+        with self.engine.connect() as conn:
+            row = self._row(conn, video_id, endpoint)
+        if row is None:
+            return "missing", None
+        if row.status != "completed":
+            return "not_ready", row.status
+        return "ok", self.media.read(row.media_key, variant)
+
+    def counts(self, endpoint: str | None = None) -> dict[str, int]:
+        """Jobs kept, by status (the metrics' gauge), of one endpoint or of all."""
+        self._sweep()
+        c = jobs_table.c
+        query = select(c.status, func.count()).group_by(c.status)
+        if endpoint is not None:
+            query = query.where(c.endpoint == endpoint)
+        with self.engine.connect() as conn:
+            return {status: int(n) for status, n in conn.execute(query).all()}
+
+    def location(self) -> tuple[str, str]:
+        """Where the records and the media live (an ingress checks that they are its config's)."""
+        return self.url, self.media.url
+
+
+class JobStore(JobViews):
+    """The video jobs of a cluster's endpoints, their MP4s, and their transitions.
+
+    Args:
+        url: The records' SQLAlchemy URL (``sqlite:////path/jobs.sqlite``, ``postgresql+psycopg://...``).
+        media: The MP4s' folder or fsspec URL.
+    """
+
+    def __init__(self, url: str, media: str):
+        self.url = url
+        self.engine = _engine(url)
+        metadata.create_all(self.engine)
+        self.media = JobMedia(media)
+        self._limits: dict[str, dict] = {}
+        self._swept = 0.0
+        self._sweep_lock = threading.Lock()
+
+    # ---- the endpoints' limits ---------------------------------------------------------------
+
+    def configure(self, endpoint: str, new_limits: dict) -> None:
+        """Sets an endpoint's limits (its ingress at each start, so an edit applies with no restart
+        of any group); kept in the database for a restarted store."""
+        with self.engine.begin() as conn:
+            conn.execute(delete(endpoints_table).where(endpoints_table.c.endpoint == endpoint))
+            conn.execute(insert(endpoints_table).values(endpoint=endpoint, limits=dict(new_limits)))
+        self._limits[endpoint] = {**DEFAULT_LIMITS, **new_limits}
+
+    def limits_of(self, endpoint: str) -> dict:
+        if endpoint not in self._limits:
+            with self.engine.connect() as conn:
+                row = conn.execute(select(endpoints_table).where(endpoints_table.c.endpoint == endpoint)).first()
+            self._limits[endpoint] = {**DEFAULT_LIMITS, **(row.limits if row is not None else {})}
+        return self._limits[endpoint]
+
+    # ---- transitions -------------------------------------------------------------------------
+
+    def _guarded(self, conn, video_id: str, owner: str | None, attempt: int | None, values: dict) -> bool:
+        """One compare-and-set: the job is active (and, where given, ``owner``'s ``attempt``)."""
+        c = jobs_table.c
+        where = [c.id == video_id, c.status.in_(ACTIVE)]
+        if owner is not None:
+            where.append(c.owner == owner)
+        if attempt is not None:
+            where.append(c.attempt == attempt)
+        return conn.execute(update(jobs_table).where(and_(*where)).values(values)).rowcount == 1
+
+    def create(
+        self, endpoint: str, fields: dict, owner: str, spec: str, video_id: str | None = None
+    ) -> tuple[str, dict | str]:
+        """``create``: a queued job, attempt 1, that ``owner`` runs; or, where the ingress names a
+        job that exists (it sends a create again after its first replica was lost under the call),
+        ``owner`` adopts it (its attempt + 1).
+
+        Returns:
+            ``("ok", video object)`` for a job ``owner`` runs from now (its ``attempt`` is the one to
+            report with); ``("ended", video object)`` for a named job that has ended;
+            ``("full", why)`` when one of the endpoint's limits is reached.
+        """
+        self._sweep()
+        now = time.time()
+        limit = self.limits_of(endpoint)
+        with self.engine.begin() as conn:
+            if video_id is not None and (row := self._row(conn, video_id, endpoint)) is not None:
+                values = dict(owner=owner, last_owner=owner, attempt=row.attempt + 1, progress=0, status="queued",
+                              heartbeat=now, waiting_since=now, released_at=None, claimed_until=0.0)  # fmt: skip
+                if not self._guarded(conn, video_id, None, row.attempt, values):
+                    return "ended", public(self._row(conn, video_id))
+                return "ok", public(self._row(conn, video_id))
+            c = jobs_table.c
+            held, kept = conn.execute(
+                select(func.count(), func.coalesce(func.sum(c.media_bytes), 0)).where(c.endpoint == endpoint)
+            ).one()
+            if held >= limit["max_jobs"]:
+                why = f"the video job store holds {held} jobs of this endpoint (max_video_jobs={limit['max_jobs']})"
+                return "full", why
+            if kept >= limit["max_bytes"]:
+                return "full", f"the video job store holds {kept} bytes of this endpoint's videos (max_video_bytes)"
+            video_id = video_id or f"video_{uuid.uuid4().hex}"
+            conn.execute(
+                insert(jobs_table).values(
+                    id=video_id, endpoint=endpoint, seq=time.time_ns(), model=fields.get("model"), status="queued",
+                    progress=0, attempt=1, owner=owner, last_owner=owner, heartbeat=now, waiting_since=now,
+                    claimed_until=0.0, created_at=now, fields=fields, spec=spec, media_bytes=0,
+                )
+            )  # fmt: skip
+            return "ok", public(self._row(conn, video_id))
+
+    def report(
+        self, video_id: str, owner: str, attempt: int, progress: int | None = None, running: bool = False
+    ) -> bool:
+        """``start`` (``running``: a lane took it) and the owner's heartbeat and progress; progress
+        never goes down within an attempt.
+
+        Returns:
+            False when the job has ended or is gone, or ``owner``'s ``attempt`` is no longer the
+            job's (released, adopted elsewhere): the owner stops its copy.
+        """
+        now = time.time()
+        with self.engine.begin() as conn:
+            row = self._row(conn, video_id)
+            if row is None or row.status not in ACTIVE or row.owner != owner or row.attempt != attempt:
+                return False
+            values: dict = {"heartbeat": now}
+            if running or progress:  # (a short job may end between two reports: progress says it ran)
+                values.update(status="in_progress", replica=owner)
+            if progress is not None and values.get("status", row.status) == "in_progress":
+                values["progress"] = max(row.progress, min(int(progress), 99))
+            return self._guarded(conn, video_id, owner, attempt, values)
+
+    def release(self, video_id: str, owner: str, attempt: int, code: str, why: str, hold_s: float = 0.0) -> bool:
+        """``release``: ``owner`` gives its attempt up (its group failed under it, its drain ended,
+        its group was full when the job was placed there): the job waits queued, owned by none and
+        back at progress 0, for the ingress to place it on a group of its model (``claim``,
+        ``adopt``; not before ``hold_s``: a full group's room comes later); ``code`` and ``why``
+        fail it if none does within ``video_lost_wait_s``."""
+        with self.engine.begin() as conn:
+            return self._guarded(conn, video_id, owner, attempt, _released(code, why, hold_s))
+
+    def claim(self, models: list[str], hold_s: float) -> list[tuple[str, str, str, str, int, str]]:
+        """``claim``: the released jobs of ``models`` whose claim is free, each held for the asking
+        ingress for ``hold_s`` (another ingress skips it meanwhile; the adoption is what is
+        exclusive, ``adopt``).
+
+        Returns:
+            ``(video_id, model, spec, the replica its last attempt ran on, attempt, why it was
+            released: its code)`` for each.
+        """
+        self._sweep()
+        now = time.time()
+        c = jobs_table.c
+        out = []
+        with self.engine.begin() as conn:
+            rows = conn.execute(
+                select(c.id, c.model, c.spec, c.last_owner, c.attempt, c.released_code)
+                .where(c.released_at.is_not(None), c.owner.is_(None), c.status.in_(ACTIVE), c.model.in_(models))
+                .where(c.claimed_until <= now)
+                .order_by(c.seq)
+            ).all()
+            for row in rows:
+                if self._guarded(conn, row.id, None, row.attempt, {"claimed_until": now + hold_s}):
+                    out.append(tuple(row))
+        return out
+
+    def adopt(self, video_id: str, replica: str, attempt: int) -> int | None:
+        """``adopt``: ``replica`` runs the released ``attempt`` again from the start, as attempt + 1.
+        Exactly one adoption of an attempt succeeds.
+
+        Returns:
+            The new attempt, or ``None`` (adopted already, ended, gone, or not released).
+        """
+        now = time.time()
+        c = jobs_table.c
+        with self.engine.begin() as conn:
+            moved = conn.execute(
+                update(jobs_table)
+                .where(c.id == video_id, c.attempt == attempt, c.owner.is_(None), c.status.in_(ACTIVE))
+                .values(
+                    owner=replica,
+                    last_owner=replica,
+                    attempt=attempt + 1,
+                    progress=0,
+                    status="queued",
+                    heartbeat=now,
+                    waiting_since=now,
+                    released_at=None,
+                    claimed_until=0.0,
+                )  # fmt: skip
+            ).rowcount
+        return attempt + 1 if moved == 1 else None
+
+    def take_waiting(self, replica: str, model: str, waited_s: float) -> tuple[str, str, int] | None:
+        """``adopt`` of a job that has waited queued on another, busy group of ``model`` for
+        ``waited_s``, by ``replica``, whose group has a free lane; its first owner's next report
+        fails (its attempt is no longer the job's), which stops its copy.
+
+        Returns:
+            ``(video_id, spec, attempt)``, or ``None`` when no job waits so long.
+        """
+        self._sweep()
+        now = time.time()
+        c = jobs_table.c
+        with self.engine.begin() as conn:
+            rows = conn.execute(
+                select(c.id, c.spec, c.attempt, c.owner)
+                .where(c.status == "queued", c.model == model, c.owner.is_not(None), c.owner != replica)
+                .where(c.waiting_since <= now - waited_s)
+                .order_by(c.seq)
+            ).all()
+            for row in rows:
+                values = dict(owner=replica, last_owner=replica, attempt=row.attempt + 1, heartbeat=now,
+                              waiting_since=now)  # fmt: skip
+                if self._guarded(conn, row.id, row.owner, row.attempt, values):
+                    return row.id, row.spec, row.attempt + 1
+        return None
+
+    def complete(
+        self, video_id: str, owner: str, attempt: int, mp4: bytes, thumbnail: bytes, size: str | None = None
+    ) -> bool:
+        """``complete``: stores the MP4 and its first frame of ``owner``'s ``attempt``, then marks the
+        job completed (the files first: a completed record always has its content). Sent again
+        (the store restarted under the call), it answers True once more.
+
+        Returns:
+            False (and nothing kept) when the job has ended or is gone, or the attempt is not its own.
+        """
+        with self.engine.connect() as conn:
+            row = self._row(conn, video_id)
+        if row is None or row.owner != owner or row.attempt != attempt:
+            return False
+        if row.status == "completed":
+            return True
+        key = f"{video_id}-{attempt}"
+        stored = self.media.write(key, mp4, thumbnail)
+        now = time.time()
+        fields = {**row.fields, "size": size} if size is not None else row.fields
+        with self.engine.begin() as conn:
+            values = dict(status="completed", progress=100, replica=owner, completed_at=now, spec=None,
+                          expires_at=now + self.limits_of(row.endpoint)["ttl_s"], media_bytes=stored, media_key=key,
+                          fields=fields)  # fmt: skip
+            done = self._guarded(conn, video_id, owner, attempt, values)
+        if not done:
+            self.media.remove(key)
+        return done
+
+    def fail(
+        self, video_id: str, code: str, message: str, owner: str | None = None, attempt: int | None = None
+    ) -> bool:
+        """``fail``: the job ends failed with the reason; False when it had ended already, or when
+        ``owner``'s ``attempt`` is no longer the job's (its failure is not the job's)."""
+        with self.engine.begin() as conn:
+            return self._fail(conn, video_id, code, message, owner, attempt)
+
+    def _fail(self, conn, video_id: str, code: str, message: str, owner=None, attempt=None) -> bool:
+        row = self._row(conn, video_id)
+        if row is None:
+            return False
+        now = time.time()
+        values = dict(status="failed", completed_at=now, spec=None, error_code=code, error_message=message,
+                      expires_at=now + self.limits_of(row.endpoint)["ttl_s"])  # fmt: skip
+        return self._guarded(conn, video_id, owner, attempt, values)
+
+    def delete(self, endpoint: str, video_id: str) -> bool:
+        """``cancel``: removes a job and its files (afterwards its id is 404); its owner stops it at
+        its next report. Returns whether it existed."""
+        with self.engine.begin() as conn:
+            row = self._row(conn, video_id, endpoint)
+            if row is None:
+                return False
+            conn.execute(delete(jobs_table).where(jobs_table.c.id == video_id))
+        self.media.remove(row.media_key)
+        return True
+
+    # ---- the store's own housekeeping ---------------------------------------------------------
+
+    def _sweep(self) -> None:
+        """``expire`` what is past its ``expires_at`` (with its files); fail the released jobs no
+        group took within ``lost_wait_s``; release the jobs whose owner stopped reporting for
+        ``stale_after_s`` (its process or node is gone)."""
+        now = time.time()
+        if now - self._swept < SWEEP_EVERY_S or not self._sweep_lock.acquire(blocking=False):
+            return
+        try:
+            self._swept = now
+            c = jobs_table.c
+            with self.engine.begin() as conn:
+                expired = conn.execute(select(c.id, c.media_key).where(c.expires_at <= now)).all()
+                for row in expired:
+                    conn.execute(delete(jobs_table).where(c.id == row.id))
+                active = conn.execute(
+                    select(
+                        c.id,
+                        c.endpoint,
+                        c.owner,
+                        c.attempt,
+                        c.heartbeat,
+                        c.released_at,
+                        c.released_code,
+                        c.released_why,
+                    ).where(c.status.in_(ACTIVE))  # fmt: skip
+                ).all()
+                for row in active:
+                    self._sweep_one(conn, row, now)
+            for row in expired:
+                self.media.remove(row.media_key)
+        finally:
+            self._sweep_lock.release()
+
+    def _sweep_one(self, conn, row, now: float) -> None:
+        limit = self.limits_of(row.endpoint)
+        if row.released_at is not None and row.owner is None:
+            if now - row.released_at > limit["lost_wait_s"]:
+                wait = f"video_lost_wait_s={limit['lost_wait_s']:g}s"
+                why = f"{row.released_why}; no other group took it over within {wait}"
+                self._fail(conn, row.id, row.released_code, why, None, row.attempt)
+        elif row.owner is not None and now - row.heartbeat > limit["stale_after_s"]:
+            why = f"the replica running this job stopped reporting for {limit['stale_after_s']:g}s"
+            self._guarded(conn, row.id, row.owner, row.attempt, _released("replica_lost", why))
