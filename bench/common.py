@@ -274,14 +274,16 @@ def wait_until(condition, timeout_s: float = 60, what: str = "the condition", in
 
 
 def wait_until_healthy(base: str, proc, deadline_s: float = 180, interval_s: float = 1.0) -> None:
-    """Polls ``base``/health until it answers 200; kills ``proc`` (the server) and fails if it exits
-    first or the deadline passes (Serve retries a failing replica forever: the deadline ends that)."""
+    """Polls ``base``/health until it answers 200 with every model ready (``/health`` says ``ok``
+    once one model is); kills ``proc`` (the server) and fails if it exits first or the deadline
+    passes (Serve retries a failing replica forever: the deadline ends that)."""
     import requests
 
     deadline = time.monotonic() + deadline_s
     while True:
         try:
-            if requests.get(f"{base}/health", timeout=5).status_code == 200:
+            health = requests.get(f"{base}/health", timeout=5)
+            if health.status_code == 200 and all(s == "ready" for s in health.json().get("models", {}).values()):
                 return
         except requests.RequestException:
             pass

@@ -18,7 +18,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from ray_hsdp.config import AppConfig
-from ray_hsdp.config_endpoint import served_models
+from ray_hsdp.config_endpoint import EndpointConfig, endpoint_args, model_args, served_models
 from ray_hsdp.embedded import EMBEDDED_MODELS
 
 #: Bytes per element of the float dtypes a rank serves in.
@@ -186,28 +186,72 @@ def check_app(name: str, args: dict, device: str | None, gpu_memory_gib: float |
     return report
 
 
+def check_endpoint(app: dict, model_apps: set[str]) -> AppReport:
+    """The report of an endpoint application (``build_endpoint``): its fields, its ingress'
+    ``user_config`` over them, and a model application of this file for each model it names."""
+    name = app.get("name", "default")
+    report = AppReport(name)
+    try:
+        endpoint, models = endpoint_args(dict(app.get("args") or {}))
+        for deployment in app.get("deployments") or []:
+            if deployment.get("name") == "OpenAIIngress" and deployment.get("user_config"):
+                EndpointConfig(**{**endpoint.model_dump(), **deployment["user_config"]})
+    except (ValidationError, ValueError) as err:
+        report.failures.append(str(err))
+        return report
+    missing = [model for model in models if model not in model_apps]
+    if missing:
+        report.failures.append(
+            f"models names {', '.join(missing)}: no application of this file of that name builds a model "
+            "(import_path ray_hsdp.serve:build_model, named by its model's id)"
+        )
+    report.layout = f"endpoint of {', '.join(models)}"
+    return report
+
+
+def check_model_app(app: dict, device, gpu_memory_gib, strict: bool) -> AppReport:
+    """The report of a model application (``build_model``): its fields alone, and its name, which
+    must be its model's id (the endpoint reaches it by that name)."""
+    name, args = app.get("name", "default"), dict(app.get("args") or {})
+    try:
+        served = model_args(args).served_model_name
+    except (ValidationError, ValueError) as err:
+        return AppReport(name, failures=[str(err)])
+    report = check_app(name, args, device, gpu_memory_gib, strict)
+    if served != name:
+        report.failures.append(
+            f"application {name!r} serves model {served!r}: name a model application by its model's id "
+            "(the endpoint reaches it, and requests name it, by that name)"
+        )
+    return report
+
+
 def check_file(path: str, device: str | None = None, gpu_memory_gib: float | None = None, strict: bool = False):
     """The reports of every ray_hsdp application of the Serve YAML at ``path`` (others are skipped)."""
     import yaml
 
     loaded = yaml.safe_load(Path(path).read_text()) or {}
+    apps = [app for app in loaded.get("applications") or [] if str(app.get("import_path", "")).startswith("ray_hsdp")]
+    model_apps = {app.get("name") for app in apps if str(app["import_path"]).endswith(":build_model")}
     reports = []
-    for app in loaded.get("applications") or []:
-        if not str(app.get("import_path", "")).startswith("ray_hsdp"):
-            continue
+    for app in apps:
         args = dict(app.get("args") or {})
         name = app.get("name", "default")
-        if "models" not in args:
+        if str(app["import_path"]).endswith(":build_endpoint"):
+            reports.append(check_endpoint(app, model_apps))
+        elif str(app["import_path"]).endswith(":build_model"):
+            reports.append(check_model_app(app, device, gpu_memory_gib, strict))
+        elif "models" not in args:
             reports.append(check_app(name, args, device, gpu_memory_gib, strict))
-            continue
-        try:  # an application of several models: the endpoint's fields once, then each model's report
-            served = served_models(args)
-        except ValueError as err:
-            reports.append(AppReport(name, failures=[str(err)]))
-            continue
-        for model, block in zip(served.names, args["models"]):
-            fields = {**block, **served.endpoint.model_dump()}
-            reports.append(check_app(f"{name} / {model}", fields, device, gpu_memory_gib, strict))
+        else:  # an application of several models: the endpoint's fields once, then each model's report
+            try:
+                served = served_models(args)
+            except ValueError as err:
+                reports.append(AppReport(name, failures=[str(err)]))
+                continue
+            for model, block in zip(served.names, args["models"]):
+                fields = {**block, **served.endpoint.model_dump()}
+                reports.append(check_app(f"{name} / {model}", fields, device, gpu_memory_gib, strict))
     if not reports:
         reports.append(AppReport(path, failures=[f"{path} holds no application of ray_hsdp (import_path ray_hsdp...)"]))
     return reports

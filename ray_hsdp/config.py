@@ -435,6 +435,13 @@ class AppConfig(GroupConfig):
     video_ttl_s: float = Field(
         3600.0, gt=0, description="How long a finished video job is kept (its expires_at); then it is gone (404)."
     )
+    sync_wait_s: float = Field(
+        1800.0,
+        gt=0,
+        description="Longest a synchronous video call (/v1/videos/sync, the handle's generate_video) waits for its "
+        "job; then it answers 504 naming the job, which goes on (GET /v1/videos/{id}). The ingress' graceful "
+        "shutdown outlasts it, so a restart of the ingress cuts no waiting caller.",
+    )
     job_store: str | None = Field(
         None,
         description="Where the video jobs' records live, as a SQLAlchemy URL (sqlite:////path/jobs.sqlite, "

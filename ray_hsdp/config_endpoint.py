@@ -9,6 +9,12 @@ A Serve YAML's ``args`` is either one model's ``AppConfig`` (today's one-model Y
       models:
         - {model: /models/Wan2.2-T2V-A14B, shard_size: 4, ...}
         - {model: /models/Qwen-Image, model_name: qwen-image, ...}
+
+Or, so that each model is a unit of change, the endpoint and each model are applications of their
+own (``serve.app.build_endpoint``, ``build_model``): the endpoint's ``args`` name the model
+applications (``endpoint_args``), each model application's ``args`` are its fields alone
+(``model_args``), and the endpoint's fields may go in the ingress' ``user_config``, where an edit
+applies in place.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ ENDPOINT_FIELDS = (
     "video_ttl_s",
     "video_stale_after_s",
     "video_lost_wait_s",
+    "sync_wait_s",
     "job_store",
     "media_store",
 )
@@ -83,13 +90,7 @@ def served_models(args: dict) -> ServedModels:
     models = []
     for index, block in enumerate(blocks):
         where = f"models[{index}] ({block.get('model_name') or block.get('model', '?')})"
-        inside = sorted(set(block) & set(ENDPOINT_FIELDS))
-        if inside:
-            verb = "belongs" if len(inside) == 1 else "belong"
-            raise ValueError(
-                f"{where} sets {', '.join(inside)}, which {verb} to the endpoint: set it once for the application, "
-                "beside models"
-            )
+        _refuse_endpoint_fields(block, where)
         try:
             models.append(AppConfig(**block, **endpoint.model_dump()))
         except ValidationError as err:
@@ -99,3 +100,48 @@ def served_models(args: dict) -> ServedModels:
     if twice:
         raise ValueError(f"two models are named {', '.join(twice)}: give each its own model_name")
     return ServedModels(endpoint, models)
+
+
+def _refuse_endpoint_fields(fields: dict, where: str) -> None:
+    inside = sorted(set(fields) & set(ENDPOINT_FIELDS))
+    if inside:
+        verb = "belongs" if len(inside) == 1 else "belong"
+        raise ValueError(
+            f"{where} sets {', '.join(inside)}, which {verb} to the endpoint: set it once, in the endpoint "
+            "application's args or its ingress' user_config"
+        )
+
+
+def endpoint_args(args: dict) -> tuple[EndpointConfig, list[str]]:
+    """Reads an endpoint application's ``args``: its endpoint fields and ``models``, the names of the
+    model applications it serves (each application named by its model's id).
+
+    Raises:
+        ValueError: No ``models``, a model's fields here, or an endpoint field pydantic refuses.
+    """
+    models = args.get("models")
+    if not isinstance(models, list) or not models or not all(isinstance(m, str) and m for m in models):
+        raise ValueError(
+            "models must list the model applications this endpoint serves, by name (each named by its model's id), "
+            f"got {models!r}"
+        )
+    if len(set(models)) != len(models):
+        raise ValueError(f"models names an application twice: {models}")
+    fields = {name: value for name, value in args.items() if name != "models"}
+    misplaced = sorted(set(fields) - set(ENDPOINT_FIELDS))
+    if misplaced:
+        raise ValueError(
+            f"{', '.join(misplaced)} of the endpoint application: a model's fields go in its own application "
+            f"(ray_hsdp.serve:build_model); beside models go only {', '.join(ENDPOINT_FIELDS)}"
+        )
+    return EndpointConfig(**fields), models
+
+
+def model_args(args: dict) -> AppConfig:
+    """Reads a model application's ``args``: one model's fields, no endpoint field.
+
+    Raises:
+        ValueError: An endpoint field, or a field the model refuses (pydantic's message).
+    """
+    _refuse_endpoint_fields(args, "a model application")
+    return AppConfig(**args)

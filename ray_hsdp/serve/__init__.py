@@ -1,5 +1,5 @@
-"""Ray Serve front of ray_hsdp: schema, deployment, app builder."""
+"""Ray Serve front of ray_hsdp: schema, deployment, app builders."""
 
-from ray_hsdp.serve.app import build_app
+from ray_hsdp.serve.app import build_app, build_endpoint, build_model
 
-__all__ = ["build_app"]
+__all__ = ["build_app", "build_endpoint", "build_model"]

@@ -1,8 +1,15 @@
-"""The app builder a Serve YAML points at: ``import_path: ray_hsdp.serve:build_app``.
+"""The app builders a Serve YAML points at.
 
-An application is one ingress (``OpenAIIngress``: HTTP and the handle API, a replica on each node)
-in front of one group deployment per model (``HSDPServer``: a replica per shard group). Their video
-jobs live in the cluster's job store (``job_actor``), which no application owns."""
+An endpoint is one ingress (``OpenAIIngress``: HTTP and the handle API, a replica on each node) in
+front of one group deployment per model (``HSDPServer``: a replica per shard group). Their video
+jobs live in the cluster's job store (``job_actor``), which no application owns. Two layouts:
+
+- ``ray_hsdp.serve:build_app``: the endpoint and its models in one application. Serve versions an
+  application as a whole (a hash of its ``args``): an edit of any field restarts every group.
+- ``ray_hsdp.serve:build_endpoint`` and one ``ray_hsdp.serve:build_model`` application per model
+  (named by the model's id): an edit of one model's ``args`` restarts that model's groups alone;
+  the endpoint's fields in its ingress' ``user_config`` apply in place, restarting nothing.
+"""
 
 from __future__ import annotations
 
@@ -13,14 +20,14 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from ray_hsdp.config import AppConfig
-from ray_hsdp.config_endpoint import served_models
+from ray_hsdp.config_endpoint import endpoint_args, model_args, served_models
 from ray_hsdp.group import check_placeable
 from ray_hsdp.serve.autoscaling import autoscaling_config
 from ray_hsdp.serve.deployment import HSDPServer
 from ray_hsdp.serve.job_actor import open_store
 from ray_hsdp.serve.keys import KeyCheck
 from ray_hsdp.serve.openai_ingress import OpenAIIngress
-from ray_hsdp.serve.routing import GroupAwareRouter
+from ray_hsdp.serve.routing import SERVER_NAME, GroupAwareRouter
 from ray_hsdp.topology import PLACEMENT_STRATEGY
 
 OVERFLOW = 64
@@ -28,8 +35,27 @@ OVERFLOW = 64
 #: Calls one ingress replica holds at once: every model's groups' room, and then some (it only forwards).
 INGRESS_MAX_ONGOING = 4096
 
-#: The group deployment's name where the application serves one model (several: one per model, named by it).
-SERVER_NAME = "HSDPServer"
+
+def build_endpoint(args: dict) -> Application:
+    """Builds an endpoint application: its ingress alone, serving the model applications that
+    ``models`` names (each built by ``build_model``, named by its model's id), by handle. The
+    endpoint's fields come from ``args`` and, overriding them, from the ingress' ``user_config``
+    (a Serve YAML's ``deployments: [{name: OpenAIIngress, user_config: {...}}]``), where an edit
+    applies in place."""
+    if not ray.is_initialized():
+        ray.init()
+    endpoint, models = endpoint_args(args)
+    open_store(endpoint.job_store, endpoint.media_store)
+    return ingress(endpoint, {model: model for model in models}, None)
+
+
+def build_model(args: dict) -> Application:
+    """Builds a model application: its group deployment alone (a replica per shard group), which
+    an endpoint application's ingress reaches by the application's name (the model's id)."""
+    if not ray.is_initialized():
+        ray.init()
+    config = model_args(args)
+    return group_deployment(config.resolve_device(ray.cluster_resources().get("GPU", 0) > 0), 1)
 
 
 def build_app(args: dict) -> Application:
@@ -67,6 +93,11 @@ def build_application(args: dict, api_key: str | None = None) -> Application:
         config.served_model_name: group_deployment(config.resolve_device(has_gpus), len(served.models))
         for config in served.models
     }
+    return ingress(served.endpoint, servers, KeyCheck.of(api_key) if api_key else None)
+
+
+def ingress(endpoint, servers: dict, key: KeyCheck | None) -> Application:
+    """The endpoint's ingress, bound to its models' group deployments (or their applications' names)."""
     nodes = sum(1 for node in ray.nodes() if node["Alive"])
     return OpenAIIngress.options(
         # One on each node: Serve starts an HTTP proxy only where a replica lives (EveryNode), and a
@@ -75,7 +106,10 @@ def build_application(args: dict, api_key: str | None = None) -> Application:
         max_replicas_per_node=1,
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=INGRESS_MAX_ONGOING,
-    ).bind(served.endpoint.model_dump(), servers, KeyCheck.of(api_key) if api_key else None)
+        # A replica Serve stops (its code changed) first answers every synchronous video it waits for.
+        graceful_shutdown_timeout_s=endpoint.sync_wait_s + 10,
+        user_config={},
+    ).bind(endpoint.model_dump(), servers, key)
 
 
 def group_deployment(config: AppConfig, models: int) -> Application:

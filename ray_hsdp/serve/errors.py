@@ -38,6 +38,10 @@ class GroupLostError(RuntimeError):
     other group of its model could run it."""
 
 
+class ModelLoadingError(RuntimeError):
+    """No group of the requested model has been ready yet (its application starts or warms up)."""
+
+
 class VideoNotFoundError(LookupError):
     """No video job has this id (any more: deleted or expired)."""
 
@@ -67,6 +71,7 @@ ERRORS: list[tuple[type[BaseException], int, str, str | None, bool]] = [
     (BackPressureError, 503, "server_error", None, True),  # Serve's own queue is full
     (GroupFailedError, 503, "server_error", None, True),
     (GroupLostError, 503, "server_error", None, True),
+    (ModelLoadingError, 503, "server_error", "model", True),
     # A group's replica that died (its process, its node) under a call no one retries (pool, health).
     (RayActorError, 503, "server_error", None, True),
     (ActorUnavailableError, 503, "server_error", None, True),

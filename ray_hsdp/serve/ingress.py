@@ -51,15 +51,15 @@ async def _guard(request: Request, call_next):
     config: EndpointConfig = server.config
     key: KeyCheck | None = server.key_check
     path = request.url.path.removeprefix(request.scope.get("root_path", ""))  # route prefix of the app
-    if key and path != "/health":
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not key.matches(token):
-            response = error_json(
-                401, "missing or wrong API key (send 'Authorization: Bearer <key>')", "authentication_error"
-            )
-            response.headers["WWW-Authenticate"] = "Bearer"
-            return response
+    if key and path != "/health" and not has_key(request, key):
+        response = error_json(
+            401,
+            "missing or wrong API key (send 'Authorization: Bearer <key>')",
+            "authentication_error",
+            code="invalid_api_key",
+        )
+        response.headers["WWW-Authenticate"] = "Bearer"
+        return response
     if request.method in ("POST", "PUT", "PATCH"):
         length = request.headers.get("content-length")
         if length is None:
@@ -77,6 +77,14 @@ async def _guard(request: Request, call_next):
     # Which ingress replica answered.
     response.headers["X-Ray-Hsdp-Replica"] = serve.get_replica_context().replica_id.unique_id
     return response
+
+
+def has_key(request: Request, key: KeyCheck | None) -> bool:
+    """Whether the request carries the key (``Authorization: Bearer <key>``), or none is asked for."""
+    if key is None:
+        return True
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and key.matches(token)
 
 
 def serve_http_options() -> tuple[str | None, int | None]:
@@ -219,8 +227,16 @@ class OpenAIRoutes:
         return await self.loras(model)
 
     @api.get("/health")
-    async def health_route(self) -> dict:
-        return await self.health()
+    async def health_route(self, request: Request, model: str | None = None) -> JSONResponse:
+        """200 while the endpoint (or ``model``) can serve, else 503 with ``Retry-After``; each
+        model's state; why a model's check failed only for a caller with the key (no key asked
+        for: any caller)."""
+        body = await self.health(model)
+        if not has_key(request, self.key_check):
+            body.pop("errors")
+        if body["status"] == "ok":
+            return JSONResponse(body)
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(self.config.retry_after_s)})
 
     @api.get("/v1/pool")
     async def pool_route(self, model: str | None = None) -> dict:

@@ -53,6 +53,11 @@ class KeyCheck:
         return hmac.compare_digest(_digest(self.salt, given), self.digest)
 
 
+#: The check of a server whose key is gone where it may not serve without one: it matches nothing
+#: (no SHA-256 digest is empty).
+KeyCheck.NONE = KeyCheck("", "")
+
+
 def read_key(path: str | None, env: str) -> str | None:
     """The key from the first line of the file at ``path`` when one is named, else from the variable
     ``env``; ``None`` when the variable is unset or blank. Stripped of white space either way: a

@@ -13,6 +13,7 @@ Results cross the hop encoded (PNG in the images response, MP4 bytes), never as 
 
 import asyncio
 import logging
+import time
 import uuid
 
 import ray
@@ -24,6 +25,7 @@ from ray_hsdp.group import GroupFailedError, remote_cause
 from ray_hsdp.request import RequestCancelledError
 from ray_hsdp.serve.errors import (
     GroupLostError,
+    ModelLoadingError,
     RequestLimitError,
     UnknownModelError,
     VideoNotFoundError,
@@ -34,6 +36,8 @@ from ray_hsdp.serve.job_actor import open_store
 from ray_hsdp.serve.job_store import limits
 from ray_hsdp.serve.keys import KeyCheck, replica_key
 from ray_hsdp.serve.logs import show_logs
+from ray_hsdp.serve.model_health import CHECK_TIMEOUT_S, LOADING, ModelWatch
+from ray_hsdp.serve.routing import SERVER_NAME
 from ray_hsdp.serve.schema import ImageGenerationRequest, VideoCreateRequest, with_seed
 from ray_hsdp.serve.videos import JobReads
 
@@ -57,6 +61,10 @@ PLACE_TIMEOUT_S = 10.0
 #: Why a job was released, for which its next group may be any, its last included: it was full.
 ROOM_CODES = ("overloaded",)
 
+#: How often an ingress replica reads its key again (``ray-hsdp key set`` / ``key remove``, a new
+#: ``api_key_file``): a rotation takes effect within this, with no restart.
+KEY_REFRESH_S = 5.0
+
 
 @serve.deployment
 @serve.ingress(api)
@@ -64,8 +72,10 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
     """The one ingress of an application of one or several models.
 
     Args:
-        endpoint: ``EndpointConfig`` fields (the key, the limits).
-        servers: Model id -> the handle of its group deployment, in the configuration's order.
+        endpoint: ``EndpointConfig`` fields (the key, the limits); the ingress' ``user_config``
+            overrides them (``reconfigure``).
+        servers: Model id -> the handle of its group deployment, or the name of the model's own
+            application (``build_model``), in the configuration's order.
         api_key: The key's check carried from where the application was built; ``None``: each
             replica finds its own (``serve.keys``).
     """
@@ -73,10 +83,11 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
     def __init__(
         self,
         endpoint: dict,
-        servers: dict[str, DeploymentHandle],
+        servers: dict[str, DeploymentHandle | str],
         api_key: KeyCheck | None = None,
     ):
         show_logs()
+        self._endpoint_args = endpoint
         self.config = EndpointConfig(**endpoint)
         app = serve.get_replica_context().app_name
         #: The name the job store keeps this endpoint's jobs (and limits) under: the application's.
@@ -84,14 +95,58 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
         #: The check of the key every route but /health asks for (the guard reads it); None: none.
         self.key_check = replica_key(api_key, self.config, app)
         refuse_keyless(self.key_check, self.config, serve_http_host(), app)
-        self.servers = servers
+        self._carried_key = api_key
+        # A model of its own application: its handle, which waits for the application to exist.
+        self.servers = {
+            model: serve.get_deployment_handle(SERVER_NAME, app_name=server, _check_exists=False)
+            if isinstance(server, str)
+            else server
+            for model, server in servers.items()
+        }
+        self.watch = ModelWatch(self.servers)
         self.jobs = open_store(self.config.job_store, self.config.media_store)
         # The endpoint's limits apply from now, to its jobs of earlier deployments too.
         ray.get(self.jobs.configure.remote(self.endpoint, limits(self.config)), timeout=60)
-        self._descriptions: dict[str, dict] = {}  # model id -> its /v1/models entry, once its group told it
         # Serve runs the constructor on the replica's event loop; the loop holds tasks weakly.
         loop = asyncio.get_running_loop()
         self._placers = [loop.create_task(self._place_released_jobs(model)) for model in self.servers]
+        self._watcher = loop.create_task(self.watch.run())
+        self._key_reader = loop.create_task(self._read_key_again())
+
+    async def reconfigure(self, user_config: dict) -> None:
+        """The endpoint's fields from the ingress' ``user_config`` over its ``args``: Serve calls it
+        at the start and at each deploy that edits them, in place (no replica or group restarts).
+        Limits apply to the jobs kept, the key at once.
+
+        Raises:
+            ValueError: A field refused, or ``job_store`` / ``media_store`` changed (the cluster's
+                one store cannot move under running jobs).
+        """
+        config = EndpointConfig(**{**self._endpoint_args, **user_config})
+        if (config.job_store, config.media_store) != (self.config.job_store, self.config.media_store):
+            raise ValueError("job_store and media_store do not change in place: set them in the endpoint's args")
+        key = await asyncio.to_thread(replica_key, self._carried_key, config, self.endpoint)
+        refuse_keyless(key, config, serve_http_host(), self.endpoint)
+        await self.jobs.configure.remote(self.endpoint, limits(config))
+        self.config, self.key_check = config, key
+
+    async def _read_key_again(self) -> None:
+        """Every ``KEY_REFRESH_S``: the key as ``serve.keys`` finds it now. A key that is gone
+        leaves a server that strangers may reach refusing every request, never open."""
+        host = serve_http_host()
+        while True:
+            await asyncio.sleep(KEY_REFRESH_S)
+            try:
+                found = await asyncio.to_thread(replica_key, self._carried_key, self.config, self.endpoint)
+                refuse_keyless(found, self.config, host, self.endpoint)
+            except ValueError as err:
+                if self.key_check is None or self.key_check != KeyCheck.NONE:
+                    logger.error("The API key is gone; every request is refused until one is given: %s", err)
+                found = KeyCheck.NONE
+            except Exception as err:  # noqa: BLE001 - the key stays as it was until the next read
+                logger.warning("Reading the API key again failed: %s", err)
+                continue
+            self.key_check = found
 
     def _model(self, model: str | None) -> str:
         """The id of the model a request names; the only one where it names none."""
@@ -112,6 +167,10 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
         Returns:
             ``(answer, first_error)``: ``first_error`` says why it was retried, or is ``None``.
         """
+        if self.watch.states[model] == LOADING:  # look again now: it may have become ready since
+            await self.watch.check(model)
+            if self.watch.states[model] == LOADING:
+                raise ModelLoadingError(f"model {model!r} is loading: no shard group of it is ready yet; retry shortly")
         handle = getattr(self.servers[model], method)
         response = handle.remote(*args, **kwargs)
         try:
@@ -165,12 +224,18 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
             ``{"video": the video object, "mp4": the MP4's bytes}``; raises what failed the job.
         """
         created = await self.create_video(request)
+        deadline = time.monotonic() + self.config.sync_wait_s
         try:
             while (video := await self.jobs.get.remote(self.endpoint, created["id"])) is not None:
                 if video["status"] == "failed":
                     raise job_failure(video["error"])
                 if video["status"] == "completed":
                     return {"video": video, "mp4": await self.video_content(created["id"])}
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"video {created['id']!r} is still {video['status']} after sync_wait_s="
+                        f"{self.config.sync_wait_s:g}s; it goes on: GET /v1/videos/{created['id']}"
+                    )
                 await asyncio.sleep(JOBS_POLL_S)
         except asyncio.CancelledError:
             self.jobs.delete.remote(self.endpoint, created["id"])  # its group stops it at its next report
@@ -211,12 +276,21 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
         answers = await asyncio.gather(*(getattr(h, method).remote(*args) for h in self.servers.values()))
         return dict(zip(self.servers, answers))
 
+    async def _pool_entry(self, model: str) -> dict:
+        """One model's pool, or its state and why it cannot answer now (a rebuild, a start)."""
+        try:
+            return {"model": model, **await asyncio.wait_for(self.servers[model].pool.remote(), CHECK_TIMEOUT_S)}
+        except Exception as err:  # noqa: BLE001 - one model's trouble is its own entry, not the list's
+            cause = remote_cause(err)
+            return {"model": model, "state": self.watch.states[model], "error": f"{type(cause).__name__}: {cause}"}
+
     async def pool(self, model: str | None = None) -> dict:
         """One group's topology, memory and requests: of ``model``'s pool, or the only model's; with
-        several models and none named, ``{"object": "list", "data": [each model's, with its id]}``."""
+        several models and none named, ``{"object": "list", "data": [each model's, with its id]}``
+        (a model that cannot answer now has its state and error there)."""
         if model is not None or len(self.servers) == 1:
             return await self.servers[self._model(model)].pool.remote()
-        return {"object": "list", "data": [{"model": m, **p} for m, p in (await self._each("pool")).items()]}
+        return {"object": "list", "data": list(await asyncio.gather(*map(self._pool_entry, self.servers)))}
 
     async def progress(self) -> dict:
         """Request id -> its state, over one group of every model."""
@@ -225,17 +299,24 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
             merged.update(states)
         return merged
 
-    async def health(self) -> dict:
-        await self._each("health")  # every model's group answers, or this raises its error
-        return {"status": "ok"}
+    async def health(self, model: str | None = None) -> dict:
+        """The endpoint's health (``GET /health``), or one model's (``model``), from the last check
+        of each model (``ModelWatch``): ``status`` ``ok`` while no model that has been ready lacks a
+        ready group and one model at least is ready (or, for ``model``, while it is ready);
+        ``models``: each model's state; ``errors``: why a model's last check failed."""
+        if model is not None:
+            model = self._model(model)
+        healthy = self.watch.healthy(model) and any(state == "ready" for state in self.watch.states.values())
+        return {
+            "status": "ok" if healthy else "unavailable",
+            "models": dict(self.watch.states) if model is None else {model: self.watch.states[model]},
+            "errors": {m: e for m, e in self.watch.errors.items() if model in (None, m)},
+        }
 
     async def models(self) -> dict:
-        """The served models with their kind (``GET /v1/models``)."""
-        missing = [m for m in self.servers if m not in self._descriptions]
-        if missing:
-            found = await asyncio.gather(*(self.servers[m].describe.remote() for m in missing))
-            self._descriptions.update(zip(missing, found))
-        return {"object": "list", "data": [self._descriptions[m] for m in self.servers]}
+        """The served models (``GET /v1/models``), each with its state and, once a group of it has
+        answered, its kind and input: at once, from the ingress' first moment."""
+        return {"object": "list", "data": [self.watch.entry(m) for m in self.servers]}
 
     async def loras(self, model: str | None = None) -> dict:
         """The adapters of ``model`` (or of the only model); with several, every model's, each

@@ -8,6 +8,9 @@ from collections import deque
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+#: The group deployment's name where an application serves one model (several: one per model, named by it).
+SERVER_NAME = "HSDPServer"
+
 #: Keyword argument of the ingress' retried calls (``HSDPServer.generate``, ``create_video``,
 #: ``adopt_video``) naming the replica whose group failed it or that a moved video job left.
 AVOID_REPLICA = "avoid_replica"

@@ -84,6 +84,35 @@ def deploy(server: str, name: str, args: dict) -> str:
     return f"{server}/{name}"
 
 
+def deploy_config(server: str, applications: list[dict], timeout_s: float = 180) -> None:
+    """Deploys ``applications`` as ``serve deploy`` does (Serve's controller applies a config:
+    declarative), beside the shared server's own ``tiny_cpu.yaml`` applications, which the config
+    carries unchanged (a declarative deploy removes the declarative applications it leaves out);
+    returns once every application runs."""
+    import time
+
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    shared = yaml.safe_load((ROOT / "serve_configs" / "tiny_cpu.yaml").read_text())
+    port = int(server.rsplit(":", 1)[1])
+    config = {**shared, "http_options": {"host": "127.0.0.1", "port": port}}
+    config["applications"] = shared["applications"] + applications
+    _get_global_client().deploy_apps(ServeDeploySchema(**config))
+    names = [app["name"] for app in config["applications"]]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        apps = serve.status().applications
+        states = {name: apps[name].status if name in apps else "absent" for name in names}
+        if all(state == "RUNNING" for state in states.values()):
+            return
+        failed = {name: apps[name].message for name, state in states.items() if state == "DEPLOY_FAILED"}
+        if failed or time.monotonic() > deadline:
+            raise RuntimeError(f"the applications did not all run within {timeout_s:g}s: {states} {failed}")
+        time.sleep(0.5)
+
+
 def decode_png(b64: str) -> Image.Image:
     """The image of a response's ``b64_json``."""
     return Image.open(io.BytesIO(base64.b64decode(b64)))

@@ -14,20 +14,35 @@ import yaml
 CONFIGS = Path(__file__).resolve().parents[2] / "serve_configs"
 
 
-def devices(args: dict) -> list[str | None]:
-    """The devices an application's args name: its one model's, or each of its models'."""
+def devices(app: dict) -> list[str | None]:
+    """The devices an application names: its one model's, or each of its models'; an endpoint
+    application (``build_endpoint``) names none."""
+    args = app["args"]
+    if app["import_path"].endswith(":build_endpoint"):
+        return []
     return [block.get("device") for block in args["models"]] if "models" in args else [args.get("device")]
+
+
+def model_configs(app: dict) -> list:
+    """The ``AppConfig`` of each model an application serves (none: an endpoint application)."""
+    from ray_hsdp.config_endpoint import model_args, served_models
+
+    if app["import_path"].endswith(":build_endpoint"):
+        return []
+    if app["import_path"].endswith(":build_model"):
+        return [model_args(app["args"])]
+    return served_models(app["args"]).models
 
 
 CPU_YAMLS = sorted(
     path.name
     for path in CONFIGS.glob("*.yaml")
-    if all(d == "cpu" for app in yaml.safe_load(path.read_text())["applications"] for d in devices(app["args"]))
+    if all(d == "cpu" for app in yaml.safe_load(path.read_text())["applications"] for d in devices(app))
 )
 STARTED_BY = {
     "tiny_cpu.yaml": "conftest.server",
     "tiny_cpu_usp.yaml": "test_usp.server",
-    "tiny_cpu_models.yaml": "test_many_models.models_app",  # its args by build_app, beside the shared server
+    "tiny_cpu_models.yaml": "test_many_models.models_app",  # as serve deploy deploys it, beside the shared server
 }
 
 
@@ -37,13 +52,11 @@ def test_every_cpu_yaml_is_started_by_a_fixture_of_the_suite():
 
 def test_every_gpu_yaml_is_a_valid_app_config():
     """The GPU YAMLs cannot start here: their app args at least validate, with the mesh they ask for."""
-    from ray_hsdp.config_endpoint import served_models
-
     gpu_yamls = sorted(set(p.name for p in CONFIGS.glob("*.yaml")) - set(CPU_YAMLS))
     assert gpu_yamls
     for name in gpu_yamls:
         for app in yaml.safe_load((CONFIGS / name).read_text())["applications"]:
-            for config in served_models(app["args"]).models:
+            for config in model_configs(app):
                 assert config.device == "cuda", name
                 config.parallel_dims()  # the layout fits the shard size
 

@@ -199,7 +199,8 @@ def test_the_store_names_each_transition_and_terminal_states_never_change(tmp_pa
     _, video = store.create("app", {"prompt": "p"}, "a", "spec")
     assert store.report(video["id"], "a", 1, running=True) and store.get("app", video["id"])["status"] == "in_progress"
     assert store.complete(video["id"], "a", 1, b"mp4", b"png") and store.get("app", video["id"])["progress"] == 100
-    assert store.fail(video["id"], "late", "too late") is False and store.get("app", video["id"])["status"] == "completed"
+    assert store.fail(video["id"], "late", "too late") is False
+    assert store.get("app", video["id"])["status"] == "completed"
     assert store.release(video["id"], "a", 1, "drained", "late") is False
 
 

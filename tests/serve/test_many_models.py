@@ -12,27 +12,44 @@ import numpy as np
 import pytest
 import requests
 import yaml
-from support import embedded_pipeline, reference_frames
+from support import embedded_pipeline, reference_frames, wait_until
 from test_model_qwen_image import model_card_frames
 
 from ray_hsdp.request import GenerationRequest
+from ray_hsdp.serve.media import decode_mp4
 
 YAML = Path(__file__).resolve().parents[2] / "serve_configs" / "tiny_cpu_models.yaml"
 APP = "models"
+READY = {"tiny-wan": "ready", "tiny-qwen-image": "ready"}
+
+
+def applications(qwen_steps: int = 3, endpoint_fields: dict | None = None) -> list[dict]:
+    """The YAML's applications, its endpoint at ``/models`` as app ``models`` (beside the shared
+    server's own at ``/``), with the tiny Qwen-Image's ``default_steps`` and the ingress'
+    ``user_config`` as given."""
+    apps = yaml.safe_load(YAML.read_text())["applications"]
+    endpoint, wan, qwen = apps
+    endpoint = {**endpoint, "name": APP, "route_prefix": f"/{APP}"}
+    if endpoint_fields is not None:
+        endpoint["deployments"] = [{"name": "OpenAIIngress", "user_config": endpoint_fields}]
+    qwen = {**qwen, "args": {**qwen["args"], "default_steps": qwen_steps}}
+    return [endpoint, wan, qwen]
 
 
 @pytest.fixture(scope="module")
 def models_app(server):
-    """The YAML's application, built by ``build_app`` from its args as ``serve run`` builds it,
-    deployed at ``/models`` beside the tiny server (one Serve: a second ``serve run`` would replace
-    the shared server's applications)."""
+    """The YAML's applications, deployed as ``serve deploy`` deploys them (the endpoint at
+    ``/models``, beside the tiny server: one Serve)."""
     from ray import serve
 
-    from .served import deploy
+    from .served import deploy_config
 
-    args = yaml.safe_load(YAML.read_text())["applications"][0]["args"]
-    yield deploy(server, APP, args)
-    serve.delete(APP, _blocking=False)  # its ranks stop while the next tests run
+    deploy_config(server, applications())
+    url = f"{server}/{APP}"
+    wait_until(lambda: models_ready(url), 120, "both models ready", interval_s=0.5)
+    yield url
+    for app in (APP, "tiny-wan", "tiny-qwen-image"):
+        serve.delete(app, _blocking=False)  # its ranks stop while the next tests run
 
 
 def pixels(b64: str) -> np.ndarray:
@@ -93,3 +110,72 @@ def test_a_request_names_a_model_it_may_ask(models_app, path, body, status, para
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert (error["param"], error["code"]) == (param, code) and mentions in error["message"], error
+
+
+def models_ready(url: str) -> bool:
+    try:
+        return requests.get(f"{url}/health", timeout=5).json()["models"] == READY
+    except (requests.RequestException, ValueError, KeyError):  # its route is not up yet
+        return False
+
+
+def refused_create(url: str, body: dict):
+    """A create the endpoint refuses (429), or False; one it takes is deleted at once."""
+    response = requests.post(f"{url}/v1/videos", json=body, timeout=60)
+    if response.status_code == 200:
+        requests.delete(f"{url}/v1/videos/{response.json()['id']}", timeout=60)
+    return response.status_code == 429 and response
+
+
+def pool_of(url: str, model: str) -> tuple[str, set]:
+    """The replica of a model's group and its ranks' processes."""
+    pool = requests.get(f"{url}/v1/pool", params={"model": model}, timeout=60).json()
+    return pool["replica"], {(rank["node_id"], rank["pid"]) for rank in pool["ranks"]}
+
+
+def test_an_edit_of_one_model_restarts_it_alone_and_an_endpoint_edit_restarts_nothing(
+    models_app, server, reference_pipe
+):
+    """Issue 73: with a video job of the tiny Wan running, a deploy that edits the tiny Qwen-Image's
+    ``default_steps`` restarts that model's group alone, and one that edits the ingress'
+    ``max_video_jobs`` applies in place: the job completes and its MP4 equals its unsharded run,
+    the tiny Wan's ranks keep their processes and the ingress its replica through both. (Before,
+    one application: every edit restarted every group and emptied the job table.)"""
+    from .served import deploy_config
+    from .test_videos import SAME_MP4_MAE, as_mp4, mae, reference_video
+
+    wan_before, qwen_before = pool_of(models_app, "tiny-wan"), pool_of(models_app, "tiny-qwen-image")
+    first = requests.get(f"{models_app}/v1/models", timeout=60)
+    ingress = first.headers["X-Ray-Hsdp-Replica"]
+    body = {"model": "tiny-wan", "prompt": "a fox in the snow", "size": "64x64", "num_frames": 9, "seed": 5}
+    created = requests.post(f"{models_app}/v1/videos", json={**body, "num_inference_steps": 120}, timeout=60)
+    assert created.status_code == 200, created.text
+    video_id = created.json()["id"]
+
+    deploy_config(server, applications(qwen_steps=5))
+    wait_until(lambda: pool_of(models_app, "tiny-qwen-image")[0] != qwen_before[0], 120, "Qwen-Image's new group")
+    wait_until(lambda: models_ready(models_app), 60, "both models ready again", interval_s=0.5)
+    image = requests.post(f"{models_app}/v1/images/generations", json={"model": "tiny-qwen-image", "prompt": "a"})
+    assert image.status_code == 200 and image.json()["num_inference_steps"] == 5, image.text  # the edit applies
+
+    deploy_config(server, applications(qwen_steps=5, endpoint_fields={"max_video_jobs": 1}))
+    refused = wait_until(lambda: refused_create(models_app, body), 30, "max_video_jobs=1 in place", interval_s=0.5)
+    assert "max_video_jobs=1" in refused.json()["error"]["message"]
+    assert refused.headers["X-Ray-Hsdp-Replica"] == ingress  # the same ingress replica: no restart
+
+    video = wait_until(
+        lambda: (
+            (v := requests.get(f"{models_app}/v1/videos/{video_id}", timeout=60).json())["status"]
+            in ("completed", "failed")
+            and v
+        ),
+        120,
+        "the video job finishing",
+        interval_s=0.2,
+    )
+    assert video["status"] == "completed" and video["attempt"] == 1, video  # it never moved
+    mp4 = requests.get(f"{models_app}/v1/videos/{video_id}/content", timeout=60).content
+    frames, _ = decode_mp4(mp4)
+    expected = reference_video(reference_pipe, body["prompt"], 5, 9, 120)
+    assert mae(frames, as_mp4(expected)) <= SAME_MP4_MAE
+    assert pool_of(models_app, "tiny-wan") == wan_before  # the Wan's replica and ranks' processes
