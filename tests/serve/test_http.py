@@ -354,7 +354,16 @@ def test_unknown_model_is_404(server):
 def test_models_health_and_pool(server):
     models = requests.get(f"{server}/v1/models", timeout=60).json()
     assert [m["id"] for m in models["data"]] == ["tiny-wan"]
-    assert requests.get(f"{server}/health", timeout=60).json() == {"status": "ok"}
+    assert models["data"][0]["state"] == "ready"
+    health = requests.get(f"{server}/health", timeout=60)
+    assert health.status_code == 200 and health.json() == {
+        "status": "ok",
+        "models": {"tiny-wan": "ready"},
+        "errors": {},
+    }
+    one = requests.get(f"{server}/health", params={"model": "tiny-wan"}, timeout=60)
+    assert one.status_code == 200 and one.json()["models"] == {"tiny-wan": "ready"}
+    assert requests.get(f"{server}/health", params={"model": "sora"}, timeout=60).status_code == 404
     pool = requests.get(f"{server}/v1/pool", timeout=60).json()
     assert (pool["replicate_size"], pool["shard_size"], pool["mode"], pool["device"]) == (1, 2, "batch", "cpu")
     assert [r["shard_index"] for r in pool["ranks"]] == [0, 1]

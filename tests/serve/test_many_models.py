@@ -159,7 +159,7 @@ def test_an_edit_of_one_model_restarts_it_alone_and_an_endpoint_edit_restarts_no
     assert image.status_code == 200 and image.json()["num_inference_steps"] == 5, image.text  # the edit applies
 
     deploy_config(server, applications(qwen_steps=5, endpoint_fields={"max_video_jobs": 1}))
-    refused = wait_until(lambda: refused_create(models_app, body), 30, "max_video_jobs=1 in place", interval_s=0.5)
+    refused = wait_until(lambda: refused_create(models_app, body), 120, "max_video_jobs=1 in place", interval_s=0.5)
     assert "max_video_jobs=1" in refused.json()["error"]["message"]
     assert refused.headers["X-Ray-Hsdp-Replica"] == ingress  # the same ingress replica: no restart
 
