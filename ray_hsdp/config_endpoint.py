@@ -76,14 +76,12 @@ def served_models(args: dict) -> ServedModels:
         config = AppConfig(**args)
         return ServedModels(EndpointConfig(**{name: getattr(config, name) for name in ENDPOINT_FIELDS}), [config])
     blocks = args["models"]
-    endpoint_args = {name: value for name, value in args.items() if name != "models"}
-    misplaced = sorted(set(endpoint_args) - set(ENDPOINT_FIELDS))
-    if misplaced:
-        raise ValueError(
-            f"{', '.join(misplaced)} {'belongs' if len(misplaced) == 1 else 'belong'} to a model, not to the "
-            f"endpoint: set {'it' if len(misplaced) == 1 else 'them'} in each model's block under models "
-            f"(beside models go only {', '.join(ENDPOINT_FIELDS)})"
-        )
+    one = len(set(args) - set(ENDPOINT_FIELDS) - {"models"}) == 1
+    endpoint_args = _beside_models(
+        args,
+        f"{'belongs' if one else 'belong'} to a model, not to the endpoint: set {'it' if one else 'them'} in each "
+        "model's block under models",
+    )
     if not isinstance(blocks, list) or not blocks or not all(isinstance(block, dict) for block in blocks):
         raise ValueError("models must be a list of at least one model's fields (each a mapping with its model)")
     endpoint = EndpointConfig(**endpoint_args)
@@ -100,6 +98,19 @@ def served_models(args: dict) -> ServedModels:
     if twice:
         raise ValueError(f"two models are named {', '.join(twice)}: give each its own model_name")
     return ServedModels(endpoint, models)
+
+
+def _beside_models(args: dict, why: str) -> dict:
+    """The fields beside ``models``, all of them the endpoint's.
+
+    Raises:
+        ValueError: Naming the model fields among them, ``why`` they do not go there, and what does.
+    """
+    fields = {name: value for name, value in args.items() if name != "models"}
+    misplaced = sorted(set(fields) - set(ENDPOINT_FIELDS))
+    if misplaced:
+        raise ValueError(f"{', '.join(misplaced)} {why} (beside models go only {', '.join(ENDPOINT_FIELDS)})")
+    return fields
 
 
 def _refuse_endpoint_fields(fields: dict, where: str) -> None:
@@ -127,13 +138,9 @@ def endpoint_args(args: dict) -> tuple[EndpointConfig, list[str]]:
         )
     if len(set(models)) != len(models):
         raise ValueError(f"models names an application twice: {models}")
-    fields = {name: value for name, value in args.items() if name != "models"}
-    misplaced = sorted(set(fields) - set(ENDPOINT_FIELDS))
-    if misplaced:
-        raise ValueError(
-            f"{', '.join(misplaced)} of the endpoint application: a model's fields go in its own application "
-            f"(ray_hsdp.serve:build_model); beside models go only {', '.join(ENDPOINT_FIELDS)}"
-        )
+    fields = _beside_models(
+        args, "of the endpoint application: a model's fields go in its own application (ray_hsdp.serve:build_model);"
+    )
     return EndpointConfig(**fields), models
 
 

@@ -26,6 +26,7 @@ import uuid
 
 from sqlalchemy import and_, create_engine, delete, event, func, insert, select, update
 
+from ray_hsdp.config_endpoint import EndpointConfig
 from ray_hsdp.serve.job_media import JobMedia
 from ray_hsdp.serve.job_records import ACTIVE, endpoints_table, jobs_table, metadata, public
 
@@ -36,9 +37,6 @@ DECODED = 95
 #: The transitions of a job, each a method of ``JobStore`` (and the only writers of a job's row).
 TRANSITIONS = ("create", "start", "release", "claim", "adopt", "complete", "fail", "cancel", "expire")
 
-#: The default limits of an endpoint that has not configured its own.
-DEFAULT_LIMITS = {"max_jobs": 256, "max_bytes": 2 * 1024**3, "ttl_s": 3600.0, "stale_after_s": 60.0,
-                  "lost_wait_s": 300.0}  # fmt: skip
 
 #: How often at most the store looks for expired, stale and lost jobs (at a call, not in a thread).
 SWEEP_EVERY_S = 0.2
@@ -53,6 +51,10 @@ def limits(config) -> dict:
         "stale_after_s": config.video_stale_after_s,
         "lost_wait_s": config.video_lost_wait_s,
     }
+
+
+#: The limits of an endpoint that has not configured its own: the endpoint fields' defaults.
+DEFAULT_LIMITS = limits(EndpointConfig())
 
 
 def _released(code: str, why: str, hold_s: float = 0.0) -> dict:
