@@ -152,3 +152,32 @@ def model_args(args: dict) -> AppConfig:
     """
     _refuse_endpoint_fields(args, "a model application")
     return AppConfig(**args)
+
+
+#: The import paths of the split layout's applications (``serve.app``).
+ENDPOINT_IMPORT = "ray_hsdp.serve:build_endpoint"
+MODEL_IMPORT = "ray_hsdp.serve:build_model"
+
+
+def folded_applications(applications: list[dict]) -> dict | None:
+    """The one application's ``args`` (endpoint fields and ``models``) that a split layout's
+    applications describe, for a runner of one application (``ray-hsdp serve --config``); ``None``
+    where ``applications`` hold no endpoint application. The ingress' ``user_config`` counts as the
+    endpoint's args, as it does when Serve deploys the layout.
+
+    Raises:
+        ValueError: The endpoint names a model application the list lacks.
+    """
+    endpoint = next((app for app in applications if app.get("import_path") == ENDPOINT_IMPORT), None)
+    if endpoint is None:
+        return None
+    args = dict(endpoint.get("args") or {})
+    for deployment in endpoint.get("deployments") or []:
+        args.update(deployment.get("user_config") or {})
+    by_name = {app.get("name"): app for app in applications if app.get("import_path") == MODEL_IMPORT}
+    names = args.pop("models", None) or []
+    missing = [name for name in names if name not in by_name]
+    if missing:
+        raise ValueError(f"the endpoint serves {', '.join(missing)}, which no application of {MODEL_IMPORT} is named")
+    return {**args, "models": [dict(by_name[name].get("args") or {}) for name in names]}
+

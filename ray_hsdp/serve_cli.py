@@ -23,6 +23,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from ray_hsdp.config import AppConfig
+from ray_hsdp.config_endpoint import folded_applications
 
 #: vllm-omni's ``--cache-backend`` values: ours by name, theirs refused with what we have instead.
 CACHE_BACKENDS = {"none": "none", "first_block": "first_block", "taylorseer": "taylorseer"}
@@ -125,7 +126,8 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
 def file_application(path: str, app: str | None) -> dict:
     """The application in ``path``: ``{"args": ...}`` for a file of one application's args, or the
     one application of a Serve YAML (or the one ``app`` names), with its ``name`` and
-    ``route_prefix`` where it gives them.
+    ``route_prefix`` where it gives them; a split layout (an endpoint application and one per
+    model) folded into one application's args (``config_endpoint.folded_applications``).
 
     Raises:
         UsageError: The file holds several applications and none is picked, or no such one.
@@ -141,6 +143,12 @@ def file_application(path: str, app: str | None) -> dict:
         return {"args": dict(loaded)}
     apps = loaded["applications"] or []
     names = [a.get("name", "default") for a in apps]
+    try:
+        folded = folded_applications(apps) if app is None else None
+    except ValueError as err:
+        raise UsageError(f"--config {path}: {err}") from None
+    if folded is not None:  # the split layout, served here as one application
+        return {"args": folded}
     if app is None and len(apps) != 1:
         raise UsageError(f"--config {path} holds {len(apps)} applications ({', '.join(names)}): pick one with --app")
     chosen = apps[0] if app is None else next((a for a in apps if a.get("name", "default") == app), None)

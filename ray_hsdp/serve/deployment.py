@@ -17,6 +17,7 @@ from ray_hsdp.config import AppConfig
 from ray_hsdp.group import GroupFailedError, QueueTimeoutError, ShardGroup
 from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
 from ray_hsdp.serve.errors import RequestLimitError, UnknownModelError
+from ray_hsdp.serve.job_records import pool_of
 from ray_hsdp.serve.keeper import GroupKeeper
 from ray_hsdp.serve.logs import show_logs
 from ray_hsdp.serve.metrics import ReplicaMetrics
@@ -45,7 +46,10 @@ class HSDPServer(VideoJobs, ModelFacts):
         self.dims = dims
         self.model_name = self.config.served_model_name
         self._placement = ray.util.get_current_placement_group()
-        self._replica = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self._replica = context.replica_id.unique_id
+        #: The job store's name of this deployment: its released and waiting jobs move only among its groups.
+        self._pool = pool_of(context.app_name, context.deployment)
         self.metrics = ReplicaMetrics(self.model_name)
         self.jobs = None  # the cluster's video job store, found at its first use (``VideoJobs._store``)
         #: Video id -> the task that runs it here (a drain releases those left), and the attempt it runs.

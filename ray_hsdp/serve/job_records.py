@@ -35,6 +35,9 @@ jobs_table = Table(
     Column("endpoint", String(200), nullable=False, index=True),  # the application whose ingress took it
     Column("seq", BigInteger, nullable=False, index=True),  # creation order (time.time_ns at create)
     Column("model", String(400)),
+    # The group deployment whose groups run it (``pool_of``): a released or waiting job moves only
+    # among them (two applications may serve models of one name with other settings).
+    Column("pool", String(400), nullable=False, index=True),
     Column("status", String(16), nullable=False),
     Column("progress", Integer, nullable=False, default=0),
     Column("attempt", Integer, nullable=False, default=1),  # 1, then +1 at each adoption
@@ -65,6 +68,11 @@ endpoints_table = Table(
     Column("endpoint", String(200), primary_key=True),
     Column("limits", JSON, nullable=False),
 )
+
+def pool_of(app_name: str, deployment: str) -> str:
+    """The store's name of a group deployment: its application's name and its own."""
+    return f"{app_name}#{deployment}"
+
 
 #: A job's statuses that may still change.
 ACTIVE = ("queued", "in_progress")

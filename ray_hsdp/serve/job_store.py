@@ -191,11 +191,11 @@ class JobStore(JobViews):
         return conn.execute(update(jobs_table).where(and_(*where)).values(values)).rowcount == 1
 
     def create(
-        self, endpoint: str, fields: dict, owner: str, spec: str, video_id: str | None = None
+        self, endpoint: str, pool: str, fields: dict, owner: str, spec: str, video_id: str | None = None
     ) -> tuple[str, dict | str]:
-        """``create``: a queued job, attempt 1, that ``owner`` runs; or, where the ingress names a
-        job that exists (it sends a create again after its first replica was lost under the call),
-        ``owner`` adopts it (its attempt + 1).
+        """``create``: a queued job, attempt 1, that ``owner`` (a group of ``pool``: ``pool_of``)
+        runs; or, where the ingress names a job that exists (it sends a create again after its
+        first replica was lost under the call), ``owner`` adopts it (its attempt + 1).
 
         Returns:
             ``("ok", video object)`` for a job ``owner`` runs from now (its ``attempt`` is the one to
@@ -224,9 +224,9 @@ class JobStore(JobViews):
             video_id = video_id or f"video_{uuid.uuid4().hex}"
             conn.execute(
                 insert(jobs_table).values(
-                    id=video_id, endpoint=endpoint, seq=time.time_ns(), model=fields.get("model"), status="queued",
-                    progress=0, attempt=1, owner=owner, last_owner=owner, heartbeat=now, waiting_since=now,
-                    claimed_until=0.0, created_at=now, fields=fields, spec=spec, media_bytes=0,
+                    id=video_id, endpoint=endpoint, seq=time.time_ns(), model=fields.get("model"), pool=pool,
+                    status="queued", progress=0, attempt=1, owner=owner, last_owner=owner, heartbeat=now,
+                    waiting_since=now, claimed_until=0.0, created_at=now, fields=fields, spec=spec, media_bytes=0,
                 )
             )  # fmt: skip
             return "ok", public(self._row(conn, video_id))
@@ -262,8 +262,8 @@ class JobStore(JobViews):
         with self.engine.begin() as conn:
             return self._guarded(conn, video_id, owner, attempt, _released(code, why, hold_s))
 
-    def claim(self, models: list[str], hold_s: float) -> list[tuple[str, str, str, str, int, str]]:
-        """``claim``: the released jobs of ``models`` whose claim is free, each held for the asking
+    def claim(self, pools: list[str], hold_s: float) -> list[tuple[str, str, str, str, int, str]]:
+        """``claim``: the released jobs of ``pools`` (``pool_of``) whose claim is free, each held for the asking
         ingress for ``hold_s`` (another ingress skips it meanwhile; the adoption is what is
         exclusive, ``adopt``).
 
@@ -278,7 +278,7 @@ class JobStore(JobViews):
         with self.engine.begin() as conn:
             rows = conn.execute(
                 select(c.id, c.model, c.spec, c.last_owner, c.attempt, c.released_code)
-                .where(c.released_at.is_not(None), c.owner.is_(None), c.status.in_(ACTIVE), c.model.in_(models))
+                .where(c.released_at.is_not(None), c.owner.is_(None), c.status.in_(ACTIVE), c.pool.in_(pools))
                 .where(c.claimed_until <= now)
                 .order_by(c.seq)
             ).all()
@@ -314,8 +314,8 @@ class JobStore(JobViews):
             ).rowcount
         return attempt + 1 if moved == 1 else None
 
-    def take_waiting(self, replica: str, model: str, waited_s: float) -> tuple[str, str, int] | None:
-        """``adopt`` of a job that has waited queued on another, busy group of ``model`` for
+    def take_waiting(self, replica: str, pool: str, waited_s: float) -> tuple[str, str, int] | None:
+        """``adopt`` of a job that has waited queued on another, busy group of ``pool`` for
         ``waited_s``, by ``replica``, whose group has a free lane; its first owner's next report
         fails (its attempt is no longer the job's), which stops its copy.
 
@@ -328,7 +328,7 @@ class JobStore(JobViews):
         with self.engine.begin() as conn:
             rows = conn.execute(
                 select(c.id, c.spec, c.attempt, c.owner)
-                .where(c.status == "queued", c.model == model, c.owner.is_not(None), c.owner != replica)
+                .where(c.status == "queued", c.pool == pool, c.owner.is_not(None), c.owner != replica)
                 .where(c.waiting_since <= now - waited_s)
                 .order_by(c.seq)
             ).all()

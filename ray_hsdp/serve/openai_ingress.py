@@ -33,6 +33,7 @@ from ray_hsdp.serve.errors import (
 )
 from ray_hsdp.serve.ingress import OpenAIRoutes, api, refuse_keyless, serve_http_host
 from ray_hsdp.serve.job_actor import open_store
+from ray_hsdp.serve.job_records import pool_of
 from ray_hsdp.serve.job_store import limits
 from ray_hsdp.serve.keys import KeyCheck, replica_key
 from ray_hsdp.serve.logs import show_logs
@@ -248,10 +249,11 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
         (``HSDPServer.adopt_video``), which adopts it as its next attempt. One that no group takes
         within ``PLACE_TIMEOUT_S`` is claimed again after ``CLAIM_HOLD_S``, until the store fails
         it (``video_lost_wait_s``). One task per model: a model without groups delays no other's."""
+        pool = pool_of(self.servers[model].app_name, self.servers[model].deployment_name)
         while True:
             await asyncio.sleep(JOBS_POLL_S)
             try:
-                claimed = await self.jobs.claim.remote([model], CLAIM_HOLD_S)
+                claimed = await self.jobs.claim.remote([pool], CLAIM_HOLD_S)
             except Exception as err:  # noqa: BLE001 - the store answers again at the next round
                 logger.warning("Asking the job store for released video jobs failed: %s", err)
                 continue

@@ -158,7 +158,9 @@ class VideoJobs:
             "flow_shift": job.flow_shift,
         }
         jobs = await self._store()
-        status, created = await jobs.create.remote(endpoint, fields, self._replica, encode_spec(job, fps), video_id)
+        status, created = await jobs.create.remote(
+            endpoint, self._pool, fields, self._replica, encode_spec(job, fps), video_id
+        )
         if status == "full":
             raise JobTableFullError(created)
         if status == "ended":
@@ -227,7 +229,7 @@ class VideoJobs:
             for _ in range(group.idle_lanes()):
                 try:
                     jobs = await self._store()
-                    taken = await jobs.take_waiting.remote(self._replica, self.model_name, waited_s)
+                    taken = await jobs.take_waiting.remote(self._replica, self._pool, waited_s)
                 except Exception as err:  # noqa: BLE001 - the store answers again at the next round
                     logger.warning("Asking the job store for waiting video jobs failed: %s", err)
                     break

@@ -52,8 +52,8 @@ def test_a_record_and_its_mp4_outlive_the_store_that_wrote_them(store_url, tmp_p
     """A restarted store (a new process on the same database and media) has every job, its state,
     its attempt and its MP4; the endpoint's limits too."""
     first = make(store_url, tmp_path / "media", max_jobs=3)
-    _, done = first.create("app", {"model": "m", "prompt": "done"}, "a", "spec")
-    _, running = first.create("app", {"model": "m", "prompt": "running"}, "a", "spec")
+    _, done = first.create("app", "pool", {"model": "m", "prompt": "done"}, "a", "spec")
+    _, running = first.create("app", "pool", {"model": "m", "prompt": "running"}, "a", "spec")
     assert first.report(running["id"], "a", 1, progress=40, running=True)
     assert first.complete(done["id"], "a", 1, b"mp4 bytes", b"png bytes", "64x48")
     first.engine.dispose()
@@ -66,20 +66,20 @@ def test_a_record_and_its_mp4_outlive_the_store_that_wrote_them(store_url, tmp_p
     assert (kept["status"], kept["progress"], kept["attempt"]) == ("in_progress", 40, 1)
     assert again.report(running["id"], "a", 1, progress=60)  # its owner goes on reporting
     assert again.limits_of("app")["max_jobs"] == 3
-    assert again.create("app", {"model": "m"}, "a", "spec")[0] == "ok"
-    assert again.create("app", {"model": "m"}, "a", "spec")[0] == "full"
-    assert again.create("other", {"model": "m"}, "a", "spec")[0] == "ok"  # another endpoint: its own limits
+    assert again.create("app", "pool", {"model": "m"}, "a", "spec")[0] == "ok"
+    assert again.create("app", "pool", {"model": "m"}, "a", "spec")[0] == "full"
+    assert again.create("other", "pool", {"model": "m"}, "a", "spec")[0] == "ok"  # another endpoint: its own limits
 
 
 def test_a_late_report_of_an_earlier_attempt_is_refused_and_a_moved_job_restarts_at_zero(store_url, tmp_path):
     store = make(store_url, tmp_path / "media")
-    _, video = store.create("app", {"model": "wan", "prompt": "p"}, "a", "spec")
+    _, video = store.create("app", "pool", {"model": "wan", "prompt": "p"}, "a", "spec")
     assert video["attempt"] == 1 and store.report(video["id"], "a", 1, progress=70, running=True)
     assert store.release(video["id"], "a", 1, "group_failed", "rank 1 died")
     released = store.get("app", video["id"])
     assert (released["status"], released["progress"], released["attempt"]) == ("queued", 0, 1)
     assert store.release(video["id"], "a", 1, "group_failed", "again") is False  # owned by none now
-    [(video_id, model, spec, last, attempt, code)] = store.claim(["wan"], hold_s=60)
+    [(video_id, model, spec, last, attempt, code)] = store.claim(["pool"], hold_s=60)
     assert (video_id, model, spec, last, attempt, code) == (video["id"], "wan", "spec", "a", 1, "group_failed")
     assert store.adopt(video_id, "b", 1) == 2
     assert store.report(video_id, "a", 1, progress=80) is False  # a's copy stops
@@ -98,9 +98,9 @@ def test_one_attempt_is_adopted_once_whichever_replicas_race(store_url, tmp_path
     """Sixteen threads over two store objects (two store processes on one database) adopt one
     released attempt: one wins; the claim is held against a second ingress meanwhile."""
     stores = [make(store_url, tmp_path / "media"), JobStore(store_url, str(tmp_path / "media"))]
-    _, video = stores[0].create("app", {"model": "wan"}, "a", "spec")
+    _, video = stores[0].create("app", "pool", {"model": "wan"}, "a", "spec")
     assert stores[0].release(video["id"], "a", 1, "drained", "removed")
-    assert len(stores[0].claim(["wan"], hold_s=60)) == 1 and stores[1].claim(["wan"], hold_s=60) == []
+    assert len(stores[0].claim(["pool"], hold_s=60)) == 1 and stores[1].claim(["pool"], hold_s=60) == []
     barrier, won = threading.Barrier(16), []
 
     def adopt(i: int) -> None:
@@ -120,13 +120,13 @@ def test_one_attempt_is_adopted_once_whichever_replicas_race(store_url, tmp_path
 
 def test_a_released_job_no_group_takes_fails_and_stays_failed(store_url, tmp_path):
     store = make(store_url, tmp_path / "media", stale_after_s=0.3, lost_wait_s=0.3)
-    _, video = store.create("app", {"model": "m", "prompt": "p"}, "a", "spec")
+    _, video = store.create("app", "pool", {"model": "m", "prompt": "p"}, "a", "spec")
     assert store.report(video["id"], "a", 1, progress=30)
     deadline = time.time() + 30
     while store.get("app", video["id"])["progress"] != 0:  # a stopped reporting: released
         assert time.time() < deadline
         time.sleep(0.1)
-    assert store.claim(["m"], hold_s=60)[0][0] == video["id"]
+    assert store.claim(["pool"], hold_s=60)[0][0] == video["id"]
     while store.get("app", video["id"])["status"] != "failed":  # no group adopted it in lost_wait_s
         assert time.time() < deadline
         time.sleep(0.1)
@@ -142,34 +142,34 @@ def test_a_released_job_no_group_takes_fails_and_stays_failed(store_url, tmp_pat
 
 def test_a_create_sent_again_with_its_id_is_the_same_job_as_its_next_attempt(store_url, tmp_path):
     store = make(store_url, tmp_path / "media")
-    assert store.create("app", {"prompt": "p"}, "a", "spec", "video_x")[0] == "ok"
-    status, again = store.create("app", {"prompt": "p"}, "b", "spec", "video_x")
+    assert store.create("app", "pool", {"prompt": "p"}, "a", "spec", "video_x")[0] == "ok"
+    status, again = store.create("app", "pool", {"prompt": "p"}, "b", "spec", "video_x")
     assert (status, again["id"], again["attempt"]) == ("ok", "video_x", 2)
     assert store.counts("app") == {"queued": 1}
     assert store.report("video_x", "a", 1) is False and store.complete("video_x", "b", 2, b"mp4", b"png")
-    assert store.create("app", {"prompt": "p"}, "c", "spec", "video_x")[0] == "ended"
+    assert store.create("app", "pool", {"prompt": "p"}, "c", "spec", "video_x")[0] == "ended"
     assert store.get("other", "video_x") is None  # another endpoint's id
 
 
 def test_a_job_waiting_on_a_busy_group_moves_once_to_a_group_with_a_free_lane(store_url, tmp_path):
     store = make(store_url, tmp_path / "media")
-    _, running = store.create("app", {"model": "m", "prompt": "running"}, "a", "spec running")
-    _, waiting = store.create("app", {"model": "m", "prompt": "waiting"}, "a", "spec waiting")
-    _, own = store.create("app", {"model": "m", "prompt": "own"}, "b", "spec own")
+    _, running = store.create("app", "pool", {"model": "m", "prompt": "running"}, "a", "spec running")
+    _, waiting = store.create("app", "pool", {"model": "m", "prompt": "waiting"}, "a", "spec waiting")
+    _, own = store.create("app", "pool", {"model": "m", "prompt": "own"}, "b", "spec own")
     assert store.report(running["id"], "a", 1, running=True)
-    assert store.take_waiting("b", "m", waited_s=60) is None  # nothing waited a minute
+    assert store.take_waiting("b", "pool", waited_s=60) is None  # nothing waited a minute
     time.sleep(0.05)
-    assert store.take_waiting("b", "m", waited_s=0.01) == (waiting["id"], "spec waiting", 2)
+    assert store.take_waiting("b", "pool", waited_s=0.01) == (waiting["id"], "spec waiting", 2)
     assert store.report(waiting["id"], "a", 1) is False  # the first replica stops its copy
-    assert store.take_waiting("b", "m", waited_s=0.01) is None  # the running job and b's own stay
-    assert store.take_waiting("c", "other model", waited_s=0.01) is None
-    assert store.take_waiting("c", "m", waited_s=0.01) == (own["id"], "spec own", 2)
+    assert store.take_waiting("b", "pool", waited_s=0.01) is None  # the running job and b's own stay
+    assert store.take_waiting("c", "other pool", waited_s=0.01) is None
+    assert store.take_waiting("c", "pool", waited_s=0.01) == (own["id"], "spec own", 2)
 
 
 def test_expired_jobs_go_with_their_files_and_deleted_ones_at_once(store_url, tmp_path):
     store = make(store_url, tmp_path / "media", ttl_s=0.3)
-    _, video = store.create("app", {"model": "m"}, "a", "spec")
-    _, deleted = store.create("app", {"model": "m"}, "a", "spec")
+    _, video = store.create("app", "pool", {"model": "m"}, "a", "spec")
+    _, deleted = store.create("app", "pool", {"model": "m"}, "a", "spec")
     assert store.complete(video["id"], "a", 1, b"mp4", b"png") and store.complete(deleted["id"], "a", 1, b"x", b"y")
     assert len(list((tmp_path / "media").iterdir())) == 4
     assert store.delete("app", deleted["id"]) and store.delete("app", deleted["id"]) is False
@@ -184,7 +184,7 @@ def test_expired_jobs_go_with_their_files_and_deleted_ones_at_once(store_url, tm
 
 def test_pages_list_newest_first_and_after_an_id(store_url, tmp_path):
     store = make(store_url, tmp_path / "media")
-    ids = [store.create("app", {"model": "m", "prompt": str(i)}, "a", "spec")[1]["id"] for i in range(3)]
+    ids = [store.create("app", "pool", {"model": "m", "prompt": str(i)}, "a", "spec")[1]["id"] for i in range(3)]
     page = store.list("app", 2, None, "desc")
     assert [v["id"] for v in page["data"]] == ids[:0:-1] and page["has_more"]
     rest = store.list("app", 2, page["last_id"], "desc")
@@ -196,7 +196,7 @@ def test_pages_list_newest_first_and_after_an_id(store_url, tmp_path):
 def test_the_store_names_each_transition_and_terminal_states_never_change(tmp_path):
     store = make(f"sqlite:///{tmp_path / 'jobs.sqlite'}", tmp_path / "media")
     assert set(TRANSITIONS) == {"create", "start", "release", "claim", "adopt", "complete", "fail", "cancel", "expire"}
-    _, video = store.create("app", {"prompt": "p"}, "a", "spec")
+    _, video = store.create("app", "pool", {"prompt": "p"}, "a", "spec")
     assert store.report(video["id"], "a", 1, running=True) and store.get("app", video["id"])["status"] == "in_progress"
     assert store.complete(video["id"], "a", 1, b"mp4", b"png") and store.get("app", video["id"])["progress"] == 100
     assert store.fail(video["id"], "late", "too late") is False
