@@ -120,12 +120,27 @@ def start_refusals(config: AppConfig, dims, folder: Path, report: AppReport):
         refuse_start(facts, dims, config.attention_backend, config.cache.kind)
         stored_fp8_components(
             folder, config.quantization, config.dtype, config.min_num_params, config.fuse_loras, None,
-            config.shard_components,
+            config.shard_components, fused_files_here(config),
         )  # fmt: skip
     except ValueError as err:
         report.failures.append(str(err))
         return None
     return facts.models
+
+
+def fused_files_here(config: AppConfig) -> dict:
+    """The files of ``fuse_loras`` that this machine holds (adapter -> component -> path): what
+    an FP8 folder's record is compared with (``lora_notes`` reports the others)."""
+    from ray_hsdp.loading import resolve_lora_path
+
+    files: dict = {}
+    for name, parts in config.lora_sources(fused=True).items():
+        for component, source in parts.items():
+            try:
+                files.setdefault(name, {})[component] = resolve_lora_path(source)
+            except FileNotFoundError:
+                pass
+    return files
 
 
 def lora_notes(config: AppConfig, report: AppReport, strict: bool) -> None:
@@ -168,6 +183,12 @@ def check_app(name: str, args: dict, device: str | None, gpu_memory_gib: float |
         (report.failures if strict else report.notes).append(f"model folder {folder} is not on this machine")
         return report
     models = start_refusals(config, dims, folder, report)
+    from ray_hsdp.serve.warm_up import check_shapes
+
+    try:
+        check_shapes(config)  # the start's own check of the warm-up shapes, before any weight
+    except ValueError as err:
+        report.failures.append(str(err))
     lora_notes(config, report, strict)
     if models is None:
         return report

@@ -232,8 +232,9 @@ class GroupQueue(BaseModel):
         1800.0,
         gt=0,
         description="Longest a request waits before a rank takes it, counted from its arrival: for a failed group's "
-        "rebuild, in the group's queue and on another group that retries or takes it over, all together (HTTP 504 "
-        "past it). Long enough for a full queue of long videos ahead of it.",
+        "rebuild, in the group's queue and on a group that takes a queued video job over, all together (HTTP 504 "
+        "past it). A request run again on another group (the ingress' retry, a released video job placed there) "
+        "waits anew from then. Long enough for a full queue of long videos ahead of it.",
     )
 
 
@@ -428,9 +429,13 @@ class AppConfig(GroupConfig):
         4.0, gt=0, description="Clip length of a video job that gives neither seconds nor num_frames (OpenAI's 4)."
     )
     max_frames: int = Field(129, ge=1, description="Most frames a video job may ask for.")
-    max_video_jobs: int = Field(256, ge=1, description="Most video jobs the job table keeps (HTTP 429 above).")
+    max_video_jobs: int = Field(
+        256, ge=1, description="Most video jobs the job store keeps for this endpoint (HTTP 429 above)."
+    )
     max_video_bytes: int = Field(
-        2 * 1024**3, ge=1024, description="Most bytes of MP4s and thumbnails the job table keeps (HTTP 429 at it)."
+        2 * 1024**3,
+        ge=1024,
+        description="Most bytes of MP4s and thumbnails the job store keeps for this endpoint (HTTP 429 at it).",
     )
     video_ttl_s: float = Field(
         3600.0, gt=0, description="How long a finished video job is kept (its expires_at); then it is gone (404)."
@@ -472,7 +477,7 @@ class AppConfig(GroupConfig):
         gt=0,
         description="A video job is bound to the group that took its POST; one that has waited queued there this "
         "long is taken over by a group with a free lane (a group added for a burst serves the burst's backlog). "
-        "None: jobs never move.",
+        "None: no takeover (a job still moves when its group fails, is removed or is lost).",
     )
     metrics_interval_s: float = Field(
         5.0, gt=0, description="How often a replica reports its group's queue, ranks and the video jobs as metrics."
@@ -509,7 +514,8 @@ class AppConfig(GroupConfig):
         description="Request shapes each group runs before it serves (at its start and after a rebuild), through a "
         "request's whole path (the loop, the VAE decode, the frames, the response's PNG or MP4), on every lane and "
         "with as few steps as reach every expert: a first request of a warmed shape compiles nothing. Costs that "
-        "run's time at each start. None: with compile, default_size at the default clip length; without, none. "
+        "run's time at each start. None: with compile, each route's default shape (default_size at the default clip "
+        "length, and for a text-to-video model at one frame: its image route); without, none. "
         "[]: none (with compile, a small warm-up per lane compiles the first forwards).",
     )
     lora_defaults: dict[str, LoraDefaults] = Field(

@@ -203,6 +203,13 @@ class Rank(RankStart):
         return {"rank": self.rank, "requests": self._loaded().session()}
 
     @ray.method(concurrency_group="control")
+    def warm_up_done(self) -> dict[str, int]:
+        """The warm-up has run: its requests' peak is no user request's (the gauge reads 0 until
+        one runs); returns ``tick_stats`` now, what the metrics count from."""
+        self.last_request_peak_device_bytes = 0
+        return self.tick_stats()
+
+    @ray.method(concurrency_group="control")
     def tick_stats(self) -> dict[str, int]:
         """What this rank did since it loaded (ticks, idle ticks, real forwards, ghost passes,
         batched calls, forwards it ran as a helper of a widened lane), its device memory (allocated

@@ -28,6 +28,7 @@ from ray_hsdp.request_slots import RequestSlots
 from ray_hsdp.sharding.context_parallel import attention_backend_for
 from ray_hsdp.sharding.fp8 import check_fp8_device
 from ray_hsdp.sharding.pipeline_call import FIRST_FRAME, REFERENCE, pipeline_call_for
+from ray_hsdp.staged_reads import release_pinned_memory
 from ray_hsdp.start_checks import refuse_start, start_facts
 from ray_hsdp.topology import ParallelDims
 from ray_hsdp.variant import RankFeatures, RequestVariant
@@ -54,6 +55,37 @@ def steps_reaching_every_expert(pipe, most: int = 16) -> int:
         if bool((probe.timesteps >= boundary).any()) and bool((probe.timesteps < boundary).any()):
             return steps
     return most
+
+
+def call_facts(pipe) -> dict:
+    """What callers must know of a pipeline's call: whether it makes videos, by how much its VAE
+    compresses time (a video VAE that compresses ``t`` times takes ``t * k + 1`` frames), the
+    choices it takes. Read from its class, configs and scheduler alone: a pipeline whose weights are
+    not loaded (``start_checks.pipeline_on_meta``) gives the same facts."""
+    params = set(inspect.signature(pipe.__call__).parameters)
+    call = pipeline_call_for(pipe)
+    scheduler = getattr(pipe, "scheduler", None)
+    min_steps = 2 if getattr(getattr(scheduler, "config", None), "shift_terminal", None) else 1
+    return {
+        "video": "num_frames" in params,
+        "temporal_compression": int(getattr(pipe, "vae_scale_factor_temporal", 1) or 1),
+        # Two experts with a boundary: the low-noise one takes its own guidance.
+        "guidance_scale_2": "guidance_scale_2" in params and getattr(pipe.config, "boundary_ratio", None) is not None,
+        # Image-to-video: every request brings its first frame; or an optional reference image.
+        "image_input": "image" in params and call.image == FIRST_FRAME,
+        "image_reference": "image" in params and call.image == REFERENCE,
+        # Request choices the pipeline may not take (diffusers would ignore them unread): a
+        # negative prompt, a size (none where its output follows its input image).
+        **call_takes(params),
+        "lora": hasattr(pipe, "load_lora_weights"),
+        # The scheduler key a request's flow_shift sets; None: the scheduler takes no shift.
+        "flow_shift": shift_key(scheduler),
+        # The fewest steps its scheduler takes: one that stretches its schedule to a terminal
+        # shift (Qwen-Image's) divides by zero at one step, and every frame comes out NaN.
+        "min_steps": min_steps,
+        # Steps of a warm-up request that reaches every expert (one for one denoiser).
+        "warm_up_steps": max(steps_reaching_every_expert(pipe), min_steps),
+    }
 
 
 def components(pipe) -> dict[str, nn.Module]:
@@ -172,8 +204,9 @@ class ShardedPipeline(RequestSlots):
         # An FP8 folder (ray-hsdp quantize) gives its linears as stored, to the configuration it was made with.
         scales = {name: scale for name, (scale, _) in fused.items()}
         fp8_stored = stored_fp8_components(
-            Path(path), quantization, dtype, min_num_params, scales, torch.__version__, shard_components
-        )
+            Path(path), quantization, dtype, min_num_params, scales, torch.__version__, shard_components,
+            {name: parts for name, (_, parts) in fused.items()},
+        )  # fmt: skip
         facts = LoadFacts(
             dtype=dtype, device=device, mesh=mesh, min_num_params=min_num_params, gather=gather,
             reshard_after_forward=reshard_after_forward, forward_prefetch=forward_prefetch,
@@ -193,6 +226,7 @@ class ShardedPipeline(RequestSlots):
             lane_meshes=lane_meshes,
             meta_models=start.models,
         )
+        release_pinned_memory()  # the reads' staging buffers, cached by torch's host allocator
         with phases.phase("replicated components to device"):
             return cls(parts.pipe, device, rank, parts.shardings, parts.stats, parts.sequence, parts.cfg_split)._with(
                 parts.lane_parallel, parts.compiled_modules
@@ -207,33 +241,8 @@ class ShardedPipeline(RequestSlots):
 
     @property
     def facts(self) -> dict:
-        """What callers must know of this pipeline: whether it makes videos, and by how much its
-        VAE compresses time (a video VAE that compresses ``t`` times takes ``t * k + 1`` frames)."""
-        scheduler = getattr(self.pipe, "scheduler", None)
-        min_steps = 2 if getattr(getattr(scheduler, "config", None), "shift_terminal", None) else 1
-        return {
-            "video": "num_frames" in self._call_params,
-            "temporal_compression": int(getattr(self.pipe, "vae_scale_factor_temporal", 1) or 1),
-            "sequence": self.sequence,
-            "cfg_split": list(self.cfg_split),
-            # Two experts with a boundary: the low-noise one takes its own guidance.
-            "guidance_scale_2": "guidance_scale_2" in self._call_params
-            and getattr(self.pipe.config, "boundary_ratio", None) is not None,
-            # Image-to-video: every request brings its first frame; or an optional reference image.
-            "image_input": "image" in self._call_params and self.call.image == FIRST_FRAME,
-            "image_reference": "image" in self._call_params and self.call.image == REFERENCE,
-            # Request choices the pipeline may not take (diffusers would ignore them unread): a
-            # negative prompt, a size (none where its output follows its input image).
-            **call_takes(self._call_params),
-            "lora": hasattr(self.pipe, "load_lora_weights"),
-            # The scheduler key a request's flow_shift sets; None: the scheduler takes no shift.
-            "flow_shift": shift_key(getattr(self.pipe, "scheduler", None)),
-            # The fewest steps its scheduler takes: one that stretches its schedule to a terminal
-            # shift (Qwen-Image's) divides by zero at one step, and every frame comes out NaN.
-            "min_steps": min_steps,
-            # Steps of a warm-up request that reaches every expert (one for one denoiser).
-            "warm_up_steps": max(steps_reaching_every_expert(self.pipe), min_steps),
-        }
+        """What callers must know of this pipeline (``call_facts``), and how its lanes split it."""
+        return {**call_facts(self.pipe), "sequence": self.sequence, "cfg_split": list(self.cfg_split)}
 
     def guided(self) -> bool:
         """Whether the request running on this thread makes an unconditional forward at each step

@@ -98,3 +98,13 @@ class ThreadStagings:
         """Waits for every thread's copies: the targets hold the checkpoint's bytes after this."""
         for staging in self._all:
             staging.finish()
+
+
+def release_pinned_memory() -> None:
+    """Gives the pinned host memory of the load's staging buffers back to the system. Torch's
+    caching host allocator keeps freed pinned blocks for reuse (2 x ``STAGING_BYTES`` per read
+    thread, at every rank of a node), and a rank pins no more after its load; torch empties that
+    cache this way itself (``torch.cuda.graphs``), having no public call for it."""
+    if torch.cuda.is_available():
+        torch._C._host_emptyCache()
+

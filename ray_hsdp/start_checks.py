@@ -61,6 +61,41 @@ def start_facts(folder: Path, pipeline: str | None, shard_components: tuple[str,
     return StartFacts(pipeline_cls, classes, models)
 
 
+def pipeline_on_meta(folder: Path, pipeline: str | None):
+    """The pipeline of ``folder`` with no weight read: its VAE built from its config on the meta
+    device (the pipeline reads its compression from it), its scheduler loaded (a small config),
+    its own settings from ``model_index.json`` (``boundary_ratio``), every other component None.
+    What the pipeline's call takes (``sharded_pipeline.call_facts``) reads as from the loaded one.
+
+    Raises:
+        ValueError: ``pipeline`` names no diffusers pipeline class.
+    """
+    import importlib
+    import inspect
+    import json
+
+    pipeline_cls = pipeline_class(folder, pipeline)
+    index = model_index(folder)
+    settings = {k: v for k, v in json.loads((folder / "model_index.json").read_text()).items() if k not in index}
+    kwargs = {}
+    for name, param in inspect.signature(pipeline_cls.__init__).parameters.items():
+        if name == "self" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if name in index:
+            library, class_name = index[name]
+            if name == "vae":
+                kwargs[name] = build_on_meta(folder / name, library, class_name, "float32")  # no dtype read
+            elif name == "scheduler":
+                kwargs[name] = getattr(importlib.import_module(library), class_name).from_pretrained(folder / name)
+            else:
+                kwargs[name] = None
+        elif name in settings and not name.startswith("_"):
+            kwargs[name] = settings[name]
+        elif param.default is param.empty:
+            kwargs[name] = None
+    return pipeline_cls(**kwargs)
+
+
 def refuse_step_cache(module: nn.Module, kind: str, pipeline_cls: type) -> None:
     """Refuses a step cache of ``kind`` that ``module`` (a diffusers model) or its pipeline (of
     ``pipeline_cls``) cannot run (the model rows of ``ray_hsdp.pairs``).

@@ -168,3 +168,34 @@ def test_weights_per_gpu_count_keep_gathered_and_fp8(capsys, tmp_path, tiny_mode
     # Each rank's half of a weight: 2 bytes an element in bfloat16, 1 in FP8; the scales whole.
     saved = sum(linear.weight.numel() * (2 - 1) // 2 - linear.out_features * 4 for linear in linears)
     assert transformer_bytes(quantization="fp8") == sharded - saved
+
+
+def test_a_warm_up_shape_the_model_refuses_fails_check_before_any_weight(capsys, tmp_path):
+    """Issue 73: the start's own check of the warm-up shapes (``serve.warm_up.check_shapes``) runs in
+    check: 8 frames on Wan (its VAE takes 4k+1) fail with the start's message; HunyuanVideo-1.5's
+    image-to-video pipeline, whose output follows its image, warms without a size (before, every
+    warm-up sent one, which that call refuses after a full weight load)."""
+    eight = serve_yaml(tmp_path, model="tiny", device="cpu", warm_up=[{"size": "64x64", "num_frames": 8}])
+    code, out = check(capsys, eight)
+    assert code == 1 and "num_frames=8 is not a count this model's VAE takes" in out, out
+    i2v = serve_yaml(
+        tmp_path, model="tiny-hunyuanvideo-1.5", pipeline_class="HunyuanVideo15ImageToVideoPipeline", device="cpu",
+        compile=True,
+    )  # fmt: skip
+    code, out = check(capsys, i2v)
+    assert code == 0 and "app: ok" in out, out
+
+
+def test_a_warm_up_request_of_a_pipeline_that_takes_no_size_gives_none():
+    from ray_hsdp.config import AppConfig
+    from ray_hsdp.config_blocks import WarmUpShape
+    from ray_hsdp.loading import resolve_model_path
+    from ray_hsdp.serve.warm_up import warm_up_request
+    from ray_hsdp.sharded_pipeline import call_facts
+    from ray_hsdp.start_checks import pipeline_on_meta
+
+    pipeline = "HunyuanVideo15ImageToVideoPipeline"
+    config = AppConfig(model="tiny-hunyuanvideo-1.5", pipeline_class=pipeline, device="cpu")
+    facts = call_facts(pipeline_on_meta(resolve_model_path(config.model), pipeline))
+    request, fps = warm_up_request(WarmUpShape(size="64x48"), config, facts, 0)
+    assert not request.size_given and request.image is not None and fps > 0

@@ -145,6 +145,29 @@ def test_check_refuses_a_configuration_the_folder_was_not_written_with(fp8_folde
     assert check_app("x", {**args, **fused}, None, None, strict=True).failures == []
 
 
+def test_another_file_under_a_fused_adapters_name_is_refused(fp8_folder):
+    """Issue 73: the record keeps each fused adapter's file digest; the same name, scale and
+    configuration with another file (the embedded ``tiny-detail`` registered as ``style``) would
+    serve weights the folder does not hold: refused at the start and by check, naming the adapter."""
+    from ray_hsdp.check import check_app
+
+    record = json.loads((fp8_folder / RECORD).read_text())
+    assert set(record["fuse_lora_files"]) == {"style"} and len(record["fuse_lora_files"]["style"]["transformer"]) == 64
+    given = dict(
+        quantization="fp8", dtype="float32", min_num_params=MIN_NUM_PARAMS, fuse_loras={"style": 0.5},
+        torch_version=torch.__version__, shard_components=("transformer",),
+    )  # fmt: skip
+    same = {"style": {"transformer": resolve_lora_path("tiny-style")}}
+    assert stored_fp8_components(fp8_folder, **given, fused_files=same) == frozenset({"transformer"})
+    other = {"style": {"transformer": resolve_lora_path("tiny-detail")}}
+    message = r"with adapter 'style' \(transformer\) fused from another file than"
+    with pytest.raises(ValueError, match=message):
+        stored_fp8_components(fp8_folder, **given, fused_files=other)
+    args = {"model": str(fp8_folder), "device": "cuda", "dtype": "float32", "shard_size": 1, "quantization": "fp8",
+            "loras": {"style": "tiny-detail"}, "fuse_loras": {"style": 0.5}}  # fmt: skip
+    assert any("fused from another file" in failure for failure in check_app("x", args, None, None, True).failures)
+
+
 def test_quantize_into_a_folder_that_exists_is_refused(fp8_folder, tiny_model):
     again = subprocess.run(
         [sys.executable, "-m", "ray_hsdp.cli", "quantize", tiny_model, str(fp8_folder)], capture_output=True, text=True

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ray_hsdp.fp8_folder import RECORD
+from ray_hsdp.fp8_folder import RECORD, adapter_digests
 from ray_hsdp.load_steps import FusedLoras, fuse_adapters
 from ray_hsdp.loading import (
     build_on_meta,
@@ -126,6 +126,8 @@ def write_fp8_folder(
         "dtype": dtype,
         "min_num_params": min_num_params,
         "fuse_loras": {name: float(scale) for name, (scale, _) in sorted(fused.items())},
+        # What each fused adapter's file was: another file of the same name makes other weights.
+        "fuse_lora_files": adapter_digests({name: parts for name, (_, parts) in fused.items()}),
         "torch": torch.__version__,
     }
     (staging / RECORD).write_text(json.dumps(record, indent=2) + "\n")

@@ -114,6 +114,8 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, G
         self.placement: list[dict] = []
         #: What the loaded pipeline tells its callers (``ShardedPipeline.facts``).
         self.pipeline_facts: dict = {}
+        #: Each rank's ``tick_stats`` once its warm-up ran (none ran: empty): what metrics count from.
+        self.warm_up_stats: list[dict] = []
         self._pending: list[QueuedJob] = []
         self._inflight: dict[ray.ObjectRef, tuple[int, QueuedJob]] = {}  # offer -> (rank index, job)
         self._sessions: dict[ray.ObjectRef, int] | None = None  # running session -> rank index

@@ -18,6 +18,8 @@ import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+import ray
+
 from ray_hsdp.request import GenerationRequest, GenerationResult
 from ray_hsdp.topology import ParallelDims
 from ray_hsdp.variant.lane import sequence_tokens
@@ -148,6 +150,9 @@ class GroupWarmUp:
         try:
             with self.phases.phase("warm-up"):
                 run()
+            # Each rank's counts once warm: the metrics count from them (no warm-up tick is a user's).
+            ranks = [rank.warm_up_done.remote() for rank in self.ranks]
+            self.warm_up_stats = ray.get(ranks, timeout=self.config.request_timeout_s)
         except BaseException:
             self.shutdown()
             raise

@@ -28,6 +28,7 @@ from ray_hsdp.serve.job_actor import open_store
 from ray_hsdp.serve.keys import KeyCheck
 from ray_hsdp.serve.openai_ingress import OpenAIIngress
 from ray_hsdp.serve.routing import SERVER_NAME, GroupAwareRouter
+from ray_hsdp.serve.warm_up import check_shapes
 from ray_hsdp.topology import PLACEMENT_STRATEGY
 
 OVERFLOW = 64
@@ -117,6 +118,7 @@ def group_deployment(config: AppConfig, models: int) -> Application:
     dims = config.parallel_dims()
     bundles = dims.bundles(config.device, config.cpus_per_rank)
     check_placeable(bundles)  # else Serve waits forever for a node that could hold the replica
+    check_shapes(config)  # a warm-up shape the model refuses fails the deploy here, not at each replica
     # A fixed pool of replicate_size groups, or as many as the load calls for.
     if config.autoscaling is not None:
         scale = {"autoscaling_config": autoscaling_config(config.autoscaling, dims.widest_lanes)}

@@ -25,7 +25,7 @@ from ray_hsdp.serve.model_facts import ModelFacts
 from ray_hsdp.serve.routing import GROUP_LOAD, GROUP_OK
 from ray_hsdp.serve.schema import ImageGenerationRequest, image_response, to_generation_request
 from ray_hsdp.serve.videos import VideoJobs
-from ray_hsdp.serve.warm_up import start_warm
+from ray_hsdp.serve.warm_up import check_shapes, start_warm
 from ray_hsdp.topology import ParallelDims
 
 logger = logging.getLogger("ray_hsdp")
@@ -63,6 +63,7 @@ class HSDPServer(VideoJobs, ModelFacts):
         # Before the group's start, so that the metrics show it starting.
         threading.Thread(target=self._report_metrics, name="ray_hsdp-metrics", daemon=True).start()
         try:
+            check_shapes(self.config)  # before any weight is read (where the build could not see the folder)
             self.keeper = GroupKeeper(self._build_group)
         except BaseException:
             self._stopping.set()
@@ -84,7 +85,7 @@ class HSDPServer(VideoJobs, ModelFacts):
                     continue
                 if self.keeper.ready:
                     group = self.keeper.group
-                    self.metrics.group(group.group_id, *group.load(), group.tick_stats())
+                    self.metrics.group(group.group_id, *group.load(), group.tick_stats(), group.warm_up_stats)
                 self.metrics.keeper(self.keeper.failures, self.keeper.rebuilds)
                 if self.jobs is not None:
                     counts = ray.get(self.jobs.counts.remote(), timeout=self.config.metrics_interval_s)

@@ -46,6 +46,10 @@ class VideoNotFoundError(LookupError):
     """No video job has this id (any more: deleted or expired)."""
 
 
+class UnknownCursorError(VideoNotFoundError):
+    """A list's ``after`` names no video job (any more)."""
+
+
 class VideoNotReadyError(RuntimeError):
     """The video job has no content yet (or failed)."""
 
@@ -63,6 +67,7 @@ ERRORS: list[tuple[type[BaseException], int, str, str | None, bool]] = [
     (RequestLimitError, 400, "invalid_request_error", None, False),
     (UnsplittableRequestError, 400, "invalid_request_error", "size", False),
     (UnknownModelError, 404, "invalid_request_error", "model", False),
+    (UnknownCursorError, 404, "invalid_request_error", "after", False),
     (VideoNotFoundError, 404, "invalid_request_error", "video_id", False),
     (VideoNotReadyError, 409, "invalid_request_error", "video_id", False),
     (RequestCancelledError, 409, "invalid_request_error", None, False),  # deleted while a sync call waited

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from ray import serve
 
 from ray_hsdp.config_endpoint import EndpointConfig
-from ray_hsdp.serve.errors import RequestLimitError, VideoNotFoundError, error_json, error_response
+from ray_hsdp.serve.errors import RequestLimitError, UnknownCursorError, error_json, error_response
 from ray_hsdp.serve.keys import KeyCheck
 from ray_hsdp.serve.schema import ImageGenerationRequest, VideoCreateRequest
 
@@ -199,7 +199,7 @@ class OpenAIRoutes:
             raise RequestLimitError(f"order must be 'asc' or 'desc', got {order!r}")
         page = await self.jobs.list.remote(self.endpoint, limit, after, order)
         if page is None:
-            raise VideoNotFoundError(f"after={after!r} names no video")
+            raise UnknownCursorError(f"after={after!r} names no video")
         return page
 
     @api.get("/v1/videos/{video_id}")

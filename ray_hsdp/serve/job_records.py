@@ -14,6 +14,7 @@ import json
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     Column,
     Float,
     Integer,
@@ -41,6 +42,7 @@ jobs_table = Table(
     Column("status", String(16), nullable=False),
     Column("progress", Integer, nullable=False, default=0),
     Column("attempt", Integer, nullable=False, default=1),  # 1, then +1 at each adoption
+    Column("restarted", Boolean, nullable=False, default=False),  # an attempt that ran gave it up
     Column("owner", String(200)),  # the replica running this attempt; NULL while released
     Column("last_owner", String(200)),  # the replica that ran the last attempt (a placement avoids it)
     Column("replica", String(200)),  # public: the replica whose group runs (ran) it
@@ -91,7 +93,7 @@ def public(row) -> dict:
         "expires_at": int(row.expires_at) if row.expires_at is not None else None,
         "error": error,
         "attempt": row.attempt,
-        "retried": row.attempt > 1,  # another group runs (ran) it again from the start
+        "retried": row.restarted,  # another group runs (ran) it again from the start
         "replica": row.replica,
         **row.fields,
     }

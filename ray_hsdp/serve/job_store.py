@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 
-from sqlalchemy import and_, create_engine, delete, event, func, insert, select, update
+from sqlalchemy import and_, create_engine, delete, event, func, insert, or_, select, update
 
 from ray_hsdp.config_endpoint import EndpointConfig
 from ray_hsdp.serve.job_media import JobMedia
@@ -59,10 +59,13 @@ DEFAULT_LIMITS = limits(EndpointConfig())
 
 def _released(code: str, why: str, hold_s: float = 0.0) -> dict:
     """A released job's values: queued, owned by none, back at progress 0, waiting since now, not
-    placed again for ``hold_s``."""
+    placed again for ``hold_s``; ``restarted`` once an attempt that had started running gave it up
+    (a queued job that moves is not run again)."""
     now = time.time()
+    c = jobs_table.c
     return dict(owner=None, status="queued", progress=0, heartbeat=now, released_at=now, released_code=code,
-                released_why=why, claimed_until=now + hold_s)  # fmt: skip
+                released_why=why, claimed_until=now + hold_s,
+                restarted=or_(c.restarted, c.status == "in_progress"))  # fmt: skip
 
 
 def _engine(url: str):
@@ -208,7 +211,8 @@ class JobStore(JobViews):
         with self.engine.begin() as conn:
             if video_id is not None and (row := self._row(conn, video_id, endpoint)) is not None:
                 values = dict(owner=owner, last_owner=owner, attempt=row.attempt + 1, progress=0, status="queued",
-                              heartbeat=now, waiting_since=now, released_at=None, claimed_until=0.0)  # fmt: skip
+                              heartbeat=now, waiting_since=now, released_at=None, claimed_until=0.0,
+                              restarted=row.restarted or row.status == "in_progress")  # fmt: skip
                 if not self._guarded(conn, video_id, None, row.attempt, values):
                     return "ended", public(self._row(conn, video_id))
                 return "ok", public(self._row(conn, video_id))

@@ -34,7 +34,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "ray_hsdp_compiled_graphs_total": (
         "counter",
         ("model", "rank"),
-        "graphs compile built on the rank, its start's warm-up included (growing while serving: unwarmed shapes)",
+        "graphs compile built on the rank since its warm-up (growing while serving: unwarmed shapes)",
     ),
     "ray_hsdp_recompile_limit_hits_total": (
         "counter",
@@ -45,7 +45,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "ray_hsdp_device_peak_bytes": ("gauge", ("model", "rank"), "peak GPU memory of the rank's latest request"),
     "ray_hsdp_group_failures_total": ("counter", ("model",), "shard group failures (each starts a rebuild)"),
     "ray_hsdp_group_rebuilds_total": ("counter", ("model",), "shard groups rebuilt after a failure"),
-    "ray_hsdp_video_jobs": ("gauge", ("status",), "video jobs in the job table, by status"),
+    "ray_hsdp_video_jobs": ("gauge", ("status",), "video jobs in the job store, by status"),
     "ray_hsdp_group_state": ("gauge", ("model", "state"), "1 for the state the replica's group is in, else 0"),
     "ray_hsdp_group_load": (
         "gauge",
@@ -116,16 +116,18 @@ class ReplicaMetrics:
         if record.lane_size is not None:
             self._m["ray_hsdp_lane_size"].observe(record.lane_size, tags={"model": self.model})
 
-    def group(self, group_id: str, queued: int, running: int, ranks: list[dict]) -> None:
-        """The group's queue and each rank's counters and memory (``Rank.tick_stats``)."""
+    def group(self, group_id: str, queued: int, running: int, ranks: list[dict], warm: list[dict]) -> None:
+        """The group's queue and each rank's counters and memory (``Rank.tick_stats``), counted from
+        ``warm``: the ranks' counts once the group's warm-up ran (``ShardGroup.warm_up_stats``)."""
         self._m["ray_hsdp_queue_depth"].set(queued, tags={"model": self.model})
         self._m["ray_hsdp_running_requests"].set(running, tags={"model": self.model})
+        start = {stats["rank"]: stats for stats in warm}
         for stats in ranks:
             tags = {"model": self.model, "rank": str(stats["rank"])}
             for name, field in _RANK_COUNTERS.items():
                 key = (group_id, name, stats["rank"])
-                # Counts start at 0 in a rebuilt group, whose id differs.
-                delta = stats[field] - self._seen.get(key, 0)
+                # Counts start at the warm-up's in a rebuilt group, whose id differs.
+                delta = stats[field] - self._seen.get(key, start.get(stats["rank"], {}).get(field, 0))
                 self._seen[key] = stats[field]
                 if delta > 0:
                     self._m[name].inc(delta, tags=tags)

@@ -12,6 +12,7 @@ from ray_hsdp.config import AppConfig, parse_size
 from ray_hsdp.config_blocks import WarmUpShape
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.group.warm_up import gray_png
+from ray_hsdp.loading import resolve_model_path
 from ray_hsdp.page_cache import read_ahead_in_background
 from ray_hsdp.request import GenerationRequest, GenerationResult
 from ray_hsdp.serve.errors import RequestLimitError
@@ -23,6 +24,8 @@ from ray_hsdp.serve.schema import (
     to_generation_request,
     to_video_request,
 )
+from ray_hsdp.sharded_pipeline import call_facts
+from ray_hsdp.start_checks import pipeline_on_meta
 
 logger = logging.getLogger("ray_hsdp")
 
@@ -32,16 +35,19 @@ PROMPT = "warm up"
 
 def warm_up_request(shape: WarmUpShape, config: AppConfig, facts: dict, index: int) -> tuple[GenerationRequest, int]:
     """The request of one shape, built from an API body as a user's is, with the fewest steps that
-    reach every expert (``warm_up_steps``), and the MP4's frame rate (0: an image model).
+    reach every expert (``warm_up_steps``), and the MP4's frame rate (0: an image, of an image model
+    or, for a shape of one frame, of a video model's image route).
 
     Raises:
         ValueError: The shape is not one the model takes (the message names the shape and why).
     """
     image = gray_png(*parse_size(shape.size)) if facts.get("image_input") else None
-    fields = {"prompt": PROMPT, "size": shape.size, "num_inference_steps": facts["warm_up_steps"], "seed": 0}
+    fields = {"prompt": PROMPT, "num_inference_steps": facts["warm_up_steps"], "seed": 0}
+    if facts.get("size") is not False:  # else its output follows its image, which has the shape's size
+        fields["size"] = shape.size
     request_id = f"warm-up-{index}"
     try:
-        if facts.get("video"):
+        if facts.get("video") and shape.num_frames != 1:  # one frame: the image route's request
             body = VideoCreateRequest(**fields, num_frames=shape.num_frames, input_reference=image)
             request, fps = to_video_request(body, config, facts["temporal_compression"], request_id)
             return request, fps
@@ -51,6 +57,37 @@ def warm_up_request(shape: WarmUpShape, config: AppConfig, facts: dict, index: i
         return request, 0
     except RequestLimitError as err:
         raise ValueError(f"warm_up {shape.model_dump(exclude_none=True)}: {err}") from None
+
+
+def served_shapes(config: AppConfig, facts: dict) -> list[WarmUpShape]:
+    """The shapes a group warms (``AppConfig.warm_up_shapes``); by default (with compile), each
+    route's default shape: ``default_size`` at the default clip length and, for a text-to-video
+    model, at one frame too (its ``/v1/images/generations``), so that neither route's first request
+    compiles."""
+    shapes = config.warm_up_shapes()
+    if config.warm_up is None and shapes and facts.get("video") and not facts.get("image_input"):
+        shapes.append(WarmUpShape(size=config.default_size, num_frames=1))
+    return shapes
+
+
+def check_shapes(config: AppConfig) -> None:
+    """Builds each warm-up shape's request as ``warm_up`` will, from the facts of the pipeline's
+    call read before any weight is (``start_checks.pipeline_on_meta``): a shape the model cannot
+    take fails a replica's start here, in a second, with its reason, and ``ray-hsdp check`` with the
+    same message. A folder this node does not hold is left to the ranks' start.
+
+    Raises:
+        ValueError: Naming the shape and why the model refuses it.
+    """
+    if not config.warm_up_shapes():
+        return
+    try:
+        folder = resolve_model_path(config.model)
+    except FileNotFoundError:
+        return
+    facts = call_facts(pipeline_on_meta(folder, config.pipeline_class))
+    for index, shape in enumerate(served_shapes(config, facts)):
+        warm_up_request(shape, config, facts, index)
 
 
 def start_warm(group: ShardGroup, config: AppConfig) -> ShardGroup:
@@ -67,7 +104,7 @@ def start_warm(group: ShardGroup, config: AppConfig) -> ShardGroup:
     shapes = config.warm_up_shapes()
     group.start(warm_up=not shapes)  # the shapes' warm-up compiles what the small one would
     if shapes:
-        warm_up(group, config, shapes)
+        warm_up(group, config, served_shapes(config, group.pipeline_facts))
     return group
 
 

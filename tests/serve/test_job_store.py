@@ -164,6 +164,10 @@ def test_a_job_waiting_on_a_busy_group_moves_once_to_a_group_with_a_free_lane(st
     assert store.take_waiting("b", "pool", waited_s=0.01) is None  # the running job and b's own stay
     assert store.take_waiting("c", "other pool", waited_s=0.01) is None
     assert store.take_waiting("c", "pool", waited_s=0.01) == (own["id"], "spec own", 2)
+    # Moved while queued, never run: no retry, as a job released before it ran.
+    assert store.get("app", waiting["id"])["retried"] is False
+    assert store.release(own["id"], "c", 2, "group_failed", "before it ran")
+    assert store.get("app", own["id"])["retried"] is False
 
 
 def test_expired_jobs_go_with_their_files_and_deleted_ones_at_once(store_url, tmp_path):

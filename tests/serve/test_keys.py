@@ -57,7 +57,10 @@ def test_a_key_from_the_environment_loses_its_trailing_newline_as_one_from_a_fil
 
 def test_a_key_stored_in_the_cluster_reaches_replicas_that_have_no_other(server, tmp_path):
     """`ray-hsdp key set --app NAME` before the deploy: the replicas of NAME, whose nodes have no key
-    in a file or their environment, ask for it; `key remove` takes it away (redeploy to serve open)."""
+    in a file or their environment, ask for it. Issue 73: a `key set` of another key under a stream
+    of requests takes effect with no restart (the old key 401 with OpenAI's `invalid_api_key`, the
+    new one 200, within 30 s; every request answered, none but the old key's refused), and `key
+    remove` takes it away (this loopback server then serves open)."""
     import os
     import subprocess
     import sys
@@ -88,8 +91,51 @@ def test_a_key_stored_in_the_cluster_reaches_replicas_that_have_no_other(server,
         )
         assert keyed.status_code == 200, keyed.text
         assert stored_key("another-app") is None  # keys are per application
+        rotate(ray_hsdp, env, f"{url}/v1/images/generations", body)
     finally:
         serve.delete("stored")
-        removed = subprocess.run([*ray_hsdp, "remove", "--app", "stored"], env=env, capture_output=True, text=True)
-    assert removed.returncode == 0 and "removed" in removed.stdout, removed.stderr
+        subprocess.run([*ray_hsdp, "remove", "--app", "stored"], env=env, capture_output=True, text=True)
     assert stored_key("stored") is None
+
+
+def rotate(ray_hsdp: list[str], env: dict, url: str, body: dict) -> None:
+    """``key set`` of a new key, then ``key remove``, while a thread sends requests with the key it
+    last saw work; every answer is checked."""
+    import subprocess
+    import threading
+
+    import requests
+    from support import wait_until
+
+    def post(key: str | None) -> requests.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return requests.post(url, json=body, headers=headers, timeout=120)
+
+    keys = {"current": "stored-s3cret"}
+    answers: list[tuple[str, int, str]] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            key = keys["current"]
+            response = post(key)
+            answers.append((key, response.status_code, response.text))
+
+    sender = threading.Thread(target=load, daemon=True)
+    sender.start()
+    try:
+        rotated = subprocess.run([*ray_hsdp, "set", "--app", "stored"], env={**env, "RAY_HSDP_API_KEY": "rotated"},
+                                 capture_output=True, text=True)  # fmt: skip
+        assert rotated.returncode == 0, rotated.stderr
+        wait_until(lambda: post("rotated").status_code == 200, 30, "the new key's 200", interval_s=0.5)
+        keys["current"] = "rotated"
+        refused = post("stored-s3cret")
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key", refused.text
+        removed = subprocess.run([*ray_hsdp, "remove", "--app", "stored"], env=env, capture_output=True, text=True)
+        assert removed.returncode == 0 and "removed" in removed.stdout, removed.stderr
+        wait_until(lambda: post(None).status_code == 200, 30, "serving open on its loopback host", interval_s=0.5)
+    finally:
+        stop.set()
+        sender.join(timeout=120)
+    assert answers and all(code in (200, 401) for _, code, _ in answers), answers
+    assert all(key == "stored-s3cret" for key, code, _ in answers if code == 401), answers  # only the old key

@@ -357,7 +357,9 @@ def test_a_retried_request_and_a_moved_video_job_stop_where_they_run(pool):
     wait_until(lambda: video_id in steps_on(groups[victim]), 60, "the job runs on the victim's group", 0.05)
     os.kill(groups[victim][0]["pid"], signal.SIGKILL)
     wait_until(lambda: requests.get(f"{url}/{video_id}", timeout=60).json()["replica"] == other, 30, "the job moved")
-    assert requests.get(f"{url}/{video_id}", timeout=60).json()["retried"] is True
+    moved_job = requests.get(f"{url}/{video_id}", timeout=60).json()
+    # The ingress replicas (one per node) all place released jobs: one adoption won (issue 73).
+    assert moved_job["retried"] is True and moved_job["attempt"] == 2, moved_job
 
     def both():
         steps = steps_on(groups[other])

@@ -231,6 +231,7 @@ def test_malformed_video_requests_get_4xx_with_a_message(server):
     for response in cases:
         assert 400 <= response.status_code < 500, (response.request.method, response.request.url, response.text)
         assert response.json()["error"]["message"], response.text
+    assert cases[-1].json()["error"]["param"] == "after", cases[-1].text  # the parameter at fault
     running = requests.post(url, json={"prompt": "slow", "num_frames": 5, "num_inference_steps": 200}).json()
     for variant in ("video", "thumbnail"):
         early = requests.get(f"{url}/{running['id']}/content", params={"variant": variant})
@@ -293,8 +294,9 @@ def test_the_job_table_refuses_work_at_its_limits_and_forgets_expired_jobs(limit
 def test_jobs_and_their_mp4s_outlive_a_redeploy_and_the_apps_deletion(limited, server):
     """The records and MP4s live in the cluster's job store, not in the application (issue 73;
     before, the table and its MP4s went with every redeploy): a redeploy's limits apply; a job
-    running through a redeploy completes and downloads after it; after ``serve delete`` its
-    record and MP4 are still in the store."""
+    running through a redeploy and a kill of the store's actor (Ray restarts it over the same
+    database) completes once, as its first attempt, and downloads after them; after ``serve
+    delete`` its record and MP4 are still in the store."""
     import ray
     from ray import serve
 
@@ -308,9 +310,14 @@ def test_jobs_and_their_mp4s_outlive_a_redeploy_and_the_apps_deletion(limited, s
     deploy(server, "limited", roomy)
     created = requests.post(url, json={**body, "num_inference_steps": 30}, timeout=60)
     assert created.status_code == 200, created.text  # the redeploy's limits
+    video_id = created.json()["id"]
+    wait_until(lambda: requests.get(f"{url}/{video_id}", timeout=60).json()["status"] == "in_progress", 60, "a run")
+    ray.kill(find_store(), no_restart=False)  # under the running job: its reports wait for the restart
     deploy(server, "limited", {**roomy, "max_video_jobs": 50})  # while the job runs
-    video = wait_done(url, created.json()["id"])
-    assert video["status"] == "completed", video
+    video = wait_done(url, video_id)
+    assert video["status"] == "completed" and video["attempt"] == 1, video
+    listed = requests.get(url, params={"limit": 100}, timeout=60).json()["data"]
+    assert [v["id"] for v in listed].count(video_id) == 1
     mp4 = requests.get(f"{url}/{video['id']}/content", timeout=60).content
     assert decode_mp4(mp4)[0].shape == (5, 64, 64, 3)
     serve.delete("limited")
