@@ -76,7 +76,8 @@ def config_fields() -> set[str]:
 
 #: ``key: value`` spans of the pages that are not configuration: Serve's YAML, API objects.
 NOT_CONFIG = {"object", "proxy_location", "http_options", "host", "port", "applications", "name", "route_prefix",
-              "import_path", "args", "runtime_env", "pip", "packages", "pip_install_options"}  # fmt: skip
+              "import_path", "args", "runtime_env", "pip", "packages", "pip_install_options", "deployments",
+              "code"}  # fmt: skip
 
 
 def test_every_configuration_field_the_docs_set_exists():
