@@ -110,7 +110,7 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from ray_hsdp.distributed import free_port
+    from bench.common import free_port
     from ray_hsdp.serve import build_app
 
     ray.init(

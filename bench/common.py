@@ -372,3 +372,14 @@ class ServedYaml:
     def __exit__(self, *exc) -> None:
         stop_server(self.proc)
         self._log.close()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago (for a bench's own server, on a host it has
+    to itself)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+

@@ -199,7 +199,7 @@ def main() -> None:
 
     import torch.multiprocessing as mp
 
-    from ray_hsdp.distributed import free_port
+    from bench.common import free_port
 
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as scratch:

@@ -26,8 +26,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from bench.common import stop_server
-from ray_hsdp.distributed import free_port
+from bench.common import free_port, stop_server
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

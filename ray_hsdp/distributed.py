@@ -40,11 +40,17 @@ def node_ip() -> str:
         return socket.gethostbyname(socket.gethostname())
 
 
-def free_port(host: str) -> int:
-    """A TCP port on ``host`` that was free a moment ago (the caller retries if it is taken since)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+def bind_rendezvous(host: str, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's rendezvous store, bound on ``host`` at a port the system picks (``.port``) and holds
+    from then on: no other process can take it between the pick and the rendezvous (a port found
+    free and bound later could be)."""
+    timeout = timedelta(seconds=timeout_s)
+    return dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+
+
+def connect_rendezvous(master: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """Another rank's client of rank 0's rendezvous store at ``master:port``."""
+    return dist.TCPStore(master, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
 def backend_for(device: str) -> str:
@@ -53,14 +59,14 @@ def backend_for(device: str) -> str:
 
 
 def init_process_group(
-    device: str, master: str, port: int, rank: int, world_size: int, timeout_s: float, high_priority: bool = False
+    device: str, store: dist.Store, rank: int, world_size: int, timeout_s: float, high_priority: bool = False
 ) -> None:
-    """Joins the group's process group on an explicit ``tcp://`` rendezvous.
+    """Joins the group's process group through its rendezvous ``store`` (``bind_rendezvous`` on
+    rank 0, ``connect_rendezvous`` elsewhere).
 
     Args:
         device: ``"cuda"`` or ``"cpu"``.
-        master: IP address of rank 0.
-        port: Port rank 0 listens on.
+        store: The group's rendezvous store.
         rank: This rank's index in the group.
         world_size: Ranks in the group.
         timeout_s: Deadline of the rendezvous and of every later collective.
@@ -78,7 +84,7 @@ def init_process_group(
             kwargs["pg_options"] = options
     dist.init_process_group(
         backend=backend_for(device),
-        init_method=f"tcp://{master}:{port}",
+        store=store,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),

@@ -56,11 +56,15 @@ class RankStart:
         return str(self.model_path)
 
     def address(self) -> tuple[str, int]:
-        """This node's IP and a port free on it: rank 0's answer is the group's rendezvous address."""
+        """This node's IP and the port of the rendezvous store this rank binds there: rank 0's
+        answer is the group's rendezvous address (0: a group of one rank has none)."""
         from ray_hsdp import distributed
 
         ip = distributed.node_ip()
-        return ip, distributed.free_port(ip)
+        if self.dims.shard_size == 1:
+            return ip, 0
+        self._rendezvous = distributed.bind_rendezvous(ip, self.dims.shard_size, self.config.rendezvous_timeout_s)
+        return ip, self._rendezvous.port
 
     def join(self, master: str, port: int) -> dict:
         """Joins the process group and builds the mesh.
@@ -72,10 +76,13 @@ class RankStart:
 
         if self.dims.shard_size > 1:
             with self.phases.phase("process group"):
+                timeout_s = self.config.rendezvous_timeout_s
+                store = getattr(self, "_rendezvous", None) or distributed.connect_rendezvous(
+                    master, port, self.dims.shard_size, timeout_s
+                )
                 distributed.init_process_group(
                     self.config.device,
-                    master,
-                    port,
+                    store,
                     self.rank,
                     self.dims.shard_size,
                     self.config.collective_timeout_s,

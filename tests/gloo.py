@@ -13,12 +13,14 @@ from ray_hsdp.topology import ParallelDims
 
 @ray.remote(num_cpus=1)
 class GlooWorker:
-    def address(self):
+    def address(self, world_size: int):
         ip = distributed.node_ip()
-        return ip, distributed.free_port(ip)
+        self.store = distributed.bind_rendezvous(ip, world_size, timeout_s=120)
+        return ip, self.store.port
 
     def join(self, master: str, port: int, rank: int, world_size: int) -> None:
-        distributed.init_process_group("cpu", master, port, rank, world_size, timeout_s=120)
+        store = self.store if rank == 0 else distributed.connect_rendezvous(master, port, world_size, timeout_s=120)
+        distributed.init_process_group("cpu", store, rank, world_size, timeout_s=120)
         self.mesh, _ = distributed.build_meshes("cpu", ParallelDims(1, world_size))
         self.rank = rank
 
@@ -37,7 +39,7 @@ class GlooGroup:
 
     def __enter__(self) -> GlooGroup:
         self.workers = [GlooWorker.remote() for _ in range(self.world_size)]
-        master, port = ray.get(self.workers[0].address.remote())
+        master, port = ray.get(self.workers[0].address.remote(self.world_size))
         ray.get([w.join.remote(master, port, i, self.world_size) for i, w in enumerate(self.workers)], timeout=120)
         return self
 

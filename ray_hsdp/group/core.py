@@ -36,7 +36,6 @@ from ray_hsdp.variant import RequestVariant
 
 logger = logging.getLogger("ray_hsdp")
 
-_RENDEZVOUS_TRIES = 3
 
 
 def check_placeable(bundles: list[dict[str, float]]) -> None:
@@ -187,40 +186,32 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, G
     def _spawn_and_join(self) -> None:
         bundle = self.dims.bundles(self.config.device, self.config.cpus_per_rank)[0]
         actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(Rank)
-        for attempt in range(1, _RENDEZVOUS_TRIES + 1):
-            # Named, so that `ray list actors` and operators can tell the ranks of each group apart.
-            names = [f"ray_hsdp-{self.group_id}-{attempt}-rank{i}" for i in range(self.dims.shard_size)]
-            with self.phases.phase("rank processes and imports"):
-                spawned_at = time.time()  # each rank's "actor start" counts from it
-                self.ranks = [
-                    actor.options(
-                        name=names[i],
-                        num_cpus=bundle["CPU"],
-                        num_gpus=bundle.get("GPU", 0),
-                        max_restarts=0,
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(
-                            placement_group=self._pg, placement_group_bundle_index=i
-                        ),
-                    ).remote(i, self.config, self.dims, self.group_id, spawned_at)
-                    for i in range(self.dims.shard_size)
-                ]
-                ray.get([r.prepare.remote() for r in self.ranks], timeout=self.config.load_timeout_s)
-            master, port = ray.get(self.ranks[0].address.remote(), timeout=self.config.rendezvous_timeout_s)
-            try:
-                with self.phases.phase("rendezvous"):
-                    joined = ray.get(
-                        [r.join.remote(master, port) for r in self.ranks], timeout=self.config.rendezvous_timeout_s
-                    )
-                self.placement = [
-                    {**place, "actor_name": name, "bundle": i} for i, (place, name) in enumerate(zip(joined, names))
-                ]
-                return
-            except (ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError) as err:
-                # The port was free when rank 0 picked it; another process may have taken it since.
-                if "address already in use" not in str(err).lower() or attempt == _RENDEZVOUS_TRIES:
-                    raise
-                logger.warning("Rendezvous port %d taken (try %d), retrying on a new port", port, attempt)
-                self._kill_ranks()
+        # Named, so that `ray list actors` and operators can tell the ranks of each group apart.
+        names = [f"ray_hsdp-{self.group_id}-rank{i}" for i in range(self.dims.shard_size)]
+        with self.phases.phase("rank processes and imports"):
+            spawned_at = time.time()  # each rank's "actor start" counts from it
+            self.ranks = [
+                actor.options(
+                    name=names[i],
+                    num_cpus=bundle["CPU"],
+                    num_gpus=bundle.get("GPU", 0),
+                    max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self._pg, placement_group_bundle_index=i
+                    ),
+                ).remote(i, self.config, self.dims, self.group_id, spawned_at)
+                for i in range(self.dims.shard_size)
+            ]
+            ray.get([r.prepare.remote() for r in self.ranks], timeout=self.config.load_timeout_s)
+        # Rank 0 binds its rendezvous store first and hands out the port it holds: no port race.
+        master, port = ray.get(self.ranks[0].address.remote(), timeout=self.config.rendezvous_timeout_s)
+        with self.phases.phase("rendezvous"):
+            joined = ray.get(
+                [r.join.remote(master, port) for r in self.ranks], timeout=self.config.rendezvous_timeout_s
+            )
+        self.placement = [
+            {**place, "actor_name": name, "bundle": i} for i, (place, name) in enumerate(zip(joined, names))
+        ]
 
     def _kill_ranks(self) -> None:
         ranks, self.ranks = self.ranks, []
