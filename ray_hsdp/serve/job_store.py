@@ -24,22 +24,23 @@ import threading
 import time
 import uuid
 
-from sqlalchemy import and_, create_engine, delete, event, func, insert, or_, select, update
+from sqlalchemy import and_, create_engine, delete, event, func, insert, select, update
 
 from ray_hsdp.config_endpoint import EndpointConfig
 from ray_hsdp.serve.job_media import JobMedia
 from ray_hsdp.serve.job_records import ACTIVE, endpoints_table, jobs_table, metadata, public
+from ray_hsdp.serve.job_sweep import JobSweep, released_values
 
 #: Progress (0-100) at the end of denoising; decode and MP4 encoding fill the rest.
 DENOISED = 90
 DECODED = 95
 
 #: The transitions of a job, each a method of ``JobStore`` (and the only writers of a job's row).
-TRANSITIONS = ("create", "start", "release", "claim", "adopt", "complete", "fail", "cancel", "expire")
-
-
-#: How often at most the store looks for expired, stale and lost jobs (at a call, not in a thread).
-SWEEP_EVERY_S = 0.2
+TRANSITIONS = (
+    "create", "start", "release", "claim", "unclaim", "adopt", "take_waiting", "complete", "fail", "cancel", "expire",
+)  # fmt: skip
+#: The transitions whose method has another name: start is a report, cancel a delete, expire the sweep's.
+TRANSITION_METHODS = {"start": "report", "cancel": "delete", "expire": "_sweep"}
 
 
 def limits(config) -> dict:
@@ -55,17 +56,6 @@ def limits(config) -> dict:
 
 #: The limits of an endpoint that has not configured its own: the endpoint fields' defaults.
 DEFAULT_LIMITS = limits(EndpointConfig())
-
-
-def _released(code: str, why: str, hold_s: float = 0.0) -> dict:
-    """A released job's values: queued, owned by none, back at progress 0, waiting since now, not
-    placed again for ``hold_s``; ``restarted`` once an attempt that had started running gave it up
-    (a queued job that moves is not run again)."""
-    now = time.time()
-    c = jobs_table.c
-    return dict(owner=None, status="queued", progress=0, heartbeat=now, released_at=now, released_code=code,
-                released_why=why, claimed_until=now + hold_s,
-                restarted=or_(c.restarted, c.status == "in_progress"))  # fmt: skip
 
 
 def _engine(url: str):
@@ -147,7 +137,7 @@ class JobViews:
         return self.url, self.media.url
 
 
-class JobStore(JobViews):
+class JobStore(JobSweep, JobViews):
     """The video jobs of a cluster's endpoints, their MP4s, and their transitions.
 
     Args:
@@ -264,7 +254,7 @@ class JobStore(JobViews):
         ``adopt``; not before ``hold_s``: a full group's room comes later); ``code`` and ``why``
         fail it if none does within ``video_lost_wait_s``."""
         with self.engine.begin() as conn:
-            return self._guarded(conn, video_id, owner, attempt, _released(code, why, hold_s))
+            return self._guarded(conn, video_id, owner, attempt, released_values(code, why, hold_s))
 
     def claim(self, pools: list[str], hold_s: float) -> list[tuple[str, str, str, str, int, str]]:
         """``claim``: the released jobs of ``pools`` (``pool_of``) whose claim is free, each held for the asking
@@ -290,6 +280,15 @@ class JobStore(JobViews):
                 if self._guarded(conn, row.id, None, row.attempt, {"claimed_until": now + hold_s}):
                     out.append(tuple(row))
         return out
+
+    def unclaim(self, video_id: str, attempt: int, retry_in_s: float) -> bool:
+        """A claim whose placement failed (no group answered in time, or each refused): the job may
+        be claimed again after ``retry_in_s`` rather than after the claim's whole hold."""
+        c = jobs_table.c
+        with self.engine.begin() as conn:
+            where = and_(c.id == video_id, c.attempt == attempt, c.owner.is_(None), c.status.in_(ACTIVE))
+            moved = conn.execute(update(jobs_table).where(where).values(claimed_until=time.time() + retry_in_s))
+            return moved.rowcount == 1
 
     def adopt(self, video_id: str, replica: str, attempt: int) -> int | None:
         """``adopt``: ``replica`` runs the released ``attempt`` again from the start, as attempt + 1.
@@ -399,49 +398,3 @@ class JobStore(JobViews):
             conn.execute(delete(jobs_table).where(jobs_table.c.id == video_id))
         self.media.remove(row.media_key)
         return True
-
-    # ---- the store's own housekeeping ---------------------------------------------------------
-
-    def _sweep(self) -> None:
-        """``expire`` what is past its ``expires_at`` (with its files); fail the released jobs no
-        group took within ``lost_wait_s``; release the jobs whose owner stopped reporting for
-        ``stale_after_s`` (its process or node is gone)."""
-        now = time.time()
-        if now - self._swept < SWEEP_EVERY_S or not self._sweep_lock.acquire(blocking=False):
-            return
-        try:
-            self._swept = now
-            c = jobs_table.c
-            with self.engine.begin() as conn:
-                expired = conn.execute(select(c.id, c.media_key).where(c.expires_at <= now)).all()
-                for row in expired:
-                    conn.execute(delete(jobs_table).where(c.id == row.id))
-                active = conn.execute(
-                    select(
-                        c.id,
-                        c.endpoint,
-                        c.owner,
-                        c.attempt,
-                        c.heartbeat,
-                        c.released_at,
-                        c.released_code,
-                        c.released_why,
-                    ).where(c.status.in_(ACTIVE))  # fmt: skip
-                ).all()
-                for row in active:
-                    self._sweep_one(conn, row, now)
-            for row in expired:
-                self.media.remove(row.media_key)
-        finally:
-            self._sweep_lock.release()
-
-    def _sweep_one(self, conn, row, now: float) -> None:
-        limit = self.limits_of(row.endpoint)
-        if row.released_at is not None and row.owner is None:
-            if now - row.released_at > limit["lost_wait_s"]:
-                wait = f"video_lost_wait_s={limit['lost_wait_s']:g}s"
-                why = f"{row.released_why}; no other group took it over within {wait}"
-                self._fail(conn, row.id, row.released_code, why, None, row.attempt)
-        elif row.owner is not None and now - row.heartbeat > limit["stale_after_s"]:
-            why = f"the replica running this job stopped reporting for {limit['stale_after_s']:g}s"
-            self._guarded(conn, row.id, row.owner, row.attempt, _released("replica_lost", why))

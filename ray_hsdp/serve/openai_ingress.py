@@ -55,6 +55,9 @@ JOBS_POLL_S = 0.25
 #: How long a released job the ingress is placing stays its own (another ingress replica skips it).
 CLAIM_HOLD_S = 30.0
 
+#: How soon a job whose placement failed may be placed again (by any ingress replica).
+UNPLACED_RETRY_S = 1.0
+
 #: The longest a group may take to answer one placement (``adopt_video``): a model whose groups
 #: cannot answer (none runs, or all are starting) delays only its own jobs, and only this long.
 PLACE_TIMEOUT_S = 10.0
@@ -263,9 +266,18 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
                 try:
                     if await asyncio.wait_for(call, PLACE_TIMEOUT_S):
                         logger.info("Placed video job %s on another shard group of %s", video_id, model)
-                except Exception as err:  # noqa: BLE001 - claimed again later, or failed by the store
+                except Exception as err:  # noqa: BLE001 - claimed again soon, or failed by the store
                     call.cancel()
                     logger.warning("No shard group of %s took video job %s: %r", model, video_id, remote_cause(err))
+                    await self._unclaim(video_id, attempt)
+
+    async def _unclaim(self, video_id: str, attempt: int) -> None:
+        """A placement that failed frees its claim for ``UNPLACED_RETRY_S`` (Serve's router may
+        have picked a group whose replica is gone; the next pick is another), not ``CLAIM_HOLD_S``."""
+        try:
+            await self.jobs.unclaim.remote(video_id, attempt, UNPLACED_RETRY_S)
+        except Exception as err:  # noqa: BLE001 - the claim then runs out at CLAIM_HOLD_S
+            logger.warning("Freeing the claim of video job %s failed: %s", video_id, err)
 
     async def delete_video(self, video_id: str) -> dict:
         """Deletes a job: afterwards its id is 404; the group running it stops it at its next report."""

@@ -12,7 +12,7 @@ from postgres import postgres_server, server_binaries
 
 from ray_hsdp.request import GenerationRequest, StepCache
 from ray_hsdp.serve.job_records import decode_spec, encode_spec
-from ray_hsdp.serve.job_store import TRANSITIONS, JobStore
+from ray_hsdp.serve.job_store import TRANSITION_METHODS, TRANSITIONS, JobStore
 
 LIMITS = {"max_jobs": 8, "max_bytes": 2**20, "ttl_s": 60, "stale_after_s": 60, "lost_wait_s": 60}
 
@@ -101,6 +101,9 @@ def test_one_attempt_is_adopted_once_whichever_replicas_race(store_url, tmp_path
     _, video = stores[0].create("app", "pool", {"model": "wan"}, "a", "spec")
     assert stores[0].release(video["id"], "a", 1, "drained", "removed")
     assert len(stores[0].claim(["pool"], hold_s=60)) == 1 and stores[1].claim(["pool"], hold_s=60) == []
+    # A placement that failed frees the claim soon, for any ingress (not after the whole hold).
+    assert stores[0].unclaim(video["id"], 1, retry_in_s=0.0)
+    assert len(stores[1].claim(["pool"], hold_s=60)) == 1
     barrier, won = threading.Barrier(16), []
 
     def adopt(i: int) -> None:
@@ -116,6 +119,7 @@ def test_one_attempt_is_adopted_once_whichever_replicas_race(store_url, tmp_path
     assert len(won) == 1, won
     assert stores[0].get("app", video["id"])["attempt"] == 2
     assert stores[1].adopt(video["id"], "late", 1) is None
+    assert not stores[0].unclaim(video["id"], 1, retry_in_s=0.0)  # adopted: no claim of it to free
 
 
 def test_a_released_job_no_group_takes_fails_and_stays_failed(store_url, tmp_path):
@@ -199,7 +203,8 @@ def test_pages_list_newest_first_and_after_an_id(store_url, tmp_path):
 
 def test_the_store_names_each_transition_and_terminal_states_never_change(tmp_path):
     store = make(f"sqlite:///{tmp_path / 'jobs.sqlite'}", tmp_path / "media")
-    assert set(TRANSITIONS) == {"create", "start", "release", "claim", "adopt", "complete", "fail", "cancel", "expire"}
+    # Each transition is a method of the store (the only writers of a job's row).
+    assert all(callable(getattr(store, TRANSITION_METHODS.get(name, name), None)) for name in TRANSITIONS)
     _, video = store.create("app", "pool", {"prompt": "p"}, "a", "spec")
     assert store.report(video["id"], "a", 1, running=True) and store.get("app", video["id"])["status"] == "in_progress"
     assert store.complete(video["id"], "a", 1, b"mp4", b"png") and store.get("app", video["id"])["progress"] == 100

@@ -1,0 +1,102 @@
+"""What Ray offers toward rank processes that have imported before they are needed (issue 74):
+the time from an actor's creation in a placement group bundle to its first answer, with and
+without Ray's module preload (``RAY_preload_python_modules``: each worker the raylet starts
+imports them before it takes work) and with the worker pool prestarted. Each setting runs in a
+Ray cluster of its own (the raylet reads the setting at its start).
+
+    python -m bench.prestart --out bench/results/prestart-2core.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MODULES = "torch,diffusers,transformers"
+
+#: Settings: name -> the environment the cluster starts with.
+SETTINGS = {
+    "plain": {},
+    "preload": {"RAY_preload_python_modules": MODULES},
+    "preload + prestart": {"RAY_preload_python_modules": MODULES, "RAY_enable_worker_prestart": "1",
+                           "RAY_prestart_worker_first_driver": "1"},  # fmt: skip
+}
+
+
+def one_setting(actors: int, settle_s: float) -> dict:
+    """Runs in a process of its own: a fresh cluster, then ``actors`` actors one at a time, each in
+    a bundle of a placement group, timed from creation to its answer."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    ray.init(num_cpus=4, include_dashboard=False)
+    time.sleep(settle_s)  # what a node has had time to prestart before a group is asked for
+
+    @ray.remote(num_cpus=1)
+    class Probe:
+        def answer(self) -> dict:
+            t0 = time.time()
+            import diffusers  # noqa: F401 - what a rank imports first
+            import torch  # noqa: F401
+            import transformers  # noqa: F401
+
+            return {"at": time.time(), "imports_s": time.time() - t0, "pid": os.getpid()}
+
+    times = []
+    for _ in range(actors):
+        pg = placement_group([{"CPU": 1}])
+        ray.get(pg.ready())
+        start = time.time()
+        probe = Probe.options(scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg)).remote()
+        answer = ray.get(probe.answer.remote())
+        times.append({"start_s": round(answer["at"] - start, 2), "imports_s": round(answer["imports_s"], 2)})
+        ray.kill(probe)
+        ray.util.remove_placement_group(pg)
+    ray.shutdown()
+    return {"runs": times}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--actors", type=int, default=3)
+    parser.add_argument("--settle-s", type=float, default=15.0)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one_setting(args.actors, args.settle_s)))
+        return
+    results = {}
+    for name, env in SETTINGS.items():
+        command = [sys.executable, "-m", "bench.prestart", "--one", "--actors", str(args.actors),
+                   "--settle-s", str(args.settle_s)]  # fmt: skip
+        done = subprocess.run(command, env={**os.environ, **env}, capture_output=True, text=True, check=True)
+        results[name] = json.loads(done.stdout.strip().splitlines()[-1])["runs"]
+        print(name, results[name], flush=True)
+    lines = [
+        "# Rank processes and Ray's module preload",
+        "",
+        f"Command: `python -m bench.prestart --actors {args.actors} --settle-s {args.settle_s:g}`; an actor of 1 CPU "
+        "in a placement group bundle, created after the cluster has idled the settle time; `start`: from its creation "
+        "to its first answer, which imports torch, diffusers and transformers (`imports`: that import's share).",
+        "",
+        "| setting | start (s), each actor | imports (s), each actor |",
+        "| --- | --- | --- |",
+    ]
+    for name, runs in results.items():
+        starts = ", ".join(f"{r['start_s']:.2f}" for r in runs)
+        imports = ", ".join(f"{r['imports_s']:.2f}" for r in runs)
+        lines.append(f"| {name} | {starts} | {imports} |")
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
