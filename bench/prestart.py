@@ -28,34 +28,42 @@ SETTINGS = {
 }
 
 
-def one_setting(actors: int, settle_s: float) -> dict:
+def one_setting(actors: int, settle_s: float, gpus: int) -> dict:
     """Runs in a process of its own: a fresh cluster, then ``actors`` actors one at a time, each in
-    a bundle of a placement group, timed from creation to its answer."""
+    a bundle of a placement group (with a GPU where ``gpus``), timed from creation to its answer."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    ray.init(num_cpus=4, include_dashboard=False)
+    ray.init(num_cpus=4, num_gpus=gpus, include_dashboard=False)
     time.sleep(settle_s)  # what a node has had time to prestart before a group is asked for
 
-    @ray.remote(num_cpus=1)
+    @ray.remote
     class Probe:
         def answer(self) -> dict:
             t0 = time.time()
             import diffusers  # noqa: F401 - what a rank imports first
-            import torch  # noqa: F401
+            import torch
             import transformers  # noqa: F401
 
-            return {"at": time.time(), "imports_s": time.time() - t0, "pid": os.getpid()}
+            imported = time.time()
+            if torch.cuda.is_available():  # the rank's first CUDA call: its context
+                torch.zeros(1, device="cuda")
+            return {"at": time.time(), "imports_s": imported - t0, "cuda_s": time.time() - imported}
 
+    bundle = {"CPU": 1, **({"GPU": 1} if gpus else {})}
     times = []
     for _ in range(actors):
-        pg = placement_group([{"CPU": 1}])
+        pg = placement_group([bundle])
         ray.get(pg.ready())
         start = time.time()
-        probe = Probe.options(scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg)).remote()
+        strategy = PlacementGroupSchedulingStrategy(placement_group=pg)
+        probe = Probe.options(num_cpus=1, num_gpus=1 if gpus else 0, scheduling_strategy=strategy).remote()
         answer = ray.get(probe.answer.remote())
-        times.append({"start_s": round(answer["at"] - start, 2), "imports_s": round(answer["imports_s"], 2)})
+        times.append({
+            "start_s": round(answer["at"] - start, 2), "imports_s": round(answer["imports_s"], 2),
+            "cuda_s": round(answer["cuda_s"], 2),
+        })  # fmt: skip
         ray.kill(probe)
         ray.util.remove_placement_group(pg)
     ray.shutdown()
@@ -66,33 +74,34 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--actors", type=int, default=3)
     parser.add_argument("--settle-s", type=float, default=15.0)
+    parser.add_argument("--gpus", type=int, default=0, help="GPUs of the cluster; each actor's bundle takes one")
     parser.add_argument("--out", default=None)
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one_setting(args.actors, args.settle_s)))
+        print(json.dumps(one_setting(args.actors, args.settle_s, args.gpus)))
         return
     results = {}
     for name, env in SETTINGS.items():
         command = [sys.executable, "-m", "bench.prestart", "--one", "--actors", str(args.actors),
-                   "--settle-s", str(args.settle_s)]  # fmt: skip
+                   "--settle-s", str(args.settle_s), "--gpus", str(args.gpus)]  # fmt: skip
         done = subprocess.run(command, env={**os.environ, **env}, capture_output=True, text=True, check=True)
         results[name] = json.loads(done.stdout.strip().splitlines()[-1])["runs"]
         print(name, results[name], flush=True)
     lines = [
         "# Rank processes and Ray's module preload",
         "",
-        f"Command: `python -m bench.prestart --actors {args.actors} --settle-s {args.settle_s:g}`; an actor of 1 CPU "
-        "in a placement group bundle, created after the cluster has idled the settle time; `start`: from its creation "
-        "to its first answer, which imports torch, diffusers and transformers (`imports`: that import's share).",
+        f"Command: `python -m bench.prestart --actors {args.actors} --settle-s {args.settle_s:g} --gpus {args.gpus}`; "
+        "an actor of 1 CPU (and 1 GPU with `--gpus`) in a placement group bundle, created after the cluster has idled "
+        "the settle time; `start`: from its creation to its first answer, which imports torch, diffusers and "
+        "transformers (`imports`: that import's share) and makes its CUDA context (`cuda`).",
         "",
-        "| setting | start (s), each actor | imports (s), each actor |",
-        "| --- | --- | --- |",
+        "| setting | start (s), each actor | imports (s), each actor | cuda (s), each actor |",
+        "| --- | --- | --- | --- |",
     ]
     for name, runs in results.items():
-        starts = ", ".join(f"{r['start_s']:.2f}" for r in runs)
-        imports = ", ".join(f"{r['imports_s']:.2f}" for r in runs)
-        lines.append(f"| {name} | {starts} | {imports} |")
+        cells = [", ".join(f"{r[key]:.2f}" for r in runs) for key in ("start_s", "imports_s", "cuda_s")]
+        lines.append(f"| {name} | {' | '.join(cells)} |")
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
