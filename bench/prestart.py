@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-MODULES = "torch,diffusers,transformers"
+MODULES = "torch,diffusers,transformers,ray_hsdp.sharded_pipeline"
 
 #: Settings: name -> the environment the cluster starts with.
 SETTINGS = {
@@ -70,6 +70,23 @@ def one_setting(actors: int, settle_s: float, gpus: int) -> dict:
     return {"runs": times}
 
 
+def group_start(settle_s: float, gpus: int) -> dict:
+    """Runs in a process of its own: a fresh cluster, then one group of one rank of the tiny model
+    on the device; the start's phases (``ShardGroup.phases``)."""
+    import ray
+
+    from ray_hsdp.config import GroupConfig
+    from ray_hsdp.group import ShardGroup
+
+    ray.init(num_cpus=4, num_gpus=gpus, include_dashboard=False)
+    time.sleep(settle_s)
+    config = GroupConfig(model="tiny", device="cuda" if gpus else "cpu", shard_size=1)
+    with ShardGroup(config) as group:
+        phases = dict(group.phases.seconds)
+    ray.shutdown()
+    return phases
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--actors", type=int, default=3)
@@ -77,10 +94,16 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=0, help="GPUs of the cluster; each actor's bundle takes one")
     parser.add_argument("--out", default=None)
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--group", action="store_true", help="a tiny group's start phases instead of probe actors")
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one_setting(args.actors, args.settle_s, args.gpus)))
+        if args.group:
+            print(json.dumps(group_start(args.settle_s, args.gpus)))
+        else:
+            print(json.dumps(one_setting(args.actors, args.settle_s, args.gpus)))
         return
+    if args.group:
+        return group_starts(args)
     results = {}
     for name, env in SETTINGS.items():
         command = [sys.executable, "-m", "bench.prestart", "--one", "--actors", str(args.actors),
@@ -105,6 +128,30 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def group_starts(args: argparse.Namespace) -> None:
+    """``--group``: the tiny group's start phases without and with the preload."""
+    lines = [
+        "# A group's start with Ray's module preload",
+        "",
+        f"Command: `python -m bench.prestart --group --settle-s {args.settle_s:g} --gpus {args.gpus}`; one group of "
+        "one rank of the tiny model, each setting in a fresh cluster; seconds of the start's phases.",
+        "",
+    ]
+    runs = {}
+    for name in ("plain", "preload"):
+        command = [sys.executable, "-m", "bench.prestart", "--one", "--group", "--settle-s", str(args.settle_s),
+                   "--gpus", str(args.gpus)]  # fmt: skip
+        done = subprocess.run(command, env={**os.environ, **SETTINGS[name]}, capture_output=True, text=True, check=True)
+        runs[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    phases = list(runs["plain"])
+    lines += ["| phase | " + " | ".join(runs) + " |", "| --- |" + " ---: |" * len(runs)]
+    lines += [f"| {phase} | " + " | ".join(f"{runs[n].get(phase, 0):.2f}" for n in runs) + " |" for phase in phases]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
 
 
 if __name__ == "__main__":

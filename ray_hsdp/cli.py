@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from ray_hsdp.checkpoints.architectures import ARCHITECTURES
-from ray_hsdp.config import GroupConfig
+from ray_hsdp.config import RANK_MODULES, GroupConfig
 from ray_hsdp.embedded import TINY_MODEL
 from ray_hsdp.request import CACHE_KINDS, DEFAULT_GUIDANCE_SCALE
 from ray_hsdp.serve_command import add_serve
@@ -26,7 +26,8 @@ def _format_bytes(n: int) -> str:
 
 
 def memory_table(ranks: list[dict], component: str = "transformer") -> str:
-    """A text table of each rank's memory: what it holds of ``component`` and in total."""
+    """A text table of each rank's memory: what it holds of ``component`` and in total, and whether
+    its process had imported what a rank needs before it became one (Ray's preload)."""
     rows = [
         (
             "rank",
@@ -41,6 +42,7 @@ def memory_table(ranks: list[dict], component: str = "transformer") -> str:
             "kept whole",
             "buffers",
             "peak last request",
+            "imports",
         ),
     ]
     for r in ranks:
@@ -61,6 +63,7 @@ def memory_table(ranks: list[dict], component: str = "transformer") -> str:
                 _format_bytes(total.get("kept_whole", 0)),
                 _format_bytes(total["buffers"]),
                 _format_bytes(r["last_request_peak_device_bytes"]) if r["device"] == "cuda" else "n/a (cpu)",
+                "preloaded" if r.get("preloaded") else "at its start",
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -154,7 +157,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from ray_hsdp.serve import build_app
 
     start = time.perf_counter()
-    # A fresh local cluster of its own, even where RAY_ADDRESS points at another one.
+    # A fresh local cluster of its own, even where RAY_ADDRESS points at another one, whose idle
+    # workers import what a rank needs before the group asks for its ranks.
+    os.environ.setdefault("RAY_preload_python_modules", ",".join(RANK_MODULES))
     ray.init(address="local", num_cpus=max(4, args.shard_size + 1), include_dashboard=False, log_to_driver=args.verbose)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     config = {

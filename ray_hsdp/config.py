@@ -24,6 +24,12 @@ LORA_COMPONENTS = ("transformer", "transformer_2")
 #: Requests a rank can be handed at once: the threads its ``offer`` calls wait on.
 MAX_REQUESTS_PER_RANK = 8
 
+#: What every rank imports before it reads a weight (``RankStart.prepare``). A node whose Ray
+#: starts with them in ``RAY_preload_python_modules`` keeps idle workers that imported them ahead,
+#: and a rank that Ray places on one skips them (one H200: a group's rank processes and imports
+#: 18.7 s -> 2.3 s; ``bench.prestart``).
+RANK_MODULES = ("torch", "diffusers", "transformers", "ray_hsdp.sharded_pipeline")
+
 #: CPUs a CPU rank reserves unless ``cpus_per_rank`` says otherwise.
 CPU_RANK_CPUS = 0.5
 

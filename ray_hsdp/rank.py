@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import threading
 import time
 
@@ -104,6 +105,9 @@ class Rank(RankStart):
     def __init__(
         self, rank: int, config: GroupConfig, dims: ParallelDims, group_id: str = "", spawned_at: float | None = None
     ):
+        #: Whether this process had imported what a rank needs before it became one: Ray started it
+        #: with ``RAY_preload_python_modules`` (``config.RANK_MODULES``); an idle one saves the imports.
+        self.preloaded = "ray_hsdp.sharded_pipeline" in sys.modules
         from ray_hsdp import distributed
 
         distributed.apply_nccl_env(config.nccl_max_ctas)

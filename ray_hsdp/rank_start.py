@@ -107,6 +107,7 @@ class RankStart:
             "namespace": ray.get_runtime_context().namespace,
             "node_ip": distributed.node_ip(),
             "pid": os.getpid(),
+            "preloaded": self.preloaded,
             "device": self.config.device,
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
         }

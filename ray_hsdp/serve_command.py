@@ -15,6 +15,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     moment (while it deploys too), and stops Ray only where this command started it."""
     from pydantic import ValidationError
 
+    from ray_hsdp.config import RANK_MODULES
     from ray_hsdp.config_endpoint import served_models
     from ray_hsdp.serve.keys import read_api_key
     from ray_hsdp.serve_cli import UsageError, default_app_name, file_application, serve_config, served_args
@@ -50,6 +51,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     started_ray = not ray.is_initialized() and not (args.address or os.environ.get("RAY_ADDRESS"))
+    if started_ray:  # its own Ray: idle workers import what a rank needs before any rank is asked for
+        os.environ.setdefault("RAY_preload_python_modules", ",".join(RANK_MODULES))
     ray.init(address=args.address, ignore_reinit_error=True)
     deploying, failed = False, None
     try:

@@ -75,6 +75,8 @@ def test_demo_prints_the_image_path_and_the_memory_table(tmp_path):
     assert video.read_bytes()[4:8] == b"ftyp"
     shares = [float(s) for s in re.findall(r"^\d\s+.*?\s(\d+\.\d)%", done.stdout, re.M)]
     assert len(shares) == 2 and all(45 <= s <= 55 for s in shares), done.stdout
+    # Issue 74: the demo's own Ray preloads what a rank imports: both ranks' processes had imported it.
+    assert len(re.findall(r"^\d\s+.*\spreloaded\s*$", done.stdout, re.M)) == 2, done.stdout
 
 
 def test_fp8_on_cpu_is_refused_before_ray_starts(capsys):
