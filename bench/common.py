@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -170,10 +171,16 @@ def random_loras(arch: str, folder: Path, count: int, rank: int, device: str) ->
     return paths
 
 
-def start_ray(ray_cpus: int | None = None, env_vars: dict | None = None) -> None:
+def start_ray(ray_cpus: int | None = None, env_vars: dict | None = None, preload: bool = False) -> None:
     """Starts Ray for a benchmark. With ``ray_cpus`` (a CPU dry run) it is a Ray of its own
-    ("local") beside any cluster already running here; ``env_vars`` go to every rank."""
+    ("local") beside any cluster already running here; ``env_vars`` go to every rank; ``preload``:
+    its workers import what a rank needs before they take work (``config.RANK_MODULES``)."""
     import ray
+
+    if preload:
+        from ray_hsdp.config import RANK_MODULES
+
+        os.environ["RAY_preload_python_modules"] = ",".join(RANK_MODULES)
 
     ray.init(
         address="local" if ray_cpus else None,

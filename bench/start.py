@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--kill", action="store_true", help="with --config: then kill a rank, time it to the next request answered"
     )
     parser.add_argument("--ray-cpus", type=int, default=None, help="logical CPUs of the local Ray (CPU dry runs)")
+    parser.add_argument(
+        "--preload", action="store_true", help="the local Ray's workers import what a rank needs before any rank starts"
+    )
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--name", default=None)
     return parser
@@ -110,7 +113,7 @@ def main() -> None:
 
     model_dir = Path(args.model_dir)
     ensure_model(args.arch, model_dir, args.device)
-    start_ray(args.ray_cpus)
+    start_ray(args.ray_cpus, preload=args.preload)
     config = group_config(args)
     name = args.name or f"start-{args.arch}-s{config.shard_size}"
     rows: list[dict] = []
