@@ -165,6 +165,7 @@ def test_a_job_waiting_on_a_busy_group_moves_once_to_a_group_with_a_free_lane(st
     time.sleep(0.05)
     assert store.take_waiting("b", "pool", waited_s=0.01) == (waiting["id"], "spec waiting", 2)
     assert store.report(waiting["id"], "a", 1) is False  # the first replica stops its copy
+    assert store.report(waiting["id"], "b", 2, running=True)  # b runs it: no longer waiting
     assert store.take_waiting("b", "pool", waited_s=0.01) is None  # the running job and b's own stay
     assert store.take_waiting("c", "other pool", waited_s=0.01) is None
     assert store.take_waiting("c", "pool", waited_s=0.01) == (own["id"], "spec own", 2)
