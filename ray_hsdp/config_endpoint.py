@@ -180,4 +180,3 @@ def folded_applications(applications: list[dict]) -> dict | None:
     if missing:
         raise ValueError(f"the endpoint serves {', '.join(missing)}, which no application of {MODEL_IMPORT} is named")
     return {**args, "models": [dict(by_name[name].get("args") or {}) for name in names]}
-

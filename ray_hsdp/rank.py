@@ -16,7 +16,7 @@ import time
 
 import ray
 
-from ray_hsdp.config import MAX_REQUESTS_PER_RANK, GroupConfig
+from ray_hsdp.config import MAX_REQUESTS_PER_RANK, RANK_MODULES, GroupConfig
 from ray_hsdp.deadlines import run_timeout
 from ray_hsdp.phases import Phases
 from ray_hsdp.rank_start import RankStart
@@ -107,7 +107,7 @@ class Rank(RankStart):
     ):
         #: Whether this process had imported what a rank needs before it became one: Ray started it
         #: with ``RAY_preload_python_modules`` (``config.RANK_MODULES``); an idle one saves the imports.
-        self.preloaded = "ray_hsdp.sharded_pipeline" in sys.modules
+        self.preloaded = all(module in sys.modules for module in RANK_MODULES)
         from ray_hsdp import distributed
 
         distributed.apply_nccl_env(config.nccl_max_ctas)
@@ -118,6 +118,7 @@ class Rank(RankStart):
         self.config = config
         self.dims = dims
         self.pipeline = None
+        self._rendezvous = None  # rank 0's rendezvous store, bound in ``address``
         self.runtime: RankRuntime | None = None
         self.model_path = None
         self.lora_paths: dict = {}

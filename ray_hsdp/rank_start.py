@@ -77,7 +77,7 @@ class RankStart:
         if self.dims.shard_size > 1:
             with self.phases.phase("process group"):
                 timeout_s = self.config.rendezvous_timeout_s
-                store = getattr(self, "_rendezvous", None) or distributed.connect_rendezvous(
+                store = self._rendezvous or distributed.connect_rendezvous(
                     master, port, self.dims.shard_size, timeout_s
                 )
                 distributed.init_process_group(

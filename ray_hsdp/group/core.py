@@ -37,7 +37,6 @@ from ray_hsdp.variant import RequestVariant
 logger = logging.getLogger("ray_hsdp")
 
 
-
 def check_placeable(bundles: list[dict[str, float]]) -> None:
     """Fails at once when no alive node of the cluster has the resources of all of a group's
     bundles together, instead of leaving Ray to wait for a node that will never come.

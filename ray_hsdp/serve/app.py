@@ -118,7 +118,8 @@ def group_deployment(config: AppConfig, models: int) -> Application:
     dims = config.parallel_dims()
     bundles = dims.bundles(config.device, config.cpus_per_rank)
     check_placeable(bundles)  # else Serve waits forever for a node that could hold the replica
-    check_shapes(config)  # a warm-up shape the model refuses fails the deploy here, not at each replica
+    # A warm-up shape the model refuses fails the deploy here, not at each replica.
+    shapes_checked = check_shapes(config)
     # A fixed pool of replicate_size groups, or as many as the load calls for.
     if config.autoscaling is not None:
         scale = {"autoscaling_config": autoscaling_config(config.autoscaling, dims.widest_lanes)}
@@ -142,4 +143,4 @@ def group_deployment(config: AppConfig, models: int) -> Application:
         request_router_config=RequestRouterConfig(
             request_router_class=GroupAwareRouter, request_routing_stats_period_s=1
         ),
-    ).bind(config.model_dump(), dims)
+    ).bind(config.model_dump(), dims, shapes_checked)

@@ -38,9 +38,11 @@ class HSDPServer(VideoJobs, ModelFacts):
     Args:
         config: ``AppConfig`` fields as a dict (what the app builder passes).
         dims: The pool's mesh arithmetic, as the app builder computed it.
+        shapes_checked: Whether the app builder checked the warm-up shapes (it held the model's
+            folder); else the replica does, before its group reads a weight.
     """
 
-    def __init__(self, config: dict, dims: ParallelDims):
+    def __init__(self, config: dict, dims: ParallelDims, shapes_checked: bool = False):
         show_logs()
         self.config = AppConfig(**config)
         self.dims = dims
@@ -63,7 +65,8 @@ class HSDPServer(VideoJobs, ModelFacts):
         # Before the group's start, so that the metrics show it starting.
         threading.Thread(target=self._report_metrics, name="ray_hsdp-metrics", daemon=True).start()
         try:
-            check_shapes(self.config)  # before any weight is read (where the build could not see the folder)
+            if not shapes_checked:  # the check imports torch, which a replica otherwise never does
+                check_shapes(self.config)
             self.keeper = GroupKeeper(self._build_group)
         except BaseException:
             self._stopping.set()

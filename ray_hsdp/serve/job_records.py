@@ -71,6 +71,7 @@ endpoints_table = Table(
     Column("limits", JSON, nullable=False),
 )
 
+
 def pool_of(app_name: str, deployment: str) -> str:
     """The store's name of a group deployment: its application's name and its own."""
     return f"{app_name}#{deployment}"

@@ -12,7 +12,6 @@ from ray_hsdp.config import AppConfig, parse_size
 from ray_hsdp.config_blocks import WarmUpShape
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.group.warm_up import gray_png
-from ray_hsdp.loading import resolve_model_path
 from ray_hsdp.page_cache import read_ahead_in_background
 from ray_hsdp.request import GenerationRequest, GenerationResult
 from ray_hsdp.serve.errors import RequestLimitError
@@ -24,8 +23,6 @@ from ray_hsdp.serve.schema import (
     to_generation_request,
     to_video_request,
 )
-from ray_hsdp.sharded_pipeline import call_facts
-from ray_hsdp.start_checks import pipeline_on_meta
 
 logger = logging.getLogger("ray_hsdp")
 
@@ -70,24 +67,35 @@ def served_shapes(config: AppConfig, facts: dict) -> list[WarmUpShape]:
     return shapes
 
 
-def check_shapes(config: AppConfig) -> None:
+def check_shapes(config: AppConfig) -> bool:
     """Builds each warm-up shape's request as ``warm_up`` will, from the facts of the pipeline's
     call read before any weight is (``start_checks.pipeline_on_meta``): a shape the model cannot
     take fails a replica's start here, in a second, with its reason, and ``ray-hsdp check`` with the
-    same message. A folder this node does not hold is left to the ranks' start.
+    same message.
+
+    Returns:
+        Whether the shapes are checked: False where this node does not hold the model's folder (a
+        replica, which does, checks them again).
 
     Raises:
         ValueError: Naming the shape and why the model refuses it.
     """
     if not config.warm_up_shapes():
-        return
+        return True
+    # Here, not at the module's top: the app builder and the replicas import this module, and
+    # import no torch until a check needs it.
+    from ray_hsdp.loading import resolve_model_path
+    from ray_hsdp.sharded_pipeline import call_facts
+    from ray_hsdp.start_checks import pipeline_on_meta
+
     try:
         folder = resolve_model_path(config.model)
     except FileNotFoundError:
-        return
+        return False
     facts = call_facts(pipeline_on_meta(folder, config.pipeline_class))
     for index, shape in enumerate(served_shapes(config, facts)):
         warm_up_request(shape, config, facts, index)
+    return True
 
 
 def start_warm(group: ShardGroup, config: AppConfig) -> ShardGroup:
