@@ -231,6 +231,14 @@ class GroupQueue(BaseModel):
     rendezvous_timeout_s: float = Field(120.0, gt=0, description="Deadline for the ranks to form their process group.")
     collective_timeout_s: float = Field(600.0, gt=0, description="Timeout of every collective of the process group.")
     load_timeout_s: float = Field(1800.0, gt=0, description="Deadline for the ranks to load and shard the pipeline.")
+    mend_lost_rank: bool = Field(
+        True,
+        description="A group that loses one rank replaces that rank alone: the other ranks keep their processes, "
+        "shards and compiled graphs, the new rank loads its own slices, and the group forms its process groups "
+        "anew; the requests it ran fail as a lost group's do (the ingress retries them) and its queue waits. "
+        "Off, or where the group cannot (one rank, lanes split by context or CFG parallel, keep_gathered, fp8 "
+        "quantized at the load), or when the mend fails: the whole group is rebuilt.",
+    )
     request_timeout_s: float = Field(
         600.0, gt=0, description="Deadline for one request, from the moment a rank takes it (HTTP 504 past it)."
     )

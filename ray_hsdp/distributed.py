@@ -159,3 +159,35 @@ def destroy_process_group() -> None:
     """Leaves the process group; a no-op when none was formed."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def abort_process_groups() -> None:
+    """Aborts this process's NCCL communicators, so that a thread sitting in a collective with a
+    dead peer returns with an error now rather than at the collective timeout, and forgets every
+    process group as ``destroy_process_group`` does (the names of the next ones count from the
+    start again). Gloo's collectives fail on the dead peer's closed socket by themselves.
+
+    torch has no public abort: ``_abort_process_group`` is what ``destroy_process_group`` runs
+    for NCCL when a peer is gone."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except (AttributeError, RuntimeError, NotImplementedError, ValueError):  # no abort for this backend
+        destroy_process_group()
+
+
+def refresh_mesh(mesh: DeviceMesh | None) -> None:
+    """Points ``mesh`` at the process groups that now carry its group names.
+
+    A mended group forms its process groups again in the same order, so each gets the name its
+    predecessor had and a mesh resolves it by name; compiled code reads a mesh's own registry of
+    groups instead (``DeviceMesh._pg_registry``), which is filled at its creation."""
+    if mesh is None or not hasattr(mesh, "_dim_group_names"):
+        return
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    root = mesh._get_root_mesh()
+    for each in {id(root): root, id(mesh): mesh}.values():
+        if hasattr(each, "_pg_registry"):
+            each._pg_registry = {name: _resolve_process_group(name) for name in each._dim_group_names}

@@ -346,6 +346,17 @@ class Rank(RankStart):
         return self.rank
 
     @ray.method(concurrency_group="control")
+    def abort(self) -> None:
+        """A peer of this rank died and the group replaces it alone: on NCCL this rank's
+        communicators are aborted, so that a session in a collective with the dead peer fails now
+        (over gloo the dead peer's closed socket fails it). The group waits for the session's end,
+        then calls ``join`` again with the new rank."""
+        from ray_hsdp import distributed
+
+        if self.config.device == "cuda":
+            distributed.abort_process_groups()
+
+    @ray.method(concurrency_group="control")
     def leave(self) -> None:
         """Leaves the group; the actor is killed right after.
 

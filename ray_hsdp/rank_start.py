@@ -74,6 +74,9 @@ class RankStart:
         """
         from ray_hsdp import distributed
 
+        rejoining = self.pipeline is not None  # a survivor of a mended group: it keeps its shards
+        if rejoining:
+            distributed.destroy_process_group()  # what is left of the lost one (aborted on NCCL)
         if self.dims.shard_size > 1:
             with self.phases.phase("process group"):
                 timeout_s = self.config.rendezvous_timeout_s
@@ -89,8 +92,12 @@ class RankStart:
                     high_priority=self.config.request_streams,
                 )
             with self.phases.phase("meshes"):
-                self.mesh, self.lane_mesh = distributed.build_meshes(self.config.device, self.dims)
-                self.lane_meshes = distributed.adaptive_lane_meshes(self.config.device, self.dims)
+                # Formed in the same order on every rank, a survivor's too: each process group
+                # gets the name its predecessor had, which the meshes the shards hold resolve.
+                meshes = distributed.build_meshes(self.config.device, self.dims)
+                lane_meshes = distributed.adaptive_lane_meshes(self.config.device, self.dims)
+                if not rejoining:
+                    (self.mesh, self.lane_mesh), self.lane_meshes = meshes, lane_meshes
                 if self.config.tick_exchange == "host":  # on CPUs too: the path GPUs take, tested here
                     self.tick_group = distributed.host_tick_group(self.config.collective_timeout_s)
                 if self.config.vae_parallel != "off":
@@ -99,6 +106,8 @@ class RankStart:
         else:
             self.mesh = self.lane_mesh = None
             self.lane_meshes = {}
+        if rejoining:
+            self._rejoined()
         return {
             "rank": self.rank,
             "node_id": ray.get_runtime_context().get_node_id(),
@@ -111,6 +120,37 @@ class RankStart:
             "device": self.config.device,
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
         }
+
+    def _rejoined(self) -> None:
+        """A survivor's shards, tick exchange and runtime on the group's new process groups."""
+        from ray_hsdp import distributed
+        from ray_hsdp.runtime.modules import ProcessGroupExchange
+
+        for mesh in (self.mesh, self.lane_mesh):
+            distributed.refresh_mesh(mesh)
+        for sharding in self.pipeline.shardings.values():
+            sharding.rejoined()
+        if isinstance(self.runtime.exchange, ProcessGroupExchange):
+            self.runtime.exchange.group = self.tick_group
+        self.runtime.recover(self.config.collective_timeout_s)
+
+    def mend_refusal(self) -> str | None:
+        """Why this group cannot replace a lost rank alone (its load needs collectives of every
+        rank, or its process groups are held where a new rendezvous cannot renew them), or None.
+        A group that cannot is rebuilt whole."""
+        from ray_hsdp.fp8_folder import read_record
+
+        config, dims = self.config, self.dims
+        reasons = {
+            "a group of one rank has no survivor": dims.shard_size == 1,
+            "mend_lost_rank is off": not config.mend_lost_rank,
+            "lanes split by context or CFG parallel": dims.lane_size > 1 or dims.adaptive,
+            "keep_gathered gathers at the load": config.keep_gathered > 0 or not config.reshard_after_forward,
+            "quantization fp8 of a model that is not an FP8 folder quantizes at the load": (
+                config.quantization == "fp8" and read_record(self.model_path) is None
+            ),
+        }
+        return next((reason for reason, holds in reasons.items() if holds), None)
 
     def load(self) -> dict:
         """Loads the pipeline, its sharded components slice by slice, and builds the runtime;
@@ -169,7 +209,12 @@ class RankStart:
             self.pipeline.vae_parallel = self.config.vae_parallel
             self.load_s = time.perf_counter() - start
         self.load_peak_rss_bytes = rss.peak_above_start
-        return {**self.memory(), "pipeline": self.pipeline.facts, "start_phases_s": dict(self.phases.seconds)}
+        return {
+            **self.memory(),
+            "pipeline": self.pipeline.facts,
+            "start_phases_s": dict(self.phases.seconds),
+            "mend_refusal": self.mend_refusal(),
+        }
 
     def _load_pipeline(self):
         """The pipeline, its sharded components read slice by slice (``ShardedPipeline.load``)."""

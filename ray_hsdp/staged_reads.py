@@ -107,4 +107,3 @@ def release_pinned_memory() -> None:
     cache this way itself (``torch.cuda.graphs``), having no public call for it."""
     if torch.cuda.is_available():
         torch._C._host_emptyCache()
-

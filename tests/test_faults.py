@@ -98,7 +98,8 @@ def test_killing_a_rank_answers_every_request_at_once(ray_cluster, tiny_model, r
     from ray_hsdp.serve.keeper import GroupKeeper
 
     victim = 2
-    config = GroupConfig(model=tiny_model, device="cpu", shard_size=3, requests_per_rank=1)
+    # The whole rebuild, as of a group that cannot replace one rank (``test_mend``: one that can).
+    config = GroupConfig(model=tiny_model, device="cpu", shard_size=3, requests_per_rank=1, mend_lost_rank=False)
     keeper = GroupKeeper(lambda: ShardGroup(config).start())
     try:
         group = keeper.group

@@ -24,6 +24,7 @@ from ray_hsdp.config import GroupConfig
 from ray_hsdp.group.errors import GroupFailedError, GroupOverloadedError, GroupUnplaceableError
 from ray_hsdp.group.inspection import GroupInspection
 from ray_hsdp.group.lanes import LaneTimes, LeanLanes, TickModel
+from ray_hsdp.group.mend import GroupMend
 from ray_hsdp.group.records import GroupRecords
 from ray_hsdp.group.scheduler import GroupScheduler, QueuedJob, RequestRecord, resolve
 from ray_hsdp.group.warm_up import GroupWarmUp
@@ -66,7 +67,7 @@ def check_placeable(bundles: list[dict[str, float]]) -> None:
     )
 
 
-class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, GroupWarmUp):
+class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, GroupWarmUp, GroupMend):
     """S ranks that together hold one copy of the pipeline and run requests from one queue.
 
     The ranks form lanes (``ParallelDims``): a lane runs each of its requests on all its ranks
@@ -130,6 +131,7 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, G
         self.phases = Phases(f"group {self.group_id}")
         self._started = time.perf_counter()  # (again at ``start``) what the start's total counts from
         self.rank_phases: list[dict[str, float]] = []
+        self._init_mend()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -160,14 +162,13 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, G
             with self.phases.phase("load"):
                 reports = ray.get([r.load.remote() for r in self.ranks], timeout=self.config.load_timeout_s)
             self.pipeline_facts = reports[0]["pipeline"]
+            self.mend_refusal = reports[0]["mend_refusal"]
             self.rank_phases = [r["start_phases_s"] for r in reports]
         except BaseException:
             self.shutdown()
             raise
-        for rank_index, rank in enumerate(self.ranks):
-            watch = rank.watch.remote()
-            self._watchers[watch] = rank_index
-            self._watch("rank", watch)
+        for rank_index in range(len(self.ranks)):
+            self._watch_rank(rank_index)
         self._scheduler = threading.Thread(target=self._schedule, name="ray_hsdp-scheduler", daemon=True)
         self._scheduler.start()
         if warm_up and self.config.compile:
@@ -182,25 +183,39 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, G
         )
         return self
 
+    def _spawn_rank(self, index: int, spawned_at: float):
+        """Rank ``index``'s actor in bundle ``index`` of the group's placement group."""
+        bundle = self.dims.bundles(self.config.device, self.config.cpus_per_rank)[index]
+        return (
+            ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(Rank)
+            .options(
+                name=self._rank_name(index),
+                num_cpus=bundle["CPU"],
+                num_gpus=bundle.get("GPU", 0),
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self._pg, placement_group_bundle_index=index
+                ),
+            )
+            .remote(index, self.config, self.dims, self.group_id, spawned_at)
+        )
+
+    def _rank_name(self, index: int) -> str:
+        """Rank ``index``'s actor name (``ray list actors`` tells the ranks of each group apart by
+        it); a replacement's has its mend's number, as Ray may not have freed the lost one's yet."""
+        return f"ray_hsdp-{self.group_id}-rank{index}" + (f"-mend{len(self.mends) + 1}" if self.mending else "")
+
+    def _watch_rank(self, index: int) -> None:
+        """Keeps rank ``index``'s ``watch`` call open: Ray tells the scheduler at once of its death."""
+        watch = self.ranks[index].watch.remote()
+        self._watchers[watch] = index
+        self._watch("rank", watch)
+
     def _spawn_and_join(self) -> None:
-        bundle = self.dims.bundles(self.config.device, self.config.cpus_per_rank)[0]
-        actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(Rank)
-        # Named, so that `ray list actors` and operators can tell the ranks of each group apart.
-        names = [f"ray_hsdp-{self.group_id}-rank{i}" for i in range(self.dims.shard_size)]
+        names = [self._rank_name(i) for i in range(self.dims.shard_size)]
         with self.phases.phase("rank processes and imports"):
             spawned_at = time.time()  # each rank's "actor start" counts from it
-            self.ranks = [
-                actor.options(
-                    name=names[i],
-                    num_cpus=bundle["CPU"],
-                    num_gpus=bundle.get("GPU", 0),
-                    max_restarts=0,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=self._pg, placement_group_bundle_index=i
-                    ),
-                ).remote(i, self.config, self.dims, self.group_id, spawned_at)
-                for i in range(self.dims.shard_size)
-            ]
+            self.ranks = [self._spawn_rank(i, spawned_at) for i in range(self.dims.shard_size)]
             ray.get([r.prepare.remote() for r in self.ranks], timeout=self.config.load_timeout_s)
         # Rank 0 binds its rendezvous store first and hands out the port it holds: no port race.
         master, port = ray.get(self.ranks[0].address.remote(), timeout=self.config.rendezvous_timeout_s)

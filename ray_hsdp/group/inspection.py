@@ -39,6 +39,8 @@ class GroupInspection:
         ranks = list(self.ranks)
         if self._failure or not ranks:
             raise GroupFailedError(self._failure or "the shard group is shut down")
+        if self.mending:  # a lost rank is being replaced: healthy meanwhile (its failure fails the group)
+            return
         pings = [r.ping.remote() for r in ranks]
         answered, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout_s)
         for rank_index, ping in enumerate(pings):
@@ -48,7 +50,7 @@ class GroupInspection:
             try:
                 ray.get(ping)
             except ray.exceptions.RayActorError as err:
-                self._fail(died(rank_index, err))
+                self._lost(rank_index, died(rank_index, err))
                 break
         if self._failure:
             raise GroupFailedError(self._failure)

@@ -307,11 +307,12 @@ class GroupScheduler:
                     elif kind == "denoised":
                         self._denoised(ref)
                     elif isinstance(future.exception(), ray.exceptions.RayActorError):  # a rank, idle or not
-                        rank_index = self._watchers[ref]
-                        self._fail(died(rank_index, future.exception()))
+                        rank_index = self._watchers.pop(ref, None)
+                        if rank_index is not None:  # else a rank replaced already (``_lost``)
+                            self._lost(rank_index, died(rank_index, future.exception()))
                 self._expire_queued()
                 with self._cond:
-                    if self._failure or self._closed:
+                    if self._failure or self._closed or self.mending:
                         continue
                     self._assign()
                     if self._inflight and self._sessions is None:
@@ -354,9 +355,9 @@ class GroupScheduler:
             self._release(job)  # a rank of its lane is done: its forwards are over
         error = future.exception()
         if isinstance(error, ray.exceptions.RayActorError):
-            self._fail(died(rank_index, error), also=job)
+            self._lost(rank_index, died(rank_index, error), also=job)
         elif error is not None and isinstance(remote_cause(error), SessionFailedError):
-            self._fail(self._session_failure(error), also=job)
+            self._session_failed(error, also=job)
         elif rank_index != job.ranks.start:
             if error is not None:  # its own error, which stopped the lane: the cause, not the leader's stop
                 resolve(job.future, error=remote_cause(error))
@@ -377,12 +378,13 @@ class GroupScheduler:
                     self._sessions, self._sessions_done = None, set()
                 return
         if isinstance(error, ray.exceptions.RayActorError):
-            self._fail(died(rank_index, error))
+            self._lost(rank_index, died(rank_index, error))
         else:
-            self._fail(self._session_failure(error))
+            self._session_failed(error)
 
-    def _session_failure(self, error: BaseException) -> str:
-        """The reason for a failed session: a dead peer's, if Ray reports one within a short grace.
+    def _session_failed(self, error: BaseException, also: QueuedJob | None = None) -> None:
+        """A session failed: a dead peer's doing if Ray reports one within a short grace (the group
+        then replaces that rank, or fails naming it), else the group fails with ``error``.
 
         Without the grace, a survivor's broken all-gather would name the survivor, and the
         operator would look for the fault on the wrong rank.
@@ -393,8 +395,11 @@ class GroupScheduler:
                 try:
                     ray.get(ref, timeout=0)
                 except ray.exceptions.RayActorError as err:
-                    return died(self._watchers[ref], err)
-        return f"shard group failed: {remote_cause(error)}"
+                    self._lost(self._watchers[ref], died(self._watchers[ref], err), also=also)
+                    return
+                except Exception:  # noqa: BLE001 - a watch that ended otherwise: the rank left
+                    pass
+        self._fail(f"shard group failed: {remote_cause(error)}", also=also)
 
     def _fail(self, reason: str, also: QueuedJob | None = None) -> None:
         """Marks the group broken, fails every queued and running request (and ``also``) with

@@ -147,6 +147,7 @@ class GroupWarmUp:
         return first
 
     def _in_warm_up_phase(self, run: Callable[[], None]) -> None:
+        self._rewarm = run  # what a mend runs again for its new rank (``GroupMend``)
         try:
             with self.phases.phase("warm-up"):
                 run()

@@ -291,4 +291,31 @@ class RankRuntime(TickLoop, RequestThreads, RankWidening):
             call.complete(error=SessionFailedError(message))
         return self._failure
 
+    def recover(self, timeout_s: float) -> None:
+        """Takes requests again after a failed session, once the group formed its process groups
+        anew (a mended group): the failed requests' threads have ended (they were answered when the
+        session failed), and nothing of the lost session's lock step is left.
+
+        Raises:
+            RuntimeError: A session still runs here, or a request thread outlived ``timeout_s``.
+        """
+        if self.in_session:
+            raise RuntimeError(f"rank {self.rank}: a session still runs; it cannot recover")
+        for thread in self.request_threads():
+            thread.join(timeout_s)
+            if thread.is_alive():
+                raise RuntimeError(f"rank {self.rank}: a failed request's thread did not end within {timeout_s:g}s")
+        with self._cond:
+            self._failure = None
+            self._running.clear()
+            self._expecting = 0
+            self._progress.clear()
+            self._stops.clear()
+            self._behind.clear()
+            self._stopped.clear()
+            self._cancelled.clear()
+            helped = self.helped  # a counter of the rank's life, not of the session
+            self._init_widening()
+            self.helped = helped
+
     # ---- request threads -------------------------------------------------------------------

@@ -61,9 +61,10 @@ class GroupKeeper:
 
     @property
     def ready(self) -> bool:
-        """Whether the group can take requests now (not failed, not being rebuilt)."""
+        """Whether the group can run requests now (not failed, not being rebuilt, not replacing a
+        lost rank: requests sent meanwhile wait in its queue)."""
         with self._lock:
-            return not self.broken and self._rebuild is None and not self.group.failure
+            return not self.broken and self._rebuild is None and not self.group.failure and not self.group.mending
 
     def _run_rebuild(self, failed: ShardGroup, future: Future) -> None:
         try:

@@ -96,6 +96,30 @@ class FsdpUnits:
             for unit in self._kept:
                 unit.unshard()
 
+    def rejoined(self) -> None:
+        """After the group's process groups were formed again (a mended group): every unit takes
+        the new group of its mesh and drops what a forward cut short left (a gather under way, a
+        unit left gathered, the root's forward marked as running).
+
+        FSDP2 keeps the group it read at ``fully_shard`` and its forward's state in its own objects,
+        with no public way to renew them; these are the fields it reads."""
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+        for _, module in self.unit_modules:
+            state = module._get_fsdp_state()
+            state._state_ctx.iter_forward_root = None
+            group = state._fsdp_param_group
+            if group is None:
+                continue
+            for info in (group.mesh_info, group.post_forward_mesh_info):
+                if info is not None and hasattr(info, "shard_process_group"):
+                    info.shard_process_group = info.mesh.get_group(info.shard_mesh_dim)
+            group._all_gather_result = None
+            group._training_state = TrainingState.IDLE
+        with torch.no_grad():
+            for unit in [*self.units, *([self.root] if self._root_reshard else [])]:
+                unit.reshard()
+
     @torch.no_grad()
     def ghost(self) -> None:
         """The collectives of one forward, in its order, without computing it."""

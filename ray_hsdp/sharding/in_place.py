@@ -306,6 +306,17 @@ class InPlaceUnits:
     def _after_unit(self, module, args, output) -> None:
         self.units[self._index[id(module)]].swap("sharded")
 
+    def rejoined(self) -> None:
+        """After the group's process groups were formed again (a mended group): gathers go over the
+        mesh's new group, and a forward cut short leaves nothing behind (its gathers under way are
+        dropped, its units read their shards again)."""
+        self.group = self.mesh.get_group()
+        self._pending = {}
+        for unit in self.units:
+            unit.swap("sharded")
+        if not self.root_kept:
+            self.root.swap("sharded")
+
     @torch.no_grad()
     def ghost(self) -> None:
         """The collectives of one forward, in its order, without computing it."""
