@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a field of the args")
     parser.add_argument("--steps", type=int, default=8, help="steps of the timed requests (with --config)")
     parser.add_argument(
-        "--kill", action="store_true", help="with --config: then kill a rank, time it to the next request answered"
+        "--kill", action="store_true", help="then kill rank 0: seconds to the next answer (mended or rebuilt)"
     )
     parser.add_argument("--ray-cpus", type=int, default=None, help="logical CPUs of the local Ray (CPU dry runs)")
     parser.add_argument(
@@ -169,7 +169,7 @@ def one_start(config, args, kill: bool) -> dict:
             row["fxgraph_cache"] = {k: sum(s[k] for s in stats) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
             row["compiled_graphs"] = [s["compiled_graphs"] for s in stats]
         if kill:
-            row["kill_to_answer_s"] = kill_to_answer(keeper, requests[-1])
+            row.update(kill_to_answer(keeper, requests[-1]))
     finally:
         keeper.shutdown()
     return row
@@ -193,23 +193,32 @@ def timed_requests(config, facts: dict, steps: int) -> list:
     ]
 
 
-def kill_to_answer(keeper, request) -> float:
-    """Kills the group's rank 0 and returns the seconds until the rebuilt group answered ``request``
-    (the keeper notices the death, shuts the group down and builds a new one, warm-up included)."""
+def kill_to_answer(keeper, request) -> dict:
+    """Kills the group's rank 0 and returns the seconds until ``request`` was answered again: by the
+    group with that rank replaced alone (``mend_lost_rank``: its mend's phases too), or by the
+    rebuilt, warmed group (the keeper notices the death, shuts the group down and builds a new one).
+    A request that lands on the dead rank before the group noticed is sent again."""
     import dataclasses
 
     import ray
 
+    from ray_hsdp.group import GroupFailedError
+
     failed = keeper.group
+    mends = len(failed.mends)
     killed = time.perf_counter()
     ray.kill(failed.ranks[0], no_restart=True)
-    while True:
+    for attempt in range(1000):
         group = keeper.current().result(timeout=1800)  # a rebuild's future once the death is noticed
-        if group is not failed:
+        try:
+            group.generate([dataclasses.replace(request, request_id=f"after-kill-{attempt}")])
             break
-        time.sleep(0.05)  # the group has not noticed yet
-    group.generate([dataclasses.replace(request, request_id="after-kill")])
-    return round(time.perf_counter() - killed, 2)
+        except GroupFailedError:
+            time.sleep(0.05)  # the group had not noticed yet, or failed under the request
+    out = {"kill_to_answer_s": round(time.perf_counter() - killed, 2)}
+    if group is failed and len(group.mends) > mends:
+        out["mend_phases_s"] = group.mends[-1]["phases_s"]
+    return out
 
 
 def slowest_rank_phases(ranks_phases: list[dict]) -> dict[str, float]:
@@ -255,9 +264,11 @@ def table(rows: list[dict], args, config) -> str:
             first, second = r.get("requests_elapsed_s", [0.0, 0.0])
             cells.append(f"{first:.2f} / {second:.2f} ({first / second:.3f}) at {r['shape']}" if second else "-")
         if killed:
-            cells.append(f"{r['kill_to_answer_s']:.2f}" if "kill_to_answer_s" in r else "-")
+            mended = " (rank replaced alone)" if "mend_phases_s" in r else " (group rebuilt)"
+            cells.append(f"{r['kill_to_answer_s']:.2f}{mended}" if "kill_to_answer_s" in r else "-")
         lines.append("| " + " | ".join(cells) + " |")
     notes = [f"{r['run']}: {r['cache']}." for r in rows if "cache" in r]
+    notes += [f"{r['run']}: the mend's phases (s): {r['mend_phases_s']}." for r in rows if "mend_phases_s" in r]
     lines += ["", *notes] if notes else []
     lines += ["", f"Command: `{environment()['command']}`", ""]
     return "\n".join(lines)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from ray_hsdp.checkpoints.architectures import ARCHITECTURES
-from ray_hsdp.config import RANK_MODULES, GroupConfig
+from ray_hsdp.config import GroupConfig, rank_pool_env
 from ray_hsdp.embedded import TINY_MODEL
 from ray_hsdp.request import CACHE_KINDS, DEFAULT_GUIDANCE_SCALE
 from ray_hsdp.serve_command import add_serve
@@ -159,7 +159,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     # A fresh local cluster of its own, even where RAY_ADDRESS points at another one, whose idle
     # workers import what a rank needs before the group asks for its ranks.
-    os.environ.setdefault("RAY_preload_python_modules", ",".join(RANK_MODULES))
+    for key, value in rank_pool_env(args.rank_pool_size).items():
+        os.environ.setdefault(key, value)
     ray.init(address="local", num_cpus=max(4, args.shard_size + 1), include_dashboard=False, log_to_driver=args.verbose)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     config = {
@@ -504,6 +505,10 @@ def _add_demo(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--out", default="out/demo.png", help="image path (a suffix -i is added per request)")
     p.add_argument("--verbose", action="store_true", help="show the ranks' logs")
+    p.add_argument(
+        "--rank-pool-size", type=int, default=None, metavar="N",
+        help="idle processes that imported a rank's modules ahead (default: Ray's, the CPUs; 0: none)",
+    )  # fmt: skip
     p.set_defaults(func=cmd_demo)
 
 

@@ -30,6 +30,21 @@ MAX_REQUESTS_PER_RANK = 8
 #: 18.7 s -> 2.3 s; ``bench.prestart``).
 RANK_MODULES = ("torch", "diffusers", "transformers", "ray_hsdp.sharded_pipeline")
 
+
+def rank_pool_env(rank_pool_size: int | None) -> dict[str, str]:
+    """The environment of a Ray that ray-hsdp starts itself (``ray-hsdp serve``, ``demo``) for a
+    pool of ``rank_pool_size`` idle worker processes per node that have imported ``RANK_MODULES``:
+    Ray's module preload, its idle workers kept up to ``num_workers_soft_limit`` (None: Ray's
+    default, the node's CPUs; 0: no preload, each rank imports at its start). Ray does not refill
+    the pool as ranks take its workers; a node that keeps more idle workers than it has GPUs has
+    one left for a lost rank's replacement."""
+    if rank_pool_size == 0:
+        return {}
+    env = {"RAY_preload_python_modules": ",".join(RANK_MODULES)}
+    if rank_pool_size is not None:
+        env["RAY_num_workers_soft_limit"] = str(rank_pool_size)
+    return env
+
 #: CPUs a CPU rank reserves unless ``cpus_per_rank`` says otherwise.
 CPU_RANK_CPUS = 0.5
 

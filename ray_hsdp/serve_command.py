@@ -15,7 +15,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     moment (while it deploys too), and stops Ray only where this command started it."""
     from pydantic import ValidationError
 
-    from ray_hsdp.config import RANK_MODULES
+    from ray_hsdp.config import rank_pool_env
     from ray_hsdp.config_endpoint import served_models
     from ray_hsdp.serve.keys import read_api_key
     from ray_hsdp.serve_cli import UsageError, default_app_name, file_application, serve_config, served_args
@@ -52,7 +52,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     started_ray = not ray.is_initialized() and not (args.address or os.environ.get("RAY_ADDRESS"))
     if started_ray:  # its own Ray: idle workers import what a rank needs before any rank is asked for
-        os.environ.setdefault("RAY_preload_python_modules", ",".join(RANK_MODULES))
+        for key, value in rank_pool_env(args.rank_pool_size).items():
+            os.environ.setdefault(key, value)
     ray.init(address=args.address, ignore_reinit_error=True)
     deploying, failed = False, None
     try:
@@ -137,5 +138,10 @@ def add_serve(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1 unless told otherwise)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local cluster)")
+    p.add_argument(
+        "--rank-pool-size", type=int, metavar="N", help="where this command starts Ray: idle processes per node "
+        "that imported torch, diffusers and transformers before a rank needs them (default: Ray's, the node's CPUs; "
+        "0: none)",
+    )  # fmt: skip
     add_serve_options(p)
     p.set_defaults(func=cmd_serve)

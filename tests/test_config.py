@@ -146,3 +146,12 @@ def test_the_configuration_page_is_generated_from_the_models():
 
     page = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
     assert page.read_text() == markdown(), "docs/configuration.md is stale: python -m ray_hsdp.config_docs > it"
+
+
+def test_the_rank_pool_is_ray_s_preload_and_its_idle_worker_limit():
+    from ray_hsdp.config import RANK_MODULES, rank_pool_env
+
+    preload = {"RAY_preload_python_modules": ",".join(RANK_MODULES)}
+    assert rank_pool_env(None) == preload  # Ray's own count of idle workers
+    assert rank_pool_env(3) == {**preload, "RAY_num_workers_soft_limit": "3"}
+    assert rank_pool_env(0) == {}  # off: each rank imports at its start
