@@ -15,6 +15,7 @@ serves the tiny model on gloo ranks with fractional CPUs; on GPUs, ``--model`` n
 from __future__ import annotations
 
 import argparse
+import os
 import threading
 import time
 from pathlib import Path
@@ -51,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--every", type=float, default=0.5)
     parser.add_argument("--deadline", type=float, default=300)
     parser.add_argument("--ray-cpus", type=int, default=8, help="CPU runs: logical CPUs of the local Ray")
+    parser.add_argument(
+        "--rank-pool-size", type=int, default=0, metavar="N",
+        help="idle workers per node that imported a rank's modules (Ray's preload, as ray-hsdp serve's "
+        "--rank-pool-size; -1: Ray's default count); 0: none",
+    )  # fmt: skip
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--name", default="burst-cpu")
     parser.add_argument("--plot", default=None, help="write the plot to this PNG")
@@ -111,8 +117,11 @@ def main() -> None:
     from ray import serve
 
     from bench.common import free_port
+    from ray_hsdp.config import rank_pool_env
     from ray_hsdp.serve import build_app
 
+    pool = rank_pool_env(None if args.rank_pool_size < 0 else args.rank_pool_size)
+    os.environ.update(pool)  # the local Ray's raylet reads them at its start
     ray.init(
         address="local",
         include_dashboard=False,
@@ -191,7 +200,9 @@ def _summary(payload: dict, args) -> str:
         "",
         f"Config: `{payload['config']['autoscaling']}`, shard_size {args.shard_size}, {args.steps} steps, "
         f"{args.frames} frames at {args.size}. Times are seconds after the first job was sent, sampled "
-        f"every {args.every:g} s (Serve's replica states, each job's status and group).",
+        f"every {args.every:g} s (Serve's replica states, each job's status and group). Rank pool: "
+        f"{'off' if args.rank_pool_size == 0 else 'Ray default' if args.rank_pool_size < 0 else args.rank_pool_size}"
+        " (idle workers per node that preloaded a rank's modules).",
         "",
         "| what | s after the first job | s after the scale-up decision |",
         "| --- | --- | --- |",

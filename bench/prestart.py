@@ -23,8 +23,11 @@ MODULES = "torch,diffusers,transformers,ray_hsdp.sharded_pipeline"
 SETTINGS = {
     "plain": {},
     "preload": {"RAY_preload_python_modules": MODULES},
-    "preload + prestart": {"RAY_preload_python_modules": MODULES, "RAY_enable_worker_prestart": "1",
-                           "RAY_prestart_worker_first_driver": "1"},  # fmt: skip
+    "preload + prestart": {
+        "RAY_preload_python_modules": MODULES,
+        "RAY_enable_worker_prestart": "1",
+        "RAY_prestart_worker_first_driver": "1",
+    },  # fmt: skip
 }
 
 
