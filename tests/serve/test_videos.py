@@ -151,6 +151,9 @@ def test_deleting_a_running_job_stops_it_and_the_group_keeps_serving(server, ref
         response = requests.delete(f"{server}/v1/videos/{job['id']}", timeout=60)
         deleted_at = time.monotonic()
         assert response.json() == {"id": job["id"], "object": "video.deleted", "deleted": True}
+        # Counted from the step it had reached once the DELETE was answered: steps that ran while the
+        # DELETE was on its way (2 cores, two images beside it) are not the stop's.
+        step = max(step, job_step())
         seen = [step]
 
         def gone() -> bool:
@@ -162,7 +165,7 @@ def test_deleting_a_running_job_stops_it_and_the_group_keeps_serving(server, ref
         last = max(seen)
         stopped_s = time.monotonic() - deleted_at
         results = [f.result(timeout=300) for f in others]
-    assert last <= step + 2, (step, last)  # stopped within two steps of the DELETE
+    assert last <= step + 2, (step, last)  # stopped within two steps of the DELETE's answer
     assert requests.get(f"{server}/v1/videos/{job['id']}", timeout=60).status_code == 404
     for body, result in zip(images, results):
         assert result.status_code == 200
