@@ -331,6 +331,9 @@ def test_two_nodes_serve_with_the_key_from_a_file_and_keep_serving_after_one_nod
             sync_on_b = set() if synced else held_on_b - images_seen
             assert images_on_b or sync_on_b, "the requests sent to B ended before it was lost"
             assert nodes.kill(1, "raylet"), "no raylet on node B"
+            # A lost node's workers go with it: without its raylet a rank lives on until it notices,
+            # and a request about to end there would still answer from B.
+            nodes.kill(1, "ray::")
             for job_id, replica in ran_on.items():  # A's jobs only loaded A: B's are the ones to follow
                 if replica == on_a:
                     client(proxies[0]).videos.delete(job_id)
