@@ -45,6 +45,7 @@ def rank_pool_env(rank_pool_size: int | None) -> dict[str, str]:
         env["RAY_num_workers_soft_limit"] = str(rank_pool_size)
     return env
 
+
 #: CPUs a CPU rank reserves unless ``cpus_per_rank`` says otherwise.
 CPU_RANK_CPUS = 0.5
 

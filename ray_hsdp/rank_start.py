@@ -145,7 +145,9 @@ class RankStart:
             "a group of one rank has no survivor": dims.shard_size == 1,
             "mend_lost_rank is off": not config.mend_lost_rank,
             "lanes split by context or CFG parallel": dims.lane_size > 1 or dims.adaptive,
-            "keep_gathered gathers at the load": config.keep_gathered > 0 or not config.reshard_after_forward,
+            "keep_gathered (or reshard_after_forward: false) gathers at the load": (
+                config.keep_gathered > 0 or not config.reshard_after_forward
+            ),
             "quantization fp8 of a model that is not an FP8 folder quantizes at the load": (
                 config.quantization == "fp8" and read_record(self.model_path) is None
             ),

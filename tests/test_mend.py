@@ -67,7 +67,7 @@ def test_a_group_that_cannot_mend_says_why_and_is_rebuilt_whole(ray_cluster, tin
     keeper = GroupKeeper(lambda: ShardGroup(config).start())
     try:
         group = keeper.group
-        assert group.mend_refusal == "keep_gathered gathers at the load"
+        assert group.mend_refusal == "keep_gathered (or reshard_after_forward: false) gathers at the load"
         os.kill(group.placement[1]["pid"], signal.SIGKILL)
         wait_until(lambda: group.failure is not None, 30, "the group's failure")
         assert "rank 1 died" in group.failure
