@@ -349,7 +349,8 @@ def test_two_nodes_serve_with_the_key_from_a_file_and_keep_serving_after_one_nod
             ((code, sync_id, sync_mp4),) = synced
             assert code == 200 and sync_on_b <= {sync_id}, (code, sync_id, sync_on_b, sync_mp4)
             record = client(proxies[0]).videos.retrieve(sync_id)
-            assert record.status == "completed" and record.replica == on_a, record
+            # Seen on B as it was lost: completed on A; not seen there: it may have ended on B before.
+            assert record.status == "completed" and (record.replica == on_a or not sync_on_b), record
             # Retried only where it had started on B: held there queued, it moves as not retried (issue 73).
             assert not record.retried or sync_on_b, (record, sync_on_b)
             listed = client(proxies[0]).videos.list(limit=100).data
