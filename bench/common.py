@@ -177,10 +177,10 @@ def start_ray(ray_cpus: int | None = None, env_vars: dict | None = None, preload
     its workers import what a rank needs before they take work (``config.RANK_MODULES``)."""
     import ray
 
-    if preload:
-        from ray_hsdp.config import RANK_MODULES
+    if preload:  # as `ray-hsdp serve` starts its own Ray: Ray's count of idle workers
+        from ray_hsdp.config import rank_pool_env
 
-        os.environ["RAY_preload_python_modules"] = ",".join(RANK_MODULES)
+        os.environ.update(rank_pool_env(None))
 
     ray.init(
         address="local" if ray_cpus else None,

@@ -11,6 +11,10 @@
 #                                     the FP8 folder with a compile cache: first start (cache empty), one
 #                                     warm start, two requests at the warmed shape, a rank killed
 #                                     (bench.start --config ... --kill)
+#   bash bench/gpu/issue62.sh models  $MODELS/wan14b and its FP8 folder written, unless there (issue 74)
+#   bash bench/gpu/issue62.sh start-preload   the start part's runs in a Ray whose idle workers preloaded
+#                                     a rank's modules (bench.start --preload; issue 74); beside start's
+#                                     runs on the same machine, the plain baseline
 #   bash bench/gpu/issue62.sh video   the same YAML through `serve run` and the openai client: two
 #                                     81-frame jobs at the warmed shape, then plain diffusers
 #                                     (bench.video_http --plain; from the bf16 folder, which plain
@@ -22,7 +26,7 @@
 # No sage wheel on a fresh host: the YAML's attention_backend is replaced by diffusers' default.
 # OUT (default bench/results) is where logs and results go; MODELS (default /tmp) the checkpoints.
 set -uo pipefail
-PART=${1:?fp8, probe, start, video or image}
+PART=${1:?fp8, models, probe, start, start-preload, video or image}
 OUT=${OUT:-bench/results}
 MODELS=${MODELS:-/tmp}
 STEPS=${STEPS:-4}
@@ -30,14 +34,23 @@ GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | sed -e "s/NV
 YAML=serve_configs/wan2.1_t2v_14b_fast_1gpu.yaml
 mkdir -p "$OUT"
 
+write_models() {
+  SECONDS=0
+  [ -d "$MODELS/wan14b" ] || python -m ray_hsdp.cli make-random wan2.1-t2v-14b "$MODELS/wan14b" 2>&1 | tail -2
+  [ -d "$MODELS/wan14b-fp8" ] || python -m ray_hsdp.cli quantize "$MODELS/wan14b" "$MODELS/wan14b-fp8" 2>&1 | tail -2
+  echo "bf16 and fp8 folders: ${SECONDS}s"
+}
+
 case "$PART" in
   fp8)
     python -m bench.fp8_folder --model-dir "$MODELS/wan14b" --fp8-dir "$MODELS/wan14b-fp8" --out "$OUT" \
       --name "fp8-folder-wan2.1-t2v-14b-1x$GPU" 2>&1 | tail -20
     ;;
+  models)
+    write_models
+    ;;
   probe)
-    [ -d "$MODELS/wan14b" ] || python -m ray_hsdp.cli make-random wan2.1-t2v-14b "$MODELS/wan14b" 2>&1 | tail -2
-    [ -d "$MODELS/wan14b-fp8" ] || python -m ray_hsdp.cli quantize "$MODELS/wan14b" "$MODELS/wan14b-fp8" 2>&1 | tail -2
+    write_models
     python -m bench.actor_start --model-dir "$MODELS/wan14b-fp8" --repeats 2 --out "$OUT" \
       --name "actor-start-1x$GPU" 2>&1 | grep "^|"
     ;;
@@ -47,6 +60,13 @@ case "$PART" in
       --name "start-yaml-wan2.1-t2v-14b-fp8-folder-1x$GPU" >"$OUT/start-yaml-1x$GPU.log" 2>&1
     echo "start: exit $?"
     grep "^{'run'" "$OUT/start-yaml-1x$GPU.log" | cut -c1-600
+    ;;
+  start-preload)
+    python -m bench.start --config "$YAML" --model-dir "$MODELS/wan14b-fp8" --set attention_backend=auto \
+      --compile-cache-dir "$MODELS/compile-cache" --repeats 1 --kill --preload --steps "$STEPS" --out "$OUT" \
+      --name "start-preload-kill-wan2.1-t2v-14b-fp8-folder-1x$GPU" >"$OUT/start-preload-1x$GPU.log" 2>&1
+    echo "start-preload: exit $?"
+    grep "^{'run'" "$OUT/start-preload-1x$GPU.log" | cut -c1-900
     ;;
   video)
     python -m bench.video_http --config "$YAML" --model "$MODELS/wan14b" --set attention_backend=auto \
