@@ -7,9 +7,9 @@ lock step. Which adapters a forward runs with is switched right before it, on th
 runs it (the tick thread of a sharded rank), layer by layer as diffusers' ``set_adapters`` and
 ``disable_lora`` switch them.
 
-Files are read and converted by the pipeline's own diffusers LoRA loader (``lora_state_dict``:
-the original-repo formats it knows become PEFT keys); the layers are injected with PEFT's
-``inject_adapter_in_model`` and filled by name. diffusers' ``load_lora_weights`` cannot be used
+Files are read as diffusers reads them (``lora_state.read_adapter``: every key applied or the
+file refused); the layers are injected with PEFT's ``inject_adapter_in_model`` and the
+``LoraConfig`` diffusers builds, and filled by name. diffusers' ``load_lora_weights`` cannot be used
 on sharded modules: PEFT takes a DTensor weight for a tensor-parallel shard and sizes the layer
 by its local rows, and the weights then load through ``load_state_dict``, whose FSDP hooks expect
 their sharded parameters where a stand-in of the global shape would have to be.
@@ -17,15 +17,18 @@ their sharded parameters where a stand-in of the global shape would have to be.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.nn as nn
-from peft import LoraConfig, inject_adapter_in_model
+from peft import inject_adapter_in_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch.distributed.tensor import DTensor
+
+from ray_hsdp.lora_state import AdapterState, read_adapter
 
 #: A request's adapters: ``(name, scale)`` pairs (``GenerationRequest.lora``).
 Selection = tuple[tuple[str, float], ...]
@@ -92,8 +95,7 @@ class Adapters:
         for name, parts in loras.items():
             for component, path in parts.items():
                 where = f"lora {name!r} ({path}) for {component} of {type(pipe).__name__}"
-                state, alpha = read_lora(type(pipe), path, where)
-                _inject(modules[component], name, state, where, alpha)
+                _inject(modules[component], name, read_adapter(type(pipe), path, where))
         return cls(modules)
 
     def adapts(self, module: nn.Module) -> bool:
@@ -117,45 +119,31 @@ class Adapters:
         self._current = selection
 
 
-def read_lora(pipeline_cls: type, path: Path, where: str) -> tuple[dict[str, torch.Tensor], float | None]:
-    """Reads a LoRA file or folder with the pipeline's own diffusers loader.
-
-    Args:
-        pipeline_cls: The diffusers pipeline class (its ``lora_state_dict`` converts the
-            original-repo formats it knows to PEFT keys).
-        path: The LoRA file or folder.
-        where: The adapter, file and component, for error messages.
-
-    Returns:
-        The PEFT state without the component prefix (``blocks.0.attn1.to_q.lora_A.weight``) and
-        the ``lora_alpha`` the file states (``None``: each layer's rank, a scale of 1).
-
-    Raises:
-        ValueError: The pipeline loads no LoRA, or diffusers cannot read the file, or it holds a
-            format not supported yet (kohya network alphas, alphas per module).
-    """
-    if not hasattr(pipeline_cls, "lora_state_dict"):
-        raise ValueError(f"{pipeline_cls.__name__} loads no LoRA adapters (diffusers has no LoRA loader for it)")
-    prefix = f"{getattr(pipeline_cls, 'transformer_name', 'transformer')}."
-    try:
-        read = pipeline_cls.lora_state_dict(str(path), return_lora_metadata=True)
-    except (ValueError, KeyError, OSError) as err:
-        raise ValueError(f"{where}: diffusers cannot read it: {_one_line(err)}") from err
-    # (state, metadata), or (state, network alphas, metadata) for the loaders that keep kohya
-    # alphas apart from the weights.
-    state, metadata = read[0], read[-1]
-    if len(read) > 2 and read[1]:
-        raise ValueError(f"{where}: per-module network alphas (kohya format) are not supported yet")
-    # diffusers saves a component's LoraConfig under its prefix ("transformer.lora_alpha").
-    if metadata and any(k.startswith(prefix) for k in metadata):
-        metadata = {k[len(prefix) :]: v for k, v in metadata.items() if k.startswith(prefix)}
-    alpha = _metadata_alpha(metadata, where)
-    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}, alpha
+def fuse_loras(module: nn.Module, adapters: list[tuple[AdapterState, float]]) -> None:
+    """Merges ``(adapter, scale)`` pairs into ``module`` in turn (``fuse_lora``). A DoRA adapter's
+    row norms are those of the weight before any of them (PEFT's merge, like its forward, measures
+    the unmerged base weight): where one follows another on the same linear, that linear's rows
+    are kept from before the first merge."""
+    seen: set[str] = set()
+    before: dict[str, torch.Tensor] = {}
+    for adapter, _ in adapters:
+        if adapter.dora:
+            for target in adapter.targets.keys() & seen:
+                before.setdefault(target, _local(module.get_submodule(target).weight).float().clone())
+        seen |= adapter.targets.keys()
+    merged_since: set[str] = set()
+    for adapter, scale in adapters:
+        unmerged = {t: w for t, w in before.items() if t in merged_since}
+        fuse_lora(module, adapter, scale, unmerged)
+        merged_since |= adapter.targets.keys()
 
 
-def fuse_lora(module: nn.Module, state: dict[str, torch.Tensor], alpha: float | None, scale: float, where: str) -> int:
-    """Merges a LoRA into ``module``'s linear weights, this rank's rows only: ``W[rows] += scale *
-    alpha / r * B[rows] @ A``, as PEFT's merge computes it, summed in float32.
+def fuse_lora(module: nn.Module, adapter: AdapterState, scale: float, unmerged: Mapping | None = None) -> int:
+    """Merges an adapter into ``module``'s linears, this rank's rows only, as PEFT's merge computes
+    it (summed in float32): ``W[rows] += s * B[rows] @ A`` with ``s = scale * scaling``, a
+    ``lora_B.bias`` as ``b[rows] += s * bias[rows]``, and with DoRA the sum's rows then rescaled by
+    ``m[rows] / ||W0[rows] + s * B[rows] @ A||`` (a row's norm runs over its inputs, all on this
+    rank; ``W0``: the rows in ``unmerged``, where adapters were merged into them before, else ``W``).
 
     Runs while a rank loads, before the weights are first gathered: a dim-0 shard (a DTensor of
     FSDP2 or of the in-place gathers) holds whole rows, so ``B``'s rows for them are all it needs.
@@ -165,88 +153,89 @@ def fuse_lora(module: nn.Module, state: dict[str, torch.Tensor], alpha: float | 
         The number of linears merged.
 
     Raises:
-        ValueError: The LoRA names modules ``module`` lacks, or its shapes do not fit.
+        ValueError: The adapter names modules ``module`` lacks, its shapes do not fit, it has a bias
+            for a linear without one, or its config sets what a merge does not compute.
     """
+    adapter.refuse_merge_fields()
+    check_targets(module, adapter)
+    unmerged = unmerged or {}
+    with torch.no_grad():
+        for target, parts in adapter.targets.items():
+            linear = module.get_submodule(target)
+            rows = _local_rows(linear.weight)
+            local = _local(linear.weight)
+            up = (parts.up[rows] if rows is not None else parts.up).to(local.device, torch.float32)
+            delta = scale * parts.scaling * (up @ parts.down.to(local.device, torch.float32))
+            merged = local.float() + delta
+            if parts.magnitude is not None:
+                magnitude = parts.magnitude[rows] if rows is not None else parts.magnitude
+                norm = torch.linalg.norm(unmerged[target] + delta if target in unmerged else merged, dim=1)
+                merged *= (magnitude.to(local.device, torch.float32) / norm)[:, None]
+            local.copy_(merged.to(local.dtype))
+            if parts.bias is not None:
+                bias_rows, bias = _local_rows(linear.bias), _local(linear.bias)
+                add = (parts.bias[bias_rows] if bias_rows is not None else parts.bias).to(bias.device, torch.float32)
+                bias.copy_((bias.float() + scale * parts.scaling * add).to(bias.dtype))
+    return len(adapter.targets)
+
+
+def _local_rows(param: torch.Tensor) -> slice | None:
     from ray_hsdp.loading import local_rows
 
-    targets = _targets(module, state, where)
-    with torch.no_grad():
-        for target in targets:
-            linear = module.get_submodule(target)
-            down, up = state[f"{target}.lora_A.weight"], state[f"{target}.lora_B.weight"]
-            weight = linear.weight
-            if up.shape != (weight.shape[0], down.shape[0]) or down.shape[1] != weight.shape[1]:
-                raise ValueError(
-                    f"{where}: {target} is {tuple(weight.shape)}, its LoRA is {tuple(up.shape)} @ {tuple(down.shape)}"
-                )
-            rows = local_rows(weight)
-            local = weight.to_local() if isinstance(weight, DTensor) else weight.data
-            rank = down.shape[0]
-            factor = scale * (alpha if alpha is not None else rank) / rank
-            up = up[rows] if rows is not None else up
-            delta = up.to(local.device, torch.float32) @ down.to(local.device, torch.float32)
-            local.copy_((local.float() + factor * delta).to(local.dtype))
-    return len(targets)
+    return local_rows(param)
 
 
-def _targets(module: nn.Module, state: dict[str, torch.Tensor], where: str) -> list[str]:
-    """The module names a LoRA state adapts, each with its ``lora_A`` weight, all present in ``module``."""
-    targets = sorted({key.rsplit(".lora_", 1)[0] for key in state if ".lora_" in key})
-    if not targets:
-        raise ValueError(f"{where}: no LoRA weights for it in the file")
-    lacking = [t for t in targets if f"{t}.lora_A.weight" not in state or f"{t}.lora_B.weight" not in state]
-    if lacking:
-        raise ValueError(f"{where}: lora_A or lora_B weights missing for {lacking[:5]}")
-    names = {n for n, _ in module.named_modules()}
-    missing = [t for t in targets if t not in names]
-    if missing:
-        raise ValueError(f"{where}: the model has no modules {missing[:5]} (of {len(targets)} the LoRA adapts)")
-    return targets
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param.data
 
 
-def _one_line(err: BaseException) -> str:
-    return " ".join(line.strip() for line in str(err).splitlines() if line.strip())[:600]
-
-
-def _metadata_alpha(metadata: dict | None, where: str) -> float | None:
-    """The ``lora_alpha`` a diffusers-saved file states in its metadata; ``None`` when it states none.
+def check_targets(module: nn.Module, adapter: AdapterState) -> None:
+    """Every module the adapter adapts is a linear of ``module`` of its shapes, with a bias where it adds one.
 
     Raises:
-        ValueError: The metadata gives alphas or ranks per module (not read yet: refused rather
-            than run at the wrong scale).
+        ValueError: Naming the first modules that do not fit.
     """
-    if not metadata:
-        return None
-    if metadata.get("alpha_pattern") or metadata.get("rank_pattern"):
-        raise ValueError(f"{where}: alphas or ranks per module in its metadata are not supported yet")
-    return metadata.get("lora_alpha")
+    where = adapter.where
+    linears = {n: m for n, m in module.named_modules() if isinstance(m, nn.Linear) or isinstance(m, BaseTunerLayer)}
+    missing = [t for t in adapter.targets if t not in linears]
+    if missing:
+        raise ValueError(f"{where}: the model has no modules {missing[:5]} (of {len(adapter.targets)} the LoRA adapts)")
+    for target, parts in adapter.targets.items():
+        linear = linears[target]
+        linear = linear.get_base_layer() if isinstance(linear, BaseTunerLayer) else linear
+        weight = linear.weight
+        if parts.up.shape[0] != weight.shape[0] or parts.down.shape[1] != weight.shape[1]:
+            raise ValueError(
+                f"{where}: {target} is {tuple(weight.shape)}, its LoRA is {tuple(parts.up.shape)} @ "
+                f"{tuple(parts.down.shape)}"
+            )
+        if parts.bias is not None and linear.bias is None:
+            raise ValueError(f"{where}: {target} has no bias to add its lora_B.bias to")
 
 
-def _inject(
-    module: nn.Module, name: str, state: dict[str, torch.Tensor], where: str, alpha: float | None = None
-) -> None:
-    """Adds adapter ``name`` to ``module``'s linears and fills it from ``state`` (PEFT keys
-    without the component prefix: ``blocks.0.attn1.to_q.lora_A.weight``); ``alpha``: the file's
-    ``lora_alpha``, else each layer's rank (a scale of 1, as diffusers' loader takes it)."""
-    targets = _targets(module, state, where)
-    ranks = {t: state[f"{t}.lora_A.weight"].shape[0] for t in targets}
-    rank = max(set(ranks.values()), key=list(ranks.values()).count)
-    config = LoraConfig(
-        r=rank,
-        lora_alpha=alpha if alpha is not None else rank,
-        target_modules=targets,
-        rank_pattern={t: r for t, r in ranks.items() if r != rank},
-        alpha_pattern={} if alpha is not None else {t: r for t, r in ranks.items() if r != rank},
-    )
+def _inject(module: nn.Module, name: str, adapter: AdapterState) -> None:
+    """Adds adapter ``name`` to ``module``'s linears with the ``LoraConfig`` diffusers builds for its
+    file (ranks and alphas per module, ``lora_bias``, DoRA), limited to the linears the file adapts,
+    and fills each layer's parts from the file."""
+    check_targets(module, adapter)
+    config = dataclasses.replace(adapter.config, target_modules=sorted(adapter.targets))
     with _global_shapes(module):
         inject_adapter_in_model(config, module, adapter_name=name)
     with torch.no_grad():
-        for target in targets:
+        for target, parts in adapter.targets.items():
             layer = module.get_submodule(target)
-            for part in ("lora_A", "lora_B"):
-                key = f"{target}.{part}.weight"
-                weight = getattr(layer, part)[name].weight
-                if key not in state or state[key].shape != weight.shape:
-                    got = tuple(state[key].shape) if key in state else "nothing"
-                    raise ValueError(f"{where}: {key} has shape {got}, the model needs {tuple(weight.shape)}")
-                weight.copy_(state[key])
+            filled = [
+                (layer.lora_A[name].weight, parts.down, "lora_A.weight"),
+                (layer.lora_B[name].weight, parts.up, "lora_B.weight"),
+            ]
+            if parts.bias is not None:
+                filled.append((layer.lora_B[name].bias, parts.bias, "lora_B.bias"))
+            if parts.magnitude is not None:
+                filled.append((layer.lora_magnitude_vector[name].weight, parts.magnitude, "lora_magnitude_vector"))
+            for param, value, part in filled:
+                if value.shape != param.shape:
+                    raise ValueError(
+                        f"{adapter.where}: {target}.{part} has shape {tuple(value.shape)}, the model needs "
+                        f"{tuple(param.shape)}"
+                    )
+                param.copy_(value)

@@ -143,17 +143,32 @@ def fused_files_here(config: AppConfig) -> dict:
     return files
 
 
-def lora_notes(config: AppConfig, report: AppReport, strict: bool) -> None:
-    """Each LoRA source resolved as a rank's start resolves it; one not on this machine is a note,
-    a failure with ``strict`` (paths are the cluster's, as the model folder's)."""
-    from ray_hsdp.loading import resolve_lora_path
+def lora_notes(config: AppConfig, folder: Path, models: dict | None, report: AppReport, strict: bool) -> None:
+    """Each LoRA source resolved as a rank's start resolves it and read as it reads it
+    (``lora_state.read_adapter``, against the model's transformer built on meta where the start's
+    checks built it): what it applies, a note; one not on this machine or that a rank would refuse
+    (a key it would not apply, a module the model lacks), a note, a failure with ``strict`` (paths
+    are the cluster's, as the model folder's)."""
+    from ray_hsdp.adapters import check_targets
+    from ray_hsdp.loading import pipeline_class, resolve_lora_path
+    from ray_hsdp.lora_state import read_adapter
 
+    try:
+        pipeline_cls = pipeline_class(folder, config.pipeline_class)
+    except ValueError:
+        return  # the start's checks report it
     for name, parts in config.lora_sources().items():
         for component, source in parts.items():
+            where = f"lora {name!r} ({component})"
             try:
-                resolve_lora_path(source)
-            except FileNotFoundError as err:
-                (report.failures if strict else report.notes).append(f"lora {name!r} ({component}): {err}")
+                adapter = read_adapter(pipeline_cls, resolve_lora_path(source), where)
+                if models is not None and component in models:
+                    check_targets(models[component], adapter)
+            except (FileNotFoundError, ValueError) as err:
+                message = str(err) if str(err).startswith(where) else f"{where}: {err}"
+                (report.failures if strict else report.notes).append(message)
+                continue
+            report.notes.append(f"{where} applies {adapter.summary()}")
 
 
 def check_app(name: str, args: dict, device: str | None, gpu_memory_gib: float | None, strict: bool) -> AppReport:
@@ -189,7 +204,7 @@ def check_app(name: str, args: dict, device: str | None, gpu_memory_gib: float |
         check_shapes(config)  # the start's own check of the warm-up shapes, before any weight
     except ValueError as err:
         report.failures.append(str(err))
-    lora_notes(config, report, strict)
+    lora_notes(config, folder, models, report, strict)
     if models is None:
         return report
     sharded = set(config.shard_components) if dims.shard_size > 1 else set()

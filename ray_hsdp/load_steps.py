@@ -98,15 +98,19 @@ class LoadedParts:
 
 def fuse_adapters(pipeline_cls: type, module: nn.Module, component: str, fused: FusedLoras) -> None:
     """Merges into ``module`` (component ``component``, sharded or whole) the halves of the
-    adapters in ``fused`` that name it."""
-    from ray_hsdp.adapters import fuse_lora, read_lora
+    adapters in ``fused`` that name it, in ``fused``'s order (``adapters.fuse_loras``)."""
+    from ray_hsdp.adapters import fuse_loras
+    from ray_hsdp.lora_state import read_adapter
 
-    for name, (scale, parts) in fused.items():
-        if component in parts:
-            where = f"fused lora {name!r} ({parts[component]}) for {component} of {pipeline_cls.__name__}"
-            state, alpha = read_lora(pipeline_cls, parts[component], where)
-            merged = fuse_lora(module, state, alpha, scale, where)
-            logger.info("Fused lora %r into %d linears of %s at scale %s", name, merged, component, scale)
+    adapters = [
+        (read_adapter(pipeline_cls, parts[component], f"fused lora {name!r} ({parts[component]}) for {component} of "
+                      f"{pipeline_cls.__name__}"), scale)
+        for name, (scale, parts) in fused.items()
+        if component in parts
+    ]  # fmt: skip
+    fuse_loras(module, adapters)
+    for (adapter, scale), name in zip(adapters, [n for n, (_, parts) in fused.items() if component in parts]):
+        logger.info("Fused lora %r into %d linears of %s at scale %s", name, len(adapter.targets), component, scale)
 
 
 def keep_recorded_outputs(module: nn.Module) -> None:

@@ -131,6 +131,22 @@ def test_check_fails_what_the_start_would_fail_with_the_starts_own_message(capsy
     code, out = check(capsys, lora)
     assert code == 0 and "note: lora 'gone' (transformer)" in out and "is neither a file or folder" in out, out
     assert check(capsys, "--strict", lora)[0] == 1
+    # A LoRA read as a rank reads it: what it applies; one with a key it would not apply, refused.
+    from safetensors.torch import load_file, save_file
+
+    from ray_hsdp.checkpoints.lora import LORA_FILE
+    from ray_hsdp.loading import resolve_lora_path
+
+    state = load_file(str(resolve_lora_path("tiny-style") / LORA_FILE))
+    state["transformer.blocks.0.norm2.weight"] = state["transformer.blocks.0.attn1.to_q.lora_B.weight"][:, 0].clone()
+    (tmp_path / "extra").mkdir()
+    save_file(state, str(tmp_path / "extra" / LORA_FILE))
+    loras = {"style": "tiny-style", "extra": str(tmp_path / "extra")}
+    lora = serve_yaml(tmp_path, model="tiny", device="cpu", shard_size=2, loras=loras)
+    code, out = check(capsys, lora)
+    assert code == 0 and "note: lora 'style' (transformer) applies 40 linears (lora_A/lora_B)" in out, out
+    assert "note: lora 'extra' (transformer): keys that would not be applied: ['blocks.0.norm2.weight']" in out, out
+    assert check(capsys, "--strict", lora)[0] == 1
 
 
 def test_an_embedded_model_never_written_here_is_written_and_checked(capsys, tmp_path, monkeypatch):

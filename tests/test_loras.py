@@ -248,9 +248,10 @@ def test_a_merged_lora_equals_diffusers_fuse_lora_on_whole_weights(lora_pipe, ti
     from diffusers import DiffusionPipeline
     from safetensors.torch import load_file
 
-    from ray_hsdp.adapters import fuse_lora, read_lora
+    from ray_hsdp.adapters import fuse_lora
     from ray_hsdp.checkpoints.lora import LORA_FILE
     from ray_hsdp.loading import resolve_lora_path
+    from ray_hsdp.lora_state import read_adapter
 
     prefix = "transformer."
     weights = {k[len(prefix) :]: v for k, v in load_file(str(resolve_lora_path("tiny-detail") / LORA_FILE)).items()}
@@ -267,7 +268,8 @@ def test_a_merged_lora_equals_diffusers_fuse_lora_on_whole_weights(lora_pipe, ti
     theirs.unload_lora_weights()
     ours = DiffusionPipeline.from_pretrained(tiny_model)
     ours.set_progress_bar_config(disable=True)
-    state, alpha = read_lora(type(ours), tmp_path / "alpha8", "a8")
-    assert alpha == 8 and fuse_lora(ours.transformer, state, alpha, 0.7, "a8") == len(targets)
+    adapter = read_adapter(type(ours), tmp_path / "alpha8", "a8")
+    assert {t.scaling for t in adapter.targets.values()} == {2.0}
+    assert fuse_lora(ours.transformer, adapter, 0.7) == len(targets)
     req = request("fused")
     assert max_abs_diff(reference_frames(ours, req), reference_frames(theirs, req)) <= 1e-6
