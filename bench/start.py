@@ -162,8 +162,11 @@ def one_start(config, args, kill: bool) -> dict:
         start, stats = group.describe()["start"], group.tick_stats()
         row = {"ready_s": round(ready, 2), "first_answer_s": round(answered, 2), "group": start["phases_s"]}
         row["ranks"] = slowest_rank_phases(start["ranks_phases_s"])
+        row["warm_up"] = start["warm_up"]
         if len(results) > 1:
             row["requests_elapsed_s"] = [round(r.elapsed_s, 3) for r in results]
+            row["requests_decode_s"] = [round(r.after_loop_s, 3) for r in results if r.after_loop_s is not None]
+            row["encode_s"] = encode_seconds(results[-1], requests[-1])
             row["shape"] = f"{requests[0].width}x{requests[0].height}x{requests[0].num_frames}, {args.steps} steps"
         if config.compile:
             row["fxgraph_cache"] = {k: sum(s[k] for s in stats) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
@@ -173,6 +176,19 @@ def one_start(config, args, kill: bool) -> dict:
     finally:
         keeper.shutdown()
     return row
+
+
+def encode_seconds(result, request) -> float:
+    """Seconds to encode ``result`` as its response (an MP4 and its thumbnail, or a PNG) once the
+    warm-up encoded one: what the warm-up's first encoding is compared with."""
+    from ray_hsdp.serve.media import encode_mp4, encode_png
+
+    started = time.perf_counter()
+    frames = result.frames[0]
+    if request.num_frames > 1:
+        encode_mp4(frames, 16)
+    encode_png(frames[0])
+    return round(time.perf_counter() - started, 3)
 
 
 def timed_requests(config, facts: dict, steps: int) -> list:
@@ -269,6 +285,12 @@ def table(rows: list[dict], args, config) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     notes = [f"{r['run']}: {r['cache']}." for r in rows if "cache" in r]
     notes += [f"{r['run']}: the mend's phases (s): {r['mend_phases_s']}." for r in rows if "mend_phases_s" in r]
+    notes += [
+        f"{r['run']}: the warm-up's record {r['warm_up']}; the timed requests' decodes {r.get('requests_decode_s')} "
+        f"s, an encoding after the warm-up's {r.get('encode_s')} s."
+        for r in rows
+        if r.get("warm_up")
+    ]
     lines += ["", *notes] if notes else []
     lines += ["", f"Command: `{environment()['command']}`", ""]
     return "\n".join(lines)

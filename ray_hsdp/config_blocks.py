@@ -130,6 +130,12 @@ class WarmUpShape(BaseModel):
         description="Frames of the video requests to warm; the app's default clip length (default_video_seconds) "
         "when omitted. An image model takes only 1 or none.",
     )
+    decode: bool = Field(
+        True,
+        description="Whether the shape's warm-up decodes and encodes its output as a response. False: it runs the "
+        "transformer's steps only (what compiles and what torch.compile traces in each process); the VAE's and the "
+        "encoder's first run at the shape then falls to the first request of it.",
+    )
 
 
 class AutoscalingSpec(BaseModel):

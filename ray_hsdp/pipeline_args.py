@@ -46,7 +46,8 @@ def call_kwargs(call: PipelineCall, params: set[str], pipeline_name: str, varian
         "width": request.width,
         "num_inference_steps": request.num_inference_steps,
         "generator": torch.Generator("cpu").manual_seed(request.seed),
-        "output_type": "pt",  # frames stay on the device until ``frames.to_host``
+        # Frames stay on the device until ``frames.to_host``; a warm-up of the steps alone takes latents.
+        "output_type": "pt" if request.decode else "latent",
     }
     if call.guidance is not None:  # else ``guidance_on`` sets it on the pipeline's guider
         kwargs[call.guidance] = request.guidance_scale

@@ -98,6 +98,8 @@ class GenerationRequest:
         deadline: When (``time.time()``) its answer is due, counted from its arrival: the group
             serves earliest targets first and an adaptive group's lane policy aims for it
             (``group.lanes``; nothing is stopped at it: ``timeout_s`` does that); ``None``: no target.
+        decode: False: the pipeline returns its latents undecoded (``output_type="latent"``) in
+            place of frames; a warm-up's that warms the steps only (``WarmUpShape.decode``).
         size_given: Whether the caller chose ``width`` and ``height`` (False: the server's
             ``default_size`` filled them in). A pipeline whose call takes no size (its output
             follows its input image) refuses a request that gave one, rather than drop it.
@@ -124,6 +126,7 @@ class GenerationRequest:
     lane_size: int | None = None
     deadline: float | None = None
     size_given: bool = True
+    decode: bool = True
 
     def first_frame(self):
         """The image of an image-to-video request as the pipeline takes it (an RGB PIL image)."""

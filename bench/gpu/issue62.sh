@@ -15,6 +15,9 @@
 #   bash bench/gpu/issue62.sh start-preload   the start part's runs in a Ray whose idle workers preloaded
 #                                     a rank's modules (bench.start --preload; issue 74); beside start's
 #                                     runs on the same machine, the plain baseline
+#   bash bench/gpu/issue62.sh warm-up the start part's runs (no kill) twice: the YAML's warm-up, then its shape
+#                                     warmed with decode: false (the steps alone), with the warm-up's own
+#                                     record (issue 74)
 #   bash bench/gpu/issue62.sh video   the same YAML through `serve run` and the openai client: two
 #                                     81-frame jobs at the warmed shape, then plain diffusers
 #                                     (bench.video_http --plain; from the bf16 folder, which plain
@@ -26,7 +29,7 @@
 # No sage wheel on a fresh host: the YAML's attention_backend is replaced by diffusers' default.
 # OUT (default bench/results) is where logs and results go; MODELS (default /tmp) the checkpoints.
 set -uo pipefail
-PART=${1:?fp8, models, probe, start, start-preload, video or image}
+PART=${1:?fp8, models, probe, start, start-preload, warm-up, video or image}
 OUT=${OUT:-bench/results}
 MODELS=${MODELS:-/tmp}
 STEPS=${STEPS:-4}
@@ -67,6 +70,17 @@ case "$PART" in
       --name "start-preload-kill-wan2.1-t2v-14b-fp8-folder-1x$GPU" >"$OUT/start-preload-1x$GPU.log" 2>&1
     echo "start-preload: exit $?"
     grep "^{'run'" "$OUT/start-preload-1x$GPU.log" | cut -c1-900
+    ;;
+  warm-up)
+    for variant in whole steps-only; do
+      SET=()
+      [ "$variant" = steps-only ] && SET=(--set 'warm_up=[{"size": "832x480", "num_frames": 81, "decode": false}]')
+      python -m bench.start --config "$YAML" --model-dir "$MODELS/wan14b-fp8" --set attention_backend=auto \
+        "${SET[@]}" --compile-cache-dir "$MODELS/compile-cache" --repeats 1 --steps "$STEPS" --out "$OUT" \
+        --name "start-warm-up-$variant-wan2.1-t2v-14b-fp8-folder-1x$GPU" >"$OUT/start-warm-up-$variant-1x$GPU.log" 2>&1
+      echo "warm-up $variant: exit $?"
+      grep "^{'run'" "$OUT/start-warm-up-$variant-1x$GPU.log" | cut -c1-1500
+    done
     ;;
   video)
     python -m bench.video_http --config "$YAML" --model "$MODELS/wan14b" --set attention_backend=auto \

@@ -115,6 +115,7 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, G
         self.pipeline_facts: dict = {}
         #: Each rank's ``tick_stats`` once its warm-up ran (none ran: empty): what metrics count from.
         self.warm_up_stats: list[dict] = []
+        self.warm_up_record: list[dict] = []  # ``GroupWarmUp``
         self._pending: list[QueuedJob] = []
         self._inflight: dict[ray.ObjectRef, tuple[int, QueuedJob]] = {}  # offer -> (rank index, job)
         self._sessions: dict[ray.ObjectRef, int] | None = None  # running session -> rank index

@@ -68,7 +68,11 @@ class GroupInspection:
             "pipeline": self.pipeline_facts,
             "ranks": self.placement,
             # Where the start went: the group's phases as it waited on them, and each rank's own.
-            "start": {"phases_s": dict(self.phases.seconds), "ranks_phases_s": list(self.rank_phases)},
+            "start": {
+                "phases_s": dict(self.phases.seconds),
+                "ranks_phases_s": list(self.rank_phases),
+                "warm_up": list(self.warm_up_record),
+            },
         }
 
     def load(self) -> tuple[int, int]:

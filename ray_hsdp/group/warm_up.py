@@ -108,7 +108,10 @@ def gray_png(width: int, height: int) -> bytes:
 
 
 class GroupWarmUp:
-    """The warm-up side of ``ShardGroup``."""
+    """The warm-up side of ``ShardGroup``. ``warm_up_record`` is the warm-up's own record: per
+    request warmed, its shape, steps, seconds on its lanes, of them the decode's (the pipeline's
+    time after its last step), the encoding that followed it, and whether a rank compiled graphs
+    for it (``GenerationResult.compiled``)."""
 
     def warm_up(
         self,
@@ -117,15 +120,19 @@ class GroupWarmUp:
     ) -> None:
         """Runs each request on every lane of the group (``on_every_lane``; each copy under its own
         id), marked as the warm-up, then ``follow(request, result)`` with one of its results (a
-        caller warms what follows the group: a response's encoding), all in the start's
+        caller warms what follows the group: a response's encoding; not after a request of
+        ``decode`` False, whose output is latents), all in the start's
         ``warm-up`` phase. A warm-up that fails shuts the group down: it would fail a user's
         request the same way."""
 
         def run() -> None:
             for request in requests:
-                result = self._run_batches(on_every_lane(self.dims, self.config.requests_per_rank, copies_of(request)))
-                if follow is not None:
+                batches = on_every_lane(self.dims, self.config.requests_per_rank, copies_of(request))
+                result = self._run_batches(batches)
+                if follow is not None and request.decode:  # latents: nothing follows them
+                    started = time.perf_counter()
                     follow(request, result)
+                    self.warm_up_record[-1]["encode_s"] = round(time.perf_counter() - started, 3)
 
         self._in_warm_up_phase(run)
 
@@ -139,15 +146,27 @@ class GroupWarmUp:
         self._in_warm_up_phase(lambda: self._run_batches(batches))
 
     def _run_batches(self, batches: list[list[GenerationRequest]]) -> GenerationResult:
-        """Runs each batch's requests at once, marked as the warm-up; the first result."""
+        """Runs each batch's requests at once, marked as the warm-up, each batch recorded
+        (``warm_up_record``); the first result."""
         first = None
         for batch in batches:
+            started = time.perf_counter()
             results = [future.result() for future in [self._enqueue(r, warm_up=True) for r in batch]]
+            request, result = batch[0], results[0]
+            self.warm_up_record.append({
+                "shape": f"{request.width}x{request.height}x{request.num_frames}",
+                "steps": request.num_inference_steps,
+                "requests": len(batch),
+                "s": round(time.perf_counter() - started, 3),
+                "decode_s": round(result.after_loop_s, 3) if result.after_loop_s is not None else None,
+                "compiled": any(r.compiled for r in results),
+            })  # fmt: skip
             first = results[0] if first is None else first
         return first
 
     def _in_warm_up_phase(self, run: Callable[[], None]) -> None:
         self._rewarm = run  # what a mend runs again for its new rank (``GroupMend``)
+        self.warm_up_record = []
         try:
             with self.phases.phase("warm-up"):
                 run()

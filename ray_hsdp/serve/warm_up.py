@@ -6,6 +6,7 @@ video job counts them."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from ray_hsdp.config import AppConfig, parse_size
@@ -125,7 +126,11 @@ def warm_up(group: ShardGroup, config: AppConfig, shapes: list[WarmUpShape]) -> 
             take. Either way the group is shut down.
     """
     try:
-        requests = [warm_up_request(shape, config, group.pipeline_facts, i) for i, shape in enumerate(shapes)]
+        requests = [
+            (dataclasses.replace(request, decode=shape.decode), fps)
+            for i, shape in enumerate(shapes)
+            for request, fps in [warm_up_request(shape, config, group.pipeline_facts, i)]
+        ]
         for request, _ in requests:
             group.check(request)  # a size whose tokens do not split over a lane: refused before any runs
     except BaseException:

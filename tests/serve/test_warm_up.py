@@ -76,6 +76,30 @@ def test_a_first_request_at_a_warmed_shape_compiles_nothing_and_equals_diffusers
         assert max_abs_diff(result.frames, to_uint8(reference_frames(reference_pipe, request))) <= 1
 
 
+def test_a_warm_up_of_the_steps_alone_compiles_what_the_first_request_needs(ray_cluster, tiny_model, reference_pipe):
+    """Issue 74: a shape warmed with ``decode: false`` runs the transformer's steps only (the
+    pipeline returns latents; no decode, no encoding: the warm-up's own record says so), and a
+    first request at it compiles nothing more and equals diffusers."""
+    config = AppConfig(
+        model=tiny_model, device="cpu", shard_size=1, compile=True, default_steps=2,
+        warm_up=[{"size": "96x64", "num_frames": 9, "decode": False}, {"size": "96x64", "num_frames": 9}],
+    )  # fmt: skip
+    group = start_warm(ShardGroup(config), config)
+    try:
+        steps_only, whole = group.describe()["start"]["warm_up"]
+        assert steps_only["shape"] == whole["shape"] == "96x64x9" and steps_only["compiled"], steps_only
+        assert "encode_s" not in steps_only and whole["encode_s"] > 0 and not whole["compiled"], whole
+        warmed = group.tick_stats()
+        body = VideoCreateRequest(prompt="a red fox", size="96x64", num_frames=9, seed=3)
+        request, _ = to_video_request(body, config, 4, request_id="user")
+        (result,) = group.generate([request])
+        after = group.tick_stats()
+    finally:
+        group.shutdown()
+    assert [s["compiled_graphs"] for s in after] == [s["compiled_graphs"] for s in warmed]
+    assert max_abs_diff(result.frames, to_uint8(reference_frames(reference_pipe, request))) <= 1
+
+
 def test_a_shape_the_model_does_not_take_fails_the_deploy_once_before_any_weight(server):
     """Issue 73: ``serve deploy`` of a model whose warm-up shape it cannot take (6 frames: Wan's VAE
     takes 4k+1) ends DEPLOY_FAILED with the shape named, from the application's build: no replica
