@@ -541,11 +541,11 @@ class AppConfig(GroupConfig):
     )
     warm_up: list[WarmUpShape] | None = Field(
         None,
-        description="Request shapes each group runs before it serves (at its start and after a rebuild), through a "
-        "request's whole path (the loop, the VAE decode, the frames, the response's PNG or MP4), on every lane and "
-        "with as few steps as reach every expert: a first request of a warmed shape compiles nothing. Costs that "
-        "run's time at each start. None: with compile, each route's default shape (default_size at the default clip "
-        "length, and for a text-to-video model at one frame: its image route); without, none. "
+        description="Request shapes each group runs before it serves (at its start and after a rebuild), on every "
+        "lane and with as few steps as reach every expert: a first request of a warmed shape compiles nothing. Each "
+        "runs the transformer's steps (with a shape's decode: true, also the VAE decode and the response's PNG or "
+        "MP4). Costs that run's time at each start. None: with compile, each route's default shape (default_size "
+        "at the default clip length, and for a text-to-video model at one frame: its image route); without, none. "
         "[]: none (with compile, a small warm-up per lane compiles the first forwards).",
     )
     lora_defaults: dict[str, LoraDefaults] = Field(

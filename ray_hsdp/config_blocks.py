@@ -131,10 +131,10 @@ class WarmUpShape(BaseModel):
         "when omitted. An image model takes only 1 or none.",
     )
     decode: bool = Field(
-        True,
-        description="Whether the shape's warm-up decodes and encodes its output as a response. False: it runs the "
-        "transformer's steps only (what compiles and what torch.compile traces in each process); the VAE's and the "
-        "encoder's first run at the shape then falls to the first request of it.",
+        False,
+        description="Whether the shape's warm-up also decodes its output and encodes it as a response. False: it "
+        "runs the transformer's steps alone (what compiles, and what torch.compile traces in each process), and the "
+        "first request of the shape runs the VAE's and the encoder's first pass at it (they compile nothing).",
     )
 
 

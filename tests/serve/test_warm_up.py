@@ -77,12 +77,13 @@ def test_a_first_request_at_a_warmed_shape_compiles_nothing_and_equals_diffusers
 
 
 def test_a_warm_up_of_the_steps_alone_compiles_what_the_first_request_needs(ray_cluster, tiny_model, reference_pipe):
-    """Issue 74: a shape warmed with ``decode: false`` runs the transformer's steps only (the
-    pipeline returns latents; no decode, no encoding: the warm-up's own record says so), and a
-    first request at it compiles nothing more and equals diffusers."""
+    """Issue 74: a shape warmed as by default (``decode: false``) runs the transformer's steps only
+    (the pipeline returns latents; no decode, no encoding: the warm-up's own record says so), one
+    with ``decode: true`` its whole path; a first request at the shape compiles nothing more and
+    equals diffusers."""
     config = AppConfig(
         model=tiny_model, device="cpu", shard_size=1, compile=True, default_steps=2,
-        warm_up=[{"size": "96x64", "num_frames": 9, "decode": False}, {"size": "96x64", "num_frames": 9}],
+        warm_up=[{"size": "96x64", "num_frames": 9}, {"size": "96x64", "num_frames": 9, "decode": True}],
     )  # fmt: skip
     group = start_warm(ShardGroup(config), config)
     try:
