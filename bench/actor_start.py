@@ -8,7 +8,7 @@ group bundle) and splits the time from ``.remote()`` to its first answer into: u
 process existed (Ray's worker pool: fork/exec), the process's start to the actor's ``__init__``
 (the interpreter, ``import ray``, registering with the raylet, unpickling the class), then in the
 actor: ``import torch``, the CUDA context, the model folder's component classes (diffusers,
-transformers) and ``ray_hsdp.sharded_pipeline``, in the order a rank imports them. Runs alternate:
+transformers) and ``ray_hsdp.pipeline.sharded``, in the order a rank imports them. Runs alternate:
 the CUDA context made before the imports, and made in a thread while the imports run.
 """
 
@@ -60,10 +60,10 @@ class Probe:
         else:
             context.run()
         if model_dir:
-            from ray_hsdp.loading import import_component_classes
+            from ray_hsdp.loading.components import import_component_classes
 
             import_component_classes(Path(model_dir))
-        importlib.import_module("ray_hsdp.sharded_pipeline")
+        importlib.import_module("ray_hsdp.pipeline.sharded")
         if overlap:
             context.join()
         seconds["imports"] = time.perf_counter() - began - (0.0 if overlap else seconds.get("CUDA context", 0.0))

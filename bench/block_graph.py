@@ -65,7 +65,7 @@ INDUCTOR = {
     "autotune": {"max_autotune": True},
     "cudagraphs": {"triton.cudagraphs": True},
 }
-#: The kernel kinds of the table (``ray_hsdp.profiling.KERNEL_KINDS``).
+#: The kernel kinds of the table (``ray_hsdp.rank.profiling.KERNEL_KINDS``).
 KINDS = ("attention", "matmul", "other")
 
 
@@ -181,7 +181,7 @@ def top_kernels(trace: dict, kind: str, count: int = 8) -> dict[str, float]:
     """The ``count`` kernels of ``kind`` that took the most time, by name (summed seconds)."""
     from collections import Counter
 
-    from ray_hsdp.profiling import kernel_kind
+    from ray_hsdp.rank.profiling import kernel_kind
 
     seconds: Counter = Counter()
     for event in trace.get("traceEvents", []):
@@ -191,13 +191,13 @@ def top_kernels(trace: dict, kind: str, count: int = 8) -> dict[str, float]:
 
 
 def profiled(model, feed: dict) -> dict:
-    """Kernel time by kind over one forward (``ray_hsdp.profiling.kernel_summary``), and the
+    """Kernel time by kind over one forward (``ray_hsdp.rank.profiling.kernel_summary``), and the
     kernels outside attention and GEMMs that took the most."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
 
-    from ray_hsdp.profiling import kernel_summary
+    from ray_hsdp.rank.profiling import kernel_summary
 
     with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
         model(**feed)

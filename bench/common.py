@@ -178,7 +178,7 @@ def start_ray(ray_cpus: int | None = None, env_vars: dict | None = None, preload
     import ray
 
     if preload:  # as `ray-hsdp serve` starts its own Ray: Ray's count of idle workers
-        from ray_hsdp.config import rank_pool_env
+        from ray_hsdp.config.app import rank_pool_env
 
         os.environ.update(rank_pool_env(None))
 
@@ -330,7 +330,7 @@ class ServedYaml:
 
         import yaml
 
-        from ray_hsdp.serve_cli import parse_value, set_dotted
+        from ray_hsdp.cli.serve_flags import parse_value, set_dotted
 
         config = yaml.safe_load(config_path.read_text())
         args = config["applications"][0]["args"]

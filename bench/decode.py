@@ -122,7 +122,7 @@ def _rank(rank: int, world: int, args, port: int, scratch: str) -> None:
     import torch.distributed as dist
 
     from ray_hsdp.distributed import NCCL_ENV
-    from ray_hsdp.lane_tiles import LaneTiles
+    from ray_hsdp.pipeline.lane_tiles import LaneTiles
     from ray_hsdp.sharding.policy import decode_split_for
 
     os.environ.update(NCCL_ENV)

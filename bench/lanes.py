@@ -109,7 +109,7 @@ def options_of(layout: str, args) -> tuple[dict, tuple]:
 def request_for(size: str, frames: int, steps: int, request_id: str, seed: int = 0, image: bool = False):
     """One guided request; with ``image``, an image-to-video request whose first frame is the
     bench's synthetic image."""
-    from ray_hsdp.config import parse_size
+    from ray_hsdp.config.app import parse_size
     from ray_hsdp.request import GenerationRequest
 
     width, height = parse_size(size)
@@ -133,7 +133,7 @@ def run_plain(model_dir: Path, requests: list, device: str, suffixes=()) -> tupl
     import numpy as np
     import torch
 
-    from ray_hsdp.sharded_pipeline import steps_reaching_every_expert
+    from ray_hsdp.pipeline.sharded import steps_reaching_every_expert
 
     pipe = load_plain(model_dir, device)
     backends = [SUFFIX_FIELDS[s]["attention_backend"] for s in suffixes if s in ATTENTION_SUFFIXES]
@@ -199,7 +199,7 @@ def run_group(model_dir: Path, layout: str, requests: list, args):
     and the throughput run."""
     import numpy as np
 
-    from ray_hsdp.config import GroupConfig
+    from ray_hsdp.config.app import GroupConfig
     from ray_hsdp.group import ShardGroup
 
     options, lora = options_of(layout, args)

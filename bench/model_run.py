@@ -29,8 +29,8 @@ def plain_run(model_dir: Path, request, pipeline_class: str | None, device: str,
     import torch
 
     from bench.reference import timed_frames
-    from ray_hsdp.loading import load_pipeline
-    from ray_hsdp.loading import pipeline_class as class_named
+    from ray_hsdp.loading.components import load_pipeline
+    from ray_hsdp.loading.components import pipeline_class as class_named
 
     cuda = device == "cuda"
     dtype = "bfloat16" if cuda else "float32"
@@ -64,7 +64,7 @@ def plain_run(model_dir: Path, request, pipeline_class: str | None, device: str,
 def group_run(
     model_dir: Path, request, pipeline_class: str | None, device: str, vae_tiling: str, loras: dict[str, str]
 ) -> dict:
-    from ray_hsdp.config import GroupConfig
+    from ray_hsdp.config.app import GroupConfig
     from ray_hsdp.group import ShardGroup
 
     config = GroupConfig(

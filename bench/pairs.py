@@ -167,7 +167,7 @@ GPU_SHAPES = (
 
 def app_config(folder: str, shape: Shape, device: str = "cpu", dtype: str = "auto"):
     """The shape's app config: the shared adapters and their defaults unless the shape names its own."""
-    from ray_hsdp.config import AppConfig
+    from ray_hsdp.config.app import AppConfig
 
     fields = {"loras": LORAS, **shape.fields}
     defaults = {name: d for name, d in LORA_DEFAULTS.items() if name in fields["loras"]}
@@ -333,8 +333,8 @@ def gpu_run(out_dir: Path, shapes: list[str], model_dir: Path) -> dict:
 
 def pairs_doc(where: dict[tuple[str, str], str]) -> str:
     """``docs/pairs.md``: where each pair of a group-level setting and a request-level choice runs,
-    and the table of refusals (``ray_hsdp.pairs``)."""
-    from ray_hsdp.pairs import markdown
+    and the table of refusals (``ray_hsdp.config.pairs``)."""
+    from ray_hsdp.config.pairs import markdown
 
     short = list(REQUEST_CHOICES)
     lines = [
@@ -359,7 +359,12 @@ def pairs_doc(where: dict[tuple[str, str], str]) -> str:
     for setting in GROUP_SETTINGS:
         lines.append(f"| {setting} | " + " | ".join(where.get((setting, c), "-") for c in short) + " |")
     lines += ["", *model_choices(), ""]
-    lines += ["## Refused pairs", "", "`ray_hsdp/pairs.py`, the one table both the config and the group check:", ""]
+    lines += [
+        "## Refused pairs",
+        "",
+        "`ray_hsdp/config/pairs.py`, the one table both the config and the group check:",
+        "",
+    ]
     return "\n".join(lines) + "\n" + markdown()
 
 
@@ -382,7 +387,7 @@ MODEL_ROWS = (
 
 def _step_caches(transformer, pipe_cls: type) -> list[str]:
     """The cache kinds a group's load lets ``transformer`` of a ``pipe_cls`` pipeline take."""
-    from ray_hsdp.start_checks import refuse_step_cache
+    from ray_hsdp.loading.start_checks import refuse_step_cache
 
     kinds = []
     for kind in ("first_block", "taylorseer"):
@@ -404,7 +409,7 @@ def model_choices() -> list[str]:
 
     from ray_hsdp.checkpoints.architectures import get_architecture
     from ray_hsdp.checkpoints.lora import transformer_on_meta
-    from ray_hsdp.pipeline_args import call_takes
+    from ray_hsdp.pipeline.args import call_takes
     from ray_hsdp.sharding import policies  # noqa: F401 (registers them)
     from ray_hsdp.sharding.pipeline_call import FIRST_FRAME, pipeline_call_for
     from ray_hsdp.sharding.policy import registered_policy

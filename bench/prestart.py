@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-MODULES = "torch,diffusers,transformers,ray_hsdp.sharded_pipeline"
+MODULES = "torch,diffusers,transformers,ray_hsdp.pipeline.sharded"
 
 #: Settings: name -> the environment the cluster starts with.
 SETTINGS = {
@@ -78,7 +78,7 @@ def group_start(settle_s: float, gpus: int) -> dict:
     on the device; the start's phases (``ShardGroup.phases``)."""
     import ray
 
-    from ray_hsdp.config import GroupConfig
+    from ray_hsdp.config.app import GroupConfig
     from ray_hsdp.group import ShardGroup
 
     ray.init(num_cpus=4, num_gpus=gpus, include_dashboard=False)

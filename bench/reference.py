@@ -100,7 +100,7 @@ def pipeline_with_adapters(folder: str, loras: dict[str, str], fused: dict[str, 
     switchable by ``reference_with``."""
     from diffusers import DiffusionPipeline
 
-    from ray_hsdp.loading import resolve_lora_path
+    from ray_hsdp.loading.components import resolve_lora_path
 
     fused = fused or {}
     pipe = DiffusionPipeline.from_pretrained(folder)

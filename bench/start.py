@@ -89,8 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def group_config(args):
     """The groups' configuration: a Serve YAML's args (``AppConfig``), or the flags' ``GroupConfig``."""
-    from ray_hsdp.config import AppConfig, GroupConfig
-    from ray_hsdp.serve_cli import parse_value, set_dotted
+    from ray_hsdp.cli.serve_flags import parse_value, set_dotted
+    from ray_hsdp.config.app import AppConfig, GroupConfig
 
     if args.config is None:
         fields = {"shard_size": args.shard_size, "compile": args.compile}
@@ -139,7 +139,7 @@ def main() -> None:
 
 def build(config):
     """A started group, as a Serve replica builds its own (with ``--config``: its shapes warmed)."""
-    from ray_hsdp.config import AppConfig
+    from ray_hsdp.config.app import AppConfig
     from ray_hsdp.group import ShardGroup
     from ray_hsdp.serve.warm_up import start_warm
 
@@ -195,7 +195,7 @@ def timed_requests(config, facts: dict, steps: int) -> list:
     """Two requests at the config's first warmed shape (a Serve YAML's), or one 1-step request."""
     import dataclasses
 
-    from ray_hsdp.config import AppConfig
+    from ray_hsdp.config.app import AppConfig
     from ray_hsdp.request import GenerationRequest
     from ray_hsdp.serve.warm_up import warm_up_request
 

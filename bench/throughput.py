@@ -292,8 +292,8 @@ def offload_baseline(model_dir: str, requests, device: str) -> dict:
     def run(model_dir, requests):
         import torch
 
-        from ray_hsdp.loading import load_pipeline
-        from ray_hsdp.sharded_pipeline import ShardedPipeline
+        from ray_hsdp.loading.components import load_pipeline
+        from ray_hsdp.pipeline.sharded import ShardedPipeline
         from ray_hsdp.variant import RequestVariant
 
         pipe = load_pipeline(Path(model_dir), "bfloat16" if device == "cuda" else "float32")
@@ -413,7 +413,7 @@ class ThroughputRun:
         return common_random_loras(args.arch, Path(args.lora_dir), count, args.lora_rank, args.device)
 
     def group(self, **fields):
-        from ray_hsdp.config import GroupConfig
+        from ray_hsdp.config.app import GroupConfig
         from ray_hsdp.group import ShardGroup
 
         return ShardGroup(GroupConfig(model=str(self.model_dir), device=self.args.device, **fields)).start()
@@ -457,7 +457,7 @@ class ThroughputRun:
 
     def options_of(self, setup: str) -> tuple[dict, tuple[str, ...], object]:
         """The group fields of ``setup``, the adapters its requests take and their step cache."""
-        from ray_hsdp.config_blocks import StepCacheConfig
+        from ray_hsdp.config.blocks import StepCacheConfig
 
         options = OPTIONS.get(setup, {})
         if setup in ("batch-lora", "batch-lora4"):

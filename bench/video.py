@@ -2,7 +2,7 @@
 
     python -m bench.video --model-dir /tmp/wan14b --sizes 832x480 1280x720 --frames 81 --steps 2
 
-Phases, from the rank's profile (``ray_hsdp.profiling``: a time and a peak at each step's end and
+Phases, from the rank's profile (``ray_hsdp.rank.profiling``: a time and a peak at each step's end and
 at the request's end): text encoding (start to the first step's end, less one step), denoising
 (the steps), VAE decode (last step to end), and the MP4 encoding (in this process, as a replica
 does it). Peak memory per phase: start to the first step's end (encoder and first step),
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def measure(group, size: str, tiling: str, args) -> dict:
     """One request of ``size`` on ``group``, profiled: its phases, its MP4 encode, or its error."""
-    from ray_hsdp.config import parse_size
+    from ray_hsdp.config.app import parse_size
     from ray_hsdp.request import GenerationRequest
     from ray_hsdp.serve.media import encode_mp4
 
@@ -127,7 +127,7 @@ def main() -> None:
 
     import ray
 
-    from ray_hsdp.config import GroupConfig, parse_size
+    from ray_hsdp.config.app import GroupConfig, parse_size
     from ray_hsdp.group import ShardGroup
     from ray_hsdp.request import GenerationRequest
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ray_hsdp.topology import LANE_MESH_DIM_NAMES, ParallelDims
+from ray_hsdp.config.topology import LANE_MESH_DIM_NAMES, ParallelDims
 
 #: NVLink multicast (NVLS) hangs or fails on the lent GPU hosts and in many containers; every
 #: rank process runs with it off.

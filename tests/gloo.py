@@ -8,7 +8,7 @@ import ray
 from ray import cloudpickle
 
 from ray_hsdp import distributed
-from ray_hsdp.topology import ParallelDims
+from ray_hsdp.config.topology import ParallelDims
 
 
 @ray.remote(num_cpus=1)

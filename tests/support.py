@@ -27,8 +27,8 @@ METRICS_EXPORT_S = 1.0
 def embedded_pipeline(name: str, pipeline_class: str | None = None) -> tuple[str, object]:
     """An embedded tiny model's folder (written on first use, as a rank writes it) and its plain,
     unsharded diffusers pipeline (of ``pipeline_class``, or the one its folder names): the reference."""
-    from ray_hsdp.loading import load_pipeline, resolve_model_path
-    from ray_hsdp.loading import pipeline_class as class_named
+    from ray_hsdp.loading.components import load_pipeline, resolve_model_path
+    from ray_hsdp.loading.components import pipeline_class as class_named
 
     folder = resolve_model_path(name)
     pipe = load_pipeline(folder, "float32", pipeline_cls=class_named(folder, pipeline_class))

@@ -15,7 +15,8 @@ import pytest
 from PIL import Image
 from support import max_abs_diff, pipeline_with_adapters, reference_frames, reference_with, wait_until
 
-from ray_hsdp.config import GroupConfig
+from ray_hsdp.config.app import GroupConfig
+from ray_hsdp.config.topology import ParallelDims
 from ray_hsdp.group import GroupFailedError, ShardGroup
 from ray_hsdp.group.lanes import (
     LaneAsk,
@@ -30,7 +31,6 @@ from ray_hsdp.group.lanes import (
     serving_order,
 )
 from ray_hsdp.request import GenerationRequest, InvalidRequestError, RequestCancelledError, StepCache
-from ray_hsdp.topology import ParallelDims
 from ray_hsdp.variant.lane import UnsplittableRequestError, sequence_tokens
 
 TOLERANCE = 1e-5

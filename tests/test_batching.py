@@ -6,11 +6,11 @@ import pytest
 import torch
 from support import max_abs_diff, reference_frames
 
-from ray_hsdp.batching import compatible, concatenate, split
-from ray_hsdp.config import GroupConfig
+from ray_hsdp.config.app import GroupConfig
 from ray_hsdp.group import ShardGroup
-from ray_hsdp.loading import load_pipeline
+from ray_hsdp.loading.components import load_pipeline
 from ray_hsdp.request import GenerationRequest
+from ray_hsdp.runtime.batching import compatible, concatenate, split
 
 
 def wan_call(batch=1, frames=2, seed=0, **extra):

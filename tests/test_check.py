@@ -1,4 +1,4 @@
-"""``ray-hsdp check``: Serve YAMLs checked without starting Ray (``ray_hsdp.check``): every shipped
+"""``ray-hsdp check``: Serve YAMLs checked without starting Ray (``ray_hsdp.cli.check``): every shipped
 YAML passes, a refused pair fails with the refusal's message, and the weights per GPU are read from
 the model folder's safetensors headers."""
 
@@ -14,7 +14,7 @@ SHIPPED = sorted(str(p) for p in (ROOT / "serve_configs").glob("*.yaml"))
 
 
 def check(capsys, *argv: str) -> tuple[int, str]:
-    from ray_hsdp.cli import main
+    from ray_hsdp.cli.commands import main
 
     capsys.readouterr()
     code = main(["check", *argv])
@@ -76,7 +76,7 @@ def test_weights_per_gpu_come_from_the_safetensors_headers(capsys, tmp_path, tin
 def test_the_model_rows_fail_a_yaml_before_any_rank_starts(capsys, tmp_path, ray_cluster):
     """The table's model rows against the folder's transformer (built on the meta device from its
     config) and pipeline: what the ranks' load would refuse at start, found by ``check``."""
-    from ray_hsdp.loading import resolve_model_path
+    from ray_hsdp.loading.components import resolve_model_path
 
     for name in ("tiny-hunyuanvideo-1.5", "tiny-flux2"):
         resolve_model_path(name)  # written as a rank writes it (the model tests use the same folders)
@@ -94,13 +94,13 @@ def test_the_model_rows_fail_a_yaml_before_any_rank_starts(capsys, tmp_path, ray
 
 def test_check_fails_what_the_start_would_fail_with_the_starts_own_message(capsys, tmp_path, ray_cluster):
     """Each file here printed ``ok`` and then failed its group's start: ``check`` now runs the
-    start's own checks (``ray_hsdp.start_checks``) on the folder, so it fails them, with the
+    start's own checks (``ray_hsdp.loading.start_checks``) on the folder, so it fails them, with the
     message the start's load (``ShardedPipeline.load``, what every rank runs) raises."""
     import pytest
 
-    from ray_hsdp.loading import resolve_model_path
-    from ray_hsdp.sharded_pipeline import ShardedPipeline
-    from ray_hsdp.topology import ParallelDims
+    from ray_hsdp.config.topology import ParallelDims
+    from ray_hsdp.loading.components import resolve_model_path
+    from ray_hsdp.pipeline.sharded import ShardedPipeline
 
     cases = [
         ({"model": "tiny", "shard_size": 4, "ulysses_degree": 4}, ParallelDims(1, 4, ulysses=4),
@@ -135,7 +135,7 @@ def test_check_fails_what_the_start_would_fail_with_the_starts_own_message(capsy
     from safetensors.torch import load_file, save_file
 
     from ray_hsdp.checkpoints.lora import LORA_FILE
-    from ray_hsdp.loading import resolve_lora_path
+    from ray_hsdp.loading.components import resolve_lora_path
 
     state = load_file(str(resolve_lora_path("tiny-style") / LORA_FILE))
     state["transformer.blocks.0.norm2.weight"] = state["transformer.blocks.0.attn1.to_q.lora_B.weight"][:, 0].clone()
@@ -159,7 +159,7 @@ def test_an_embedded_model_never_written_here_is_written_and_checked(capsys, tmp
 def test_weights_per_gpu_count_keep_gathered_and_fp8(capsys, tmp_path, tiny_model):
     import re
 
-    from ray_hsdp.loading import build_on_meta, model_index
+    from ray_hsdp.loading.components import build_on_meta, model_index
 
     folder = Path(tiny_model)
     meta = build_on_meta(folder / "transformer", *model_index(folder)["transformer"], "bfloat16")
@@ -203,12 +203,12 @@ def test_a_warm_up_shape_the_model_refuses_fails_check_before_any_weight(capsys,
 
 
 def test_a_warm_up_request_of_a_pipeline_that_takes_no_size_gives_none():
-    from ray_hsdp.config import AppConfig
-    from ray_hsdp.config_blocks import WarmUpShape
-    from ray_hsdp.loading import resolve_model_path
+    from ray_hsdp.config.app import AppConfig
+    from ray_hsdp.config.blocks import WarmUpShape
+    from ray_hsdp.loading.components import resolve_model_path
+    from ray_hsdp.loading.start_checks import pipeline_on_meta
+    from ray_hsdp.pipeline.sharded import call_facts
     from ray_hsdp.serve.warm_up import warm_up_request
-    from ray_hsdp.sharded_pipeline import call_facts
-    from ray_hsdp.start_checks import pipeline_on_meta
 
     pipeline = "HunyuanVideo15ImageToVideoPipeline"
     config = AppConfig(model="tiny-hunyuanvideo-1.5", pipeline_class=pipeline, device="cpu")

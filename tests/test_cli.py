@@ -24,7 +24,7 @@ def run(*args, env=None, timeout=300):
 def run_here(capsys, *args) -> subprocess.CompletedProcess:
     """``ray-hsdp ARGS`` through ``main`` in this process: its exit code (argparse's refusals
     included), stdout and stderr."""
-    from ray_hsdp.cli import main
+    from ray_hsdp.cli.commands import main
 
     capsys.readouterr()
     try:

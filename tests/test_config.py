@@ -1,8 +1,8 @@
 import pytest
 from pydantic import ValidationError
 
-from ray_hsdp.config import AppConfig, GroupConfig, parse_size
-from ray_hsdp.topology import ParallelDims
+from ray_hsdp.config.app import AppConfig, GroupConfig, parse_size
+from ray_hsdp.config.topology import ParallelDims
 
 
 def test_defaults_are_a_usable_group():
@@ -138,18 +138,18 @@ def test_a_group_no_node_can_hold_fails_at_once_with_what_it_needs_and_the_fix(r
 
 
 def test_the_configuration_page_is_generated_from_the_models():
-    """docs/configuration.md is what ``python -m ray_hsdp.config_docs`` writes: every field, its
+    """docs/configuration.md is what ``python -m ray_hsdp.config.docs`` writes: every field, its
     default and its description, so the page cannot drift from the code."""
     from pathlib import Path
 
-    from ray_hsdp.config_docs import markdown
+    from ray_hsdp.config.docs import markdown
 
     page = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
-    assert page.read_text() == markdown(), "docs/configuration.md is stale: python -m ray_hsdp.config_docs > it"
+    assert page.read_text() == markdown(), "docs/configuration.md is stale: python -m ray_hsdp.config.docs > it"
 
 
 def test_the_rank_pool_is_ray_s_preload_and_its_idle_worker_limit():
-    from ray_hsdp.config import RANK_MODULES, rank_pool_env
+    from ray_hsdp.config.app import RANK_MODULES, rank_pool_env
 
     preload = {"RAY_preload_python_modules": ",".join(RANK_MODULES)}
     assert rank_pool_env(None) == preload  # Ray's own count of idle workers

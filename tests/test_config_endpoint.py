@@ -1,11 +1,11 @@
-"""An application of several models (``ray_hsdp.config_endpoint``): the endpoint's fields set once,
+"""An application of several models (``ray_hsdp.config.endpoint``): the endpoint's fields set once,
 each model's in its block, each misplacement refused with where it belongs."""
 
 from __future__ import annotations
 
 import pytest
 
-from ray_hsdp.config_endpoint import ENDPOINT_FIELDS, served_models
+from ray_hsdp.config.endpoint import ENDPOINT_FIELDS, served_models
 
 
 def test_one_models_args_are_one_model_and_its_endpoint():

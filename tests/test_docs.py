@@ -29,7 +29,7 @@ def test_every_link_and_path_resolves():
 
 def cli_flags() -> dict[str, set[str]]:
     """Subcommand -> the flags ``ray-hsdp`` takes there."""
-    from ray_hsdp.cli import build_parser
+    from ray_hsdp.cli.commands import build_parser
 
     parser = build_parser()
     (subparsers,) = [a for a in parser._actions if a.choices and isinstance(a.choices, dict)]
@@ -61,7 +61,7 @@ def config_fields() -> set[str]:
 
     from pydantic import BaseModel
 
-    from ray_hsdp.config import AppConfig
+    from ray_hsdp.config.app import AppConfig
 
     fields, models = set(), [AppConfig]
     while models:

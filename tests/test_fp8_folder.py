@@ -16,9 +16,9 @@ import pytest
 import torch
 from support import wan_transformer_inputs
 
-from ray_hsdp.config import GroupConfig
-from ray_hsdp.fp8_folder import RECORD, check_stored_linears, stored_fp8_components
-from ray_hsdp.loading import resolve_lora_path
+from ray_hsdp.config.app import GroupConfig
+from ray_hsdp.loading.components import resolve_lora_path
+from ray_hsdp.loading.fp8_folder import RECORD, check_stored_linears, stored_fp8_components
 from ray_hsdp.sharding.fp8 import FP8, Fp8Linear
 
 MIN_NUM_PARAMS = GroupConfig().min_num_params
@@ -47,7 +47,7 @@ def fp8_folder(tiny_model, tmp_path_factory):
 def load_facts(stored: frozenset[str]):
     from diffusers import WanPipeline
 
-    from ray_hsdp.load_steps import LoadFacts
+    from ray_hsdp.loading.steps import LoadFacts
 
     return LoadFacts(
         dtype="float32", device="cpu", mesh=None, min_num_params=MIN_NUM_PARAMS, gather="in_place",
@@ -64,7 +64,7 @@ def transformer_output(transformer) -> torch.Tensor:
 
 
 def test_the_folder_stores_fp8_linears_with_their_scales_and_records_what_made_them(fp8_folder, tiny_model):
-    from ray_hsdp.loading import SafetensorsReader
+    from ray_hsdp.loading.components import SafetensorsReader
 
     record = json.loads((fp8_folder / RECORD).read_text())
     assert record["fuse_loras"] == {"style": 0.5} and record["dtype"] == "float32"
@@ -85,9 +85,9 @@ def test_a_rank_of_its_own_loads_the_fp8_folder_and_equals_quantizing_at_its_sta
     """A group of one rank: the folder's transformer is built on the meta device and filled with
     its FP8 weights and scales (diffusers' loader would cast them), the fused adapter is not merged
     again, and the forward equals the source quantized at the start after the same merge."""
-    from ray_hsdp.load_steps import load_parts
+    from ray_hsdp.config.topology import ParallelDims
+    from ray_hsdp.loading.steps import load_parts
     from ray_hsdp.phases import Phases
-    from ray_hsdp.topology import ParallelDims
 
     def load(folder, stored):
         return load_parts(Path(folder), load_facts(stored), ("transformer", "text_encoder"), dims=ParallelDims(1, 1),
@@ -136,7 +136,7 @@ def test_linears_other_than_the_stored_ones_are_refused(fp8_folder):
 
 def test_check_refuses_a_configuration_the_folder_was_not_written_with(fp8_folder):
     """``ray-hsdp check`` runs the same comparison (all but torch's version, which is the ranks')."""
-    from ray_hsdp.check import check_app
+    from ray_hsdp.cli.check import check_app
 
     args = {"model": str(fp8_folder), "device": "cuda", "dtype": "float32", "shard_size": 1}
     refused = check_app("x", {**args, "quantization": "none"}, None, None, strict=True)
@@ -149,7 +149,7 @@ def test_another_file_under_a_fused_adapters_name_is_refused(fp8_folder):
     """Issue 73: the record keeps each fused adapter's file digest; the same name, scale and
     configuration with another file (the embedded ``tiny-detail`` registered as ``style``) would
     serve weights the folder does not hold: refused at the start and by check, naming the adapter."""
-    from ray_hsdp.check import check_app
+    from ray_hsdp.cli.check import check_app
 
     record = json.loads((fp8_folder / RECORD).read_text())
     assert set(record["fuse_lora_files"]) == {"style"} and len(record["fuse_lora_files"]["style"]["transformer"]) == 64
@@ -170,6 +170,8 @@ def test_another_file_under_a_fused_adapters_name_is_refused(fp8_folder):
 
 def test_quantize_into_a_folder_that_exists_is_refused(fp8_folder, tiny_model):
     again = subprocess.run(
-        [sys.executable, "-m", "ray_hsdp.cli", "quantize", tiny_model, str(fp8_folder)], capture_output=True, text=True
+        [sys.executable, "-m", "ray_hsdp.cli", "quantize", tiny_model, str(fp8_folder)],
+        capture_output=True,
+        text=True,
     )
     assert again.returncode == 2 and f"{fp8_folder} exists; quantize into a new folder" in again.stderr

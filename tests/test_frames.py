@@ -1,4 +1,4 @@
-"""The frames' way to the host (``ray_hsdp.frames``) gives the values of diffusers' ``"np"``
+"""The frames' way to the host (``ray_hsdp.pipeline.frames``) gives the values of diffusers' ``"np"``
 output, and of the uint8 cast the project did on the host before."""
 
 import numpy as np
@@ -7,7 +7,7 @@ import torch
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.video_processor import VideoProcessor
 
-from ray_hsdp.frames import to_host
+from ray_hsdp.pipeline.frames import to_host
 
 
 def decoded(shape: tuple[int, ...]) -> torch.Tensor:

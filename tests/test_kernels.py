@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ray_hsdp.cli import main
-from ray_hsdp.kernels import FA3_DISABLED, BuildRefused, check_toolchain, find_nvcc, plan
+from ray_hsdp.cli.commands import main
+from ray_hsdp.cli.kernels import FA3_DISABLED, BuildRefused, check_toolchain, find_nvcc, plan
 
 
 def sage_source(root):
@@ -80,7 +80,7 @@ def fake_package(root, name: str, version: str = "1.0"):
 
 
 def test_a_rebuild_names_its_own_wheel_and_a_failed_build_ends_in_one_line_with_its_log(tmp_path):
-    from ray_hsdp.kernels import BuildFailed, BuildPlan, run_plan
+    from ray_hsdp.cli.kernels import BuildFailed, BuildPlan, run_plan
 
     out = tmp_path / "wheels"
     out.mkdir()

@@ -10,7 +10,7 @@ import pytest
 from gloo import GlooGroup
 from support import max_abs_diff, reference_frames
 
-from ray_hsdp.config import GroupConfig
+from ray_hsdp.config.app import GroupConfig
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.request import GenerationRequest
 
@@ -24,7 +24,7 @@ def shared_against_one_rank(mesh, rank, model: str, latent: tuple[int, ...], til
     import torch.distributed as dist
     from diffusers import AutoencoderKLWan
 
-    from ray_hsdp.lane_tiles import LaneTiles
+    from ray_hsdp.pipeline.lane_tiles import LaneTiles
     from ray_hsdp.sharding.policy import decode_split_for
 
     vae = AutoencoderKLWan.from_pretrained(f"{model}/vae").eval()

@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 from support import max_abs_diff, reference_frames
 
 from ray_hsdp.checkpoints.lora import LORA_FILE
-from ray_hsdp.config import GroupConfig
+from ray_hsdp.config.app import GroupConfig
 from ray_hsdp.group import ShardGroup
-from ray_hsdp.lora_state import read_adapter
+from ray_hsdp.loading.lora_state import read_adapter
 from ray_hsdp.request import GenerationRequest, parse_lora
 
 
@@ -158,7 +158,7 @@ def test_a_dora_merged_after_another_adapter_normalizes_by_the_unmerged_weight(r
     merge. The merged weights equal diffusers' (which recovers them by subtracting the merged deltas)."""
     from diffusers import DiffusionPipeline
 
-    from ray_hsdp.adapters import fuse_loras
+    from ray_hsdp.loading.adapters import fuse_loras
 
     order = ["alphas", "dora"]
     theirs = diffusers_pipe(str(Path(reference_pipe.config._name_or_path)), {n: lora_dirs[n] for n in order})

@@ -9,7 +9,7 @@ import pytest
 from support import max_abs_diff, reference_frames
 
 from ray_hsdp.checkpoints.tiny import make_tiny
-from ray_hsdp.config import AppConfig, GroupConfig
+from ray_hsdp.config.app import AppConfig, GroupConfig
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.request import GenerationRequest, parse_lora
 
@@ -22,7 +22,7 @@ def lora_pipe(ray_cluster, tiny_model):
     """The unsharded tiny pipeline with both adapters, loaded by diffusers itself."""
     from diffusers import DiffusionPipeline
 
-    from ray_hsdp.loading import resolve_lora_path
+    from ray_hsdp.loading.components import resolve_lora_path
 
     pipe = DiffusionPipeline.from_pretrained(tiny_model)
     pipe.set_progress_bar_config(disable=True)
@@ -173,7 +173,7 @@ def test_pairs_merged_at_load_and_switched_per_request_on_two_experts(ray_cluste
     transformer_2 (diffusers' load_into_transformer_2), one name for both."""
     from diffusers import DiffusionPipeline
 
-    from ray_hsdp.loading import resolve_lora_path
+    from ray_hsdp.loading.components import resolve_lora_path
 
     folder = make_tiny(tmp_path / "wan22", two_experts=True)
     high, low = (str(resolve_lora_path(source)) for source in ("tiny-style", "tiny-detail"))
@@ -203,8 +203,8 @@ def test_a_lora_of_another_architecture_is_refused_naming_its_modules(lora_pipe,
     modules a Wan transformer does not have."""
     from diffusers import DiffusionPipeline
 
-    from ray_hsdp.adapters import Adapters
     from ray_hsdp.checkpoints.lora import make_random_lora
+    from ray_hsdp.loading.adapters import Adapters
 
     make_random_lora("flux.1-dev", tmp_path / "flux-lora", rank=4, tiny=True, dtype="float32")
     pipe = DiffusionPipeline.from_pretrained(tiny_model)
@@ -220,9 +220,9 @@ def test_a_file_stating_its_alpha_runs_at_diffusers_scale(lora_pipe, tiny_model,
     from diffusers import DiffusionPipeline
     from safetensors.torch import load_file
 
-    from ray_hsdp.adapters import Adapters
     from ray_hsdp.checkpoints.lora import LORA_FILE
-    from ray_hsdp.loading import resolve_lora_path
+    from ray_hsdp.loading.adapters import Adapters
+    from ray_hsdp.loading.components import resolve_lora_path
 
     prefix = "transformer."
     weights = {k[len(prefix) :]: v for k, v in load_file(str(resolve_lora_path("tiny-style") / LORA_FILE)).items()}
@@ -248,10 +248,10 @@ def test_a_merged_lora_equals_diffusers_fuse_lora_on_whole_weights(lora_pipe, ti
     from diffusers import DiffusionPipeline
     from safetensors.torch import load_file
 
-    from ray_hsdp.adapters import fuse_lora
     from ray_hsdp.checkpoints.lora import LORA_FILE
-    from ray_hsdp.loading import resolve_lora_path
-    from ray_hsdp.lora_state import read_adapter
+    from ray_hsdp.loading.adapters import fuse_lora
+    from ray_hsdp.loading.components import resolve_lora_path
+    from ray_hsdp.loading.lora_state import read_adapter
 
     prefix = "transformer."
     weights = {k[len(prefix) :]: v for k, v in load_file(str(resolve_lora_path("tiny-detail") / LORA_FILE)).items()}

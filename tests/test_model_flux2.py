@@ -18,7 +18,7 @@ from support import (
     style_lora,
 )
 
-from ray_hsdp.config import GroupConfig
+from ray_hsdp.config.app import GroupConfig
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.request import GenerationRequest, InvalidRequestError, fit_image
 
@@ -86,7 +86,7 @@ def test_flux2_on_a_lane_of_ulysses_2_equals_unsharded_and_refuses_a_negative_pr
 def test_a_step_cache_on_flux2_is_refused_at_start(flux2, kind):
     """What a rank's load checks before its weights load (a group's start fails with this message):
     FLUX.2's pipeline enters no cache context, so no step cache runs on it, in diffusers either."""
-    from ray_hsdp.start_checks import refuse_step_cache
+    from ray_hsdp.loading.start_checks import refuse_step_cache
 
     _, pipe = flux2
     with pytest.raises(ValueError, match="Flux2Transformer2DModel: a pipeline that enters no cache context"):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from support import embedded_pipeline, max_abs_diff, reference_frames, reference_with
 
-from ray_hsdp.config import GroupConfig
+from ray_hsdp.config.app import GroupConfig
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.request import GenerationRequest, InvalidRequestError, StepCache
 
@@ -92,7 +92,7 @@ def test_lanes_that_split_hunyuan_video15s_sequence_are_refused_by_the_table(hun
 def test_first_block_cache_on_hunyuan_video15_is_refused_at_start(hunyuan):
     """What a rank's load checks before its weights load (a group's start fails with this message):
     diffusers' First Block Cache has no entry for HunyuanVideo-1.5's block class."""
-    from ray_hsdp.start_checks import refuse_step_cache
+    from ray_hsdp.loading.start_checks import refuse_step_cache
 
     _, pipe = hunyuan
     refuse_step_cache(pipe.transformer, "taylorseer", type(pipe))  # TaylorSeer runs (the group test above)

@@ -6,9 +6,9 @@ import pytest
 from support import max_abs_diff, reference_frames
 
 from ray_hsdp.checkpoints.random_weights import make_random
-from ray_hsdp.config import GroupConfig
+from ray_hsdp.config.app import GroupConfig
 from ray_hsdp.group import ShardGroup
-from ray_hsdp.loading import load_pipeline
+from ray_hsdp.loading.components import load_pipeline
 from ray_hsdp.request import GenerationRequest
 
 WAN22 = ("wan2.2-t2v-a14b", {"transformer", "transformer_2", "text_encoder"})

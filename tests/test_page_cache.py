@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from ray_hsdp.page_cache import PIECE_BYTES, read_ahead, read_ahead_in_background, weight_files
+from ray_hsdp.loading.page_cache import PIECE_BYTES, read_ahead, read_ahead_in_background, weight_files
 
 
 def test_every_weight_file_is_read_in_pieces_largest_first(tmp_path, monkeypatch):
@@ -18,7 +18,7 @@ def test_every_weight_file_is_read_in_pieces_largest_first(tmp_path, monkeypatch
     assert [p.parent.name for p in weight_files(tmp_path)] == ["transformer", "text_encoder"]
     sent = []
     real = os.sendfile
-    monkeypatch.setattr("ray_hsdp.page_cache.PIECE_BYTES", 1024)  # three pieces of the larger file
+    monkeypatch.setattr("ray_hsdp.loading.page_cache.PIECE_BYTES", 1024)  # three pieces of the larger file
     monkeypatch.setattr(os, "sendfile", lambda out, source, offset, count: sent.append((offset, count))
                         or real(out, source, offset, count))  # fmt: skip
     assert read_ahead(tmp_path) == 4000

@@ -1,6 +1,6 @@
 """Features meet in pairs (issue 36): every pair of a group-level setting and a request-level choice
 runs and equals its reference, or is refused before any rank runs by the one table of refusals
-(``ray_hsdp.pairs``).
+(``ray_hsdp.config.pairs``).
 
 Cheaply: one group per group-level shape, each with several group-level settings on at once, runs
 many requests together, each with its own mix of request-level choices, built from the bodies a
@@ -21,7 +21,7 @@ from support import max_abs_diff, pipeline_with_adapters, reference_with
 
 from bench.pairs import CPU_SHAPES, GROUP_SETTINGS, LORAS, REQUEST_CHOICES, app_config, pairs_doc, run_shape
 from ray_hsdp.checkpoints.tiny import make_tiny
-from ray_hsdp.config import GroupConfig
+from ray_hsdp.config.app import GroupConfig
 
 TOLERANCE = 1e-5
 
@@ -137,8 +137,8 @@ def test_a_choice_the_request_gave_reaches_the_call_or_is_refused_naming_it(pipe
 
     import diffusers
 
-    from ray_hsdp.pairs import refuse_request
-    from ray_hsdp.pipeline_args import call_kwargs, call_takes
+    from ray_hsdp.config.pairs import refuse_request
+    from ray_hsdp.pipeline.args import call_kwargs, call_takes
     from ray_hsdp.request import GenerationRequest, InvalidRequestError
     from ray_hsdp.sharding.pipeline_call import pipeline_call_for
     from ray_hsdp.variant import RequestVariant

@@ -1,4 +1,4 @@
-"""``ray-hsdp serve``'s options (``ray_hsdp.serve_cli``): every configuration field reachable by a
+"""``ray-hsdp serve``'s options (``ray_hsdp.cli.serve_flags``): every configuration field reachable by a
 flag and by ``--set``, a file of args or a Serve YAML to start from, vllm-omni's spellings, and the
 refusals, each with its message; no Ray needed."""
 
@@ -12,14 +12,14 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from ray_hsdp.config import AppConfig
-from ray_hsdp.serve_cli import UsageError, add_serve_options, default_app_name, field_flag, serve_config
+from ray_hsdp.cli.serve_flags import UsageError, add_serve_options, default_app_name, field_flag, serve_config
+from ray_hsdp.config.app import AppConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def parsed(*argv: str) -> argparse.Namespace:
-    from ray_hsdp.cli import build_parser
+    from ray_hsdp.cli.commands import build_parser
 
     return build_parser().parse_args(["serve", *argv])
 
@@ -162,7 +162,7 @@ def test_a_text_field_takes_the_text_as_typed():
 
 
 def test_app_takes_the_applications_name_and_route_prefix_too(tmp_path):
-    from ray_hsdp.serve_cli import file_application
+    from ray_hsdp.cli.serve_flags import file_application
 
     shipped = ROOT / "serve_configs" / "wan2.2_ti2v_5b.yaml"
     names = [app["name"] for app in yaml.safe_load(shipped.read_text())["applications"]]
@@ -174,8 +174,8 @@ def test_app_takes_the_applications_name_and_route_prefix_too(tmp_path):
 
 
 def test_a_yaml_of_several_models_takes_only_the_endpoints_fields_from_the_command_line():
-    from ray_hsdp.config_endpoint import served_models
-    from ray_hsdp.serve_cli import file_args, served_args
+    from ray_hsdp.cli.serve_flags import file_args, served_args
+    from ray_hsdp.config.endpoint import served_models
 
     shipped = str(ROOT / "serve_configs" / "tiny_cpu_models.yaml")
     fields = served_args(parsed("--config", shipped, "--set", "retry_after_s=5"), file_args(shipped, None))

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from ray_hsdp.checkpoints.tiny import make_tiny
-from ray_hsdp.loading import load_pipeline
+from ray_hsdp.loading.components import load_pipeline
+from ray_hsdp.pipeline.sharded import ShardedPipeline, steps_reaching_every_expert
 from ray_hsdp.request import GenerationRequest, RequestCancelledError
-from ray_hsdp.sharded_pipeline import ShardedPipeline, steps_reaching_every_expert
 from ray_hsdp.variant import RequestVariant
 
 
@@ -87,8 +87,8 @@ def test_a_scheduler_whose_shift_is_dynamic_takes_no_flow_shift():
     Its pipeline now says it takes none, and the table of refusals turns such a request away."""
     from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
-    from ray_hsdp.config import GroupConfig
-    from ray_hsdp.pairs import refuse_request
+    from ray_hsdp.config.app import GroupConfig
+    from ray_hsdp.config.pairs import refuse_request
     from ray_hsdp.request import InvalidRequestError
     from ray_hsdp.variant.shift import shift_key
 

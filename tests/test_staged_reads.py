@@ -1,4 +1,4 @@
-"""Reads through staging buffers (``ray_hsdp.staged_reads``): pinned and asynchronous on a GPU; here,
+"""Reads through staging buffers (``ray_hsdp.loading.staged_reads``): pinned and asynchronous on a GPU; here,
 on a CPU, the same pieces and turns with plain buffers and copies."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ray_hsdp.loading import SafetensorsReader
-from ray_hsdp.staged_reads import StagedReads
+from ray_hsdp.loading.components import SafetensorsReader
+from ray_hsdp.loading.staged_reads import StagedReads
 
 
 def test_a_read_in_pieces_through_two_buffers_equals_the_whole_read(tmp_path):

@@ -12,8 +12,8 @@ import pytest
 import torch
 from support import max_abs_diff, reference_with
 
-from ray_hsdp.config import AppConfig, GroupConfig
-from ray_hsdp.config_blocks import StepCacheConfig
+from ray_hsdp.config.app import AppConfig, GroupConfig
+from ray_hsdp.config.blocks import StepCacheConfig
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.request import GenerationRequest, StepCache
 
@@ -149,7 +149,7 @@ def test_a_request_without_a_cache_keeps_no_cache_state(kind, tiny_model):
     ended. Now its forwards leave nothing behind; a cached request's state lives until it ends."""
     from diffusers import WanTransformer3DModel
 
-    from ray_hsdp import step_cache
+    from ray_hsdp.sharding import step_cache
 
     model = WanTransformer3DModel.from_pretrained(f"{tiny_model}/transformer").eval()
     assert step_cache.enable(model, kind)

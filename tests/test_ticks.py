@@ -9,9 +9,9 @@ from gloo import GlooGroup
 from support import max_abs_diff, reference_frames
 
 from ray_hsdp.checkpoints.tiny import make_tiny
-from ray_hsdp.config import GroupConfig
+from ray_hsdp.config.app import GroupConfig
 from ray_hsdp.group import ShardGroup
-from ray_hsdp.loading import load_pipeline
+from ray_hsdp.loading.components import load_pipeline
 from ray_hsdp.request import GenerationRequest
 from ray_hsdp.variant import RequestVariant
 
@@ -80,9 +80,9 @@ def count_collectives(mesh, rank, model_dir, forward_prefetch, gather, keep_gath
     """Rank 0 runs a real transformer forward while rank 1 ghosts it; both record their collectives."""
     import torch.distributed as dist
 
+    from ray_hsdp.pipeline.sharded import ShardedPipeline
     from ray_hsdp.runtime import RankRuntime
     from ray_hsdp.runtime.modules import ProcessGroupExchange, ShardedModules
-    from ray_hsdp.sharded_pipeline import ShardedPipeline
 
     pipe = ShardedPipeline.load(
         Path(model_dir),

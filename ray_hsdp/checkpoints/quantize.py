@@ -1,4 +1,4 @@
-"""``ray-hsdp quantize``: an FP8 folder (``ray_hsdp.fp8_folder``) written from a diffusers folder.
+"""``ray-hsdp quantize``: an FP8 folder (``ray_hsdp.loading.fp8_folder``) written from a diffusers folder.
 
 Each denoiser among the shard components (a diffusers model: the transformers) is loaded whole on
 the host, its fused adapters merged, and the linears of its policy's units quantized as a rank
@@ -18,9 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ray_hsdp.fp8_folder import RECORD, adapter_digests
-from ray_hsdp.load_steps import FusedLoras, fuse_adapters
-from ray_hsdp.loading import (
+from ray_hsdp.loading.components import (
     build_on_meta,
     fill_from_checkpoint,
     materialize,
@@ -28,6 +26,8 @@ from ray_hsdp.loading import (
     model_key_names,
     pipeline_class,
 )
+from ray_hsdp.loading.fp8_folder import RECORD, adapter_digests
+from ray_hsdp.loading.steps import FusedLoras, fuse_adapters
 from ray_hsdp.sharding import resolve_plan
 from ray_hsdp.sharding.fp8 import Fp8Linear, fp8_linears, quantize_fp8
 

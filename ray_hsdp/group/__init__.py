@@ -4,7 +4,9 @@
 
 Plain Python, not Serve code: a notebook or a script can own a group directly, and the Serve
 deployment wraps one group per replica.
-"""
+
+Layer: Below the Serve front: may import rank, pipeline, runtime, variant, loading, sharding, config
+and the shared modules; not serve or cli."""
 
 from ray_hsdp.group.core import ShardGroup, check_placeable
 from ray_hsdp.group.errors import (

@@ -20,7 +20,8 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_hsdp import deadlines
-from ray_hsdp.config import GroupConfig
+from ray_hsdp.config.app import GroupConfig
+from ray_hsdp.config.topology import PLACEMENT_STRATEGY, ParallelDims
 from ray_hsdp.group.errors import GroupFailedError, GroupOverloadedError, GroupUnplaceableError
 from ray_hsdp.group.inspection import GroupInspection
 from ray_hsdp.group.lanes import LaneTimes, LeanLanes, TickModel
@@ -30,9 +31,8 @@ from ray_hsdp.group.scheduler import GroupScheduler, QueuedJob, RequestRecord, r
 from ray_hsdp.group.warm_up import GroupWarmUp
 from ray_hsdp.group.widening import GroupWidening
 from ray_hsdp.phases import Phases
-from ray_hsdp.rank import CONCURRENCY_GROUPS, Rank
+from ray_hsdp.rank.actor import CONCURRENCY_GROUPS, Rank
 from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
-from ray_hsdp.topology import PLACEMENT_STRATEGY, ParallelDims
 from ray_hsdp.variant import RequestVariant
 
 logger = logging.getLogger("ray_hsdp")

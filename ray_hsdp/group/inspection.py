@@ -26,7 +26,7 @@ class GroupInspection:
         ray.get([r.start_profile.remote(trace_dir) for r in self.ranks], timeout=self.config.request_timeout_s)
 
     def stop_profile(self) -> list[dict]:
-        """Ends the profile windows; each rank's summary (see ``ray_hsdp.profiling``)."""
+        """Ends the profile windows; each rank's summary (see ``ray_hsdp.rank.profiling``)."""
         return ray.get([r.stop_profile.remote() for r in self.ranks], timeout=self.config.request_timeout_s)
 
     def check_health(self, timeout_s: float = 30.0) -> None:

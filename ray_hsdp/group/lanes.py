@@ -48,7 +48,7 @@ from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ray_hsdp.topology import ParallelDims
+from ray_hsdp.config.topology import ParallelDims
 
 #: A lane size is as efficient as the best when its rank-seconds for a request are at most this
 #: many times the best measured size's, and as fast as the fastest (``as_fast``) when its seconds are.

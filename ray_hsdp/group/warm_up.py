@@ -9,7 +9,7 @@ which the dimensions that changed are dynamic, and shapes that differ from the w
 those never trace again (measured on the tiny Wan: warmed at 64x64x5 and 96x64x9, 128x64x13 traced
 nothing, 128x96x17 compiled once more for its height). A block gets at most
 ``torch._dynamo.config.recompile_limit`` (8) graphs before it silently runs eagerly;
-``recompile_limit_hits`` (``ray_hsdp.rank``) counts how often that happened.
+``recompile_limit_hits`` (``ray_hsdp.rank.actor``) counts how often that happened.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import ray
 
+from ray_hsdp.config.topology import ParallelDims
 from ray_hsdp.request import GenerationRequest, GenerationResult
-from ray_hsdp.topology import ParallelDims
 from ray_hsdp.variant.lane import sequence_tokens
 
 #: The compile warm-up's height, in tokens of the pipeline's token grid (64 pixels at Wan's stride

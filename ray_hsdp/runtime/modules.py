@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ray_hsdp.batching import concatenate, split
+from ray_hsdp.runtime.batching import concatenate, split
 from ray_hsdp.runtime.core import ForwardCall
 from ray_hsdp.variant import NO_REQUEST, RankFeatures
 
@@ -84,7 +84,7 @@ class TickedModule:
     (``config``, ``dtype``, ...) to the module itself.
 
     A pipeline's ``cache_context`` is kept for the calls its thread makes inside it, and entered
-    by the tick thread around their forwards (``ray_hsdp.step_cache``): entered here it would set
+    by the tick thread around their forwards (``ray_hsdp.sharding.step_cache``): entered here it would set
     the hooks' context of a module that runs other requests' forwards meanwhile.
     """
 

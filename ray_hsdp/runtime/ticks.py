@@ -188,7 +188,7 @@ class TickLoop:
         more calls of its module on such lanes that can run in the same forward (oldest first)."""
         # Here, not at the top: the runtime's importers (a Serve replica, through the group) never
         # batch, and need not import torch.
-        from ray_hsdp.batching import compatible
+        from ray_hsdp.runtime.batching import compatible
 
         module_id = module_of(key)
         batch: list[ForwardCall] = []

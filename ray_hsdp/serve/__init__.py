@@ -1,4 +1,7 @@
-"""Ray Serve front of ray_hsdp: schema, deployment, app builders."""
+"""Ray Serve front of ray_hsdp: schema, deployment, app builders.
+
+Layer: Below the command line: may import group and every package below it; not cli.
+"""
 
 from ray_hsdp.serve.app import build_app, build_endpoint, build_model
 

@@ -19,8 +19,9 @@ import ray
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from ray_hsdp.config import AppConfig
-from ray_hsdp.config_endpoint import endpoint_args, model_args, served_models
+from ray_hsdp.config.app import AppConfig
+from ray_hsdp.config.endpoint import endpoint_args, model_args, served_models
+from ray_hsdp.config.topology import PLACEMENT_STRATEGY
 from ray_hsdp.group import check_placeable
 from ray_hsdp.serve.autoscaling import autoscaling_config
 from ray_hsdp.serve.deployment import HSDPServer
@@ -29,7 +30,6 @@ from ray_hsdp.serve.keys import KeyCheck
 from ray_hsdp.serve.openai_ingress import OpenAIIngress
 from ray_hsdp.serve.routing import SERVER_NAME, GroupAwareRouter
 from ray_hsdp.serve.warm_up import check_shapes
-from ray_hsdp.topology import PLACEMENT_STRATEGY
 
 OVERFLOW = 64
 

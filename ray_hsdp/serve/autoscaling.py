@@ -13,7 +13,7 @@ import functools
 import logging
 import math
 
-from ray_hsdp.config_blocks import AutoscalingSpec
+from ray_hsdp.config.blocks import AutoscalingSpec
 
 #: The custom metric each replica reports: requests its group holds (queued or running).
 LOAD_METRIC = "ray_hsdp_group_load"

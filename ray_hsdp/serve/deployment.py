@@ -13,7 +13,8 @@ import ray
 from ray import serve
 
 from ray_hsdp import deadlines
-from ray_hsdp.config import AppConfig
+from ray_hsdp.config.app import AppConfig
+from ray_hsdp.config.topology import ParallelDims
 from ray_hsdp.group import GroupFailedError, QueueTimeoutError, ShardGroup
 from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
 from ray_hsdp.serve.errors import RequestLimitError, UnknownModelError
@@ -26,7 +27,6 @@ from ray_hsdp.serve.routing import GROUP_LOAD, GROUP_OK
 from ray_hsdp.serve.schema import ImageGenerationRequest, image_response, to_generation_request
 from ray_hsdp.serve.videos import VideoJobs
 from ray_hsdp.serve.warm_up import check_shapes, start_warm
-from ray_hsdp.topology import ParallelDims
 
 logger = logging.getLogger("ray_hsdp")
 

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from ray import serve
 
-from ray_hsdp.config_endpoint import EndpointConfig
+from ray_hsdp.config.endpoint import EndpointConfig
 from ray_hsdp.serve.errors import RequestLimitError, UnknownCursorError, error_json, error_response
 from ray_hsdp.serve.keys import KeyCheck
 from ray_hsdp.serve.schema import ImageGenerationRequest, VideoCreateRequest

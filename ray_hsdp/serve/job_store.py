@@ -26,7 +26,7 @@ import uuid
 
 from sqlalchemy import and_, create_engine, delete, event, func, insert, select, update
 
-from ray_hsdp.config_endpoint import EndpointConfig
+from ray_hsdp.config.endpoint import EndpointConfig
 from ray_hsdp.serve.job_media import JobMedia
 from ray_hsdp.serve.job_records import ACTIVE, endpoints_table, jobs_table, metadata, public
 from ray_hsdp.serve.job_sweep import JobSweep, released_values
@@ -131,10 +131,6 @@ class JobViews:
             query = query.where(c.endpoint == endpoint)
         with self.engine.connect() as conn:
             return {status: int(n) for status, n in conn.execute(query).all()}
-
-    def location(self) -> tuple[str, str]:
-        """Where the records and the media live (an ingress checks that they are its config's)."""
-        return self.url, self.media.url
 
 
 class JobStore(JobSweep, JobViews):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import ray
 
-from ray_hsdp.config_endpoint import EndpointConfig
+from ray_hsdp.config.endpoint import EndpointConfig
 
 #: The Ray namespace of the stored keys' actors.
 KEY_NAMESPACE = "ray_hsdp"

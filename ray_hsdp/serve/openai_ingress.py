@@ -20,7 +20,7 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from ray_hsdp.config_endpoint import EndpointConfig
+from ray_hsdp.config.endpoint import EndpointConfig
 from ray_hsdp.group import GroupFailedError, remote_cause
 from ray_hsdp.request import RequestCancelledError
 from ray_hsdp.serve.errors import (

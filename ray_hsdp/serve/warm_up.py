@@ -13,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from ray_hsdp.config import AppConfig, parse_size
-from ray_hsdp.config_blocks import WarmUpShape
+from ray_hsdp.config.app import AppConfig, parse_size
+from ray_hsdp.config.blocks import WarmUpShape
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.group.warm_up import gray_png
-from ray_hsdp.page_cache import read_ahead_in_background
+from ray_hsdp.loading.page_cache import read_ahead_in_background
 from ray_hsdp.request import GenerationRequest, GenerationResult
 from ray_hsdp.serve.errors import RequestLimitError
 from ray_hsdp.serve.media import encode_mp4, encode_png
@@ -89,9 +89,9 @@ def check_shapes(config: AppConfig) -> bool:
         return True
     # Here, not at the module's top: the app builder and the replicas import this module, and
     # import no torch until a check needs it.
-    from ray_hsdp.loading import resolve_model_path
-    from ray_hsdp.sharded_pipeline import call_facts
-    from ray_hsdp.start_checks import pipeline_on_meta
+    from ray_hsdp.loading.components import resolve_model_path
+    from ray_hsdp.loading.start_checks import pipeline_on_meta
+    from ray_hsdp.pipeline.sharded import call_facts
 
     try:
         folder = resolve_model_path(config.model)

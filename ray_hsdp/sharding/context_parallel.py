@@ -14,14 +14,14 @@ import torch.nn as nn
 from diffusers import ContextParallelConfig
 from torch.distributed.device_mesh import DeviceMesh
 
-from ray_hsdp.attention_backends import (  # noqa: F401 (read here by callers that set backends)
+from ray_hsdp.config.kernels import (  # noqa: F401 (read here by callers that set backends)
     CPU_BACKENDS,
     CROSS_ATTENTION_NATIVE,
     PER_CHANNEL_V_BACKENDS,
     PROJECT_BACKENDS,
     RING_BACKENDS,
 )
-from ray_hsdp.pairs import refuse_model
+from ray_hsdp.config.pairs import refuse_model
 from ray_hsdp.sharding import attention_ops, fa3_fp8
 
 
@@ -81,7 +81,7 @@ def _one_device_per_rank(device: str):
 
 def refuse_split(module: nn.Module, cp_plan: dict | None) -> None:
     """Refuses lanes that split the sequence of ``module`` (a diffusers model) when neither it
-    (``_cp_plan``) nor its policy (``cp_plan``) says how to split it (a model row of ``ray_hsdp.pairs``).
+    (``_cp_plan``) nor its policy (``cp_plan``) says how to split it (a model row of ``ray_hsdp.config.pairs``).
 
     Raises:
         ValueError: Its message names the model, the lanes, why, and what to do instead.

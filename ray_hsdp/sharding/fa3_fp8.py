@@ -29,7 +29,7 @@ import importlib.util
 
 import torch
 
-from ray_hsdp.attention_backends import FA3_FP8
+from ray_hsdp.config.kernels import FA3_FP8
 from ray_hsdp.sharding import attention_ops
 from ray_hsdp.sharding.fp8 import FP8, FP8_MAX
 

@@ -89,7 +89,7 @@ class Fp8Linear(nn.Linear):
 
     def expect_stored_(self) -> None:
         """Makes this linear take its FP8 weight and its scales as a checkpoint stores them (an FP8
-        folder: ``ray_hsdp.fp8_folder``): the (meta) weight becomes FP8 with the same sharding, and
+        folder: ``ray_hsdp.loading.fp8_folder``): the (meta) weight becomes FP8 with the same sharding, and
         ``weight_scale`` a persistent buffer of every row's scale that the loader fills whole. Call
         after sharding (whose split of a unit follows the dtypes it finds) and before the model is
         materialised."""

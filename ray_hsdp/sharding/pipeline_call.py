@@ -40,7 +40,7 @@ class PipelineCall:
             class not registered, a first frame when the call takes one.
         cache_context: Whether the pipeline enters its transformer's ``cache_context`` around each
             forward: diffusers' step caches keep their state per context, so a pipeline that enters
-            none runs no step cache (in diffusers either; refused at start, ``ray_hsdp.pairs``).
+            none runs no step cache (in diffusers either; refused at start, ``ray_hsdp.config.pairs``).
     """
 
     guidance: str | None = "guidance_scale"

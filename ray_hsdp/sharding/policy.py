@@ -50,7 +50,7 @@ class ShardingPolicy:
             to a multiple of it, the padding masked out), for a model whose plan splits an input
             of any length; ``None``: its split inputs always divide.
         masks_attention: Its attention always gets a mask (attention backends whose kernels take
-            none cannot run it: a model row of ``ray_hsdp.pairs``).
+            none cannot run it: a model row of ``ray_hsdp.config.pairs``).
         traceable: Called before its blocks compile: puts its code in a form inductor generates
             kernels for (an eager forward's result stays as it was); ``None``: nothing to change.
     """

@@ -17,12 +17,12 @@ class RankFeatures:
     """What a rank loaded for the per-request features, which a variant's choices apply to.
 
     Attributes:
-        adapters: The switched LoRA adapters in its transformers (``ray_hsdp.adapters.Adapters``);
+        adapters: The switched LoRA adapters in its transformers (``ray_hsdp.loading.adapters.Adapters``);
             ``None``: none registered.
         adapters_per_forward: Whether the adapters are selected around each forward (on the tick
             thread of a sharded rank) rather than once per request (an unsharded rank, which runs
             one request at a time).
-        step_caches: The step caches of its sharded modules (``ray_hsdp.step_cache.StepCaches``);
+        step_caches: The step caches of its sharded modules (``ray_hsdp.sharding.step_cache.StepCaches``);
             ``None``: the group loaded none.
         lane_parallel: In a group of adaptive lanes, what switches its models' context parallel to
             the lane of the forward that runs (``ray_hsdp.sharding.context_parallel.LaneParallel``).

@@ -20,7 +20,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray_hsdp.pairs import refuse_request
+from ray_hsdp.config.pairs import refuse_request
 from ray_hsdp.request import GenerationRequest
 from ray_hsdp.variant.adapters import AdapterFeature
 from ray_hsdp.variant.base import Feature, RankFeatures

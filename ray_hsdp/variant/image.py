@@ -1,5 +1,5 @@
 """The first frame of an image-to-video request (``image``): required by an image-to-video
-pipeline, refused by a text one (a pair of the table of refusals, ``ray_hsdp.pairs``)."""
+pipeline, refused by a text one (a pair of the table of refusals, ``ray_hsdp.config.pairs``)."""
 
 from __future__ import annotations
 

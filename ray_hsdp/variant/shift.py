@@ -23,7 +23,7 @@ def shift_key(scheduler) -> str | None:
 
 
 class ShiftFeature(Feature):
-    # A scheduler that would ignore the shift is a pair of the table of refusals (ray_hsdp.pairs).
+    # A scheduler that would ignore the shift is a pair of the table of refusals (ray_hsdp.config.pairs).
     field = "flow_shift"
 
     @contextmanager

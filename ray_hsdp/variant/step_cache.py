@@ -1,5 +1,5 @@
 """A request's step cache (``cache``): its settings set on the hooks around each of its forwards,
-its state kept under its ticket and dropped when it ends (``ray_hsdp.step_cache.StepCaches``)."""
+its state kept under its ticket and dropped when it ends (``ray_hsdp.sharding.step_cache.StepCaches``)."""
 
 from __future__ import annotations
 

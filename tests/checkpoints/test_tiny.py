@@ -46,8 +46,8 @@ def lora_pipe(tiny_model):
     """The tiny pipeline with both embedded adapters, loaded by diffusers itself."""
     from diffusers import DiffusionPipeline
 
-    from ray_hsdp.embedded import EMBEDDED_LORAS
-    from ray_hsdp.loading import resolve_lora_path
+    from ray_hsdp.config.embedded import EMBEDDED_LORAS
+    from ray_hsdp.loading.components import resolve_lora_path
 
     pipe = DiffusionPipeline.from_pretrained(tiny_model)
     pipe.set_progress_bar_config(disable=True)

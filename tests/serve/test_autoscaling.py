@@ -13,8 +13,8 @@ import requests
 from PIL import Image
 from support import pipeline_with_adapters, random_png, reference_with
 
-from ray_hsdp.config import AppConfig
-from ray_hsdp.config_blocks import AutoscalingSpec
+from ray_hsdp.config.app import AppConfig
+from ray_hsdp.config.blocks import AutoscalingSpec
 from ray_hsdp.serve.autoscaling import LOAD_METRIC, autoscaling_config, group_load_policy
 
 from .prometheus import scrape, total

@@ -25,7 +25,7 @@ def devices(app: dict) -> list[str | None]:
 
 def model_configs(app: dict) -> list:
     """The ``AppConfig`` of each model an application serves (none: an endpoint application)."""
-    from ray_hsdp.config_endpoint import model_args, served_models
+    from ray_hsdp.config.endpoint import model_args, served_models
 
     if app["import_path"].endswith(":build_endpoint"):
         return []

@@ -254,7 +254,7 @@ def test_a_body_over_the_limit_of_its_route_is_413_before_it_is_read(server):
     import http.client
     from urllib.parse import urlsplit
 
-    from ray_hsdp.config import AppConfig
+    from ray_hsdp.config.app import AppConfig
 
     config = AppConfig(model="tiny")
     allowance = -(-config.max_image_bytes // 3) * 4

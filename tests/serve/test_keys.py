@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ray_hsdp.config import AppConfig
+from ray_hsdp.config.app import AppConfig
 from ray_hsdp.serve.ingress import refuse_keyless
 
 CONFIG = AppConfig(model="tiny", device="cpu")

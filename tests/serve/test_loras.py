@@ -13,7 +13,7 @@ import pytest
 import requests
 from support import reference_frames
 
-from ray_hsdp.loading import load_pipeline, resolve_lora_path, resolve_model_path
+from ray_hsdp.loading.components import load_pipeline, resolve_lora_path, resolve_model_path
 from ray_hsdp.request import GenerationRequest, fit_image, parse_lora
 from ray_hsdp.serve.media import decode_mp4
 

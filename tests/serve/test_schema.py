@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from ray_hsdp.config import AppConfig
+from ray_hsdp.config.app import AppConfig
 from ray_hsdp.group import GroupFailedError, QueueTimeoutError
 from ray_hsdp.request import InvalidRequestError, RequestCancelledError
 from ray_hsdp.serve.errors import error_response, job_error_code

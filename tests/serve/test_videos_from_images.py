@@ -15,7 +15,7 @@ import requests
 from PIL import Image
 from support import reference_frames
 
-from ray_hsdp.loading import load_pipeline, resolve_model_path
+from ray_hsdp.loading.components import load_pipeline, resolve_model_path
 from ray_hsdp.request import GenerationRequest, fit_image
 from ray_hsdp.serve.media import decode_mp4
 

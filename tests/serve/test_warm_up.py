@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from support import max_abs_diff, reference_frames
 
-from ray_hsdp.config import AppConfig
-from ray_hsdp.config_blocks import WarmUpShape
+from ray_hsdp.config.app import AppConfig
+from ray_hsdp.config.blocks import WarmUpShape
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.serve.media import to_uint8
 from ray_hsdp.serve.schema import ImageGenerationRequest, VideoCreateRequest, to_generation_request, to_video_request

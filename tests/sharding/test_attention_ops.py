@@ -207,8 +207,8 @@ def _ulysses_compiled(mesh, rank):
     (the compiled output equals the eager one, or this raises)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from ray_hsdp.config.topology import LANE_MESH_DIM_NAMES
     from ray_hsdp.sharding.context_parallel import enable_context_parallel
-    from ray_hsdp.topology import LANE_MESH_DIM_NAMES
 
     dispatch._CAN_USE_SAGE_ATTN = True
     lane = init_device_mesh("cpu", (1, 1, 1, 2), mesh_dim_names=LANE_MESH_DIM_NAMES)
@@ -246,10 +246,10 @@ def test_a_rank_that_compiles_qwen_image_takes_its_policys_traceable_step(tmp_pa
     from diffusers.models.transformers import transformer_qwenimage
 
     from ray_hsdp.checkpoints.tiny import make_tiny
-    from ray_hsdp.config import GroupConfig
-    from ray_hsdp.load_steps import LoadFacts, load_parts
+    from ray_hsdp.config.app import GroupConfig
+    from ray_hsdp.config.topology import ParallelDims
+    from ray_hsdp.loading.steps import LoadFacts, load_parts
     from ray_hsdp.phases import Phases
-    from ray_hsdp.topology import ParallelDims
 
     folder = make_tiny(tmp_path / "qwen", arch="qwen-image")
     facts = LoadFacts(

@@ -124,8 +124,8 @@ def _ulysses_lane_against_one_rank(mesh, rank):
     one rank, then on a Ulysses lane of both; and the native forward, to see FP8 at work."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from ray_hsdp.config.topology import LANE_MESH_DIM_NAMES
     from ray_hsdp.sharding.context_parallel import enable_context_parallel, keep_cross_attention_native
-    from ray_hsdp.topology import LANE_MESH_DIM_NAMES
 
     sys.modules["flash_attn_interface"] = _reference_module()
     dispatch._CAN_USE_FLASH_ATTN_3 = True  # diffusers' package check, false without the GPU build

@@ -11,7 +11,7 @@ import pytest
 import torch
 from support import wan_transformer_inputs
 
-from ray_hsdp.config import GroupConfig
+from ray_hsdp.config.app import GroupConfig
 from ray_hsdp.sharding.fp8 import FP8, Fp8Linear, check_fp8_device, fp8_linears, quantize_fp8
 
 
@@ -109,10 +109,10 @@ def test_a_rank_that_shards_nothing_quantizes_its_denoisers_linears_whole(tmp_pa
     models get the very linears a sharded group's units hold, quantized whole: the transformer
     computes what the module-level whole quantization computes, and the text encoder is untouched."""
     from ray_hsdp.checkpoints.tiny import make_tiny
-    from ray_hsdp.load_steps import LoadFacts, load_parts
+    from ray_hsdp.config.topology import ParallelDims
+    from ray_hsdp.loading.steps import LoadFacts, load_parts
     from ray_hsdp.phases import Phases
     from ray_hsdp.sharding import resolve_plan
-    from ray_hsdp.topology import ParallelDims
 
     folder = make_tiny(tmp_path / "tiny")
     min_num_params = GroupConfig().min_num_params
@@ -147,8 +147,8 @@ def fp8_folder_shard_and_compare(mesh, rank, folder: str, source: str):
     loads its rows in FP8 with every row's scale, the second quantizes its rows at the start."""
     from pathlib import Path
 
-    from ray_hsdp.load_steps import LoadFacts, shard_component
-    from ray_hsdp.loading import model_index
+    from ray_hsdp.loading.components import model_index
+    from ray_hsdp.loading.steps import LoadFacts, shard_component
 
     def load(path: str, stored: frozenset[str]):
         facts = LoadFacts(

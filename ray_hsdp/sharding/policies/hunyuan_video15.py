@@ -4,7 +4,7 @@ Its pipeline takes no ``guidance_scale`` (its ``guider`` component holds the gui
 is set on the request's own guider for its call), no ``callback_on_step_end`` (a request's steps
 are counted at its scheduler's steps) and loads no LoRA (refused per request). Its transformer has
 no context-parallel plan: its joint attention builds one mask over the whole sequence, which a
-split cannot take, so lanes that split the sequence are refused at start (``ray_hsdp.pairs``); CFG
+split cannot take, so lanes that split the sequence are refused at start (``ray_hsdp.config.pairs``); CFG
 parallel runs, since the guider calls it for the conditional, then the unconditional prediction.
 Its Qwen2.5-VL text model is sharded by ``qwen_image``'s policy, its ByT5 encoder by ``t5``'s.
 """

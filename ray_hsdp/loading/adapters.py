@@ -28,7 +28,7 @@ from peft import inject_adapter_in_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch.distributed.tensor import DTensor
 
-from ray_hsdp.lora_state import AdapterState, read_adapter
+from ray_hsdp.loading.lora_state import AdapterState, read_adapter
 
 #: A request's adapters: ``(name, scale)`` pairs (``GenerationRequest.lora``).
 Selection = tuple[tuple[str, float], ...]
@@ -180,7 +180,7 @@ def fuse_lora(module: nn.Module, adapter: AdapterState, scale: float, unmerged: 
 
 
 def _local_rows(param: torch.Tensor) -> slice | None:
-    from ray_hsdp.loading import local_rows
+    from ray_hsdp.loading.components import local_rows
 
     return local_rows(param)
 

@@ -25,9 +25,9 @@ from filelock import FileLock
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ray_hsdp.checkpoints.tiny import is_pipeline_folder, make_tiny
-from ray_hsdp.embedded import EMBEDDED_LORAS, EMBEDDED_MODELS, TINY_MODEL, cache_dir, embedded_folder
+from ray_hsdp.config.embedded import EMBEDDED_LORAS, EMBEDDED_MODELS, TINY_MODEL, cache_dir, embedded_folder
+from ray_hsdp.loading.staged_reads import StagedReads, ThreadStagings
 from ray_hsdp.sharding.layout import rows_of
-from ray_hsdp.staged_reads import StagedReads, ThreadStagings
 
 logger = logging.getLogger("ray_hsdp")
 
@@ -290,7 +290,7 @@ _SAFETENSORS_DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,  # an FP8 folder's linears (ray_hsdp.fp8_folder)
+    "F8_E4M3": torch.float8_e4m3fn,  # an FP8 folder's linears (ray_hsdp.loading.fp8_folder)
 }
 
 

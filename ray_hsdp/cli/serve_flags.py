@@ -22,8 +22,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ray_hsdp.config import AppConfig
-from ray_hsdp.config_endpoint import folded_applications
+from ray_hsdp.config.app import AppConfig
+from ray_hsdp.config.endpoint import folded_applications
 
 #: vllm-omni's ``--cache-backend`` values: ours by name, theirs refused with what we have instead.
 CACHE_BACKENDS = {"none": "none", "first_block": "first_block", "taylorseer": "taylorseer"}
@@ -286,7 +286,7 @@ def served_args(args: argparse.Namespace, file_fields: dict) -> dict:
     Raises:
         UsageError: MODEL, a model flag, or ``--set`` of a model's field is given.
     """
-    from ray_hsdp.config_endpoint import ENDPOINT_FIELDS
+    from ray_hsdp.config.endpoint import ENDPOINT_FIELDS
 
     if args.model:
         raise UsageError(f"--config {args.config} serves several models (its models list): drop MODEL ({args.model})")

@@ -7,7 +7,7 @@ The checks read the folder's classes and configs, and the diffusers models among
 group shards, built from their configs on the meta device (no weights):
 
 - the pipeline class the folder loads as (``pipeline_class``);
-- the table's model rows (``ray_hsdp.pairs``): lanes that split a sequence the transformer has no
+- the table's model rows (``ray_hsdp.config.pairs``): lanes that split a sequence the transformer has no
   plan for, a step cache the model or its pipeline cannot run, an attention backend whose kernels
   take no mask for a transformer that passes one;
 - the lanes' split of each model's attention heads (Ulysses divides the heads);
@@ -23,13 +23,13 @@ from pathlib import Path
 
 import torch.nn as nn
 
-from ray_hsdp import step_cache
-from ray_hsdp.loading import build_on_meta, model_index, pipeline_class
-from ray_hsdp.pairs import refuse_model
+from ray_hsdp.config.pairs import refuse_model
+from ray_hsdp.config.topology import ParallelDims
+from ray_hsdp.loading.components import build_on_meta, model_index, pipeline_class
+from ray_hsdp.sharding import step_cache
 from ray_hsdp.sharding.context_parallel import refuse_heads, refuse_lane_heads, refuse_split
 from ray_hsdp.sharding.pipeline_call import pipeline_call_for
 from ray_hsdp.sharding.policy import registered_policy
-from ray_hsdp.topology import ParallelDims
 
 
 @dataclass
@@ -98,7 +98,7 @@ def pipeline_on_meta(folder: Path, pipeline: str | None):
 
 def refuse_step_cache(module: nn.Module, kind: str, pipeline_cls: type) -> None:
     """Refuses a step cache of ``kind`` that ``module`` (a diffusers model) or its pipeline (of
-    ``pipeline_cls``) cannot run (the model rows of ``ray_hsdp.pairs``).
+    ``pipeline_cls``) cannot run (the model rows of ``ray_hsdp.config.pairs``).
 
     Raises:
         ValueError: Its message names the model, the cache, why, and what to do instead.
@@ -115,7 +115,7 @@ def refuse_step_cache(module: nn.Module, kind: str, pipeline_cls: type) -> None:
 
 def refuse_attention_backend(module: nn.Module, backend: str) -> None:
     """Refuses an attention backend whose kernels take no mask for a model whose policy says its
-    attention always gets one (a model row of ``ray_hsdp.pairs``).
+    attention always gets one (a model row of ``ray_hsdp.config.pairs``).
 
     Raises:
         ValueError: Its message names the model, the backend, why, and what to do instead.

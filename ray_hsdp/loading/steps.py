@@ -19,9 +19,8 @@ from pathlib import Path
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ray_hsdp import step_cache
-from ray_hsdp.fp8_folder import check_stored_linears
-from ray_hsdp.loading import (
+from ray_hsdp.config.topology import ParallelDims
+from ray_hsdp.loading.components import (
     build_on_meta,
     fill_from_checkpoint,
     load_pipeline,
@@ -29,12 +28,12 @@ from ray_hsdp.loading import (
     model_index,
     model_key_names,
 )
+from ray_hsdp.loading.fp8_folder import check_stored_linears
 from ray_hsdp.phases import Phases
-from ray_hsdp.sharding import compile_repeated_blocks, compile_units, resolve_plan, shard_module
+from ray_hsdp.sharding import compile_repeated_blocks, compile_units, resolve_plan, shard_module, step_cache
 from ray_hsdp.sharding.context_parallel import LaneParallel, enable_context_parallel, set_attention_backend
 from ray_hsdp.sharding.fp8 import compile_fp8_scaling, expect_stored_fp8, fp8_linears, quantize_fp8
 from ray_hsdp.sharding.policy import registered_policy
-from ray_hsdp.topology import ParallelDims
 
 logger = logging.getLogger("ray_hsdp")
 
@@ -99,8 +98,8 @@ class LoadedParts:
 def fuse_adapters(pipeline_cls: type, module: nn.Module, component: str, fused: FusedLoras) -> None:
     """Merges into ``module`` (component ``component``, sharded or whole) the halves of the
     adapters in ``fused`` that name it, in ``fused``'s order (``adapters.fuse_loras``)."""
-    from ray_hsdp.adapters import fuse_loras
-    from ray_hsdp.lora_state import read_adapter
+    from ray_hsdp.loading.adapters import fuse_loras
+    from ray_hsdp.loading.lora_state import read_adapter
 
     adapters = [
         (read_adapter(pipeline_cls, parts[component], f"fused lora {name!r} ({parts[component]}) for {component} of "

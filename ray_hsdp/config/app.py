@@ -11,12 +11,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ray_hsdp.config_blocks import AutoscalingSpec, LoraDefaults, StepCacheConfig, WarmUpShape
-from ray_hsdp.config_kernels import GroupKernels
-from ray_hsdp.embedded import EMBEDDED_LORAS, EMBEDDED_MODELS, TINY_MODEL
-from ray_hsdp.pairs import refuse_config
+from ray_hsdp.config.blocks import AutoscalingSpec, LoraDefaults, StepCacheConfig, WarmUpShape
+from ray_hsdp.config.embedded import EMBEDDED_LORAS, EMBEDDED_MODELS, TINY_MODEL
+from ray_hsdp.config.kernels import GroupKernels
+from ray_hsdp.config.pairs import refuse_config
+from ray_hsdp.config.topology import ParallelDims
 from ray_hsdp.request import DEFAULT_GUIDANCE_SCALE
-from ray_hsdp.topology import ParallelDims
 
 #: The components a LoRA pair names (a two-expert model's high- and low-noise halves).
 LORA_COMPONENTS = ("transformer", "transformer_2")
@@ -28,7 +28,7 @@ MAX_REQUESTS_PER_RANK = 8
 #: starts with them in ``RAY_preload_python_modules`` keeps idle workers that imported them ahead,
 #: and a rank that Ray places on one skips them (one H200: a group's rank processes and imports
 #: 18.7 s -> 2.3 s; ``bench.prestart``).
-RANK_MODULES = ("torch", "diffusers", "transformers", "ray_hsdp.sharded_pipeline")
+RANK_MODULES = ("torch", "diffusers", "transformers", "ray_hsdp.pipeline.sharded")
 
 
 def rank_pool_env(rank_pool_size: int | None) -> dict[str, str]:
@@ -63,7 +63,7 @@ def check_attention_backend_name(name: str) -> None:
     """
     from diffusers.models.attention_dispatch import AttentionBackendName
 
-    from ray_hsdp.attention_backends import PROJECT_BACKENDS
+    from ray_hsdp.config.kernels import PROJECT_BACKENDS
 
     if name in PROJECT_BACKENDS:
         return

@@ -1,6 +1,6 @@
 """How a rank starts (``Rank``, whose state it fills): finds the model files, joins the process
 group and meshes, loads its shard of the pipeline as a short list of named steps, and builds its
-runtime. Modules that import torch are imported inside the methods (see ``ray_hsdp.rank``)."""
+runtime. Modules that import torch are imported inside the methods (see ``ray_hsdp.rank.actor``)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class RankStart:
         # time is the weights'.
         with self.phases.phase("imports"):
             # The loader pulls in torch's DTensor, dynamo and sympy: seconds on a GPU host.
-            from ray_hsdp.loading import import_component_classes, resolve_lora_path, resolve_model_path
+            from ray_hsdp.loading.components import import_component_classes, resolve_lora_path, resolve_model_path
         with self.phases.phase("model files"):
             self.model_path = resolve_model_path(self.config.model)
             self.lora_paths = {
@@ -52,7 +52,7 @@ class RankStart:
             }
         with self.phases.phase("imports"):  # adds to the phase above
             import_component_classes(self.model_path)
-            importlib.import_module("ray_hsdp.sharded_pipeline")
+            importlib.import_module("ray_hsdp.pipeline.sharded")
         return str(self.model_path)
 
     def address(self) -> tuple[str, int]:
@@ -138,7 +138,7 @@ class RankStart:
         """Why this group cannot replace a lost rank alone (its load needs collectives of every
         rank, or its process groups are held where a new rendezvous cannot renew them), or None.
         A group that cannot is rebuilt whole."""
-        from ray_hsdp.fp8_folder import read_record
+        from ray_hsdp.loading.fp8_folder import read_record
 
         config, dims = self.config, self.dims
         reasons = {
@@ -187,7 +187,7 @@ class RankStart:
             modules, exchange = self._sharded_modules(features)
             self.pipeline.features = features
             if self.decode_groups:
-                from ray_hsdp.lane_tiles import LaneTiles
+                from ray_hsdp.pipeline.lane_tiles import LaneTiles
 
                 # A lane is an aligned block of ranks: this rank's place in its lane of each size.
                 self.pipeline.lane_tiles = {
@@ -220,7 +220,7 @@ class RankStart:
 
     def _load_pipeline(self):
         """The pipeline, its sharded components read slice by slice (``ShardedPipeline.load``)."""
-        from ray_hsdp.sharded_pipeline import ShardedPipeline
+        from ray_hsdp.pipeline.sharded import ShardedPipeline
 
         return ShardedPipeline.load(
             self.model_path,
@@ -252,7 +252,7 @@ class RankStart:
         switched = {name: parts for name, parts in self.lora_paths.items() if name not in self.config.fuse_loras}
         if not switched:
             return None
-        from ray_hsdp.adapters import Adapters
+        from ray_hsdp.loading.adapters import Adapters
 
         # After fully_shard: the adapters stay plain replicated parameters beside the units.
         with self.phases.phase("adapters"):
@@ -301,7 +301,7 @@ class RankStart:
     def _step_caches(self):
         """The step caches of the loaded sharded modules; a lane that splits the sequence sums
         First Block Cache's measure over its ``ring`` and ``ulysses`` ranks."""
-        from ray_hsdp.step_cache import StepCaches
+        from ray_hsdp.sharding.step_cache import StepCaches
 
         dims = {"ring": self.dims.ring, "ulysses": self.dims.ulysses}
         groups = [self.lane_mesh.get_group(name) for name, size in dims.items() if size > 1]

@@ -1,6 +1,6 @@
 """``ray-hsdp check FILE``: a Serve YAML checked without starting Ray. For each application of
 ray_hsdp: its configuration (``AppConfig``, with the device of the YAML or of ``--device``), the
-checks a rank's start makes before any weight loads (``ray_hsdp.start_checks``: the same code, on
+checks a rank's start makes before any weight loads (``ray_hsdp.loading.start_checks``: the same code, on
 the folder's classes and its sharded diffusers models built on the meta device), its LoRA sources,
 the resolved layout, and the weights each GPU will hold (a sharded diffusers model's computed from
 its meta-device build with ``keep_gathered`` and ``quantization``; the others read from the folder's
@@ -17,9 +17,9 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from ray_hsdp.config import AppConfig
-from ray_hsdp.config_endpoint import EndpointConfig, endpoint_args, model_args, served_models
-from ray_hsdp.embedded import EMBEDDED_MODELS
+from ray_hsdp.config.app import AppConfig
+from ray_hsdp.config.embedded import EMBEDDED_MODELS
+from ray_hsdp.config.endpoint import EndpointConfig, endpoint_args, model_args, served_models
 
 #: Bytes per element of the float dtypes a rank serves in.
 _SERVED_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -109,11 +109,11 @@ def model_weight_bytes(module, config, shard_size: int) -> int:
 
 def start_refusals(config: AppConfig, dims, folder: Path, report: AppReport):
     """What the ranks' start would refuse for the layout ``dims``, by its own checks
-    (``ray_hsdp.start_checks``) on the folder's classes and its sharded diffusers models built on
+    (``ray_hsdp.loading.start_checks``) on the folder's classes and its sharded diffusers models built on
     the meta device, added to ``report``'s failures; the models, for the weights per GPU (``None``
     when a check failed)."""
-    from ray_hsdp.fp8_folder import stored_fp8_components
-    from ray_hsdp.start_checks import refuse_start, start_facts
+    from ray_hsdp.loading.fp8_folder import stored_fp8_components
+    from ray_hsdp.loading.start_checks import refuse_start, start_facts
 
     try:
         facts = start_facts(folder, config.pipeline_class, config.shard_components, config.dtype)
@@ -131,7 +131,7 @@ def start_refusals(config: AppConfig, dims, folder: Path, report: AppReport):
 def fused_files_here(config: AppConfig) -> dict:
     """The files of ``fuse_loras`` that this machine holds (adapter -> component -> path): what
     an FP8 folder's record is compared with (``lora_notes`` reports the others)."""
-    from ray_hsdp.loading import resolve_lora_path
+    from ray_hsdp.loading.components import resolve_lora_path
 
     files: dict = {}
     for name, parts in config.lora_sources(fused=True).items():
@@ -149,9 +149,9 @@ def lora_notes(config: AppConfig, folder: Path, models: dict | None, report: App
     checks built it): what it applies, a note; one not on this machine or that a rank would refuse
     (a key it would not apply, a module the model lacks), a note, a failure with ``strict`` (paths
     are the cluster's, as the model folder's)."""
-    from ray_hsdp.adapters import check_targets
-    from ray_hsdp.loading import pipeline_class, resolve_lora_path
-    from ray_hsdp.lora_state import read_adapter
+    from ray_hsdp.loading.adapters import check_targets
+    from ray_hsdp.loading.components import pipeline_class, resolve_lora_path
+    from ray_hsdp.loading.lora_state import read_adapter
 
     try:
         pipeline_cls = pipeline_class(folder, config.pipeline_class)
@@ -189,7 +189,7 @@ def check_app(name: str, args: dict, device: str | None, gpu_memory_gib: float |
         f"{dims.num_lanes} lane(s) of {dims.lane_size}{lanes}"
     )
     if config.model in EMBEDDED_MODELS:  # written as a rank writes it on its first start
-        from ray_hsdp.loading import resolve_model_path
+        from ray_hsdp.loading.components import resolve_model_path
 
         folder = resolve_model_path(config.model)
     else:

@@ -16,14 +16,14 @@ import time
 
 import ray
 
-from ray_hsdp.config import MAX_REQUESTS_PER_RANK, RANK_MODULES, GroupConfig
+from ray_hsdp.config.app import MAX_REQUESTS_PER_RANK, RANK_MODULES, GroupConfig
+from ray_hsdp.config.topology import ParallelDims
 from ray_hsdp.deadlines import run_timeout
 from ray_hsdp.phases import Phases
-from ray_hsdp.rank_start import RankStart
+from ray_hsdp.rank.start import RankStart
 from ray_hsdp.request import GenerationResult, RequestCancelledError
 from ray_hsdp.runtime import RankRuntime, SessionFailedError
 from ray_hsdp.runtime.core import RequestStoppedError
-from ray_hsdp.topology import ParallelDims
 from ray_hsdp.variant import RequestVariant
 
 logger = logging.getLogger("ray_hsdp")
@@ -244,8 +244,8 @@ class Rank(RankStart):
 
     @ray.method(concurrency_group="profile")
     def start_profile(self, trace_dir: str | None = None) -> None:
-        """Starts recording where this rank's time goes (see ``ray_hsdp.profiling``)."""
-        from ray_hsdp.profiling import RankProfile
+        """Starts recording where this rank's time goes (see ``ray_hsdp.rank.profiling``)."""
+        from ray_hsdp.rank.profiling import RankProfile
 
         self._profile = RankProfile(self.config.device, self._loaded(), trace_dir)
         self._profile.start()

@@ -14,23 +14,23 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ray_hsdp.fp8_folder import stored_fp8_components
-from ray_hsdp.frames import to_host
-from ray_hsdp.load_steps import FusedLoras, LoadFacts, load_parts
+from ray_hsdp.config.topology import ParallelDims
+from ray_hsdp.loading.fp8_folder import stored_fp8_components
+from ray_hsdp.loading.staged_reads import release_pinned_memory
+from ray_hsdp.loading.start_checks import refuse_start, start_facts
+from ray_hsdp.loading.steps import FusedLoras, LoadFacts, load_parts
 from ray_hsdp.memory import module_memory, peak_device_bytes, unit_memory
 from ray_hsdp.phases import Phases
-from ray_hsdp.pipeline_args import call_kwargs, call_takes, guidance_on, step_end_callback, steps_watched
+from ray_hsdp.pipeline.args import call_kwargs, call_takes, guidance_on, step_end_callback, steps_watched
+from ray_hsdp.pipeline.frames import to_host
+from ray_hsdp.pipeline.request_slots import RequestSlots
 from ray_hsdp.request import (
     GenerationResult,
     NonFiniteOutputError,
 )
-from ray_hsdp.request_slots import RequestSlots
 from ray_hsdp.sharding.context_parallel import attention_backend_for
 from ray_hsdp.sharding.fp8 import check_fp8_device
 from ray_hsdp.sharding.pipeline_call import FIRST_FRAME, REFERENCE, pipeline_call_for
-from ray_hsdp.staged_reads import release_pinned_memory
-from ray_hsdp.start_checks import refuse_start, start_facts
-from ray_hsdp.topology import ParallelDims
 from ray_hsdp.variant import RankFeatures, RequestVariant
 from ray_hsdp.variant.shift import shift_key
 
@@ -180,7 +180,7 @@ class ShardedPipeline(RequestSlots):
         pipeline: str | None = None,
     ) -> ShardedPipeline:
         """Loads a pipeline folder, sharding the named components over ``mesh``, by the steps of
-        ``ray_hsdp.load_steps``, after the start's checks (``ray_hsdp.start_checks``): a sharded
+        ``ray_hsdp.loading.steps``, after the start's checks (``ray_hsdp.loading.start_checks``): a sharded
         component built on the meta device, sharded, materialised on ``device``, filled with this
         rank's slices only (nothing sharded without a mesh). Lanes that split the sequence split a
         model's forwards over the lane's ``ring`` x ``ulysses`` sub-mesh of ``lane_mesh``, or over

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from pydantic import ConfigDict, ValidationError, create_model
 
-from ray_hsdp.config import AppConfig
+from ray_hsdp.config.app import AppConfig
 
 #: The fields of the endpoint, not of a model: one value for the whole application.
 ENDPOINT_FIELDS = (

@@ -3,7 +3,7 @@
 Every pair of a group-level setting and another setting, or a request-level choice, either runs
 and equals its reference (``tests/test_pairs.py`` runs them by the dozen) or is listed here and
 refused before any rank runs, with a message that names both and what to do instead.
-``docs/pairs.md`` prints this table (``python -m ray_hsdp.pairs`` writes it).
+``docs/pairs.md`` prints this table (``python -m ray_hsdp.config.pairs`` writes it).
 
 Config rows are checked when a ``GroupConfig`` is built and again once its device is resolved;
 request rows when a request reaches its group, which knows the pipeline's facts.
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ray_hsdp.attention_backends import CPU_BACKENDS, MASKLESS_BACKENDS, RING_BACKENDS
+from ray_hsdp.config.kernels import CPU_BACKENDS, MASKLESS_BACKENDS, RING_BACKENDS
 from ray_hsdp.request import InvalidRequestError
 
 
@@ -48,7 +48,7 @@ class Refusal:
 
 def _attention_outside(config, backends: tuple[str, ...]) -> bool:
     """Whether the config names an attention backend outside ``backends`` (of
-    ``ray_hsdp.attention_backends``); ``auto`` picks one inside."""
+    ``ray_hsdp.config.kernels``); ``auto`` picks one inside."""
     return config.attention_backend != "auto" and config.attention_backend not in backends
 
 

@@ -15,10 +15,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     moment (while it deploys too), and stops Ray only where this command started it."""
     from pydantic import ValidationError
 
-    from ray_hsdp.config import rank_pool_env
-    from ray_hsdp.config_endpoint import served_models
+    from ray_hsdp.cli.serve_flags import UsageError, default_app_name, file_application, serve_config, served_args
+    from ray_hsdp.config.app import rank_pool_env
+    from ray_hsdp.config.endpoint import served_models
     from ray_hsdp.serve.keys import read_api_key
-    from ray_hsdp.serve_cli import UsageError, default_app_name, file_application, serve_config, served_args
 
     try:
         application = file_application(args.config, args.app) if args.config else {"args": {}}
@@ -127,7 +127,7 @@ def remove_application(name: str, drain_s: float) -> None:
 
 def add_serve(sub) -> None:
     """The ``serve`` subcommand: where it serves, and every configuration field (``serve_cli``)."""
-    from ray_hsdp.serve_cli import add_serve_options
+    from ray_hsdp.cli.serve_flags import add_serve_options
 
     p = sub.add_parser("serve", help="serve a diffusers pipeline folder over HTTP")
     p.add_argument(

@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 from ray_hsdp.checkpoints.architectures import ARCHITECTURES
-from ray_hsdp.config import GroupConfig, rank_pool_env
-from ray_hsdp.embedded import TINY_MODEL
+from ray_hsdp.cli.serve_command import add_serve
+from ray_hsdp.config.app import GroupConfig, rank_pool_env
+from ray_hsdp.config.embedded import TINY_MODEL
 from ray_hsdp.request import CACHE_KINDS, DEFAULT_GUIDANCE_SCALE
-from ray_hsdp.serve_command import add_serve
 
 
 def _format_bytes(n: int) -> str:
@@ -224,7 +224,7 @@ def _follow(group, future, request_id: str, steps: int) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     import ray
 
-    from ray_hsdp.config import GroupConfig, parse_size
+    from ray_hsdp.config.app import GroupConfig, parse_size
     from ray_hsdp.group import ShardGroup
     from ray_hsdp.request import GenerationRequest, fit_image, parse_lora
     from ray_hsdp.serve.media import encode_mp4
@@ -241,7 +241,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"error: --image {args.image}: {err}", file=sys.stderr)
             return 2
     lora = parse_lora(args.lora)
-    from ray_hsdp.serve_cli import lora_files
+    from ray_hsdp.cli.serve_flags import lora_files
 
     loras = lora_files(args.lora_file)
     config = GroupConfig(
@@ -318,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Checks each Serve YAML without starting Ray; 0 when all pass, 1 with the reasons."""
-    from ray_hsdp.check import check_file, render
+    from ray_hsdp.cli.check import check_file, render
 
     failed = False
     for path in args.files:
@@ -329,7 +329,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def _add_check(sub) -> None:
-    """The ``check`` subcommand: Serve YAMLs checked without Ray (``ray_hsdp.check``)."""
+    """The ``check`` subcommand: Serve YAMLs checked without Ray (``ray_hsdp.cli.check``)."""
     p = sub.add_parser("check", help="check Serve YAMLs without starting Ray: refusals, layout, weights per GPU")
     p.add_argument("files", nargs="+", metavar="FILE")
     p.add_argument("--device", choices=["cuda", "cpu"], help="check as on this device (default: the YAML's)")
@@ -370,8 +370,8 @@ def _add_key(sub) -> None:
 
 
 def cmd_build_kernels(args: argparse.Namespace) -> int:
-    """Builds a kernel's wheel for the local GPU and prints how to ship it (``ray_hsdp.kernels``)."""
-    from ray_hsdp.kernels import BuildFailed, BuildRefused, build, shipping
+    """Builds a kernel's wheel for the local GPU and prints how to ship it (``ray_hsdp.cli.kernels``)."""
+    from ray_hsdp.cli.kernels import BuildFailed, BuildRefused, build, shipping
 
     try:
         result = build(args.kernel, Path(args.source), Path(args.out), args.jobs, args.cutlass and Path(args.cutlass))
@@ -388,7 +388,7 @@ def cmd_build_kernels(args: argparse.Namespace) -> int:
 def _add_build_kernels(sub) -> None:
     """The ``build-kernels`` subcommand: a wheel of SageAttention 2 or of FlashAttention 3's FP8 forward."""
     p = sub.add_parser("build-kernels", help="build the wheel of a fast attention kernel for this host's GPU")
-    from ray_hsdp.kernels import KERNELS
+    from ray_hsdp.cli.kernels import KERNELS
 
     p.add_argument("kernel", choices=KERNELS, help="sage: SageAttention 2; fa3: FlashAttention 3 (fa3_fp8)")
     p.add_argument("--source", required=True, metavar="DIR", help="a local copy of the kernel's public repository")
@@ -411,9 +411,9 @@ def _add_make_tiny(sub) -> None:
 def cmd_quantize(args: argparse.Namespace) -> int:
     """Writes the FP8 folder of a model, with the options of the group that will serve it."""
     from ray_hsdp.checkpoints.quantize import write_fp8_folder
-    from ray_hsdp.loading import resolve_lora_path, resolve_model_path
+    from ray_hsdp.cli.serve_flags import lora_files
+    from ray_hsdp.loading.components import resolve_lora_path, resolve_model_path
     from ray_hsdp.request import parse_lora
-    from ray_hsdp.serve_cli import lora_files
 
     config = GroupConfig(
         model=args.model, device="cpu", dtype=args.dtype, min_num_params=args.min_num_params,
@@ -441,7 +441,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def _add_quantize(sub) -> None:
-    """The ``quantize`` subcommand: an FP8 folder (``ray_hsdp.fp8_folder``)."""
+    """The ``quantize`` subcommand: an FP8 folder (``ray_hsdp.loading.fp8_folder``)."""
     p = sub.add_parser(
         "quantize", help="write a copy of a model whose transformers' linears are stored in FP8 (quantization: fp8)"
     )

@@ -1,6 +1,6 @@
 """``docs/configuration.md``, generated from the config models' field descriptions:
 
-    python -m ray_hsdp.config_docs > docs/configuration.md
+    python -m ray_hsdp.config.docs > docs/configuration.md
 
 ``tests/test_config.py`` fails when the page and the models disagree.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from ray_hsdp.config import (
+from ray_hsdp.config.app import (
     AppConfig,
     GroupKernels,
     GroupLayout,
@@ -17,7 +17,7 @@ from ray_hsdp.config import (
     RequestFeatures,
     ServedModel,
 )
-from ray_hsdp.config_blocks import AutoscalingSpec, LoraDefaults, StepCacheConfig, WarmUpShape
+from ray_hsdp.config.blocks import AutoscalingSpec, LoraDefaults, StepCacheConfig, WarmUpShape
 
 #: The models the page describes, with what each section says of where its fields go.
 SECTIONS: tuple[tuple[str, type[BaseModel], str], ...] = (
@@ -60,7 +60,7 @@ def markdown() -> str:
     lines = [
         "# Configuration",
         "",
-        "Generated from the config models (`python -m ray_hsdp.config_docs > docs/configuration.md`); a test",
+        "Generated from the config models (`python -m ray_hsdp.config.docs > docs/configuration.md`); a test",
         "fails when it is stale. Pairs of settings that cannot meet are refused at start: `docs/pairs.md`.",
     ]
     described: set[str] = set()

@@ -1,0 +1,7 @@
+"""The command line (``ray-hsdp``): its commands, the serve flags generated from the config, ``check``
+and the kernels' build. Top layer: may import every package below it (serve, group, loading, config,
+...); nothing imports it."""
+
+from ray_hsdp.cli.commands import main, memory_table
+
+__all__ = ["main", "memory_table"]
