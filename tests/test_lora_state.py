@@ -66,7 +66,7 @@ def test_what_each_file_applies_is_read_once_for_every_path(reference_pipe, lora
     assert "with lora_B.bias" in read["wan"].summary() and "DoRA magnitudes" in read["dora"].summary()
 
 
-def test_each_format_served_per_request_equals_diffusers(tiny_model, lora_dirs):
+def test_each_format_served_per_request_equals_diffusers(ray_cluster, tiny_model, lora_dirs):
     """2 ranks, each file's adapter on a request of its own (and none): each equals diffusers'
     load_lora_weights + set_adapters on the unsharded pipeline."""
     theirs = diffusers_pipe(tiny_model, lora_dirs)
@@ -89,7 +89,7 @@ def test_each_format_served_per_request_equals_diffusers(tiny_model, lora_dirs):
         assert max_abs_diff(result.frames, plain) > 1e-3, req.request_id
 
 
-def test_each_format_merged_at_load_equals_diffusers_fuse_lora(tiny_model, lora_dirs):
+def test_each_format_merged_at_load_equals_diffusers_fuse_lora(ray_cluster, tiny_model, lora_dirs):
     """2 ranks, all four merged into each rank's rows as it loads (bias rows, DoRA's per-row norm),
     against diffusers' fuse_lora of the same files at the same scale on whole weights."""
     theirs = diffusers_pipe(tiny_model, lora_dirs)
