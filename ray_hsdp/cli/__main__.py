@@ -2,4 +2,4 @@
 
 from ray_hsdp.cli.commands import main
 
-main()
+raise SystemExit(main())

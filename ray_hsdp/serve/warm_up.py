@@ -58,7 +58,7 @@ def warm_up_request(shape: WarmUpShape, config: AppConfig, facts: dict, index: i
         request = to_generation_request(ImageGenerationRequest(**fields, input_reference=image), config, request_id)
         return request, 0
     except RequestLimitError as err:
-        raise ValueError(f"warm_up {shape.model_dump(exclude_none=True)}: {err}") from None
+        raise ValueError(f"warm_up {shape.model_dump(exclude_defaults=True)}: {err}") from None
 
 
 def served_shapes(config: AppConfig, facts: dict) -> list[WarmUpShape]:
