@@ -155,6 +155,8 @@ def _parts(state: dict[str, torch.Tensor], config: LoraConfig, where: str) -> di
             grouped.setdefault(match["target"], {})[match["part"]] = value
     if unused:
         raise ValueError(f"{where}: keys that would not be applied: {sorted(unused)[:5]} (of {len(unused)})")
+    if not grouped:  # metadata alone, no weights: nothing would be applied
+        raise ValueError(f"{where}: no LoRA weights for it in the file")
     lacking = sorted(t for t, p in grouped.items() if "lora_A.weight" not in p or "lora_B.weight" not in p)
     if lacking:
         raise ValueError(f"{where}: lora_A or lora_B weights missing for {lacking[:5]}")

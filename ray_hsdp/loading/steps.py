@@ -101,14 +101,14 @@ def fuse_adapters(pipeline_cls: type, module: nn.Module, component: str, fused: 
     from ray_hsdp.loading.adapters import fuse_loras
     from ray_hsdp.loading.lora_state import read_adapter
 
+    named = [(name, scale, parts[component]) for name, (scale, parts) in fused.items() if component in parts]
+    where = f"for {component} of {pipeline_cls.__name__}"
     adapters = [
-        (read_adapter(pipeline_cls, parts[component], f"fused lora {name!r} ({parts[component]}) for {component} of "
-                      f"{pipeline_cls.__name__}"), scale)
-        for name, (scale, parts) in fused.items()
-        if component in parts
-    ]  # fmt: skip
+        (read_adapter(pipeline_cls, path, f"fused lora {name!r} ({path}) {where}"), scale)
+        for name, scale, path in named
+    ]
     fuse_loras(module, adapters)
-    for (adapter, scale), name in zip(adapters, [n for n, (_, parts) in fused.items() if component in parts]):
+    for (name, scale, _), (adapter, _) in zip(named, adapters):
         logger.info("Fused lora %r into %d linears of %s at scale %s", name, len(adapter.targets), component, scale)
 
 
