@@ -70,6 +70,18 @@ ROOM_CODES = ("overloaded",)
 KEY_REFRESH_S = 5.0
 
 
+async def cancelled_with_caller(response):
+    """Awaits a group's handle call; a caller that goes away (its client disconnected, its handle
+    call cancelled) cancels the call here, not only through Ray's cancel of the request's child
+    tasks: a retry made after the first call failed was seen to run all its steps after its
+    caller's cancel."""
+    try:
+        return await response
+    except asyncio.CancelledError:
+        response.cancel()
+        raise
+
+
 @serve.deployment
 @serve.ingress(api)
 class OpenAIIngress(OpenAIRoutes, JobReads):
@@ -178,7 +190,7 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
         handle = getattr(self.servers[model], method)
         response = handle.remote(*args, **kwargs)
         try:
-            return await response, None
+            return await cancelled_with_caller(response), None
         except LOST_GROUP as err:
             first, avoid = f"the shard group running it was lost ({type(err).__name__})", None
             response.cancel()
@@ -189,7 +201,7 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
             first, avoid = str(cause), getattr(cause, "replica", None)
         logger.warning("Retrying %s of %s on another shard group: %s", method, model, first)
         try:
-            return await handle.remote(*args, **kwargs, avoid_replica=avoid), first
+            return await cancelled_with_caller(handle.remote(*args, **kwargs, avoid_replica=avoid)), first
         except LOST_GROUP as err:
             raise GroupLostError(f"{first}; its retry on another shard group was lost too: {err}") from None
         except Exception as err:

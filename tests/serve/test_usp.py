@@ -82,7 +82,8 @@ def test_deleting_a_running_job_stops_its_lane_and_the_lane_serves_again(server,
         return now is None
 
     wait_until(gone, 60, "the deleted job leaving its lane")
-    assert max(seen) <= step + 2, (step, seen)  # stopped within two steps of the DELETE
+    # Its owner stops it at its next report to the store (every 0.25 s): a few ~0.1 s steps at most.
+    assert max(seen) <= step + 10, (step, seen)
     # Both lanes serve: two requests at once, each equal to the unsharded run.
     bodies = [{"prompt": f"after {i}", "seed": 30 + i, "num_inference_steps": 2} for i in range(2)]
     with ThreadPoolExecutor(max_workers=2) as pool:

@@ -165,7 +165,10 @@ def test_deleting_a_running_job_stops_it_and_the_group_keeps_serving(server, ref
         last = max(seen)
         stopped_s = time.monotonic() - deleted_at
         results = [f.result(timeout=300) for f in others]
-    assert last <= step + 2, (step, last)  # stopped within two steps of the DELETE's answer
+    # Its owner stops it at its next report to the store (every 0.25 s): steps here take ~0.1 s,
+    # so a step or two, a few more where the replica's loop waits for the 2 loaded cores (3 seen in
+    # CI); never the ~190 left.
+    assert last <= step + 10, (step, last)
     assert requests.get(f"{server}/v1/videos/{job['id']}", timeout=60).status_code == 404
     for body, result in zip(images, results):
         assert result.status_code == 200
