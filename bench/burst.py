@@ -117,7 +117,7 @@ def main() -> None:
     from ray import serve
 
     from bench.common import free_port
-    from ray_hsdp.config.app import rank_pool_env
+    from ray_hsdp.config.group import rank_pool_env
     from ray_hsdp.serve import build_app
 
     pool = rank_pool_env(None if args.rank_pool_size < 0 else args.rank_pool_size)

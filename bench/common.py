@@ -178,7 +178,7 @@ def start_ray(ray_cpus: int | None = None, env_vars: dict | None = None, preload
     import ray
 
     if preload:  # as `ray-hsdp serve` starts its own Ray: Ray's count of idle workers
-        from ray_hsdp.config.app import rank_pool_env
+        from ray_hsdp.config.group import rank_pool_env
 
         os.environ.update(rank_pool_env(None))
 

@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--name", default="finite")
     args = parser.parse_args()
 
-    from ray_hsdp.config.app import GroupConfig
+    from ray_hsdp.config.group import GroupConfig
 
     fields = {key: json.loads(value) for key, value in (s.split("=", 1) for s in args.set)}
     ensure_model(args.arch, args.model_dir, args.device)

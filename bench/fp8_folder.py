@@ -39,7 +39,7 @@ def plain_read(folder: Path) -> dict:
 
 
 def load(path: Path, phases_name: str):
-    from ray_hsdp.config.app import GroupConfig
+    from ray_hsdp.config.group import GroupConfig
     from ray_hsdp.phases import Phases
     from ray_hsdp.pipeline.sharded import ShardedPipeline
 
@@ -102,7 +102,7 @@ def main() -> None:
     import torch
 
     from ray_hsdp.checkpoints.quantize import write_fp8_folder
-    from ray_hsdp.config.app import GroupConfig
+    from ray_hsdp.config.group import GroupConfig
 
     ensure_model(args.arch, args.model_dir, "cuda")
     result: dict = {"environment": environment()}

@@ -109,7 +109,7 @@ def options_of(layout: str, args) -> tuple[dict, tuple]:
 def request_for(size: str, frames: int, steps: int, request_id: str, seed: int = 0, image: bool = False):
     """One guided request; with ``image``, an image-to-video request whose first frame is the
     bench's synthetic image."""
-    from ray_hsdp.config.app import parse_size
+    from ray_hsdp.config.group import parse_size
     from ray_hsdp.request import GenerationRequest
 
     width, height = parse_size(size)
@@ -199,7 +199,7 @@ def run_group(model_dir: Path, layout: str, requests: list, args):
     and the throughput run."""
     import numpy as np
 
-    from ray_hsdp.config.app import GroupConfig
+    from ray_hsdp.config.group import GroupConfig
     from ray_hsdp.group import ShardGroup
 
     options, lora = options_of(layout, args)

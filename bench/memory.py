@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 def measure(model_dir: Path, shard_size: int, args) -> dict:
     """A group of ``shard_size`` ranks: its start, one request per rank (after a warm-up one), and
     each rank's memory report."""
-    from ray_hsdp.config.app import GroupConfig
+    from ray_hsdp.config.group import GroupConfig
     from ray_hsdp.group import ShardGroup
 
     config = GroupConfig(model=str(model_dir), device=args.device, shard_size=shard_size, mode="batch")

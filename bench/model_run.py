@@ -64,7 +64,7 @@ def plain_run(model_dir: Path, request, pipeline_class: str | None, device: str,
 def group_run(
     model_dir: Path, request, pipeline_class: str | None, device: str, vae_tiling: str, loras: dict[str, str]
 ) -> dict:
-    from ray_hsdp.config.app import GroupConfig
+    from ray_hsdp.config.group import GroupConfig
     from ray_hsdp.group import ShardGroup
 
     config = GroupConfig(

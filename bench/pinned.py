@@ -26,7 +26,7 @@ def main() -> None:
     import ray
     import torch
 
-    from ray_hsdp.config.app import GroupConfig
+    from ray_hsdp.config.group import GroupConfig
     from ray_hsdp.group import ShardGroup
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

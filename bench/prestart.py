@@ -78,7 +78,7 @@ def group_start(settle_s: float, gpus: int) -> dict:
     on the device; the start's phases (``ShardGroup.phases``)."""
     import ray
 
-    from ray_hsdp.config.app import GroupConfig
+    from ray_hsdp.config.group import GroupConfig
     from ray_hsdp.group import ShardGroup
 
     ray.init(num_cpus=4, num_gpus=gpus, include_dashboard=False)

@@ -114,7 +114,7 @@ def main() -> None:
 
     import ray
 
-    from ray_hsdp.config.app import GroupConfig
+    from ray_hsdp.config.group import GroupConfig
     from ray_hsdp.group import ShardGroup
 
     model_dir = Path(args.model_dir)

@@ -413,7 +413,7 @@ def main() -> None:
         plot([Path(f) for f in args.plot[:-1]], Path(args.plot[-1]))
         return
 
-    from ray_hsdp.config.app import GroupConfig
+    from ray_hsdp.config.group import GroupConfig
     from ray_hsdp.group import ShardGroup
 
     model_dir = Path(args.model_dir)

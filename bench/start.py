@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
 def group_config(args):
     """The groups' configuration: a Serve YAML's args (``AppConfig``), or the flags' ``GroupConfig``."""
     from ray_hsdp.cli.serve_flags import parse_value, set_dotted
-    from ray_hsdp.config.app import AppConfig, GroupConfig
+    from ray_hsdp.config.app import AppConfig
+    from ray_hsdp.config.group import GroupConfig
 
     if args.config is None:
         fields = {"shard_size": args.shard_size, "compile": args.compile}

@@ -413,7 +413,7 @@ class ThroughputRun:
         return common_random_loras(args.arch, Path(args.lora_dir), count, args.lora_rank, args.device)
 
     def group(self, **fields):
-        from ray_hsdp.config.app import GroupConfig
+        from ray_hsdp.config.group import GroupConfig
         from ray_hsdp.group import ShardGroup
 
         return ShardGroup(GroupConfig(model=str(self.model_dir), device=self.args.device, **fields)).start()

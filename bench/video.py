@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def measure(group, size: str, tiling: str, args) -> dict:
     """One request of ``size`` on ``group``, profiled: its phases, its MP4 encode, or its error."""
-    from ray_hsdp.config.app import parse_size
+    from ray_hsdp.config.group import parse_size
     from ray_hsdp.request import GenerationRequest
     from ray_hsdp.serve.media import encode_mp4
 
@@ -127,7 +127,7 @@ def main() -> None:
 
     import ray
 
-    from ray_hsdp.config.app import GroupConfig, parse_size
+    from ray_hsdp.config.group import GroupConfig, parse_size
     from ray_hsdp.group import ShardGroup
     from ray_hsdp.request import GenerationRequest
 

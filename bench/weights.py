@@ -82,7 +82,7 @@ def rank_bytes(module, shard_size: int, sharded: bool) -> int:
 
 
 def measure(arch: str, shard_sizes: list[int]) -> dict:
-    from ray_hsdp.config.app import DEFAULT_SHARD_COMPONENTS
+    from ray_hsdp.config.group import DEFAULT_SHARD_COMPONENTS
 
     rows = {}
     for name, build in large_parts(arch).items():

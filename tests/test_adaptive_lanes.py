@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 from support import max_abs_diff, pipeline_with_adapters, reference_frames, reference_with, wait_until
 
-from ray_hsdp.config.app import GroupConfig
+from ray_hsdp.config.group import GroupConfig
 from ray_hsdp.config.topology import ParallelDims
 from ray_hsdp.group import GroupFailedError, ShardGroup
 from ray_hsdp.group.lanes import (

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ray_hsdp.config.app import GroupConfig
+from ray_hsdp.config.group import GroupConfig
 from ray_hsdp.group import ShardGroup
 
 

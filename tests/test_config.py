@@ -1,7 +1,8 @@
 import pytest
 from pydantic import ValidationError
 
-from ray_hsdp.config.app import AppConfig, GroupConfig, parse_size
+from ray_hsdp.config.app import AppConfig
+from ray_hsdp.config.group import GroupConfig, parse_size
 from ray_hsdp.config.topology import ParallelDims
 
 
@@ -149,7 +150,7 @@ def test_the_configuration_page_is_generated_from_the_models():
 
 
 def test_the_rank_pool_is_ray_s_preload_and_its_idle_worker_limit():
-    from ray_hsdp.config.app import RANK_MODULES, rank_pool_env
+    from ray_hsdp.config.group import RANK_MODULES, rank_pool_env
 
     preload = {"RAY_preload_python_modules": ",".join(RANK_MODULES)}
     assert rank_pool_env(None) == preload  # Ray's own count of idle workers

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from ray_hsdp import deadlines
-from ray_hsdp.config.app import GroupConfig
+from ray_hsdp.config.group import GroupConfig
 from ray_hsdp.request import GenerationRequest
 
 CONFIG = GroupConfig(model="tiny", queue_timeout_s=100.0, request_timeout_s=30.0)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from support import wan_transformer_inputs
 
-from ray_hsdp.config.app import GroupConfig
+from ray_hsdp.config.group import GroupConfig
 from ray_hsdp.loading.components import resolve_lora_path
 from ray_hsdp.loading.fp8_folder import RECORD, check_stored_linears, stored_fp8_components
 from ray_hsdp.sharding.fp8 import FP8, Fp8Linear

@@ -5,7 +5,7 @@ import ray
 from ray.util.placement_group import placement_group_table
 from support import max_abs_diff, reference_frames, wait_until
 
-from ray_hsdp.config.app import GroupConfig
+from ray_hsdp.config.group import GroupConfig
 from ray_hsdp.group import ShardGroup, pick_next
 from ray_hsdp.request import GenerationRequest
 

@@ -14,7 +14,7 @@ from PIL import Image
 from support import max_abs_diff, reference_frames
 
 from ray_hsdp.checkpoints.tiny import make_tiny
-from ray_hsdp.config.app import GroupConfig
+from ray_hsdp.config.group import GroupConfig
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.loading.components import load_pipeline
 from ray_hsdp.request import GenerationRequest, fit_image

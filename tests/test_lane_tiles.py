@@ -10,7 +10,7 @@ import pytest
 from gloo import GlooGroup
 from support import max_abs_diff, reference_frames
 
-from ray_hsdp.config.app import GroupConfig
+from ray_hsdp.config.group import GroupConfig
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.request import GenerationRequest
 

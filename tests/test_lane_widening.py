@@ -14,7 +14,7 @@ import time
 import pytest
 from support import max_abs_diff, pipeline_with_adapters, reference_frames, reference_with, wait_until
 
-from ray_hsdp.config.app import GroupConfig
+from ray_hsdp.config.group import GroupConfig
 from ray_hsdp.group import GroupFailedError, ShardGroup
 from ray_hsdp.group.lanes import LaneTimes, TickModel
 from ray_hsdp.request import GenerationRequest, RequestCancelledError

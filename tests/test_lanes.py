@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from support import max_abs_diff, reference_frames
 
 from ray_hsdp.checkpoints.tiny import make_tiny
-from ray_hsdp.config.app import GroupConfig
+from ray_hsdp.config.group import GroupConfig
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.loading.components import load_pipeline
 from ray_hsdp.request import GenerationRequest

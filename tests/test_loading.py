@@ -9,7 +9,7 @@ from gloo import GlooGroup
 from safetensors.torch import load_file, save_file
 
 from ray_hsdp.checkpoints.random_weights import make_random, write_random_model
-from ray_hsdp.config.app import GroupConfig
+from ray_hsdp.config.group import GroupConfig
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.loading.components import CheckpointError, build_on_meta, fill_from_checkpoint, load_pipeline, materialize
 
@@ -19,7 +19,7 @@ def local_shards(mesh, rank, path, dtype):
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from ray_hsdp.config.app import DEFAULT_SHARD_COMPONENTS
+    from ray_hsdp.config.group import DEFAULT_SHARD_COMPONENTS
     from ray_hsdp.pipeline.sharded import ShardedPipeline
 
     pipe = ShardedPipeline.load(

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from support import max_abs_diff, reference_frames
 
 from ray_hsdp.checkpoints.lora import LORA_FILE
-from ray_hsdp.config.app import GroupConfig
+from ray_hsdp.config.group import GroupConfig
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.loading.lora_state import read_adapter
 from ray_hsdp.request import GenerationRequest, parse_lora

@@ -9,7 +9,8 @@ import pytest
 from support import max_abs_diff, reference_frames
 
 from ray_hsdp.checkpoints.tiny import make_tiny
-from ray_hsdp.config.app import AppConfig, GroupConfig
+from ray_hsdp.config.app import AppConfig
+from ray_hsdp.config.group import GroupConfig
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.request import GenerationRequest, parse_lora
 

@@ -10,7 +10,7 @@ import pytest
 import ray
 from support import max_abs_diff, reference_frames, wait_until
 
-from ray_hsdp.config.app import GroupConfig
+from ray_hsdp.config.group import GroupConfig
 from ray_hsdp.group import GroupFailedError, ShardGroup
 from ray_hsdp.request import GenerationRequest
 

@@ -18,7 +18,7 @@ from support import (
     style_lora,
 )
 
-from ray_hsdp.config.app import GroupConfig
+from ray_hsdp.config.group import GroupConfig
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.request import GenerationRequest, InvalidRequestError, fit_image
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from support import embedded_pipeline, max_abs_diff, reference_frames, reference_with
 
-from ray_hsdp.config.app import GroupConfig
+from ray_hsdp.config.group import GroupConfig
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.request import GenerationRequest, InvalidRequestError, StepCache
 

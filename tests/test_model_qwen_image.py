@@ -12,7 +12,7 @@ import torch
 from support import embedded_pipeline, max_abs_diff, pipeline_with_adapters, reference_with, style_lora
 
 from bench.reference import plain_call
-from ray_hsdp.config.app import GroupConfig
+from ray_hsdp.config.group import GroupConfig
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.request import GenerationRequest, InvalidRequestError, StepCache
 

@@ -21,7 +21,7 @@ from support import max_abs_diff, pipeline_with_adapters, reference_with
 
 from bench.pairs import CPU_SHAPES, GROUP_SETTINGS, LORAS, REQUEST_CHOICES, app_config, pairs_doc, run_shape
 from ray_hsdp.checkpoints.tiny import make_tiny
-from ray_hsdp.config.app import GroupConfig
+from ray_hsdp.config.group import GroupConfig
 
 TOLERANCE = 1e-5
 

@@ -2,7 +2,7 @@
 
 from support import NODE_CPUS, max_abs_diff, reference_frames
 
-from ray_hsdp.config.app import GroupConfig
+from ray_hsdp.config.group import GroupConfig
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.request import GenerationRequest
 

@@ -87,7 +87,7 @@ def test_a_scheduler_whose_shift_is_dynamic_takes_no_flow_shift():
     Its pipeline now says it takes none, and the table of refusals turns such a request away."""
     from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
-    from ray_hsdp.config.app import GroupConfig
+    from ray_hsdp.config.group import GroupConfig
     from ray_hsdp.config.pairs import refuse_request
     from ray_hsdp.request import InvalidRequestError
     from ray_hsdp.variant.shift import shift_key

@@ -12,8 +12,9 @@ import pytest
 import torch
 from support import max_abs_diff, reference_with
 
-from ray_hsdp.config.app import AppConfig, GroupConfig
+from ray_hsdp.config.app import AppConfig
 from ray_hsdp.config.blocks import StepCacheConfig
+from ray_hsdp.config.group import GroupConfig
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.request import GenerationRequest, StepCache
 

@@ -15,6 +15,9 @@
 #   bash bench/gpu/issue62.sh start-preload   the start part's runs in a Ray whose idle workers preloaded
 #                                     a rank's modules (bench.start --preload; issue 74); beside start's
 #                                     runs on the same machine, the plain baseline
+#   bash bench/gpu/issue62.sh cold    a node that never ran the model: in a Ray whose idle workers preloaded a
+#                                     rank's modules, the first start (it fills the compile cache), then one
+#                                     after dropping the page cache (bench.start --preload --cold; issue 74)
 #   bash bench/gpu/issue62.sh warm-up the start part's runs (no kill) twice: the YAML's warm-up, then its shape
 #                                     warmed with decode: false (the steps alone), with the warm-up's own
 #                                     record (issue 74)
@@ -29,7 +32,7 @@
 # No sage wheel on a fresh host: the YAML's attention_backend is replaced by diffusers' default.
 # OUT (default bench/results) is where logs and results go; MODELS (default /tmp) the checkpoints.
 set -uo pipefail
-PART=${1:?fp8, models, probe, start, start-preload, warm-up, video or image}
+PART=${1:?fp8, models, probe, start, start-preload, cold, warm-up, video or image}
 OUT=${OUT:-bench/results}
 MODELS=${MODELS:-/tmp}
 STEPS=${STEPS:-4}
@@ -70,6 +73,14 @@ case "$PART" in
       --name "start-preload-kill-wan2.1-t2v-14b-fp8-folder-1x$GPU" >"$OUT/start-preload-1x$GPU.log" 2>&1
     echo "start-preload: exit $?"
     grep "^{'run'" "$OUT/start-preload-1x$GPU.log" | cut -c1-900
+    ;;
+  cold)
+    write_models
+    python -m bench.start --config "$YAML" --model-dir "$MODELS/wan14b-fp8" --set attention_backend=auto \
+      --compile-cache-dir "$MODELS/compile-cache" --repeats 0 --cold --preload --steps "$STEPS" --out "$OUT" \
+      --name "start-preload-cold-wan2.1-t2v-14b-fp8-folder-1x$GPU" >"$OUT/start-preload-cold-1x$GPU.log" 2>&1
+    echo "cold: exit $?"
+    grep "^{'run'" "$OUT/start-preload-cold-1x$GPU.log" | cut -c1-1500
     ;;
   warm-up)
     for variant in whole steps-only; do

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from ray_hsdp.checkpoints.architectures import ARCHITECTURES
 from ray_hsdp.cli.serve_command import add_serve
-from ray_hsdp.config.app import GroupConfig, rank_pool_env
 from ray_hsdp.config.embedded import TINY_MODEL
+from ray_hsdp.config.group import GroupConfig, rank_pool_env
 from ray_hsdp.request import CACHE_KINDS, DEFAULT_GUIDANCE_SCALE
 
 
@@ -224,7 +224,7 @@ def _follow(group, future, request_id: str, steps: int) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     import ray
 
-    from ray_hsdp.config.app import GroupConfig, parse_size
+    from ray_hsdp.config.group import GroupConfig, parse_size
     from ray_hsdp.group import ShardGroup
     from ray_hsdp.request import GenerationRequest, fit_image, parse_lora
     from ray_hsdp.serve.media import encode_mp4

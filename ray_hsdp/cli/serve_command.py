@@ -16,8 +16,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from ray_hsdp.cli.serve_flags import UsageError, default_app_name, file_application, serve_config, served_args
-    from ray_hsdp.config.app import rank_pool_env
     from ray_hsdp.config.endpoint import served_models
+    from ray_hsdp.config.group import rank_pool_env
     from ray_hsdp.serve.keys import read_api_key
 
     try:

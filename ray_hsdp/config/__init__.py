@@ -2,6 +2,7 @@
 derives, the pairs of options refused together, and the embedded tiny models' names. Lowest layer
 but the request: may import ``ray_hsdp.request`` only; every other package imports it."""
 
-from ray_hsdp.config.app import AppConfig, GroupConfig
+from ray_hsdp.config.app import AppConfig
+from ray_hsdp.config.group import GroupConfig
 
 __all__ = ["AppConfig", "GroupConfig"]

@@ -1,6 +1,6 @@
-"""The nested blocks of a configuration (``ray_hsdp.config.app``): a group's step cache (``cache``), an
-adapter's request defaults (``lora_defaults.<adapter>``) and the application's autoscaling
-(``autoscaling``), each a model of its own that validates its fields."""
+"""The nested blocks of a configuration (``config.group``, ``config.app``): a group's step cache
+(``cache``), an adapter's request defaults (``lora_defaults.<adapter>``) and the application's
+autoscaling (``autoscaling``), each a model of its own that validates its fields."""
 
 from __future__ import annotations
 

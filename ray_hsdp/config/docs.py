@@ -9,15 +9,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from ray_hsdp.config.app import (
-    AppConfig,
-    GroupKernels,
-    GroupLayout,
-    GroupQueue,
-    RequestFeatures,
-    ServedModel,
-)
+from ray_hsdp.config.app import AppConfig
 from ray_hsdp.config.blocks import AutoscalingSpec, LoraDefaults, StepCacheConfig, WarmUpShape
+from ray_hsdp.config.group import GroupKernels, GroupLayout, GroupQueue, RequestFeatures, ServedModel
 
 #: The models the page describes, with what each section says of where its fields go.
 SECTIONS: tuple[tuple[str, type[BaseModel], str], ...] = (

@@ -20,7 +20,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_hsdp import deadlines
-from ray_hsdp.config.app import GroupConfig
+from ray_hsdp.config.group import GroupConfig
 from ray_hsdp.config.topology import PLACEMENT_STRATEGY, ParallelDims
 from ray_hsdp.group.errors import GroupFailedError, GroupOverloadedError, GroupUnplaceableError
 from ray_hsdp.group.inspection import GroupInspection

@@ -16,7 +16,7 @@ import time
 
 import ray
 
-from ray_hsdp.config.app import MAX_REQUESTS_PER_RANK, RANK_MODULES, GroupConfig
+from ray_hsdp.config.group import MAX_REQUESTS_PER_RANK, RANK_MODULES, GroupConfig
 from ray_hsdp.config.topology import ParallelDims
 from ray_hsdp.deadlines import run_timeout
 from ray_hsdp.phases import Phases

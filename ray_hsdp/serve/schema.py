@@ -21,7 +21,8 @@ from pydantic import (
 )
 
 from ray_hsdp import deadlines
-from ray_hsdp.config.app import AppConfig, parse_size
+from ray_hsdp.config.app import AppConfig
+from ray_hsdp.config.group import parse_size
 from ray_hsdp.request import GenerationRequest, GenerationResult, InvalidRequestError, fit_image, parse_lora
 from ray_hsdp.serve.media import encode_image, frames_for_seconds
 

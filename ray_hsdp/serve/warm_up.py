@@ -13,8 +13,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from ray_hsdp.config.app import AppConfig, parse_size
+from ray_hsdp.config.app import AppConfig
 from ray_hsdp.config.blocks import WarmUpShape
+from ray_hsdp.config.group import parse_size
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.group.warm_up import gray_png
 from ray_hsdp.loading.page_cache import read_ahead_in_background

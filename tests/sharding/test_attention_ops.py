@@ -246,7 +246,7 @@ def test_a_rank_that_compiles_qwen_image_takes_its_policys_traceable_step(tmp_pa
     from diffusers.models.transformers import transformer_qwenimage
 
     from ray_hsdp.checkpoints.tiny import make_tiny
-    from ray_hsdp.config.app import GroupConfig
+    from ray_hsdp.config.group import GroupConfig
     from ray_hsdp.config.topology import ParallelDims
     from ray_hsdp.loading.steps import LoadFacts, load_parts
     from ray_hsdp.phases import Phases

@@ -11,7 +11,7 @@ import pytest
 import torch
 from support import wan_transformer_inputs
 
-from ray_hsdp.config.app import GroupConfig
+from ray_hsdp.config.group import GroupConfig
 from ray_hsdp.sharding.fp8 import FP8, Fp8Linear, check_fp8_device, fp8_linears, quantize_fp8
 
 

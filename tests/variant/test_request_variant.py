@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import pytest
 from support import random_png
 
-from ray_hsdp.config.app import GroupConfig
+from ray_hsdp.config.group import GroupConfig
 from ray_hsdp.request import GenerationRequest, InvalidRequestError, StepCache
 from ray_hsdp.variant import NO_REQUEST, RankFeatures, RequestVariant
 from ray_hsdp.variant.lane import UnsplittableRequestError
