@@ -447,6 +447,59 @@ def test_overload_is_refused_with_429_and_nothing_hangs(guarded):
             assert decode_png(payload["data"][0]["b64_json"]).size == (64, 64)
 
 
+def running_steps(server: str) -> dict[str, int]:
+    """Request id -> denoising step of the requests the group runs now (``/v1/pool``)."""
+    now = requests.get(f"{server}/v1/pool", timeout=60).json()["requests"]
+    return {request_id: state["step"] for request_id, state in now.items() if state["state"] == "running"}
+
+
+def running_past_step_2(server: str) -> tuple[str, int]:
+    """The one request the group runs, once past step 2: its id and step."""
+    ((request_id, step),) = wait_until(
+        lambda: {r: s for r, s in running_steps(server).items() if s >= 2}.items(), 120, "a request past step 2"
+    )
+    return request_id, step
+
+
+def last_step_before_it_left(server: str, request_id: str, step: int) -> int:
+    """Polls the group until ``request_id`` leaves it; the last step it was seen at."""
+    last = step
+
+    def gone() -> bool:
+        nonlocal last
+        now = running_steps(server)
+        last = now.get(request_id, last)
+        return request_id not in now
+
+    wait_until(gone, 120, f"{request_id} leaving the group")
+    return last
+
+
+def test_a_client_that_goes_away_stops_its_request(server):
+    """A caller that disconnects (HTTP) or cancels its handle call stops its request on the group,
+    not after its 200 steps: the proxy cancels the ingress' call, which cancels the group's."""
+    import http.client
+    from urllib.parse import urlparse
+
+    from ray import serve
+
+    slow = {"prompt": "nobody waits", "num_inference_steps": 200, "size": "256x256", "seed": 3}
+    address = urlparse(server)
+    client = http.client.HTTPConnection(address.hostname, address.port, timeout=60)
+    client.request("POST", "/v1/images/generations", json.dumps(slow), {"Content-Type": "application/json"})
+    request_id, step = running_past_step_2(server)
+    client.close()  # the client goes away before its answer
+    http_last = last_step_before_it_left(server, request_id, step)
+    assert http_last < step + 100, (step, http_last)  # stopped, not run to its 200th step
+    call = serve.get_app_handle(APP).generate.remote(slow)
+    request_id, step = running_past_step_2(server)
+    call.cancel()
+    handle_last = last_step_before_it_left(server, request_id, step)
+    assert handle_last < step + 100, (step, handle_last)
+    assert requests.post(f"{server}/v1/images/generations", json={"prompt": "after"}, timeout=120).status_code == 200
+    print(f"\nLeft the group at step {http_last} (HTTP client gone) and {handle_last} (handle call cancelled) of 200")
+
+
 def test_a_killed_rank_fails_its_request_with_503_and_the_group_heals(server):
     """Last in this module: it breaks the main app's group (and checks that it comes back).
 
