@@ -28,6 +28,7 @@ from peft import inject_adapter_in_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch.distributed.tensor import DTensor
 
+from ray_hsdp.loading.components import local_rows
 from ray_hsdp.loading.lora_state import AdapterState, read_adapter
 
 #: A request's adapters: ``(name, scale)`` pairs (``GenerationRequest.lora``).
@@ -162,7 +163,7 @@ def fuse_lora(module: nn.Module, adapter: AdapterState, scale: float, unmerged: 
     with torch.no_grad():
         for target, parts in adapter.targets.items():
             linear = module.get_submodule(target)
-            rows = _local_rows(linear.weight)
+            rows = local_rows(linear.weight)
             local = _local(linear.weight)
             up = (parts.up[rows] if rows is not None else parts.up).to(local.device, torch.float32)
             delta = scale * parts.scaling * (up @ parts.down.to(local.device, torch.float32))
@@ -173,16 +174,10 @@ def fuse_lora(module: nn.Module, adapter: AdapterState, scale: float, unmerged: 
                 merged *= (magnitude.to(local.device, torch.float32) / norm)[:, None]
             local.copy_(merged.to(local.dtype))
             if parts.bias is not None:
-                bias_rows, bias = _local_rows(linear.bias), _local(linear.bias)
+                bias_rows, bias = local_rows(linear.bias), _local(linear.bias)
                 add = (parts.bias[bias_rows] if bias_rows is not None else parts.bias).to(bias.device, torch.float32)
                 bias.copy_((bias.float() + scale * parts.scaling * add).to(bias.dtype))
     return len(adapter.targets)
-
-
-def _local_rows(param: torch.Tensor) -> slice | None:
-    from ray_hsdp.loading.components import local_rows
-
-    return local_rows(param)
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

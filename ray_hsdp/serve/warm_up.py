@@ -131,11 +131,10 @@ def warm_up(group: ShardGroup, config: AppConfig, shapes: list[WarmUpShape]) -> 
             take. Either way the group is shut down.
     """
     try:
-        requests = [
-            (dataclasses.replace(request, decode=shape.decode), fps)
-            for i, shape in enumerate(shapes)
-            for request, fps in [warm_up_request(shape, config, group.pipeline_facts, i)]
-        ]
+        requests = []
+        for i, shape in enumerate(shapes):  # a user's request at the shape, decoded only if the shape says so
+            request, fps = warm_up_request(shape, config, group.pipeline_facts, i)
+            requests.append((dataclasses.replace(request, decode=shape.decode), fps))
         for request, _ in requests:
             group.check(request)  # a size whose tokens do not split over a lane: refused before any runs
     except BaseException:
