@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 from PIL import Image
-from support import free_port, wait_until_healthy
+from support import free_port, wait_until, wait_until_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -121,3 +121,18 @@ def decode_png(b64: str) -> Image.Image:
 def png_pixels(payload: dict) -> np.ndarray:
     """The first image of an images response, as float64 pixels (0-255)."""
     return np.asarray(decode_png(payload["data"][0]["b64_json"]), dtype=np.float64)
+
+
+def last_step_before_it_left(steps_now, request_id: str, step: int = 0) -> int:
+    """Polls ``steps_now()`` (request id -> its denoising step, of the requests a group runs now)
+    until ``request_id`` leaves it; the last step it was seen at (``step`` if it never was)."""
+    last = step
+
+    def left() -> bool:
+        nonlocal last
+        now = steps_now()
+        last = now.get(request_id, last)
+        return request_id not in now
+
+    wait_until(left, 120, f"{request_id} leaving its group", 0.05)
+    return last

@@ -20,7 +20,7 @@ from ray_hsdp.serve.media import encode_image
 from ray_hsdp.serve.metrics import METRICS
 
 from .prometheus import SAMPLE, samples, scrape, total
-from .served import decode_png
+from .served import decode_png, last_step_before_it_left
 
 APP = "ray_hsdp"
 DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "ray_hsdp.json"
@@ -461,20 +461,6 @@ def running_past_step_2(server: str) -> tuple[str, int]:
     return request_id, step
 
 
-def last_step_before_it_left(server: str, request_id: str, step: int) -> int:
-    """Polls the group until ``request_id`` leaves it; the last step it was seen at."""
-    last = step
-
-    def gone() -> bool:
-        nonlocal last
-        now = running_steps(server)
-        last = now.get(request_id, last)
-        return request_id not in now
-
-    wait_until(gone, 120, f"{request_id} leaving the group")
-    return last
-
-
 def test_a_client_that_goes_away_stops_its_request(server):
     """A caller that disconnects (HTTP) or cancels its handle call stops its request on the group,
     not after its 200 steps: the proxy cancels the ingress' call, which cancels the group's."""
@@ -489,12 +475,12 @@ def test_a_client_that_goes_away_stops_its_request(server):
     client.request("POST", "/v1/images/generations", json.dumps(slow), {"Content-Type": "application/json"})
     request_id, step = running_past_step_2(server)
     client.close()  # the client goes away before its answer
-    http_last = last_step_before_it_left(server, request_id, step)
+    http_last = last_step_before_it_left(lambda: running_steps(server), request_id, step)
     assert http_last < step + 100, (step, http_last)  # stopped, not run to its 200th step
     call = serve.get_app_handle(APP).generate.remote(slow)
     request_id, step = running_past_step_2(server)
     call.cancel()
-    handle_last = last_step_before_it_left(server, request_id, step)
+    handle_last = last_step_before_it_left(lambda: running_steps(server), request_id, step)
     assert handle_last < step + 100, (step, handle_last)
     assert requests.post(f"{server}/v1/images/generations", json={"prompt": "after"}, timeout=120).status_code == 200
     print(f"\nLeft the group at step {http_last} (HTTP client gone) and {handle_last} (handle call cancelled) of 200")

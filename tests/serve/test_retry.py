@@ -19,7 +19,7 @@ from support import METRICS_EXPORT_S, reference_frames, wait_until
 from ray_hsdp.request import GenerationRequest
 
 from .prometheus import scrape, total
-from .served import deploy, png_pixels
+from .served import deploy, last_step_before_it_left, png_pixels
 
 #: A killed rank's peers fail at once (gloo sees its connection close); this bounds anything slower.
 COLLECTIVE_TIMEOUT_S = 10
@@ -314,19 +314,6 @@ def steps_on(ranks: list[dict]) -> dict[str, int]:
     return {request_id: step for report in reports for request_id, (step, _) in report.items()}
 
 
-def last_step_before_it_left(ranks: list[dict], request_id: str) -> int:
-    """Polls a group's ranks until ``request_id`` leaves them; the last step it was seen at."""
-    seen = [0]
-
-    def left() -> bool:
-        steps = steps_on(ranks)
-        seen[0] = steps.get(request_id, seen[0])
-        return request_id not in steps
-
-    wait_until(left, 120, f"{request_id} leaving its group", 0.05)
-    return seen[0]
-
-
 def test_a_retried_request_and_a_moved_video_job_stop_where_they_run(pool):
     """Issue 54: a group dies under an image request (a handle call) and a video job. The request is
     retried on the other group and the job moves there: the other replica owns it in the job table
@@ -372,7 +359,7 @@ def test_a_retried_request_and_a_moved_video_job_stop_where_they_run(pool):
         raise AssertionError(f"{err}: {steps_on(groups[other])}, {job}, {image}") from None
     (image_id,) = set(moved) - {video_id}
     image.cancel()
-    assert last_step_before_it_left(groups[other], image_id) < 150  # stopped, not run to its end
+    assert last_step_before_it_left(lambda: steps_on(groups[other]), image_id) < 150  # stopped, not run to its end
     assert requests.delete(f"{url}/{video_id}", timeout=60).status_code == 200
-    assert last_step_before_it_left(groups[other], video_id) < 150
+    assert last_step_before_it_left(lambda: steps_on(groups[other]), video_id) < 150
     # (The last test of the module: the pool goes with its victim's group still being rebuilt.)
