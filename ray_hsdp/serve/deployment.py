@@ -4,6 +4,7 @@ HTTP; its video jobs run in ``videos``; every error is answered by ``errors``' o
 
 import asyncio
 import collections
+import functools
 import logging
 import threading
 import time
@@ -18,6 +19,8 @@ from ray_hsdp.config.topology import ParallelDims
 from ray_hsdp.group import GroupFailedError, QueueTimeoutError, ShardGroup
 from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
 from ray_hsdp.serve.errors import RequestLimitError, UnknownModelError
+from ray_hsdp.serve.job_actor import find_store
+from ray_hsdp.serve.job_client import StoreClient
 from ray_hsdp.serve.job_records import pool_of
 from ray_hsdp.serve.keeper import GroupKeeper
 from ray_hsdp.serve.logs import show_logs
@@ -29,6 +32,9 @@ from ray_hsdp.serve.videos import VideoJobs
 from ray_hsdp.serve.warm_up import check_shapes, start_warm
 
 logger = logging.getLogger("ray_hsdp")
+
+#: How long a replica looks for the job store at one call (an ingress starts it, or starts it again).
+STORE_FIND_S = 10.0
 
 
 @serve.deployment
@@ -53,7 +59,8 @@ class HSDPServer(VideoJobs, ModelFacts):
         #: The job store's name of this deployment: its released and waiting jobs move only among its groups.
         self._pool = pool_of(context.app_name, context.deployment)
         self.metrics = ReplicaMetrics(self.model_name)
-        self.jobs = None  # the cluster's video job store, found at its first use (``VideoJobs._store``)
+        #: The cluster's video job store, found at its first use (an ingress starts it).
+        self.store = StoreClient(functools.partial(find_store, STORE_FIND_S))
         #: Video id -> the task that runs it here (a drain releases those left), and the attempt it runs.
         self._videos: dict[str, asyncio.Task] = {}
         self._attempts: dict[str, int] = {}
@@ -90,8 +97,8 @@ class HSDPServer(VideoJobs, ModelFacts):
                     group = self.keeper.group
                     self.metrics.group(group.group_id, *group.load(), group.tick_stats(), group.warm_up_stats)
                 self.metrics.keeper(self.keeper.failures, self.keeper.rebuilds)
-                if self.jobs is not None:
-                    counts = ray.get(self.jobs.counts.remote(), timeout=self.config.metrics_interval_s)
+                if (store := self.store.cached()) is not None:
+                    counts = ray.get(store.counts.remote(), timeout=self.config.metrics_interval_s)
                     self.metrics.video_jobs(counts)
             except Exception as err:  # noqa: BLE001 - a missed poll is reported again at the next one
                 logger.warning("Metrics poll failed: %s", err)

@@ -17,6 +17,7 @@ from ray_hsdp.group import (
     remote_cause,
 )
 from ray_hsdp.request import InvalidRequestError, RequestCancelledError
+from ray_hsdp.serve.job_records import StoreUnavailableError
 from ray_hsdp.serve.schema import ImageTooLargeError, RequestLimitError
 from ray_hsdp.variant.lane import UnsplittableRequestError
 
@@ -54,6 +55,10 @@ class VideoNotReadyError(RuntimeError):
     """The video job has no content yet (or failed)."""
 
 
+class VideoGoneError(RuntimeError):
+    """A completed video job whose file is missing from the media store."""
+
+
 class JobTableFullError(RuntimeError):
     """The video job table is at one of its limits."""
 
@@ -70,11 +75,13 @@ ERRORS: list[tuple[type[BaseException], int, str, str | None, bool]] = [
     (UnknownCursorError, 404, "invalid_request_error", "after", False),
     (VideoNotFoundError, 404, "invalid_request_error", "video_id", False),
     (VideoNotReadyError, 409, "invalid_request_error", "video_id", False),
+    (VideoGoneError, 410, "invalid_request_error", "video_id", False),
     (RequestCancelledError, 409, "invalid_request_error", None, False),  # deleted while a sync call waited
     (GroupOverloadedError, 429, "rate_limit_error", None, True),
     (JobTableFullError, 429, "rate_limit_error", None, True),
     (BackPressureError, 503, "server_error", None, True),  # Serve's own queue is full
     (GroupFailedError, 503, "server_error", None, True),
+    (StoreUnavailableError, 503, "server_error", None, True),  # the job store's database does not answer
     (GroupLostError, 503, "server_error", None, True),
     (ModelLoadingError, 503, "server_error", "model", True),
     # A group's replica that died (its process, its node) under a call no one retries (pool, health).

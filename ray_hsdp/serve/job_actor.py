@@ -1,9 +1,14 @@
-"""The cluster's video job store as a Ray actor that no deployment owns.
+"""The cluster's video job store as a Ray actor that no deployment owns, and its callers' client.
 
 A detached actor on the head node (beside Serve's controller: a cluster that loses its head loses
 Serve anyway), named, so that every ingress and group replica of every application reaches the
 same one, and no ``serve deploy``, ``serve delete`` or replica restart takes it. Ray restarts it
-if its process dies; it then reopens its database, where every record already is.
+if its process dies; it then reopens its database, where every record already is. One that was
+killed for good is started again by the next ingress that needs it (``StoreClient``), with the
+same ``job_store`` and ``media_store``: a lasting store loses nothing.
+
+It runs its calls on a few threads: a read never waits behind another caller's write (the
+transitions are compare-and-set in the database; the leases take their own lock).
 """
 
 from __future__ import annotations
@@ -14,11 +19,14 @@ from pathlib import Path
 
 import ray
 
+from ray_hsdp.serve.credentials import redact_url, with_password
 from ray_hsdp.serve.job_store import JobStore
 
 #: The store actor's name and Ray namespace.
 STORE_NAME = "video_jobs"
 STORE_NAMESPACE = "ray_hsdp"
+#: The threads the store actor runs its calls on.
+STORE_THREADS = 8
 
 
 def default_folder() -> Path:
@@ -39,26 +47,45 @@ class StoreActor(JobStore):
     Args:
         job_store: The records' SQLAlchemy URL; ``None``: SQLite in ``default_folder()``.
         media_store: The MP4s' folder or fsspec URL; ``None``: ``default_folder()/media``.
+        password_file, password_env: Where the database's password is on this node (the
+            endpoint's ``job_store_password_file`` / ``_env``): read here, at each (re)start, so
+            no argument the actor was created with carries it.
     """
 
-    def __init__(self, job_store: str | None, media_store: str | None):
+    def __init__(
+        self,
+        job_store: str | None,
+        media_store: str | None,
+        password_file: str | None = None,
+        password_env: str | None = None,
+    ):
         self._configured = (job_store, media_store)
         folder = default_folder()
         if job_store is None or media_store is None:
             folder.mkdir(parents=True, exist_ok=True)
-        super().__init__(job_store or f"sqlite:///{folder / 'jobs.sqlite'}", media_store or str(folder / "media"))
+        url = with_password(job_store, password_file, password_env) if job_store else None
+        node = ray.get_runtime_context().get_node_id()  # where a media folder is (``JobMedia.reaches``)
+        super().__init__(url or f"sqlite:///{folder / 'jobs.sqlite'}", media_store or str(folder / "media"), node=node)
 
     def configured(self) -> tuple[str | None, str | None]:
         """The ``job_store`` and ``media_store`` it was started with (``None``: the default)."""
         return self._configured
 
 
-def open_store(job_store: str | None, media_store: str | None, timeout_s: float = 60.0):
-    """The cluster's store actor, started with these locations if none runs yet.
+def open_store(
+    job_store: str | None,
+    media_store: str | None,
+    timeout_s: float = 60.0,
+    password_file: str | None = None,
+    password_env: str | None = None,
+):
+    """The cluster's store actor, started with these locations (and where its database's password
+    is, ``StoreActor``) if none runs yet.
 
     Raises:
         ValueError: A store runs with other locations (one cluster, one store: say the same
-            ``job_store`` and ``media_store`` in every endpoint of the cluster).
+            ``job_store`` and ``media_store`` in every endpoint of the cluster); the locations
+            shown with their secrets redacted.
     """
     actor = (
         ray.remote(StoreActor)
@@ -73,14 +100,16 @@ def open_store(job_store: str | None, media_store: str | None, timeout_s: float 
             # A call in flight when its process died runs again on the restarted store: the
             # transitions are guarded by owner and attempt, and a repeated complete answers as the first.
             max_task_retries=-1,
+            max_concurrency=STORE_THREADS,
         )
-        .remote(job_store, media_store)
+        .remote(job_store, media_store, password_file, password_env)
     )
     running = ray.get(actor.configured.remote(), timeout=timeout_s)
     if tuple(running) != (job_store, media_store):
         raise ValueError(
-            f"this cluster's video job store runs with job_store={running[0]!r}, media_store={running[1]!r}; "
-            f"this endpoint asks for job_store={job_store!r}, media_store={media_store!r}: give every endpoint "
+            f"this cluster's video job store runs with job_store={redact_url(running[0])!r}, "
+            f"media_store={redact_url(running[1])!r}; this endpoint asks for job_store={redact_url(job_store)!r}, "
+            f"media_store={redact_url(media_store)!r}: give every endpoint "
             "of the cluster the same two fields (or stop the store: ray.kill of the actor "
             f"{STORE_NAME!r} in namespace {STORE_NAMESPACE!r})"
         )

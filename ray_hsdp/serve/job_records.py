@@ -22,6 +22,8 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    inspect,
+    text,
 )
 
 from ray_hsdp.request import GenerationRequest, StepCache
@@ -61,6 +63,9 @@ jobs_table = Table(
     Column("spec", Text),  # the request as JSON (``encode_spec``); NULL once the job has ended
     Column("media_bytes", BigInteger, nullable=False, default=0),
     Column("media_key", String(200)),  # the stored files' stem (``job_media``)
+    # Why each attempt that failed under its job gave it up ("attempt N (code): why"), in order: a
+    # job fails, naming them, once ``max_attempts`` have (``JobStore.release``).
+    Column("attempt_errors", JSON),
 )
 
 #: Each endpoint's limits, so a restarted store applies them before its ingress calls again.
@@ -70,6 +75,22 @@ endpoints_table = Table(
     Column("endpoint", String(200), primary_key=True),
     Column("limits", JSON, nullable=False),
 )
+
+
+class StoreUnavailableError(RuntimeError):
+    """The job store cannot answer now: its database does not answer, or its actor is restarting.
+    Jobs go on running; their reports wait. (Its message never carries the database's URL.)"""
+
+
+def add_missing_columns(engine) -> None:
+    """Adds the columns of ``jobs_table`` that a database written by an earlier version lacks
+    (each is nullable or has a default there): a lasting store survives an upgrade."""
+    have = {column["name"] for column in inspect(engine).get_columns(jobs_table.name)}
+    with engine.begin() as conn:
+        for column in jobs_table.columns:
+            if column.name not in have:
+                kind = column.type.compile(dialect=engine.dialect)
+                conn.execute(text(f'ALTER TABLE {jobs_table.name} ADD COLUMN "{column.name}" {kind}'))
 
 
 def pool_of(app_name: str, deployment: str) -> str:

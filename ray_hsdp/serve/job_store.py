@@ -2,10 +2,9 @@
 
 Every change of a job's state or owner is one transition here, one database transaction, guarded
 by the job's ``owner`` and ``attempt`` (a compare-and-set ``UPDATE ... WHERE``): a report of an
-earlier attempt is refused, and one attempt is adopted once whichever replicas race, with one
-store process or several. The records and the MP4s outlive every deployment: they live in a
-database (SQLAlchemy URL: SQLite by default, PostgreSQL for several nodes) and a media store
-(``job_media``), not in any replica's memory.
+earlier attempt is refused, and one attempt is adopted once whichever replicas race. The records
+and the MP4s outlive every deployment: they live in a database (SQLAlchemy URL: SQLite by default,
+PostgreSQL for several nodes) and a media store (``job_media``), not in any replica's memory.
 
     create ──> queued ──start──> in_progress ──complete──> completed
                  │  ▲               │
@@ -14,21 +13,36 @@ database (SQLAlchemy URL: SQLite by default, PostgreSQL for several nodes) and a
                  └──release─────────┘
     fail, cancel (delete) and expire end a job from any active state; terminal states never change.
 
-A store serves several endpoints (applications) of one cluster: each job belongs to the endpoint
-whose ingress took it, and each endpoint has its own limits (``configure``).
+A job leaves its owner only when the owner is known gone (``job_leases``): a database that does
+not answer delays reports (each call then raises ``StoreUnavailableError``) and never releases a
+job. One store process serves the cluster (``job_actor``): the leases live in its memory, and
+``delete``, ``expire`` and ``claim``'s hold are exact only there (the adoption is guarded in the
+database whatever runs it). A store serves several endpoints (applications) of one cluster: each
+job belongs to the endpoint whose ingress took it, and each endpoint has its own limits.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import uuid
 
 from sqlalchemy import and_, create_engine, delete, event, func, insert, select, update
+from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 
 from ray_hsdp.config.endpoint import EndpointConfig
+from ray_hsdp.serve.job_leases import JobLeases
 from ray_hsdp.serve.job_media import JobMedia
-from ray_hsdp.serve.job_records import ACTIVE, endpoints_table, jobs_table, metadata, public
+from ray_hsdp.serve.job_records import (
+    ACTIVE,
+    StoreUnavailableError,
+    add_missing_columns,
+    endpoints_table,
+    jobs_table,
+    metadata,
+    public,
+)
 from ray_hsdp.serve.job_sweep import JobSweep, released_values
 
 #: Progress (0-100) at the end of denoising; decode and MP4 encoding fill the rest.
@@ -40,7 +54,14 @@ TRANSITIONS = (
     "create", "start", "release", "claim", "unclaim", "adopt", "take_waiting", "complete", "fail", "cancel", "expire",
 )  # fmt: skip
 #: The transitions whose method has another name: start is a report, cancel a delete, expire the sweep's.
-TRANSITION_METHODS = {"start": "report", "cancel": "delete", "expire": "_sweep"}
+TRANSITION_METHODS = {"start": "renew", "cancel": "delete", "expire": "_sweep"}
+
+#: Why a job may be released without its attempt counting against ``max_attempts``: a full group
+#: (it waits for room) and a removed one (a downscale, a redeploy) are no fault of the job's.
+UNCOUNTED_CODES = ("overloaded", "drained")
+
+#: What a database that does not answer raises (a connection refused or lost, a locked SQLite file).
+DATABASE_DOWN = (OperationalError, InterfaceError, DisconnectionError)
 
 
 def limits(config) -> dict:
@@ -51,6 +72,7 @@ def limits(config) -> dict:
         "ttl_s": config.video_ttl_s,
         "stale_after_s": config.video_stale_after_s,
         "lost_wait_s": config.video_lost_wait_s,
+        "max_attempts": config.video_max_attempts,
     }
 
 
@@ -60,8 +82,8 @@ DEFAULT_LIMITS = limits(EndpointConfig())
 
 def _engine(url: str):
     if url.startswith("sqlite"):
-        # One store process writes; readers wait for a write rather than fail.
-        engine = create_engine(url, connect_args={"timeout": 30})
+        # Readers and writers wait for a write rather than fail.
+        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
 
         @event.listens_for(engine, "connect")
         def _wal(connection, _):  # a write then never blocks the readers
@@ -69,7 +91,34 @@ def _engine(url: str):
             connection.execute("PRAGMA synchronous=NORMAL")
 
         return engine
-    return create_engine(url, pool_pre_ping=True)
+    # A connection that died with its server is replaced at its next use, not handed out; a server
+    # that does not answer is given up on in seconds (the call answers 503), not after TCP's minutes.
+    connect = {"connect_timeout": 5} if url.startswith("postgresql") else {}
+    return create_engine(url, pool_pre_ping=True, pool_timeout=10, connect_args=connect)
+
+
+def answering(method):
+    """A store call: the database opened (tables made, columns added) at the first call that
+    reaches it; a database that does not answer raises ``StoreUnavailableError`` (a 503 to a
+    caller; an owner's report waits) and stops every owner's silence from counting (``JobLeases``)."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        self.leases.called()
+        try:
+            self._open()
+            out = method(self, *args, **kwargs)
+        except DATABASE_DOWN as err:
+            self.leases.unreachable()
+            cause = type(getattr(err, "orig", None) or err).__name__  # the class only: a message may name the URL
+            raise StoreUnavailableError(
+                f"the video job store's database does not answer ({cause}); running jobs go on and report once "
+                "it does: retry shortly"
+            ) from None
+        self.leases.reachable()
+        return out
+
+    return call
 
 
 class JobViews:
@@ -81,6 +130,7 @@ class JobViews:
             query = query.where(jobs_table.c.endpoint == endpoint)
         return conn.execute(query).first()
 
+    @answering
     def get(self, endpoint: str, video_id: str) -> dict | None:
         """The video object, or ``None`` when the endpoint has no such job (any more)."""
         self._sweep()
@@ -88,6 +138,7 @@ class JobViews:
             row = self._row(conn, video_id, endpoint)
         return public(row) if row is not None else None
 
+    @answering
     def list(self, endpoint: str, limit: int, after: str | None, order: str) -> dict | None:
         """A page of video objects (``order`` ``desc``: newest first), or ``None`` when ``after``
         names no job."""
@@ -111,8 +162,10 @@ class JobViews:
             "last_id": page[-1]["id"] if page else None,
         }
 
-    def content(self, endpoint: str, video_id: str, variant: str) -> tuple[str, bytes | str | None]:
-        """``("ok", bytes)``, ``("missing", None)`` or ``("not_ready", status)``."""
+    @answering
+    def locate(self, endpoint: str, video_id: str) -> tuple[str, str | None]:
+        """Where a job's files are: ``("ok", media key)``, ``("missing", None)`` or
+        ``("not_ready", status)`` (for a caller that reads the media itself: ``JobMedia.reaches``)."""
         self._sweep()
         with self.engine.connect() as conn:
             row = self._row(conn, video_id, endpoint)
@@ -120,8 +173,21 @@ class JobViews:
             return "missing", None
         if row.status != "completed":
             return "not_ready", row.status
-        return "ok", self.media.read(row.media_key, variant)
+        return "ok", row.media_key
 
+    def content(self, endpoint: str, video_id: str, variant: str) -> tuple[str, bytes | str | None]:
+        """``("ok", bytes)``, ``("missing", None)``, ``("not_ready", status)`` or ``("gone", why)``
+        (a completed job whose file is missing from the media store), through the store's actor for a
+        caller that cannot reach the media itself."""
+        status, key = self.locate(endpoint, video_id)
+        if status != "ok":
+            return status, key
+        data = self.media.read(key, variant)
+        if data is None:
+            return "gone", f"the {variant} file of video {video_id!r} is missing from the media store"
+        return "ok", data
+
+    @answering
     def counts(self, endpoint: str | None = None) -> dict[str, int]:
         """Jobs kept, by status (the metrics' gauge), of one endpoint or of all."""
         self._sweep()
@@ -139,19 +205,39 @@ class JobStore(JobSweep, JobViews):
     Args:
         url: The records' SQLAlchemy URL (``sqlite:////path/jobs.sqlite``, ``postgresql+psycopg://...``).
         media: The MP4s' folder or fsspec URL.
+        node: The Ray node this store runs on (where a media folder is: ``JobMedia.reaches``).
+        orphan_after_s: A media file no record holds is removed once it is this old.
     """
 
-    def __init__(self, url: str, media: str):
-        self.url = url
+    def __init__(self, url: str, media: str, node: str | None = None, orphan_after_s: float = 600.0):
         self.engine = _engine(url)
-        metadata.create_all(self.engine)
-        self.media = JobMedia(media)
+        self.media = JobMedia(media, node)
+        self.leases = JobLeases()
+        self.orphan_after_s = orphan_after_s
         self._limits: dict[str, dict] = {}
-        self._swept = 0.0
+        self._swept = self._orphans_swept = 0.0
         self._sweep_lock = threading.Lock()
+        self._open_lock = threading.Lock()
+        self._opened = False
+
+    def _open(self) -> None:
+        """Makes the tables (and adds the columns an earlier version lacked) once the database answers."""
+        if self._opened:
+            return
+        with self._open_lock:
+            if not self._opened:
+                metadata.create_all(self.engine)
+                add_missing_columns(self.engine)
+                self._opened = True
+
+    def media_location(self) -> tuple[str, str | None]:
+        """The media store's URL and the node its folder is on, for a caller that reads or writes it
+        itself (``JobMedia.reaches``)."""
+        return self.media.url, self.media.node
 
     # ---- the endpoints' limits ---------------------------------------------------------------
 
+    @answering
     def configure(self, endpoint: str, new_limits: dict) -> None:
         """Sets an endpoint's limits (its ingress at each start, so an edit applies with no restart
         of any group); kept in the database for a restarted store."""
@@ -179,12 +265,14 @@ class JobStore(JobSweep, JobViews):
             where.append(c.attempt == attempt)
         return conn.execute(update(jobs_table).where(and_(*where)).values(values)).rowcount == 1
 
+    @answering
     def create(
         self, endpoint: str, pool: str, fields: dict, owner: str, spec: str, video_id: str | None = None
     ) -> tuple[str, dict | str]:
         """``create``: a queued job, attempt 1, that ``owner`` (a group of ``pool``: ``pool_of``)
         runs; or, where the ingress names a job that exists (it sends a create again after its
-        first replica was lost under the call), ``owner`` adopts it (its attempt + 1).
+        first replica was lost under the call), ``owner`` adopts it (its attempt + 1; ``retried``
+        only where another replica had run it).
 
         Returns:
             ``("ok", video object)`` for a job ``owner`` runs from now (its ``attempt`` is the one to
@@ -196,13 +284,15 @@ class JobStore(JobSweep, JobViews):
         limit = self.limits_of(endpoint)
         with self.engine.begin() as conn:
             if video_id is not None and (row := self._row(conn, video_id, endpoint)) is not None:
+                ran_elsewhere = row.status == "in_progress" and row.owner != owner
                 values = dict(owner=owner, last_owner=owner, attempt=row.attempt + 1, progress=0, status="queued",
                               heartbeat=now, waiting_since=now, released_at=None, claimed_until=0.0,
-                              restarted=row.restarted or row.status == "in_progress")  # fmt: skip
+                              restarted=row.restarted or ran_elsewhere)  # fmt: skip
                 if not self._guarded(conn, video_id, None, row.attempt, values):
                     return "ended", public(self._row(conn, video_id))
                 return "ok", public(self._row(conn, video_id))
             c = jobs_table.c
+            # The bytes of jobs being written count (``renew``'s media_bytes), not only those kept.
             held, kept = conn.execute(
                 select(func.count(), func.coalesce(func.sum(c.media_bytes), 0)).where(c.endpoint == endpoint)
             ).one()
@@ -219,39 +309,74 @@ class JobStore(JobSweep, JobViews):
                     waiting_since=now, claimed_until=0.0, created_at=now, fields=fields, spec=spec, media_bytes=0,
                 )
             )  # fmt: skip
-            return "ok", public(self._row(conn, video_id))
+            out = public(self._row(conn, video_id))
+        self.leases.heard(owner)
+        return "ok", out
 
-    def report(
-        self, video_id: str, owner: str, attempt: int, progress: int | None = None, running: bool = False
-    ) -> bool:
-        """``start`` (``running``: a lane took it) and the owner's heartbeat and progress; progress
-        never goes down within an attempt.
+    @answering
+    def renew(self, owner: str, reports: list[dict], handle=None) -> list[bool]:
+        """``start`` and every report of one owner, in one call and one transaction (its lease
+        renewed): each report ``{"video_id", "attempt"}`` plus ``progress`` (never down within an
+        attempt), ``running`` (a lane took it), ``media_bytes`` (its files are being written: the
+        byte cap counts them).
+
+        Args:
+            handle: The owner's actor, which the store pings once the owner falls silent.
 
         Returns:
-            False when the job has ended or is gone, or ``owner``'s ``attempt`` is no longer the
-            job's (released, adopted elsewhere): the owner stops its copy.
+            Per report, False when the job has ended or is gone, or ``owner``'s ``attempt`` is no
+            longer the job's (released, adopted elsewhere): the owner stops its copy.
         """
         now = time.time()
         with self.engine.begin() as conn:
-            row = self._row(conn, video_id)
-            if row is None or row.status not in ACTIVE or row.owner != owner or row.attempt != attempt:
-                return False
-            values: dict = {"heartbeat": now}
-            if running or progress:  # (a short job may end between two reports: progress says it ran)
-                values.update(status="in_progress", replica=owner)
-            if progress is not None and values.get("status", row.status) == "in_progress":
-                values["progress"] = max(row.progress, min(int(progress), 99))
-            return self._guarded(conn, video_id, owner, attempt, values)
+            kept = [self._report_one(conn, owner, now, **report) for report in reports]
+        self.leases.heard(owner, handle)
+        return kept
 
+    def _report_one(self, conn, owner, now, video_id, attempt, progress=None, running=False, media_bytes=None):
+        row = self._row(conn, video_id)
+        if row is None or row.status not in ACTIVE or row.owner != owner or row.attempt != attempt:
+            return False
+        values: dict = {"heartbeat": now}
+        if running or progress:  # (a short job may end between two reports: progress says it ran)
+            values.update(status="in_progress", replica=owner)
+        if progress is not None and values.get("status", row.status) == "in_progress":
+            values["progress"] = max(row.progress, min(int(progress), 99))
+        if media_bytes is not None:
+            values["media_bytes"] = int(media_bytes)
+        return self._guarded(conn, video_id, owner, attempt, values)
+
+    def report(self, video_id: str, owner: str, attempt: int, progress: int | None = None, running: bool = False):
+        """One report (``renew`` of one job)."""
+        return self.renew(owner, [dict(video_id=video_id, attempt=attempt, progress=progress, running=running)])[0]
+
+    @answering
     def release(self, video_id: str, owner: str, attempt: int, code: str, why: str, hold_s: float = 0.0) -> bool:
         """``release``: ``owner`` gives its attempt up (its group failed under it, its drain ended,
         its group was full when the job was placed there): the job waits queued, owned by none and
         back at progress 0, for the ingress to place it on a group of its model (``claim``,
         ``adopt``; not before ``hold_s``: a full group's room comes later); ``code`` and ``why``
-        fail it if none does within ``video_lost_wait_s``."""
+        fail it if none does within ``video_lost_wait_s``, or at once where ``max_attempts`` of
+        its attempts have failed (naming each)."""
         with self.engine.begin() as conn:
-            return self._guarded(conn, video_id, owner, attempt, released_values(code, why, hold_s))
+            row = self._row(conn, video_id)
+            if row is None or row.owner != owner or row.attempt != attempt:
+                return False
+            return self._give_up(conn, row, code, why, hold_s)
 
+    def _give_up(self, conn, row, code: str, why: str, hold_s: float = 0.0) -> bool:
+        """Releases the job of ``row`` from its owner, or fails it once ``max_attempts`` failed."""
+        errors = list(row.attempt_errors or [])
+        if code not in UNCOUNTED_CODES:
+            errors.append(f"attempt {row.attempt} ({code}): {why}")
+        most = self.limits_of(row.endpoint)["max_attempts"]
+        if len(errors) >= most:
+            message = f"{len(errors)} attempts failed (video_max_attempts={most}): " + "; ".join(errors)
+            return self._fail(conn, row.id, code, message, row.owner, row.attempt, errors)
+        values = {**released_values(code, why, hold_s), "attempt_errors": errors}
+        return self._guarded(conn, row.id, row.owner, row.attempt, values)
+
+    @answering
     def claim(self, pools: list[str], hold_s: float) -> list[tuple[str, str, str, str, int, str]]:
         """``claim``: the released jobs of ``pools`` (``pool_of``) whose claim is free, each held for the asking
         ingress for ``hold_s`` (another ingress skips it meanwhile; the adoption is what is
@@ -277,6 +402,7 @@ class JobStore(JobSweep, JobViews):
                     out.append(tuple(row))
         return out
 
+    @answering
     def unclaim(self, video_id: str, attempt: int, retry_in_s: float) -> bool:
         """A claim whose placement failed (no group answered in time, or each refused): the job may
         be claimed again after ``retry_in_s`` rather than after the claim's whole hold."""
@@ -286,6 +412,7 @@ class JobStore(JobSweep, JobViews):
             moved = conn.execute(update(jobs_table).where(where).values(claimed_until=time.time() + retry_in_s))
             return moved.rowcount == 1
 
+    @answering
     def adopt(self, video_id: str, replica: str, attempt: int) -> int | None:
         """``adopt``: ``replica`` runs the released ``attempt`` again from the start, as attempt + 1.
         Exactly one adoption of an attempt succeeds.
@@ -299,20 +426,15 @@ class JobStore(JobSweep, JobViews):
             moved = conn.execute(
                 update(jobs_table)
                 .where(c.id == video_id, c.attempt == attempt, c.owner.is_(None), c.status.in_(ACTIVE))
-                .values(
-                    owner=replica,
-                    last_owner=replica,
-                    attempt=attempt + 1,
-                    progress=0,
-                    status="queued",
-                    heartbeat=now,
-                    waiting_since=now,
-                    released_at=None,
-                    claimed_until=0.0,
-                )  # fmt: skip
+                .values(owner=replica, last_owner=replica, attempt=attempt + 1, progress=0, status="queued",
+                        heartbeat=now, waiting_since=now, released_at=None, claimed_until=0.0)  # fmt: skip
             ).rowcount
-        return attempt + 1 if moved == 1 else None
+        if moved != 1:
+            return None
+        self.leases.heard(replica)
+        return attempt + 1
 
+    @answering
     def take_waiting(self, replica: str, pool: str, waited_s: float) -> tuple[str, str, int] | None:
         """``adopt`` of a job that has waited queued on another, busy group of ``pool`` for
         ``waited_s``, by ``replica``, whose group has a free lane; its first owner's next report
@@ -335,38 +457,47 @@ class JobStore(JobSweep, JobViews):
                 values = dict(owner=replica, last_owner=replica, attempt=row.attempt + 1, heartbeat=now,
                               waiting_since=now)  # fmt: skip
                 if self._guarded(conn, row.id, row.owner, row.attempt, values):
+                    self.leases.heard(replica)
                     return row.id, row.spec, row.attempt + 1
         return None
 
     def complete(
         self, video_id: str, owner: str, attempt: int, mp4: bytes, thumbnail: bytes, size: str | None = None
     ) -> bool:
-        """``complete``: stores the MP4 and its first frame of ``owner``'s ``attempt``, then marks the
-        job completed (the files first: a completed record always has its content). Sent again
-        (the store restarted under the call), it answers True once more.
-
-        Returns:
-            False (and nothing kept) when the job has ended or is gone, or the attempt is not its own.
-        """
-        with self.engine.connect() as conn:
-            row = self._row(conn, video_id)
-        if row is None or row.owner != owner or row.attempt != attempt:
-            return False
-        if row.status == "completed":
-            return True
+        """``complete`` of an owner that cannot reach the media store itself: the store writes the
+        MP4 and its first frame, then completes the job (``complete_stored``)."""
         key = f"{video_id}-{attempt}"
         stored = self.media.write(key, mp4, thumbnail)
-        now = time.time()
-        fields = {**row.fields, "size": size} if size is not None else row.fields
+        return self.complete_stored(video_id, owner, attempt, key, stored, size)
+
+    @answering
+    def complete_stored(
+        self, video_id: str, owner: str, attempt: int, key: str, stored: int, size: str | None = None
+    ) -> bool:
+        """``complete``: ``owner``'s ``attempt`` wrote its files under ``key`` (``stored`` bytes) in
+        the media store; the job is completed (the files first: a completed record always has its
+        content). Sent again (the store restarted under the call), it answers True once more.
+
+        Returns:
+            False (and the files removed) when the job has ended or is gone, or the attempt is not its own.
+        """
         with self.engine.begin() as conn:
-            values = dict(status="completed", progress=100, replica=owner, completed_at=now, spec=None,
-                          expires_at=now + self.limits_of(row.endpoint)["ttl_s"], media_bytes=stored, media_key=key,
-                          fields=fields)  # fmt: skip
-            done = self._guarded(conn, video_id, owner, attempt, values)
+            row = self._row(conn, video_id)
+            if row is not None and row.status == "completed" and (row.owner, row.attempt) == (owner, attempt):
+                return True
+            done = False
+            if row is not None and row.owner == owner and row.attempt == attempt:
+                now = time.time()
+                fields = {**row.fields, "size": size} if size is not None else row.fields
+                values = dict(status="completed", progress=100, replica=owner, completed_at=now, spec=None,
+                              expires_at=now + self.limits_of(row.endpoint)["ttl_s"], media_bytes=stored,
+                              media_key=key, fields=fields)  # fmt: skip
+                done = self._guarded(conn, video_id, owner, attempt, values)
         if not done:
             self.media.remove(key)
         return done
 
+    @answering
     def fail(
         self, video_id: str, code: str, message: str, owner: str | None = None, attempt: int | None = None
     ) -> bool:
@@ -375,15 +506,18 @@ class JobStore(JobSweep, JobViews):
         with self.engine.begin() as conn:
             return self._fail(conn, video_id, code, message, owner, attempt)
 
-    def _fail(self, conn, video_id: str, code: str, message: str, owner=None, attempt=None) -> bool:
+    def _fail(self, conn, video_id: str, code: str, message: str, owner=None, attempt=None, errors=None) -> bool:
         row = self._row(conn, video_id)
         if row is None:
             return False
         now = time.time()
         values = dict(status="failed", completed_at=now, spec=None, error_code=code, error_message=message,
-                      expires_at=now + self.limits_of(row.endpoint)["ttl_s"])  # fmt: skip
+                      expires_at=now + self.limits_of(row.endpoint)["ttl_s"], media_bytes=0)  # fmt: skip
+        if errors is not None:
+            values["attempt_errors"] = errors
         return self._guarded(conn, video_id, owner, attempt, values)
 
+    @answering
     def delete(self, endpoint: str, video_id: str) -> bool:
         """``cancel``: removes a job and its files (afterwards its id is 404); its owner stops it at
         its next report. Returns whether it existed."""

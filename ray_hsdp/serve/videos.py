@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import logging
 
+import ray
 from ray import serve
 
 from ray_hsdp import deadlines
@@ -19,11 +20,11 @@ from ray_hsdp.request import GenerationRequest, RequestCancelledError
 from ray_hsdp.serve.errors import (
     JobTableFullError,
     RequestLimitError,
+    VideoGoneError,
     VideoNotFoundError,
     VideoNotReadyError,
     job_error_code,
 )
-from ray_hsdp.serve.job_actor import find_store
 from ray_hsdp.serve.job_records import decode_spec, encode_spec
 from ray_hsdp.serve.job_store import DECODED, DENOISED
 from ray_hsdp.serve.media import encode_mp4, encode_png
@@ -45,37 +46,49 @@ def _application_going() -> bool:
 
 
 class JobReads:
-    """A job's object and content, read from the job store (``self.jobs``) as the endpoint
-    ``self.endpoint`` holds them."""
+    """A job's object and content, read from the job store (``self.store``, a ``StoreClient``) as
+    the endpoint ``self.endpoint`` holds them."""
 
     async def video(self, video_id: str) -> dict:
         """The video object of a job."""
-        found = await self.jobs.get.remote(self.endpoint, video_id)
+        found = await self.store.call("get", self.endpoint, video_id)
         if found is None:
             raise VideoNotFoundError(f"no video {video_id!r} (never created, deleted, or expired)")
         return found
 
     async def video_content(self, video_id: str, variant: str = "video") -> bytes:
-        """The MP4 of a completed job, or its first frame as PNG (``variant="thumbnail"``)."""
+        """The MP4 of a completed job, or its first frame as PNG (``variant="thumbnail"``): read
+        from the media store here where this process reaches it, else through the store."""
         if variant not in ("video", "thumbnail"):
             raise RequestLimitError(f"variant must be 'video' or 'thumbnail', got {variant!r}")
-        status, content = await self.jobs.content.remote(self.endpoint, video_id, variant)
+        media = await self.store.media()
+        if media is not None:
+            status, found = await self.store.call("locate", self.endpoint, video_id)
+            if status == "ok":
+                data = await asyncio.to_thread(media.read, found, variant)
+                status, found = ("ok", data) if data is not None else ("gone", f"its {variant} file is missing")
+        else:
+            status, found = await self.store.call("content", self.endpoint, video_id, variant)
         if status == "missing":
             raise VideoNotFoundError(f"no video {video_id!r} (never created, deleted, or expired)")
         if status == "not_ready":
-            raise VideoNotReadyError(f"video {video_id!r} is {content}; its content exists once it is completed")
-        return content
+            raise VideoNotReadyError(f"video {video_id!r} is {found}; its content exists once it is completed")
+        if status == "gone":
+            raise VideoGoneError(
+                f"video {video_id!r} completed, but {found} from the media store (removed outside ray_hsdp, or a "
+                "media_store that did not outlive its records): create it again"
+            )
+        return found
 
 
 class VideoJobs:
-    """The video-job side of ``HSDPServer``: ``self.jobs`` is the job store (found once an ingress
-    has started it), ``self._attempts`` the attempt of each job that runs here."""
+    """The video-job side of ``HSDPServer``: ``self.store`` reaches the job store (a
+    ``StoreClient``), ``self._attempts`` holds the attempt of each job that runs here."""
 
-    async def _store(self):
-        """The cluster's job store (``job_actor``)."""
-        if self.jobs is None:
-            self.jobs = await asyncio.to_thread(find_store)
-        return self.jobs
+    async def _landed(self, method: str, *args, **kwargs):
+        """An owner's store call that must land (a release, a completion, a failure): it waits out a
+        store outage for up to ``video_lost_wait_s`` (the job stays this replica's meanwhile)."""
+        return await self.store.landed(method, *args, until_s=self.config.video_lost_wait_s, **kwargs)
 
     def _refusal(self, message: str) -> GroupFailedError:
         """A refusal the ingress retries on another group: it names this replica, the one to avoid."""
@@ -100,11 +113,11 @@ class VideoJobs:
         tasks = dict(getattr(self, "_videos", {}))
         if not tasks:
             return
-        jobs = await self._store()
         if await asyncio.to_thread(_application_going):
             why = f"the application serving {self.model_name} was deleted"
             await asyncio.gather(
-                *(jobs.fail.remote(v, "group_failed", why, self._replica, self._attempts[v]) for v in tasks)
+                *(self._landed("fail", v, "group_failed", why, self._replica, self._attempts[v]) for v in tasks),
+                return_exceptions=True,
             )
         else:
             logger.info("Draining %d video jobs (drain_timeout_s=%g)", len(tasks), self.config.drain_timeout_s)
@@ -112,7 +125,7 @@ class VideoJobs:
             why = f"the shard group running it was removed and drain_timeout_s={self.config.drain_timeout_s:g} passed"
             for video_id, task in tasks.items():
                 if not task.done():
-                    await jobs.release.remote(video_id, self._replica, self._attempts[video_id], "drained", why)
+                    await self._release(video_id, "drained", why)
         for task in tasks.values():
             task.cancel()
         await asyncio.gather(*tasks.values(), return_exceptions=True)
@@ -157,9 +170,8 @@ class VideoJobs:
             "guidance_scale_2": job.guidance_scale_2,
             "flow_shift": job.flow_shift,
         }
-        jobs = await self._store()
-        status, created = await jobs.create.remote(
-            endpoint, self._pool, fields, self._replica, encode_spec(job, fps), video_id
+        status, created = await self.store.call(
+            "create", endpoint, self._pool, fields, self._replica, encode_spec(job, fps), video_id
         )
         if status == "full":
             raise JobTableFullError(created)
@@ -172,7 +184,7 @@ class VideoJobs:
             try:
                 future = current.result().submit(job)
             except GroupOverloadedError:
-                await jobs.delete.remote(endpoint, created["id"])
+                await self.store.call("delete", endpoint, created["id"])
                 raise
             except GroupFailedError:
                 pass  # it failed just now: the job's task waits for the rebuild, or is released
@@ -201,95 +213,148 @@ class VideoJobs:
         """Runs a job the ingress placed here (``OpenAIIngress``) as the next attempt of the
         released ``attempt``: its group was lost, failed under it, filled, or was removed; its
         seed makes the same video here. It waits its turn anew. Returns once the job runs here
-        (False: another replica adopted that attempt, or the job is gone or ended).
+        (False: another replica adopted that attempt, the job is gone or ended, or its request
+        cannot run: then the job fails at once, with the reason).
+
+        The adoption and the job's start are one step that the caller's cancel (its deadline)
+        cannot split: an adopted job always runs here.
 
         Raises:
             GroupFailedError: This is the replica to avoid, or it is being removed too.
         """
         if avoid_replica == self._replica or self._draining:
             raise self._refusal("this shard group is the one the job left, or is being removed; it cannot take it")
-        new_attempt = await (await self._store()).adopt.remote(video_id, self._replica, attempt)
+        return await asyncio.shield(self._adopt(video_id, spec, attempt))
+
+    def _decoded(self, spec: str) -> tuple[GenerationRequest, int] | str:
+        """A stored request, or why it cannot run here (an earlier version's, or a broken one)."""
+        try:
+            return decode_spec(spec)
+        except Exception as err:  # noqa: BLE001 - the job fails with the reason, nothing loops
+            return f"its stored request cannot be read by this version ({type(err).__name__}: {err})"
+
+    async def _adopt(self, video_id: str, spec: str, attempt: int) -> bool:
+        decoded = self._decoded(spec)
+        if isinstance(decoded, str):
+            logger.warning("Failing video job %s: %s", video_id, decoded)
+            await self.store.call("fail", video_id, "internal_error", decoded, None, attempt)
+            return False
+        new_attempt = await self.store.call("adopt", video_id, self._replica, attempt)
         if new_attempt is None:
             return False
-        job, fps = decode_spec(spec)
+        job, fps = decoded
         job = dataclasses.replace(deadlines.waits_anew(job, self.config), request_id=video_id)
-        self._start_video(video_id, new_attempt, job, fps)
+        try:
+            self._start_video(video_id, new_attempt, job, fps)
+        except Exception as err:  # an adoption that does not start is undone, never left owned and idle
+            self._attempts[video_id] = new_attempt
+            await self._release(video_id, "group_failed", f"the group that adopted it could not start it ({err})")
+            raise
         return True
 
     async def _take_waiting_jobs(self, waited_s: float) -> None:
         """While this group has idle lanes (``ShardGroup.idle_lanes``: nothing runs there, and
         nothing waits for them): adopts the video jobs that have waited queued for ``waited_s``
         on other, busy groups, one per idle lane (the store picks the oldest; their first
-        replicas stop their copies at their next report, refused for its old attempt)."""
+        replicas stop their copies at their next report, refused for its old attempt). No error
+        ends it: a round that fails is tried again at the next."""
         while not self._stopping.is_set():
             await asyncio.sleep(waited_s / 2)
             if self._draining or self.keeper is None or not self.keeper.ready:
                 continue
-            group = self.keeper.group
-            for _ in range(group.idle_lanes()):
-                try:
-                    jobs = await self._store()
-                    taken = await jobs.take_waiting.remote(self._replica, self._pool, waited_s)
-                except Exception as err:  # noqa: BLE001 - the store answers again at the next round
-                    logger.warning("Asking the job store for waiting video jobs failed: %s", err)
-                    break
-                if taken is None:
-                    break
-                video_id, spec, attempt = taken
-                job, fps = decode_spec(spec)
-                job = dataclasses.replace(job, request_id=video_id)
-                try:  # requests that came in while the store answered may have filled the group
-                    future = group.submit(job) if video_id not in self._videos else None
-                except (GroupOverloadedError, GroupFailedError) as err:
-                    logger.info("Could not take over video job %s: %s", video_id, err)
-                    why = f"a group that took it over could not run it ({err})"
-                    await jobs.release.remote(video_id, self._replica, attempt, job_error_code(err), why)
-                    break
-                logger.info("Took over video job %s, which waited queued on a busy shard group", video_id)
-                self._start_video(video_id, attempt, job, fps, future)
+            try:
+                for _ in range(self.keeper.group.idle_lanes()):
+                    if not await self._take_one_waiting(waited_s):
+                        break
+            except Exception as err:  # noqa: BLE001 - the store or the group answers again at the next round
+                logger.warning("Taking over waiting video jobs failed: %s", err)
+
+    async def _take_one_waiting(self, waited_s: float) -> bool:
+        """Takes over one waiting job; whether to look for another."""
+        taken = await self.store.call("take_waiting", self._replica, self._pool, waited_s)
+        if taken is None:
+            return False
+        video_id, spec, attempt = taken
+        self._attempts.setdefault(video_id, attempt)
+        decoded = self._decoded(spec)
+        if isinstance(decoded, str):
+            await self.store.call("fail", video_id, "internal_error", decoded, self._replica, attempt)
+            return True
+        job, fps = decoded
+        job = dataclasses.replace(job, request_id=video_id)
+        try:  # requests that came in while the store answered may have filled the group
+            future = self.keeper.group.submit(job) if video_id not in self._videos else None
+        except (GroupOverloadedError, GroupFailedError) as err:
+            logger.info("Could not take over video job %s: %s", video_id, err)
+            why = f"a group that took it over could not run it ({err})"
+            await self._landed("release", video_id, self._replica, attempt, job_error_code(err), why)
+            return False
+        logger.info("Took over video job %s, which waited queued on a busy shard group", video_id)
+        self._start_video(video_id, attempt, job, fps, future)
+        return True
+
+    async def _release(self, video_id: str, code: str, why: str, hold_s: float = 0.0) -> None:
+        """Gives this replica's attempt of a job up, for the ingress to place it on another group."""
+        await self._landed("release", video_id, self._replica, self._attempts[video_id], code, why, hold_s)
 
     async def _run_video(self, video_id: str, job: GenerationRequest, fps: int, future) -> BaseException | None:
         """Runs a job to its MP4 in the store; returns the error that failed it, if any. A job
         whose group fails under it is released for the ingress to place on another group (with
-        one group, it fails); one placed here while the group is full is released to wait for
-        room. Its MP4 is stored only if this replica's attempt is still the job's."""
-        jobs = await self._store()
+        one group, it fails, unless this replica is being removed: a drain releases); one placed
+        here while the group is full is released to wait for room. Its MP4 is stored only if this
+        replica's attempt is still the job's. A store outage delays its reports, never its run."""
         try:
             try:
                 result = await self._result(job, future)
             except GroupOverloadedError as err:
-                why = f"placed on a full shard group ({err})"
-                attempt, hold = self._attempts[video_id], self.config.retry_after_s
-                await jobs.release.remote(video_id, self._replica, attempt, "overloaded", why, hold)
+                why, hold = f"placed on a full shard group ({err})", self.config.retry_after_s
+                await self._release(video_id, "overloaded", why, hold)
                 return None
             except GroupFailedError as err:
-                # (A replica being removed releases its jobs itself: ``_drain_videos``.)
-                if self._draining or serve.get_replica_context().world_size < 2:
+                if self._draining:  # (its drain would release it too: whichever comes first does)
+                    await self._release(video_id, "drained", f"its shard group failed while it was removed ({err})")
+                    return None
+                if serve.get_replica_context().world_size < 2:
                     raise
                 logger.warning("Releasing video job %s for another shard group after: %s", video_id, err)
-                await jobs.release.remote(video_id, self._replica, self._attempts[video_id], "group_failed", str(err))
+                await self._release(video_id, "group_failed", str(err))
                 return None
-            if not await jobs.report.remote(video_id, self._replica, self._attempts[video_id], progress=DECODED):
-                return None  # deleted, or its attempt is another replica's: its video is not this run's
             frames = result.frames[0]
             mp4 = await asyncio.to_thread(encode_mp4, frames, fps)  # off the event loop, far from any tick
             size = f"{frames.shape[2]}x{frames.shape[1]}"  # the output's: a pipeline may pick it from the image
-            attempt = self._attempts[video_id]
-            await jobs.complete.remote(video_id, self._replica, attempt, mp4, encode_png(frames[0]), size)
+            await self._store_video(video_id, mp4, encode_png(frames[0]), size)
             return None
         except RequestCancelledError as err:
             return err  # deleted or moved: nothing is kept
         except Exception as err:  # noqa: BLE001 - the job says why it failed
             err = remote_cause(err)
             logger.warning("Video job %s failed: %s", video_id, err)
-            await jobs.fail.remote(video_id, job_error_code(err), str(err), self._replica, self._attempts[video_id])
+            code = job_error_code(err)
+            await self._landed("fail", video_id, code, str(err), self._replica, self._attempts[video_id])
             return err
+
+    async def _store_video(self, video_id: str, mp4: bytes, thumbnail: bytes, size: str) -> None:
+        """Writes this attempt's files to the media store (directly where this process reaches it;
+        the store's byte cap counts them from the report before) and completes the job."""
+        attempt = self._attempts[video_id]
+        stored = len(mp4) + len(thumbnail)
+        report = dict(video_id=video_id, attempt=attempt, progress=DECODED, media_bytes=stored)
+        if not (await self._landed("renew", self._replica, [report]))[0]:
+            return  # deleted, or its attempt is another replica's: its video is not this run's
+        media = await self.store.media()
+        if media is None:
+            await self._landed("complete", video_id, self._replica, attempt, mp4, thumbnail, size)
+            return
+        key = f"{video_id}-{attempt}"
+        await asyncio.to_thread(media.write, key, mp4, thumbnail)
+        await self._landed("complete_stored", video_id, self._replica, attempt, key, stored, size)
 
     async def _poll_progress(self) -> None:
         """The replica's one progress poller: every ``PROGRESS_INTERVAL_S``, one look at the
-        group's progress, and a report of each of this replica's video jobs to the store (also
-        its heartbeat, queued or running). A job the store refuses (gone, ended, or its attempt
-        no longer this replica's) is stopped here."""
+        group's progress, and one report of all this replica's video jobs to the store (its lease:
+        queued or running). A job the store refuses (gone, ended, or its attempt no longer this
+        replica's) is stopped here; a store that does not answer refuses nothing."""
+        me = ray.get_runtime_context().current_actor
         while not self._stopping.is_set():
             await asyncio.sleep(PROGRESS_INTERVAL_S)
             videos = list(self._videos)
@@ -299,16 +364,19 @@ class VideoJobs:
                 states = await asyncio.to_thread(self.group.progress)
             except Exception:  # noqa: BLE001 - a failed group answers its jobs itself
                 states = {}
-            jobs = await self._store()
-            attempts = [self._attempts.get(video_id, 0) for video_id in videos]
             reports = []
-            for video_id, attempt in zip(videos, attempts):  # a job's request id is its video id
+            for video_id in videos:  # a job's request id is its video id
                 state = states.get(video_id)
                 running = state is not None and state["state"] == "running"
                 progress = DENOISED * state["step"] // max(state["total"], 1) if running else None
-                reports.append(jobs.report.remote(video_id, self._replica, attempt, progress=progress, running=running))
-            kept = await asyncio.gather(*reports, return_exceptions=True)
-            for video_id, attempt, still in zip(videos, attempts, kept):
+                attempt = self._attempts.get(video_id, 0)
+                reports.append(dict(video_id=video_id, attempt=attempt, progress=progress, running=running))
+            try:
+                kept = await self.store.call("renew", self._replica, reports, me)
+            except Exception as err:  # noqa: BLE001 - reported at the next round; nothing is stopped
+                logger.info("Reporting %d video jobs waits for the job store: %s", len(reports), err)
+                continue
+            for report, still in zip(reports, kept):
                 # (A job adopted here again meanwhile runs on under its new attempt.)
-                if still is False and self._attempts.get(video_id) == attempt:
-                    self._cancel(video_id)
+                if not still and self._attempts.get(report["video_id"]) == report["attempt"]:
+                    self._cancel(report["video_id"])

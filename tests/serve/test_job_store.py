@@ -8,13 +8,15 @@ import time
 import uuid
 
 import pytest
+from postgres import postgres as postgres_running
 from postgres import postgres_server, server_binaries
 
 from ray_hsdp.request import GenerationRequest, StepCache
-from ray_hsdp.serve.job_records import decode_spec, encode_spec
+from ray_hsdp.serve.job_leases import JobLeases
+from ray_hsdp.serve.job_records import StoreUnavailableError, decode_spec, encode_spec
 from ray_hsdp.serve.job_store import TRANSITION_METHODS, TRANSITIONS, JobStore
 
-LIMITS = {"max_jobs": 8, "max_bytes": 2**20, "ttl_s": 60, "stale_after_s": 60, "lost_wait_s": 60}
+LIMITS = {"max_jobs": 8, "max_bytes": 2**20, "ttl_s": 60, "stale_after_s": 60, "lost_wait_s": 60, "max_attempts": 3}
 
 
 @pytest.fixture(scope="module")
@@ -220,3 +222,110 @@ def test_a_request_round_trips_through_its_stored_spec():
         cache=StepCache(kind="taylorseer", interval=3), flow_shift=3.0, queue_deadline=12.5,
     )  # fmt: skip
     assert decode_spec(encode_spec(job, 16)) == (job, 16)
+
+
+def test_a_database_outage_longer_than_stale_after_s_releases_no_job(tmp_path):
+    """PostgreSQL stopped for twice ``stale_after_s`` under a running job: every call meanwhile
+    raises ``StoreUnavailableError`` (a 503, never a 500); once it is back, the job is still its
+    owner's, at its progress, and the owner's report and completion land."""
+    if server_binaries() is None:
+        pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl): install Debian's postgresql package")
+    with postgres_running() as server:
+        store = make(server.url, tmp_path / "media", stale_after_s=0.5, lost_wait_s=0.5)
+        _, video = store.create("app", "pool", {"model": "m"}, "a", "spec")
+        assert store.report(video["id"], "a", 1, progress=40, running=True)
+        server.stop()
+        outage_ends = time.monotonic() + 1.5
+        while time.monotonic() < outage_ends:
+            for call in (lambda: store.get("app", video["id"]), lambda: store.report(video["id"], "a", 1, 50)):
+                with pytest.raises(StoreUnavailableError) as raised:
+                    call()
+                assert "postgres" not in str(raised.value) and "socket" not in str(raised.value)
+            time.sleep(0.1)
+        server.start()
+        kept = store.get("app", video["id"])  # the first call back sweeps: the owner's silence did not count
+        assert (kept["status"], kept["progress"], kept["attempt"]) == ("in_progress", 40, 1), kept
+        assert store.report(video["id"], "a", 1, progress=60)
+        assert store.complete(video["id"], "a", 1, b"mp4", b"png")
+        assert store.get("app", video["id"])["status"] == "completed"
+
+
+def test_a_stalled_store_or_a_clock_step_releases_no_job_and_a_silent_owner_is_released(tmp_path):
+    """The leases count an owner's silence on the store's monotonic clock, and only while the store
+    ran calls: a store that ran nothing for a minute (stalled) and a wall clock stepped an hour
+    ahead release nothing; an owner silent for ``stale_after_s`` while the store heard others is
+    released."""
+    now = [0.0]
+    store = make(f"sqlite:///{tmp_path / 'jobs.sqlite'}", tmp_path / "media", stale_after_s=10, lost_wait_s=600)
+    store.leases = JobLeases(clock=lambda: now[0])
+    _, video = store.create("app", "pool", {"model": "m"}, "a", "spec")
+    _, other = store.create("app", "pool", {"model": "m"}, "b", "spec")
+    now[0] += 60  # the store ran no call for a minute
+    store._swept = 0.0
+    assert store.get("app", video["id"])["status"] == "queued"
+    assert store.claim(["pool"], hold_s=1) == []  # nothing was released
+    for _ in range(12):  # b reports every second; a says nothing
+        now[0] += 1
+        store._swept = 0.0
+        assert store.report(other["id"], "b", 1, running=True)
+    store._swept = 0.0
+    [(video_id, *_)] = store.claim(["pool"], hold_s=1)
+    assert video_id == video["id"]
+    assert store.report(video["id"], "a", 1) is False  # a's copy, were it alive, stops
+
+
+def test_attempts_are_bounded_and_the_failure_names_each(store_url, tmp_path):
+    store = make(store_url, tmp_path / "media", max_attempts=3)
+    _, video = store.create("app", "pool", {"model": "m"}, "a", "spec")
+    owner, attempt = "a", 1
+    for n in range(3):
+        assert store.report(video["id"], owner, attempt, running=True)
+        if n == 1:  # a full group's release costs no attempt
+            assert store.release(video["id"], owner, attempt, "overloaded", "full")
+            attempt = store.adopt(video["id"], owner, attempt)
+        assert store.release(video["id"], owner, attempt, "group_failed", f"rank died ({n})")
+        if n < 2:
+            owner, attempt = f"r{n}", store.adopt(video["id"], f"r{n}", attempt)
+    failed = store.get("app", video["id"])
+    assert failed["status"] == "failed" and failed["error"]["code"] == "group_failed"
+    message = failed["error"]["message"]
+    assert message.startswith("3 attempts failed (video_max_attempts=3)"), message
+    assert all(f"rank died ({n})" in message for n in range(3)) and "full" not in message
+
+
+def test_a_create_sent_again_to_its_own_replica_is_not_a_retry(store_url, tmp_path):
+    store = make(store_url, tmp_path / "media")
+    _, video = store.create("app", "pool", {"model": "m"}, "a", "spec", "video_same")
+    assert store.report("video_same", "a", 1, running=True)
+    _, again = store.create("app", "pool", {"model": "m"}, "a", "spec", "video_same")
+    assert (again["attempt"], again["retried"]) == (2, False)  # the same replica runs it on
+    assert store.report("video_same", "a", 2, running=True)
+    _, moved = store.create("app", "pool", {"model": "m"}, "b", "spec", "video_same")
+    assert (moved["attempt"], moved["retried"]) == (3, True)
+
+
+def test_the_byte_cap_counts_files_being_written_and_a_missing_file_is_gone(store_url, tmp_path):
+    store = make(store_url, tmp_path / "media", max_bytes=1000)
+    _, video = store.create("app", "pool", {"model": "m"}, "a", "spec")
+    report = dict(video_id=video["id"], attempt=1, progress=95, media_bytes=1500)
+    assert store.renew("a", [report]) == [True]
+    status, why = store.create("app", "pool", {"model": "m"}, "a", "spec")
+    assert status == "full" and "1500 bytes" in why
+    assert store.complete(video["id"], "a", 1, b"m" * 1400, b"p" * 100)
+    (tmp_path / "media" / f"{video['id']}-1.mp4").unlink()
+    status, why = store.content("app", video["id"], "video")
+    assert status == "gone" and "missing from the media store" in why
+
+
+def test_an_earlier_versions_database_gets_the_new_columns(tmp_path):
+    """A lasting store written before ``attempt_errors`` existed opens, and its jobs go on."""
+    from sqlalchemy import create_engine, text
+
+    url = f"sqlite:///{tmp_path / 'jobs.sqlite'}"
+    store = make(url, tmp_path / "media")
+    _, video = store.create("app", "pool", {"model": "m"}, "a", "spec")
+    with create_engine(url).begin() as conn:
+        conn.execute(text("ALTER TABLE ray_hsdp_video_jobs DROP COLUMN attempt_errors"))
+    again = JobStore(url, str(tmp_path / "media"))
+    assert again.release(video["id"], "a", 1, "group_failed", "rank died")
+    assert again.get("app", video["id"])["status"] == "queued"
