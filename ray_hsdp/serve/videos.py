@@ -299,26 +299,25 @@ class VideoJobs:
 
     async def _run_video(self, video_id: str, job: GenerationRequest, fps: int, future) -> BaseException | None:
         """Runs a job to its MP4 in the store; returns the error that failed it, if any. A job
-        whose group fails under it is released for the ingress to place on another group (with
-        one group, it fails, unless this replica is being removed: a drain releases); one placed
-        here while the group is full is released to wait for room. Its MP4 is stored only if this
-        replica's attempt is still the job's. A store outage delays its reports, never its run."""
+        whose group fails under it is released for the ingress to place on another group; in a
+        pool of one group, it runs again here as its next attempt once the group is mended or
+        rebuilt (both bounded by ``video_max_attempts``); a replica being removed releases it.
+        One placed here while the group is full is released to wait for room. Its MP4 is stored
+        only if this replica's attempt is still the job's. A store outage delays its reports,
+        never its run."""
         try:
-            try:
-                result = await self._result(job, future)
-            except GroupOverloadedError as err:
-                why, hold = f"placed on a full shard group ({err})", self.config.retry_after_s
-                await self._release(video_id, "overloaded", why, hold)
-                return None
-            except GroupFailedError as err:
-                if self._draining:  # (its drain would release it too: whichever comes first does)
-                    await self._release(video_id, "drained", f"its shard group failed while it was removed ({err})")
+            while True:
+                try:
+                    result = await self._result(job, future)
+                    break
+                except GroupOverloadedError as err:
+                    why, hold = f"placed on a full shard group ({err})", self.config.retry_after_s
+                    await self._release(video_id, "overloaded", why, hold)
                     return None
-                if serve.get_replica_context().world_size < 2:
-                    raise
-                logger.warning("Releasing video job %s for another shard group after: %s", video_id, err)
-                await self._release(video_id, "group_failed", str(err))
-                return None
+                except GroupFailedError as err:
+                    if not await self._after_group_failure(video_id, err):
+                        return None
+                    job, future = deadlines.waits_anew(job, self.config), None
             frames = result.frames[0]
             mp4 = await asyncio.to_thread(encode_mp4, frames, fps)  # off the event loop, far from any tick
             size = f"{frames.shape[2]}x{frames.shape[1]}"  # the output's: a pipeline may pick it from the image
@@ -332,6 +331,24 @@ class VideoJobs:
             code = job_error_code(err)
             await self._landed("fail", video_id, code, str(err), self._replica, self._attempts[video_id])
             return err
+
+    async def _after_group_failure(self, video_id: str, err: GroupFailedError) -> bool:
+        """Gives a job whose group failed under it up to another group; where no other group can
+        take it (one group in the pool), adopts it again here. Whether it runs again here."""
+        if self._draining:  # (its drain would release it too: whichever comes first does)
+            await self._release(video_id, "drained", f"its shard group failed while it was removed ({err})")
+            return False
+        logger.warning("Releasing video job %s after: %s", video_id, err)
+        attempt = self._attempts[video_id]
+        if not await self._landed("release", video_id, self._replica, attempt, "group_failed", str(err)):
+            return False  # failed at its last attempt, deleted, or no longer this replica's
+        if serve.get_replica_context().world_size >= 2:
+            return False  # the ingress places it on another group
+        new_attempt = await self._landed("adopt", video_id, self._replica, attempt)
+        if new_attempt is None:
+            return False
+        self._attempts[video_id] = new_attempt
+        return True
 
     async def _store_video(self, video_id: str, mp4: bytes, thumbnail: bytes, size: str) -> None:
         """Writes this attempt's files to the media store (directly where this process reaches it;
