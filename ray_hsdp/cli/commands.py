@@ -338,34 +338,72 @@ def _add_check(sub) -> None:
     p.set_defaults(func=cmd_check)
 
 
+#: How long ``key set`` and ``key remove`` wait for every ingress replica to serve the change: the
+#: bound ``serve.keys`` promises (its replicas look again every ``KEY_REFRESH_S``).
+KEY_REACH_S = 10.0
+
+
 def cmd_key(args: argparse.Namespace) -> int:
-    """Stores the check of an application's API key in the running cluster, or removes it."""
+    """Stores the check of an application's API key in the running cluster, removes it, or shows
+    which source each ingress replica serves with; ``set`` and ``remove`` wait until every replica
+    serves the change (1 where one does not within ``KEY_REACH_S``)."""
     import ray
 
-    from ray_hsdp.serve.keys import read_key, remove_key, store_key
+    from ray_hsdp.serve import keys
 
     if args.action == "set":
-        key = read_key(args.api_key_file, args.api_key_env)
+        key = keys.read_key(args.api_key_file, args.api_key_env)
         if not key:
             raise ValueError(f"no key: set {args.api_key_env} in this shell, or give --api-key-file")
+        if args.keep_old_for < 0:
+            raise ValueError(f"--keep-old-for takes 0 or more seconds, not {args.keep_old_for:g}")
     # A running cluster only (RAY_ADDRESS, or this node's): a key stored in a Ray started here dies with it.
     ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", logging_level=logging.WARNING)
+    if args.action == "show":
+        reports = keys.replica_sources(args.app)
+        for replica, report in reports.items():
+            print(keys.describe(replica, report))
+        if not reports:
+            print(f"no ingress replica of {args.app!r} runs")
+        return 0
     if args.action == "set":
-        store_key(args.app, key)
-        print(f"stored the check of the API key of application {args.app!r} in the cluster (not the key); "
-              "its replicas started from now on ask for it (redeploy running ones)")  # fmt: skip
+        version = keys.store_key(args.app, key, args.keep_old_for)
+        overlap = f"; the key served before is accepted too for {args.keep_old_for:g} s" if args.keep_old_for else ""
+        print(f"stored the check of the API key of application {args.app!r} in the cluster (not the key); it wins "
+              f"over every other source (ray-hsdp serve's, api_key_file, {args.api_key_env}){overlap}")  # fmt: skip
+
+        def done(report: dict | None) -> bool:
+            return report is not None and report["source"] == keys.STORED and report["version"] == version
     else:
-        print(f"removed the stored key of {args.app!r}" if remove_key(args.app) else f"no stored key for {args.app!r}")
-    return 0
+        removed = keys.remove_key(args.app)
+        print(f"removed the stored key of {args.app!r}" if removed else f"no stored key for {args.app!r}")
+
+        def done(report: dict | None) -> bool:
+            return report is not None and report["source"] != keys.STORED
+
+    sys.stdout.flush()  # what was done, before the wait for the replicas
+    reports = keys.wait_for_replicas(args.app, done, KEY_REACH_S)
+    for replica, report in reports.items():
+        print(("" if done(report) else f"NOT YET after {KEY_REACH_S:g} s: ") + keys.describe(replica, report))
+    if not reports:
+        print(f"no ingress replica of {args.app!r} runs now: its replicas serve with this as they start")
+    return 0 if all(map(done, reports.values())) else 1
 
 
 def _add_key(sub) -> None:
     """The ``key`` subcommand: an application's API key kept in the cluster (``ray_hsdp.serve.keys``)."""
-    p = sub.add_parser("key", help="store an application's API key in the running Ray cluster, or remove it")
-    p.add_argument("action", choices=["set", "remove"])
+    p = sub.add_parser(
+        "key", help="store an application's API key in the running Ray cluster, remove it, or show which key "
+        "source each replica serves with",
+    )  # fmt: skip
+    p.add_argument("action", choices=["set", "remove", "show"])
     p.add_argument("--app", default="ray_hsdp", help="the Serve application's name (the shipped YAMLs': ray_hsdp)")
     p.add_argument("--api-key-file", metavar="FILE", help="read the key from FILE (first line)")
     p.add_argument("--api-key-env", default="RAY_HSDP_API_KEY", metavar="VAR", help="else from this variable")
+    p.add_argument(
+        "--keep-old-for", type=float, default=0.0, metavar="SECONDS", help="set: accept the key served before "
+        "beside the new one for SECONDS, while clients move over (default 0: refused at once)",
+    )  # fmt: skip
     p.set_defaults(func=cmd_key)
 
 

@@ -31,8 +31,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             config = serve_config(args, application["args"])
             fields = config.model_dump(exclude_unset=True)
             served = served_models(fields)
-        # Read here and carried to every replica: a cluster started without the key in its nodes'
-        # environment still asks for it.
+        # Read once here and carried to every replica: a cluster started without the key in its
+        # nodes' environment still asks for it. A key stored with `ray-hsdp key set` wins over it
+        # (serve.keys' order): that is how a key carried here is rotated, with no redeploy.
         api_key = read_api_key(served.endpoint)
     except (UsageError, ValidationError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -60,6 +61,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serve.start(http_options={"host": args.host, "port": args.port})
         url = f"{_listening(args)}{route_prefix.rstrip('/')}"
         app = build_application(fields, api_key)
+        _say_a_stored_key_wins(name)
         print(f"Deploying {what} as application {name!r} at {url} (Ctrl-C removes it)", flush=True)
         deploying = True  # from here the application may exist: every way out removes it
         serve.run(app, name=name, route_prefix=route_prefix)
@@ -78,6 +80,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if started_ray:
             ray.shutdown()
     return 1 if failed else 0
+
+
+def _say_a_stored_key_wins(name: str) -> None:
+    """Notes that a key stored for application ``name`` (``ray-hsdp key set``, maybe long ago) is the
+    one its replicas serve with, not this shell's: else a stale stored key would go unseen."""
+    from ray_hsdp.serve.keys import stored_key
+
+    if stored_key(name) is not None:
+        print(f"note: a key stored with `ray-hsdp key set --app {name}` is in the cluster; the replicas serve with "
+              f"it, not this shell's (`ray-hsdp key remove --app {name}` hands over to this one)",
+              file=sys.stderr)  # fmt: skip
 
 
 def _listening(args: argparse.Namespace) -> str:

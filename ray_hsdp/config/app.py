@@ -10,6 +10,16 @@ from ray_hsdp.config.group import GroupConfig, parse_size
 from ray_hsdp.request import DEFAULT_GUIDANCE_SCALE
 
 
+def check_lasting_store(job_store: str | None, media_store: str | None) -> None:
+    """Refuses records that outlive the Ray cluster beside MP4s that do not (the default media
+    folder is in the Ray session's folder: after ``ray stop`` every download would be gone)."""
+    if job_store is not None and media_store is None:
+        raise ValueError(
+            "job_store is set (its records outlive the Ray cluster) but media_store is not (the MP4s would go in the "
+            "Ray session's folder, gone at ray stop): set media_store to a folder every node mounts or an fsspec URL"
+        )
+
+
 class AppConfig(GroupConfig):
     """The Serve application: one shard group per replica plus request defaults and limits."""
 
@@ -55,20 +65,33 @@ class AppConfig(GroupConfig):
         1800.0,
         gt=0,
         description="Longest a synchronous video call (/v1/videos/sync, the handle's generate_video) waits for its "
-        "job; then it answers 504 naming the job, which goes on (GET /v1/videos/{id}). The ingress' graceful "
-        "shutdown outlasts it, so a restart of the ingress cuts no waiting caller.",
+        "job; then it answers 504 naming the job, which goes on (GET /v1/videos/{id}). In the endpoint's args, the "
+        "ingress' graceful shutdown outlasts it, so a restart of the ingress cuts no waiting caller; set in the "
+        "ingress' user_config, it applies in place and the graceful shutdown stays as the args set it.",
     )
     job_store: str | None = Field(
         None,
         description="Where the video jobs' records live, as a SQLAlchemy URL (sqlite:////path/jobs.sqlite, "
-        "postgresql+psycopg://user:password@host/db); they outlive every redeploy and restart. None: a SQLite "
-        "file in the Ray session's folder on the head node (kept until the Ray cluster stops). One store per "
-        "cluster: every endpoint of it names the same.",
+        "postgresql+psycopg://user@host/db: its password in job_store_password_file or _env, never in the URL); "
+        "they outlive every redeploy and restart. None: a SQLite file in the Ray session's folder on the head "
+        "node (kept until the Ray cluster stops). One store per cluster: every endpoint of it names the same. "
+        "Given, it needs media_store too (records that outlive the Ray cluster need MP4s that do).",
     )
     media_store: str | None = Field(
         None,
         description="Where the video jobs' MP4s and thumbnails live: a folder (on the head node, or one every "
         "node mounts) or an fsspec URL (s3://bucket/videos). None: a folder beside the default job_store's file.",
+    )
+    job_store_password_file: str | None = Field(
+        None,
+        description="A file holding the job_store database's password (its first line), read on the head node "
+        "when the store opens its database (a Kubernetes Secret mounted in the head pod). The job_store URL "
+        "then names no password: a URL with one is refused, since Serve keeps and shows an application's args.",
+    )
+    job_store_password_env: str | None = Field(
+        None,
+        description="An environment variable of the head node holding the job_store database's password, read "
+        "when the store opens its database (instead of job_store_password_file).",
     )
     video_stale_after_s: float = Field(
         60.0,
@@ -82,6 +105,13 @@ class AppConfig(GroupConfig):
         description="A released video job (its replica stopped reporting, its group failed under it, or its replica "
         "was removed) waits this long for another group of its model to run it again from the start (same seed); "
         "then it is failed.",
+    )
+    video_max_attempts: int = Field(
+        3,
+        ge=1,
+        description="A video job whose group fails under it (or whose replica is lost) this many times fails, naming "
+        "each attempt's error, instead of moving to another group again. A group that was full or removed "
+        "(drain) costs no attempt.",
     )
     video_takeover_after_s: float | None = Field(
         2.0,
@@ -138,6 +168,7 @@ class AppConfig(GroupConfig):
 
     @model_validator(mode="after")
     def _check_against_limits(self) -> AppConfig:
+        check_lasting_store(self.job_store, self.media_store)
         width, height = parse_size(self.default_size)
         if width * height > self.max_pixels:
             raise ValueError(f"default_size {self.default_size} exceeds max_pixels={self.max_pixels}")

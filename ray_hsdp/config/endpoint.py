@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from pydantic import ConfigDict, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model, model_validator
 
-from ray_hsdp.config.app import AppConfig
+from ray_hsdp.config.app import AppConfig, check_lasting_store
 
 #: The fields of the endpoint, not of a model: one value for the whole application.
 ENDPOINT_FIELDS = (
@@ -38,15 +38,29 @@ ENDPOINT_FIELDS = (
     "video_ttl_s",
     "video_stale_after_s",
     "video_lost_wait_s",
+    "video_max_attempts",
     "sync_wait_s",
     "job_store",
     "media_store",
+    "job_store_password_file",
+    "job_store_password_env",
 )
+
+class _EndpointChecks(BaseModel):
+    """What the endpoint's fields must hold together (as ``AppConfig`` checks them)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="after")
+    def _check_stores(self):
+        check_lasting_store(self.job_store, self.media_store)
+        return self
+
 
 #: The endpoint's configuration: ``AppConfig``'s endpoint fields, with their defaults and descriptions.
 EndpointConfig = create_model(
     "EndpointConfig",
-    __config__=ConfigDict(extra="forbid", frozen=True),
+    __base__=_EndpointChecks,
     **{name: (AppConfig.model_fields[name].annotation, AppConfig.model_fields[name]) for name in ENDPOINT_FIELDS},
 )
 

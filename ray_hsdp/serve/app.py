@@ -24,6 +24,7 @@ from ray_hsdp.config.endpoint import endpoint_args, model_args, served_models
 from ray_hsdp.config.topology import PLACEMENT_STRATEGY
 from ray_hsdp.group import check_placeable
 from ray_hsdp.serve.autoscaling import autoscaling_config
+from ray_hsdp.serve.credentials import refuse_inline_secrets
 from ray_hsdp.serve.deployment import HSDPServer
 from ray_hsdp.serve.job_actor import open_store
 from ray_hsdp.serve.keys import KeyCheck
@@ -45,8 +46,9 @@ def build_endpoint(args: dict) -> Application:
     applies in place."""
     if not ray.is_initialized():
         ray.init()
+    refuse_inline_secrets(args)  # before pydantic reads them: its errors quote the input
     endpoint, models = endpoint_args(args)
-    open_store(endpoint.job_store, endpoint.media_store)
+    start_store(endpoint)
     return ingress(endpoint, {model: model for model in models}, None)
 
 
@@ -86,15 +88,31 @@ def build_application(args: dict, api_key: str | None = None) -> Application:
     """
     if not ray.is_initialized():
         ray.init()
+    refuse_inline_secrets(args)  # before pydantic reads them: its errors quote the input
     served = served_models(args)
     has_gpus = ray.cluster_resources().get("GPU", 0) > 0
     # Started here, before any replica: a store with other locations fails the deploy, not a replica.
-    open_store(served.endpoint.job_store, served.endpoint.media_store)
+    start_store(served.endpoint)
     servers = {
         config.served_model_name: group_deployment(config.resolve_device(has_gpus), len(served.models))
         for config in served.models
     }
     return ingress(served.endpoint, servers, KeyCheck.of(api_key) if api_key else None)
+
+
+def start_store(endpoint) -> None:
+    """Opens the cluster's job store (its locations already free of secrets, ``refuse_inline_secrets``),
+    which reads its database's password on its own node.
+
+    Raises:
+        ValueError: A store runs with other locations (``open_store``: its message shows no secret).
+    """
+    open_store(
+        endpoint.job_store,
+        endpoint.media_store,
+        password_file=endpoint.job_store_password_file,
+        password_env=endpoint.job_store_password_env,
+    )
 
 
 def ingress(endpoint, servers: dict, key: KeyCheck | None) -> Application:

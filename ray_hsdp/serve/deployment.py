@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 import uuid
+from concurrent.futures import Future
 
 import ray
 from ray import serve
@@ -66,6 +67,8 @@ class HSDPServer(VideoJobs, ModelFacts):
         self._attempts: dict[str, int] = {}
         #: Ids this replica cancelled lately (ids are unique: a bounded memory is enough).
         self._cancelled: collections.deque[str] = collections.deque(maxlen=4096)
+        #: Request id -> the group's future of a request running here (a retry of it joins it).
+        self._held: dict[str, Future] = {}
         self._draining = False
         self._stopping = threading.Event()
         self.keeper: GroupKeeper | None = None  # while None, the group is starting
@@ -125,8 +128,11 @@ class HSDPServer(VideoJobs, ModelFacts):
         deadline = deadlines.queue_deadline(job, self.config)
         wait_s = max(0.0, deadline - time.time())
         try:
-            group = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self.keeper.current())), wait_s)
-        except asyncio.TimeoutError:
+            # Not wait_for: on Python 3.11 it swallows a cancel that lands once the group is ready,
+            # and the cancelled request would then be submitted and run all its steps.
+            async with asyncio.timeout(wait_s):
+                group = await asyncio.shield(asyncio.wrap_future(self.keeper.current()))
+        except TimeoutError:
             raise QueueTimeoutError(
                 "the shard group was still being rebuilt at the request's deadline "
                 f"(queue_timeout_s={self.config.queue_timeout_s:g} from its arrival)"
@@ -155,6 +161,8 @@ class HSDPServer(VideoJobs, ModelFacts):
         try:
             if future is None:
                 future = await self._submit(job)
+                self._held[job.request_id] = future
+                future.add_done_callback(lambda _: self._held.pop(job.request_id, None))
             return await asyncio.shield(asyncio.wrap_future(future))
         except asyncio.CancelledError:
             self._cancel(job.request_id)
@@ -164,13 +172,18 @@ class HSDPServer(VideoJobs, ModelFacts):
         if model is not None and model != self.model_name:
             raise UnknownModelError(f"model {model!r} is not served here; available: [{self.model_name!r}]")
 
-    async def generate(self, request: dict | ImageGenerationRequest, avoid_replica: str | None = None) -> dict:
+    async def generate(
+        self, request: dict | ImageGenerationRequest, avoid_replica: str | None = None, request_id: str | None = None
+    ) -> dict:
         """Generates images for one request (the ingress' call).
 
         Args:
             request: The ``/v1/images/generations`` body, as a dict or the schema object, its seed drawn.
             avoid_replica: The replica whose group failed the request's first run: the router sends
                 the retry elsewhere when it can; where it cannot, this replica refuses it at once.
+            request_id: The group's id of the request, picked by the ingress: a retry sent after Ray
+                lost sight of this replica for a while joins the run it may still hold here, so one
+                run answers and one cancel stops it.
 
         Returns:
             The OpenAI images response: ``created``, ``data[i].b64_json``, plus ``seed``, ``rank``
@@ -187,10 +200,10 @@ class HSDPServer(VideoJobs, ModelFacts):
             raise RequestLimitError(
                 f"{self.model_name} is an image-to-video model: POST /v1/videos with the first frame as input_reference"
             )
-        job = to_generation_request(body, self.config, request_id=uuid.uuid4().hex)
+        job = to_generation_request(body, self.config, request_id=request_id or uuid.uuid4().hex)
         self.group.check(job)
         try:
-            result = await self._result(job)
+            result = await self._result(job, self._held.get(job.request_id))
         except GroupFailedError as err:
             err.replica = self._replica  # what the ingress' retry avoids
             raise

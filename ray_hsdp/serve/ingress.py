@@ -197,7 +197,7 @@ class OpenAIRoutes:
             raise RequestLimitError(f"limit must be between 1 and 100, got {limit}")
         if order not in ("asc", "desc"):
             raise RequestLimitError(f"order must be 'asc' or 'desc', got {order!r}")
-        page = await self.jobs.list.remote(self.endpoint, limit, after, order)
+        page = await self.store.call("list", self.endpoint, limit, after, order)
         if page is None:
             raise UnknownCursorError(f"after={after!r} names no video")
         return page
@@ -228,9 +228,10 @@ class OpenAIRoutes:
 
     @api.get("/health")
     async def health_route(self, request: Request, model: str | None = None) -> JSONResponse:
-        """200 while the endpoint (or ``model``) can serve, else 503 with ``Retry-After``; each
-        model's state; why a model's check failed only for a caller with the key (no key asked
-        for: any caller)."""
+        """200 while the endpoint can answer for one model at least (``?model=ID``: while that
+        model has a ready group), else 503 with ``Retry-After``: a readiness probe of the endpoint
+        that one model's outage does not fail, and one of each model. Each model's state; why a
+        model's check failed only for a caller with the key (no key asked for: any caller)."""
         body = await self.health(model)
         if not has_key(request, self.key_check):
             body.pop("errors")

@@ -25,8 +25,9 @@ from ray_hsdp.serve.job_store import JobStore
 #: The store actor's name and Ray namespace.
 STORE_NAME = "video_jobs"
 STORE_NAMESPACE = "ray_hsdp"
-#: The threads the store actor runs its calls on.
-STORE_THREADS = 8
+#: The threads the store actor runs its calls on: a slow call (a database that does not answer) holds
+#: one; more threads only contend for the GIL (bench.job_store: read p99 grew with 4 and 8).
+STORE_THREADS = 2
 
 
 def default_folder() -> Path:

@@ -48,7 +48,7 @@ jobs_table = Table(
     Column("owner", String(200)),  # the replica running this attempt; NULL while released
     Column("last_owner", String(200)),  # the replica that ran the last attempt (a placement avoids it)
     Column("replica", String(200)),  # public: the replica whose group runs (ran) it
-    Column("heartbeat", Float, nullable=False),  # the owner's last report (or the last transition)
+    Column("heartbeat", Float, nullable=False),  # the last change of the row by its owner or a transition
     Column("waiting_since", Float, nullable=False),  # queued on its owner's group since
     Column("released_at", Float),  # set while it waits, owned by none, for a group (``release``)
     Column("released_code", String(40)),

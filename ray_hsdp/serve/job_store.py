@@ -328,23 +328,33 @@ class JobStore(JobSweep, JobViews):
             longer the job's (released, adopted elsewhere): the owner stops its copy.
         """
         now = time.time()
+        c = jobs_table.c
         with self.engine.begin() as conn:
-            kept = [self._report_one(conn, owner, now, **report) for report in reports]
+            found = conn.execute(
+                select(c.id, c.status, c.owner, c.attempt, c.progress, c.media_bytes)
+                .where(c.id.in_([report["video_id"] for report in reports]))
+            ).all()  # fmt: skip
+            rows = {row.id: row for row in found}
+            kept = [self._report_one(conn, owner, now, rows.get(report["video_id"]), **report) for report in reports]
         self.leases.heard(owner, handle)
         return kept
 
-    def _report_one(self, conn, owner, now, video_id, attempt, progress=None, running=False, media_bytes=None):
-        row = self._row(conn, video_id)
+    def _report_one(self, conn, owner, now, row, video_id, attempt, progress=None, running=False, media_bytes=None):
+        """One report against its job's ``row``: written only where it changes the job (the lease
+        itself lives in memory, ``JobLeases``), so an owner's steady reports cost one read."""
         if row is None or row.status not in ACTIVE or row.owner != owner or row.attempt != attempt:
             return False
-        values: dict = {"heartbeat": now}
-        if running or progress:  # (a short job may end between two reports: progress says it ran)
+        values: dict = {}
+        if (running or progress) and row.status != "in_progress":  # (a short job may end between two reports)
             values.update(status="in_progress", replica=owner)
-        if progress is not None and values.get("status", row.status) == "in_progress":
-            values["progress"] = max(row.progress, min(int(progress), 99))
-        if media_bytes is not None:
+        if progress is not None and (values.get("status", row.status) == "in_progress"):
+            if (moved := max(row.progress, min(int(progress), 99))) != row.progress:
+                values["progress"] = moved
+        if media_bytes is not None and int(media_bytes) != row.media_bytes:
             values["media_bytes"] = int(media_bytes)
-        return self._guarded(conn, video_id, owner, attempt, values)
+        if not values:
+            return True
+        return self._guarded(conn, video_id, owner, attempt, {**values, "heartbeat": now})
 
     def report(self, video_id: str, owner: str, attempt: int, progress: int | None = None, running: bool = False):
         """One report (``renew`` of one job)."""

@@ -15,7 +15,7 @@ from ray_hsdp.serve.job_records import ACTIVE, jobs_table
 logger = logging.getLogger("ray_hsdp")
 
 #: How often at most the store looks for expired, stale and lost jobs (at a call, not in a thread).
-SWEEP_EVERY_S = 0.2
+SWEEP_EVERY_S = 0.5
 #: How often at most it lists the media store for files no record holds.
 ORPHANS_EVERY_S = 60.0
 
@@ -48,7 +48,10 @@ class JobSweep:
                 expired = conn.execute(select(c.id, c.media_key).where(c.expires_at <= now)).all()
                 for row in expired:
                     conn.execute(delete(jobs_table).where(c.id == row.id))
-                active = conn.execute(select(jobs_table).where(c.status.in_(ACTIVE))).all()
+                active = conn.execute(
+                    select(c.id, c.endpoint, c.owner, c.attempt, c.released_at, c.released_code, c.released_why,
+                           c.attempt_errors).where(c.status.in_(ACTIVE))
+                ).all()  # fmt: skip
                 for row in active:
                     self._sweep_one(conn, row, now)
             for row in expired:

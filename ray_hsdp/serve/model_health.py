@@ -42,11 +42,13 @@ class ModelWatch:
         return {**known, "state": self.states[model]}
 
     def healthy(self, model: str | None = None) -> bool:
-        """Whether ``model`` (or every model that has been ready) has a ready group: a model still
-        loading for the first time makes the endpoint no less healthy."""
+        """Whether ``model`` has a ready group, or (none named) whether the endpoint can answer for
+        a model at all: one model at least has one. One model's outage (a rebuild, a restart, its
+        application deleted) is that model's alone: a load balancer that drained the endpoint for
+        it would drain the models that serve."""
         if model is not None:
             return self.states[model] == READY
-        return all(state != DEGRADED for state in self.states.values())
+        return any(state == READY for state in self.states.values())
 
     async def run(self) -> None:
         """Checks every model, each on its own, until cancelled."""

@@ -12,6 +12,7 @@ which adopts it in the store. A synchronous video is a job like any other, waite
 Results cross the hop encoded (PNG in the images response, MP4 bytes), never as frames."""
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -33,9 +34,10 @@ from ray_hsdp.serve.errors import (
 )
 from ray_hsdp.serve.ingress import OpenAIRoutes, api, refuse_keyless, serve_http_host
 from ray_hsdp.serve.job_actor import open_store
+from ray_hsdp.serve.job_client import StoreClient
 from ray_hsdp.serve.job_records import pool_of
 from ray_hsdp.serve.job_store import limits
-from ray_hsdp.serve.keys import KeyCheck, replica_key
+from ray_hsdp.serve.keys import KeyCheck, ReplicaKey
 from ray_hsdp.serve.logs import show_logs
 from ray_hsdp.serve.model_health import CHECK_TIMEOUT_S, LOADING, ModelWatch
 from ray_hsdp.serve.routing import SERVER_NAME
@@ -66,8 +68,9 @@ PLACE_TIMEOUT_S = 10.0
 ROOM_CODES = ("overloaded",)
 
 #: How often an ingress replica reads its key again (``ray-hsdp key set`` / ``key remove``, a new
-#: ``api_key_file``): a rotation takes effect within this, with no restart.
-KEY_REFRESH_S = 5.0
+#: ``api_key_file``): a rotation takes effect within this, with no restart. Well under the 10 s a
+#: rotation may take to reach every replica (``serve.keys``), a look at the stored key included.
+KEY_REFRESH_S = 2.0
 
 
 async def cancelled_with_caller(response):
@@ -108,10 +111,11 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
         app = serve.get_replica_context().app_name
         #: The name the job store keeps this endpoint's jobs (and limits) under: the application's.
         self.endpoint = app
+        host, replica = serve_http_host(), serve.get_replica_context().replica_id.to_full_id_str()
+        #: Where this replica finds its key, in ``serve.keys``' order, and reports it (``key show``).
+        self._key = ReplicaKey(api_key, app, lambda check, config: refuse_keyless(check, config, host, app), replica)
         #: The check of the key every route but /health asks for (the guard reads it); None: none.
-        self.key_check = replica_key(api_key, self.config, app)
-        refuse_keyless(self.key_check, self.config, serve_http_host(), app)
-        self._carried_key = api_key
+        self.key_check = self._key.read(self.config)
         # A model of its own application: its handle, which waits for the application to exist.
         self.servers = {
             model: serve.get_deployment_handle(SERVER_NAME, app_name=server, _check_exists=False)
@@ -120,11 +124,20 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
             for model, server in servers.items()
         }
         self.watch = ModelWatch(self.servers)
-        self.jobs = open_store(self.config.job_store, self.config.media_store)
-        # The endpoint's limits apply from now, to its jobs of earlier deployments too.
-        ray.get(self.jobs.configure.remote(self.endpoint, limits(self.config)), timeout=60)
+        # The store, started again by this ingress if it was killed for good (``StoreClient``).
+        opener = functools.partial(
+            open_store,
+            self.config.job_store,
+            self.config.media_store,
+            password_file=self.config.job_store_password_file,
+            password_env=self.config.job_store_password_env,
+        )
+        self.store = StoreClient(opener)
         # Serve runs the constructor on the replica's event loop; the loop holds tasks weakly.
         loop = asyncio.get_running_loop()
+        # The endpoint's limits apply from now, to its jobs of earlier deployments too; a store whose
+        # database does not answer yet gets them once it does (its routes answer 503 meanwhile).
+        self._configuring = loop.create_task(self._configure_store(self.config))
         self._placers = [loop.create_task(self._place_released_jobs(model)) for model in self.servers]
         self._watcher = loop.create_task(self.watch.run())
         self._key_reader = loop.create_task(self._read_key_again())
@@ -141,28 +154,24 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
         config = EndpointConfig(**{**self._endpoint_args, **user_config})
         if (config.job_store, config.media_store) != (self.config.job_store, self.config.media_store):
             raise ValueError("job_store and media_store do not change in place: set them in the endpoint's args")
-        key = await asyncio.to_thread(replica_key, self._carried_key, config, self.endpoint)
-        refuse_keyless(key, config, serve_http_host(), self.endpoint)
-        await self.jobs.configure.remote(self.endpoint, limits(config))
+        key = await asyncio.to_thread(self._key.read, config)
+        await self.store.call("configure", self.endpoint, limits(config))
         self.config, self.key_check = config, key
 
+    async def _configure_store(self, config: EndpointConfig) -> None:
+        """Gives the store this endpoint's limits, waiting out an outage of its database."""
+        try:
+            await self.store.landed("configure", self.endpoint, limits(config), until_s=float("inf"))
+        except Exception as err:  # noqa: BLE001 - a store that refuses its limits keeps its last ones
+            logger.error("Giving the job store this endpoint's limits failed: %s", err)
+
     async def _read_key_again(self) -> None:
-        """Every ``KEY_REFRESH_S``: the key as ``serve.keys`` finds it now. A key that is gone
-        leaves a server that strangers may reach refusing every request, never open."""
-        host = serve_http_host()
+        """Every ``KEY_REFRESH_S``: the key as ``serve.keys`` finds it now (``ReplicaKey.refresh``:
+        a source that cannot be read keeps the key; a key that is gone leaves a server that
+        strangers may reach refusing every request, never open)."""
         while True:
             await asyncio.sleep(KEY_REFRESH_S)
-            try:
-                found = await asyncio.to_thread(replica_key, self._carried_key, self.config, self.endpoint)
-                refuse_keyless(found, self.config, host, self.endpoint)
-            except ValueError as err:
-                if self.key_check is None or self.key_check != KeyCheck.NONE:
-                    logger.error("The API key is gone; every request is refused until one is given: %s", err)
-                found = KeyCheck.NONE
-            except Exception as err:  # noqa: BLE001 - the key stays as it was until the next read
-                logger.warning("Reading the API key again failed: %s", err)
-                continue
-            self.key_check = found
+            self.key_check = await asyncio.to_thread(self._key.refresh, self.config)
 
     def _model(self, model: str | None) -> str:
         """The id of the model a request names; the only one where it names none."""
@@ -217,46 +226,62 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
         model with the same seed; the response then says ``"retried": true`` and why in
         ``first_error``."""
         body = with_seed(ImageGenerationRequest.model_validate(request))
-        answer, first_error = await self._call(self._model(body.model), "generate", body)
+        # The group's request id, picked here (as a video's id is): a retry after Ray lost sight of
+        # the replica joins the run that replica may still hold; a cancel then stops that one run.
+        model, request_id = self._model(body.model), uuid.uuid4().hex
+        answer, first_error = await self._call(model, "generate", body, request_id=request_id)
         if first_error is None:
             return {**answer, "retried": False}
         return {**answer, "retried": True, "first_error": first_error}
 
-    async def create_video(self, request: dict | VideoCreateRequest) -> dict:
+    async def create_video(self, request: dict | VideoCreateRequest, video_id: str | None = None) -> dict:
         """Creates a video job on a group of its model (``POST /v1/videos``); returns its object at
-        once. The job's id is picked here: a create sent again after its group was lost under the
-        call is the same job."""
+        once. The job's id is picked here (or by the caller): a create sent again after its group
+        was lost under the call is the same job."""
         body = with_seed(VideoCreateRequest.model_validate(request))
-        video_id = f"video_{uuid.uuid4().hex}"
+        video_id = video_id or f"video_{uuid.uuid4().hex}"
         model = self._model(body.model)
         created, _ = await self._call(model, "create_video", body, endpoint=self.endpoint, video_id=video_id)
         return created
 
     async def generate_video(self, request: dict | VideoCreateRequest) -> dict:
         """Creates a video job and waits for it (``POST /v1/videos/sync``; the handle's entry point).
-        It moves between groups as any job does; a caller that goes away deletes it.
+        It moves between groups as any job does; a caller that goes away, during the create too,
+        deletes it.
 
         Returns:
             ``{"video": the video object, "mp4": the MP4's bytes}``; raises what failed the job.
         """
-        created = await self.create_video(request)
+        video_id = f"video_{uuid.uuid4().hex}"
         deadline = time.monotonic() + self.config.sync_wait_s
         try:
-            while (video := await self.jobs.get.remote(self.endpoint, created["id"])) is not None:
+            await self.create_video(request, video_id)
+            while (video := await self._poll_job(video_id)) is not None:
                 if video["status"] == "failed":
                     raise job_failure(video["error"])
                 if video["status"] == "completed":
-                    return {"video": video, "mp4": await self.video_content(created["id"])}
+                    return {"video": video, "mp4": await self.video_content(video_id)}
                 if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"video {created['id']!r} is still {video['status']} after sync_wait_s="
-                        f"{self.config.sync_wait_s:g}s; it goes on: GET /v1/videos/{created['id']}"
+                        f"video {video_id!r} is still {video['status']} after sync_wait_s="
+                        f"{self.config.sync_wait_s:g}s; it goes on: GET /v1/videos/{video_id}"
                     )
                 await asyncio.sleep(JOBS_POLL_S)
         except asyncio.CancelledError:
-            self.jobs.delete.remote(self.endpoint, created["id"])  # its group stops it at its next report
+            # Its group stops it at its next report; a store that is away gets the delete when it is back.
+            asyncio.get_running_loop().create_task(self._delete_left(video_id))
             raise
-        raise RequestCancelledError(f"video {created['id']!r} was deleted while the call waited for it")
+        raise RequestCancelledError(f"video {video_id!r} was deleted while the call waited for it")
+
+    async def _poll_job(self, video_id: str) -> dict | None:
+        """A waited-for job's object; a store outage is waited out (the job goes on meanwhile)."""
+        return await self.store.landed("get", self.endpoint, video_id, until_s=self.config.sync_wait_s)
+
+    async def _delete_left(self, video_id: str) -> None:
+        try:
+            await self.store.landed("delete", self.endpoint, video_id, until_s=self.config.video_lost_wait_s)
+        except Exception as err:  # noqa: BLE001 - the job then runs to its end, kept as any job
+            logger.warning("Deleting video %s, whose caller went away, failed: %s", video_id, err)
 
     async def _place_released_jobs(self, model: str) -> None:
         """This replica's share of ``model``'s released jobs (``JobStore.claim``): each is sent to a
@@ -268,7 +293,7 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
         while True:
             await asyncio.sleep(JOBS_POLL_S)
             try:
-                claimed = await self.jobs.claim.remote([pool], CLAIM_HOLD_S)
+                claimed = await self.store.call("claim", [pool], CLAIM_HOLD_S)
             except Exception as err:  # noqa: BLE001 - the store answers again at the next round
                 logger.warning("Asking the job store for released video jobs failed: %s", err)
                 continue
@@ -287,13 +312,13 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
         """A placement that failed frees its claim for ``UNPLACED_RETRY_S`` (Serve's router may
         have picked a group whose replica is gone; the next pick is another), not ``CLAIM_HOLD_S``."""
         try:
-            await self.jobs.unclaim.remote(video_id, attempt, UNPLACED_RETRY_S)
+            await self.store.call("unclaim", video_id, attempt, UNPLACED_RETRY_S)
         except Exception as err:  # noqa: BLE001 - the claim then runs out at CLAIM_HOLD_S
             logger.warning("Freeing the claim of video job %s failed: %s", video_id, err)
 
     async def delete_video(self, video_id: str) -> dict:
         """Deletes a job: afterwards its id is 404; the group running it stops it at its next report."""
-        if not await self.jobs.delete.remote(self.endpoint, video_id):
+        if not await self.store.call("delete", self.endpoint, video_id):
             raise VideoNotFoundError(f"no video {video_id!r} (never created, deleted, or expired)")
         return {"id": video_id, "object": "video.deleted", "deleted": True}
 
@@ -327,12 +352,12 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
 
     async def health(self, model: str | None = None) -> dict:
         """The endpoint's health (``GET /health``), or one model's (``model``), from the last check
-        of each model (``ModelWatch``): ``status`` ``ok`` while no model that has been ready lacks a
-        ready group and one model at least is ready (or, for ``model``, while it is ready);
-        ``models``: each model's state; ``errors``: why a model's last check failed."""
+        of each model (``ModelWatch``): ``status`` ``ok`` while one model at least has a ready group
+        (the endpoint can answer: one model's outage is its own), or, for ``model``, while that
+        model has one; ``models``: each model's state; ``errors``: why a model's last check failed."""
         if model is not None:
             model = self._model(model)
-        healthy = self.watch.healthy(model) and any(state == "ready" for state in self.watch.states.values())
+        healthy = self.watch.healthy(model)
         return {
             "status": "ok" if healthy else "unavailable",
             "models": dict(self.watch.states) if model is None else {model: self.watch.states[model]},

@@ -186,3 +186,35 @@ def test_an_edit_of_one_model_restarts_it_alone_and_an_endpoint_edit_restarts_no
     expected = reference_video(reference_pipe, body["prompt"], 5, 9, 120)
     assert mae(frames, as_mp4(expected)) <= SAME_MP4_MAE
     assert pool_of(models_app, "tiny-wan") == wan_before  # the Wan's replica and ranks' processes
+
+
+def test_one_models_outage_fails_its_own_health_and_not_the_endpoints(models_app):
+    """Issue 82: with the image model's application deleted (its groups gone), ``/health`` stays
+    200 at every probe, since the endpoint still answers for the tiny Wan, and
+    ``/health?model=tiny-qwen-image`` is 503 with ``Retry-After`` (before: ``/health`` was 503 for
+    every model). Last in the module: it leaves the endpoint without its image model."""
+    from ray import serve
+
+    serve.delete("tiny-qwen-image", _blocking=False)
+
+    def image_model_down():
+        whole = requests.get(f"{models_app}/health", timeout=5)
+        assert whole.status_code == 200, whole.text  # at every probe, the image model's fall included
+        one = requests.get(f"{models_app}/health", params={"model": "tiny-qwen-image"}, timeout=5)
+        return one.status_code == 503 and (one.headers.get("Retry-After"), one.json())
+
+    retry_after, body = wait_until(image_model_down, 60, "the image model's health failing", interval_s=0.25)
+    assert retry_after is not None and int(retry_after) >= 1
+    assert body["status"] == "unavailable" and body["models"] == {"tiny-qwen-image": "degraded"}, body
+    whole = requests.get(f"{models_app}/health", timeout=5)
+    assert whole.status_code == 200, whole.text
+    assert whole.json()["models"] == {"tiny-wan": "ready", "tiny-qwen-image": "degraded"}, whole.json()
+    assert "tiny-qwen-image" in whole.json()["errors"]  # why, for a caller with the key (none is asked here)
+    assert requests.get(f"{models_app}/health", params={"model": "tiny-wan"}, timeout=5).status_code == 200
+    # The model the probe keeps in service does serve.
+    image = requests.post(
+        f"{models_app}/v1/images/generations",
+        json={"model": "tiny-wan", "prompt": "a", "size": "64x64", "num_inference_steps": 2},
+        timeout=120,
+    )
+    assert image.status_code == 200, image.text
