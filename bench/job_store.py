@@ -4,8 +4,9 @@
     python -m bench.job_store --db postgresql --out bench/results   # starts a PostgreSQL of its own
 
 The store's actor alone (``ray_hsdp.serve.job_actor``) on a Ray of its own, as the cluster runs it.
-``--owners`` owners (a replica each, spread over ``--hosts`` processes as replicas are) hold one
-active job each and report it ``--hz`` times a second (``renew``, the replica's one call per round);
+``--owners`` owners (a replica each, spread over ``--hosts`` processes as replicas are) hold
+``--jobs-per-owner`` active jobs each and report them ``--hz`` times a second (``renew``, the
+replica's one call per round for all its jobs);
 every second one owner's job completes with an MP4 of ``--mp4-mib`` (written to the media store by
 the owner, then ``complete_stored``; ``--through-store``: its bytes sent to the store's actor, the
 path a process that cannot reach the media takes) and the owner starts another job. Meanwhile a
@@ -41,39 +42,42 @@ def percentiles(values: list[float]) -> dict:
 class OwnerHost:
     """One process of owners (as a group replica is one): each owner holds one job and reports it."""
 
-    def __init__(self, owners: list[str], hz: float, mp4_bytes: int, through_store: bool):
+    def __init__(self, owners: list[str], hz: float, mp4_bytes: int, through_store: bool, per_owner: int = 1):
         from ray_hsdp.serve.job_actor import find_store
 
         self.store = find_store()
         self.owners, self.period = owners, 1.0 / hz
         self.mp4 = b"\0" * mp4_bytes
         self.through_store = through_store
-        self.jobs: dict[str, tuple[str, int]] = {}
+        self.per_owner = per_owner
+        #: Owner -> the (video id, attempt) of each job it holds (its first one is the one completed).
+        self.jobs: dict[str, list[tuple[str | None, int]]] = {owner: [] for owner in owners}
         self.latencies: list[float] = []
         self.lost = 0
         self.completed = 0
 
-    async def _new_job(self, owner: str) -> None:
+    async def _new_job(self, owner: str, slot: int | None = None) -> None:
         _, video = await self.store.create.remote(ENDPOINT, POOL, {"model": "m", "prompt": owner}, owner, "{}")
-        self.jobs[owner] = (video["id"], video["attempt"])
+        if slot is None:
+            self.jobs[owner].append((video["id"], video["attempt"]))
+        else:
+            self.jobs[owner][slot] = (video["id"], video["attempt"])
 
     async def run(self, seconds: float) -> dict:
-        await asyncio.gather(*(self._new_job(owner) for owner in self.owners))
+        await asyncio.gather(*(self._new_job(owner) for owner in self.owners for _ in range(self.per_owner)))
         deadline = time.monotonic() + seconds
         await asyncio.gather(*(self._report(owner, deadline) for owner in self.owners))
         return {"latencies": self.latencies, "lost": self.lost, "completed": self.completed}
 
     async def _report(self, owner: str, deadline: float) -> None:
         while time.monotonic() < deadline:
-            video_id, attempt = self.jobs[owner]
+            held = [job for job in self.jobs[owner] if job[0] is not None]  # (one completing is not reported)
             started = time.monotonic()
-            if video_id is None:  # completing: its next job starts in a moment
-                await asyncio.sleep(self.period)
-                continue
             try:
-                kept = await self.store.renew.remote(owner, [dict(video_id=video_id, attempt=attempt, progress=50)])
+                reports = [dict(video_id=video_id, attempt=attempt, progress=50) for video_id, attempt in held]
+                kept = await self.store.renew.remote(owner, reports)
                 # (A report of the job that completed meanwhile is refused, rightly: not lost.)
-                self.lost += 0 if kept == [True] or self.jobs[owner][0] != video_id else 1
+                self.lost += sum(1 for job, ok in zip(held, kept) if not ok and job in self.jobs[owner])
             except Exception:  # noqa: BLE001 - counted: a report that did not land
                 self.lost += 1
             self.latencies.append(time.monotonic() - started)
@@ -84,8 +88,8 @@ class OwnerHost:
         from ray_hsdp.serve.job_media import JobMedia
 
         owner = self.owners[self.completed % len(self.owners)]
-        video_id, attempt = self.jobs[owner]
-        self.jobs[owner] = (None, 0)
+        video_id, attempt = self.jobs[owner][0]
+        self.jobs[owner][0] = (None, 0)
         started = time.monotonic()
         if self.through_store:
             done = await self.store.complete.remote(video_id, owner, attempt, self.mp4, b"png")
@@ -96,7 +100,7 @@ class OwnerHost:
             done = await self.store.complete_stored.remote(video_id, owner, attempt, key, stored)
         seconds = time.monotonic() - started
         self.completed += int(done)
-        await self._new_job(owner)
+        await self._new_job(owner, slot=0)
         return seconds
 
 
@@ -121,8 +125,9 @@ async def load(args, store) -> dict:
 
     host = ray.remote(num_cpus=0)(OwnerHost)
     per = args.owners // args.hosts
+    mp4 = args.mp4_mib * 2**20
     hosts = [
-        host.remote([f"owner-{h}-{i}" for i in range(per)], args.hz, args.mp4_mib * 2**20, args.through_store)
+        host.remote([f"owner-{h}-{i}" for i in range(per)], args.hz, mp4, args.through_store, args.jobs_per_owner)
         for h in range(args.hosts)
     ]
     runs = [h.run.remote(args.seconds) for h in hosts]
@@ -152,6 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--db", choices=("sqlite", "postgresql"), default="sqlite")
     parser.add_argument("--owners", type=int, default=200)
     parser.add_argument("--hosts", type=int, default=4, help="processes the owners are spread over")
+    parser.add_argument("--jobs-per-owner", type=int, default=1, help="jobs each owner holds (one report each round)")
     parser.add_argument("--hz", type=float, default=4.0)
     parser.add_argument("--mp4-mib", type=int, default=40)
     parser.add_argument("--through-store", action="store_true", help="MP4 bytes sent to the store's actor")
@@ -184,10 +190,11 @@ def main(argv: list[str] | None = None) -> dict:
     print(payload)
     if args.out is not None:
         path = "through-store" if args.through_store else "direct"
-        name = f"job-store-{args.db}-{args.owners}owners-{path}"
+        name = f"job-store-{args.db}-{args.owners}x{args.jobs_per_owner}-{path}"
         r, p = result["read"], result["report"]
         markdown = (
-            f"# Job store under load ({args.db}, {args.owners} owners at {args.hz:g} Hz, {args.mp4_mib} MiB MP4 "
+            f"# Job store under load ({args.db}, {args.owners} owners of {args.jobs_per_owner} jobs reporting at "
+            f"{args.hz:g} Hz, {args.mp4_mib} MiB MP4 "
             f"each second, {path})\n\n`{payload['environment']['command']}` on {payload['environment']['host']}\n\n"
             "| read p50 | read p99 | read max | report p50 | report p99 | reports lost | MP4s completed |\n"
             "| --- | --- | --- | --- | --- | --- | --- |\n"

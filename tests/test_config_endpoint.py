@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from ray_hsdp.config.endpoint import ENDPOINT_FIELDS, served_models
+from ray_hsdp.config.app import AppConfig
+from ray_hsdp.config.endpoint import ENDPOINT_FIELDS, EndpointConfig, served_models
 
 
 def test_one_models_args_are_one_model_and_its_endpoint():
@@ -39,3 +40,13 @@ def test_the_endpoints_fields_reach_every_model_and_ids_default_to_the_folders_n
 def test_a_field_in_the_wrong_place_is_refused_with_where_it_belongs(args, message):
     with pytest.raises(ValueError, match=message):
         served_models(args)
+
+
+def test_a_lasting_job_store_needs_a_lasting_media_store():
+    """Records that outlive the Ray cluster beside MP4s in its session folder would answer every
+    download with an error after a restart: refused at build, naming both fields."""
+    for build in (lambda **f: EndpointConfig(**f), lambda **f: AppConfig(model="tiny", **f)):
+        with pytest.raises(ValueError, match="job_store is set .* media_store is not"):
+            build(job_store="postgresql+psycopg://ray_hsdp@db/ray_hsdp")
+        assert build(job_store="postgresql+psycopg://ray_hsdp@db/ray_hsdp", media_store="s3://bucket/videos")
+        assert build(media_store="/shared/videos")  # lasting media beside the default records: no loss

@@ -96,8 +96,9 @@ class AppConfig(GroupConfig):
     video_stale_after_s: float = Field(
         60.0,
         gt=0,
-        description="A video job whose replica has not reported for this long is released (the replica, its "
-        "process or its node is gone): the ingress places it on another group of its model.",
+        description="A video job whose replica sent no report for this long while the job store could hear it (its "
+        "database answered) is released: the ingress places it on another group of its model. A replica whose "
+        "actor is dead releases its jobs at once; a store or database outage never counts.",
     )
     video_lost_wait_s: float = Field(
         300.0,

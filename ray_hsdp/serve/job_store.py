@@ -23,6 +23,7 @@ job belongs to the endpoint whose ingress took it, and each endpoint has its own
 
 from __future__ import annotations
 
+import collections
 import functools
 import threading
 import time
@@ -94,7 +95,7 @@ def _engine(url: str):
     # A connection that died with its server is replaced at its next use, not handed out; a server
     # that does not answer is given up on in seconds (the call answers 503), not after TCP's minutes.
     connect = {"connect_timeout": 5} if url.startswith("postgresql") else {}
-    return create_engine(url, pool_pre_ping=True, pool_timeout=10, connect_args=connect)
+    return create_engine(url, pool_timeout=10, connect_args=connect)
 
 
 def answering(method):
@@ -219,6 +220,9 @@ class JobStore(JobSweep, JobViews):
         self._sweep_lock = threading.Lock()
         self._open_lock = threading.Lock()
         self._opened = False
+        #: Ids deleted lately, existing or not: a create of one that was still on its way (its
+        #: caller left during the create and deleted it) is refused, not run unwatched.
+        self._deleted: collections.deque[str] = collections.deque(maxlen=4096)
 
     def _open(self) -> None:
         """Makes the tables (and adds the columns an earlier version lacked) once the database answers."""
@@ -277,9 +281,12 @@ class JobStore(JobSweep, JobViews):
         Returns:
             ``("ok", video object)`` for a job ``owner`` runs from now (its ``attempt`` is the one to
             report with); ``("ended", video object)`` for a named job that has ended;
-            ``("full", why)`` when one of the endpoint's limits is reached.
+            ``("full", why)`` when one of the endpoint's limits is reached; ``("deleted", why)``
+            for a named job deleted before this create arrived.
         """
         self._sweep()
+        if video_id is not None and video_id in self._deleted:
+            return "deleted", f"video {video_id!r} was deleted before its create reached the store"
         now = time.time()
         limit = self.limits_of(endpoint)
         with self.engine.begin() as conn:
@@ -530,7 +537,8 @@ class JobStore(JobSweep, JobViews):
     @answering
     def delete(self, endpoint: str, video_id: str) -> bool:
         """``cancel``: removes a job and its files (afterwards its id is 404); its owner stops it at
-        its next report. Returns whether it existed."""
+        its next report; a create of its id that arrives later is refused. Returns whether it existed."""
+        self._deleted.append(video_id)
         with self.engine.begin() as conn:
             row = self._row(conn, video_id, endpoint)
             if row is None:

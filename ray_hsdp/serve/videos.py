@@ -175,6 +175,8 @@ class VideoJobs:
         )
         if status == "full":
             raise JobTableFullError(created)
+        if status == "deleted":
+            raise RequestCancelledError(created)
         if status == "ended":
             return created  # the first call's job: it ran to its end meanwhile
         job = dataclasses.replace(job, request_id=created["id"])

@@ -329,3 +329,13 @@ def test_an_earlier_versions_database_gets_the_new_columns(tmp_path):
     again = JobStore(url, str(tmp_path / "media"))
     assert again.release(video["id"], "a", 1, "group_failed", "rank died")
     assert again.get("app", video["id"])["status"] == "queued"
+
+
+def test_a_create_that_arrives_after_its_delete_is_refused(store_url, tmp_path):
+    """A sync caller that leaves during its create deletes the id it picked; the create, still on
+    its way, is then refused rather than run unwatched."""
+    store = make(store_url, tmp_path / "media")
+    assert store.delete("app", "video_early") is False
+    status, why = store.create("app", "pool", {"model": "m"}, "a", "spec", "video_early")
+    assert status == "deleted" and "deleted before its create" in why
+    assert store.get("app", "video_early") is None
