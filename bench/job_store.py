@@ -67,7 +67,7 @@ class OwnerHost:
         await asyncio.gather(*(self._new_job(owner) for owner in self.owners for _ in range(self.per_owner)))
         deadline = time.monotonic() + seconds
         await asyncio.gather(*(self._report(owner, deadline) for owner in self.owners))
-        return {"latencies": self.latencies, "lost": self.lost, "completed": self.completed}
+        return {"latencies": self.latencies, "lost": self.lost}
 
     async def _report(self, owner: str, deadline: float) -> None:
         while time.monotonic() < deadline:
@@ -92,14 +92,14 @@ class OwnerHost:
         self.jobs[owner][0] = (None, 0)
         started = time.monotonic()
         if self.through_store:
-            done = await self.store.complete.remote(video_id, owner, attempt, self.mp4, b"png")
+            await self.store.complete.remote(video_id, owner, attempt, self.mp4, b"png")
         else:
             url, node = await self.store.media_location.remote()
             key = f"{video_id}-{attempt}"
             stored = await asyncio.to_thread(JobMedia(url, node).write, key, self.mp4, b"png")
-            done = await self.store.complete_stored.remote(video_id, owner, attempt, key, stored)
+            await self.store.complete_stored.remote(video_id, owner, attempt, key, stored)
         seconds = time.monotonic() - started
-        self.completed += int(done)
+        self.completed += 1
         await self._new_job(owner, slot=0)
         return seconds
 
@@ -131,8 +131,9 @@ async def load(args, store) -> dict:
         for h in range(args.hosts)
     ]
     runs = [h.run.remote(args.seconds) for h in hosts]
-    while not (listed := await store.list.remote(ENDPOINT, 1, None, "desc"))["data"]:  # the hosts' jobs created
-        await asyncio.sleep(0.5)
+    while sum((await store.counts.remote(ENDPOINT)).values()) < per * args.hosts * args.jobs_per_owner:
+        await asyncio.sleep(0.5)  # every host's jobs created
+    listed = await store.list.remote(ENDPOINT, 1, None, "desc")
     deadline = time.monotonic() + args.seconds - 2.0
     reads = asyncio.ensure_future(reader(store, listed["data"][0]["id"], args.reads_hz, deadline))
     claims = asyncio.ensure_future(claimer(store, deadline))
@@ -148,7 +149,8 @@ async def load(args, store) -> dict:
         "report": percentiles([x for o in owned for x in o["latencies"]]),
         "reports_lost": sum(o["lost"] for o in owned),
         "completions": percentiles(completions),
-        "completed": sum(o["completed"] for o in owned),
+        "completed": (await store.counts.remote(ENDPOINT)).get("completed", 0),  # what the store holds
+        "statuses": await store.counts.remote(ENDPOINT),
     }
 
 

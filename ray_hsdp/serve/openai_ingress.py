@@ -34,7 +34,7 @@ from ray_hsdp.serve.errors import (
 )
 from ray_hsdp.serve.ingress import OpenAIRoutes, api, refuse_keyless, serve_http_host
 from ray_hsdp.serve.job_actor import open_store
-from ray_hsdp.serve.job_client import StoreClient
+from ray_hsdp.serve.job_client import STORE_AWAY, StoreClient
 from ray_hsdp.serve.job_records import pool_of
 from ray_hsdp.serve.job_store import limits
 from ray_hsdp.serve.keys import KeyCheck, ReplicaKey
@@ -155,8 +155,14 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
         if (config.job_store, config.media_store) != (self.config.job_store, self.config.media_store):
             raise ValueError("job_store and media_store do not change in place: set them in the endpoint's args")
         key = await asyncio.to_thread(self._key.read, config)
-        await self.store.call("configure", self.endpoint, limits(config))
         self.config, self.key_check = config, key
+        # The limits reach the store before this returns, or once its database answers (an edit is
+        # never refused for an outage); a later edit's configure supersedes one still waiting.
+        self._configuring.cancel()
+        try:
+            await self.store.call("configure", self.endpoint, limits(config))
+        except STORE_AWAY:
+            self._configuring = asyncio.get_running_loop().create_task(self._configure_store(config))
 
     async def _configure_store(self, config: EndpointConfig) -> None:
         """Gives the store this endpoint's limits, waiting out an outage of its database."""
