@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import ray
 import requests
@@ -27,6 +28,12 @@ def job(server: str, video_id: str) -> dict:
     response = requests.get(f"{server}/v1/videos/{video_id}", timeout=60)
     assert response.status_code == 200, response.text
     return response.json()
+
+
+def pool_replica(base: str) -> str | None:
+    """The replica whose group answers ``/v1/pool`` now (Serve routes nothing to one that stops)."""
+    response = requests.get(f"{base}/v1/pool", timeout=60)
+    return response.json()["replica"] if response.ok else None
 
 
 def test_a_stored_request_this_version_cannot_read_fails_its_job_at_once(server):
@@ -84,21 +91,28 @@ def test_a_group_that_fails_while_it_drains_releases_its_job(server):
     """A redeploy removes the old group; it drains its running job (drain_timeout_s); a rank of it
     dies meanwhile: the job is released to the new group (code drained), which completes it, never
     failed (before: the drain's group failure failed the job)."""
-    args = {"model": "tiny", "device": "cpu", "shard_size": 1, "default_size": "64x64", "max_steps": 1000,
+    args = {"model": "tiny", "device": "cpu", "shard_size": 1, "default_size": "64x64", "max_steps": 6000,
             "drain_timeout_s": 120, "requests_per_rank": 1}  # fmt: skip
     base = deploy(server, "draining", args)
     try:
         old_rank = requests.get(f"{base}/v1/pool", timeout=60).json()["ranks"][0]
-        body = {"prompt": "through a drain", "num_frames": 5, "num_inference_steps": 600, "seed": 8}
+        body = {"prompt": "through a drain", "num_frames": 5, "num_inference_steps": 6000, "seed": 8}
         video_id = requests.post(f"{base}/v1/videos", json=body, timeout=60).json()["id"]
         first = wait_until(lambda: (v := job(base, video_id))["status"] == "in_progress" and v, 60, "its run", 0.25)
-        deploy(server, "draining", {**args, "default_steps": 5})  # a new group; the old one drains its job
-        assert job(base, video_id)["attempt"] == first["attempt"]  # still draining on the old group
-        os.kill(old_rank["pid"], signal.SIGKILL)
-        moved = wait_until(lambda: (v := job(base, video_id))["attempt"] > first["attempt"] and v, 60, "a move", 0.25)
-        assert moved["status"] in ("queued", "in_progress") and moved["retried"] is True, moved
-        assert moved["replica"] != first["replica"] or moved["status"] == "queued", moved
-        requests.delete(f"{base}/v1/videos/{video_id}", timeout=60)  # where it runs now is what counts
+        # The redeploy returns once the old group has gone, so it runs beside: the old group drains
+        # its job from the moment the new one serves.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            redeploy = pool.submit(deploy, server, "draining", {**args, "default_steps": 5})
+            wait_until(lambda: pool_replica(base) not in (None, first["replica"]), 120, "the new group serving", 0.25)
+            assert job(base, video_id)["status"] == "in_progress"  # still running, draining on the old group
+            assert job(base, video_id)["attempt"] == first["attempt"]
+            os.kill(old_rank["pid"], signal.SIGKILL)
+            later = lambda: (v := job(base, video_id))["attempt"] > first["attempt"] and v  # noqa: E731
+            moved = wait_until(later, 60, "a move", 0.25)
+            assert moved["status"] in ("queued", "in_progress") and moved["retried"] is True, moved
+            assert moved["replica"] != first["replica"] or moved["status"] == "queued", moved
+            requests.delete(f"{base}/v1/videos/{video_id}", timeout=60)  # where it runs now is what counts
+            redeploy.result(timeout=120)
     finally:
         from ray import serve
 
