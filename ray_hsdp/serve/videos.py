@@ -277,7 +277,6 @@ class VideoJobs:
         if taken is None:
             return False
         video_id, spec, attempt = taken
-        self._attempts.setdefault(video_id, attempt)
         decoded = self._decoded(spec)
         if isinstance(decoded, str):
             await self.store.call("fail", video_id, "internal_error", decoded, self._replica, attempt)
@@ -350,6 +349,10 @@ class VideoJobs:
         if new_attempt is None:
             return False
         self._attempts[video_id] = new_attempt
+        # The poller's report of the released attempt was refused meanwhile and stopped the old
+        # copy: that stop is not the new attempt's (a later refusal of it stops it again).
+        while video_id in self._cancelled:
+            self._cancelled.remove(video_id)
         return True
 
     async def _store_video(self, video_id: str, mp4: bytes, thumbnail: bytes, size: str) -> None:

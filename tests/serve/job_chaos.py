@@ -29,6 +29,18 @@ from support import free_port  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 JOBS = 20
 OUTAGE_S = 20.0
+#: Where the run says what it is doing (the test shows its tail when the run fails or hangs).
+LOG: list = []
+WAITING: list = []  # the jobs not ended at the last look
+
+
+def stage(what: str | None) -> None:
+    if what is not None:
+        LOG.append(f"{time.monotonic():.1f} {what}")
+    if len(sys.argv) > 1:
+        (Path(sys.argv[1]) / "stages.log").write_text("\n".join([*LOG, "not ended:", *WAITING]))
+
+
 BODY = {"model": "tiny-wan", "size": "64x64", "num_frames": 5, "num_inference_steps": 10}
 
 
@@ -78,13 +90,18 @@ def create_all(base: str, seeds: list[int], prompt: str) -> list[str]:
 
 
 def ended(base: str, ids: list[str]) -> dict | None:
-    """Every job's object once each has ended, else None."""
-    videos = {}
+    """Every job's object once each has ended, else None (what each is now goes to the stages)."""
+    videos, waiting = {}, []
     for video_id in ids:
         response = requests.get(f"{base}/v1/videos/{video_id}", timeout=30)
-        if response.status_code != 200 or response.json()["status"] not in ("completed", "failed"):
-            return None
-        videos[video_id] = response.json()
+        video = response.json() if response.status_code == 200 else {"status": response.status_code}
+        videos[video_id] = video
+        if video["status"] not in ("completed", "failed"):
+            waiting.append(f"{video_id} {video['status']} {video.get('progress')} attempt {video.get('attempt')}")
+    if waiting:
+        WAITING[:] = waiting
+        stage(None)
+        return None
     return videos
 
 
@@ -104,17 +121,24 @@ def faults(base: str, server, out: dict, config) -> None:
 
     from ray_hsdp.serve.job_actor import find_store
 
+    stage("kill the store (restarted)")
     ray.kill(find_store(), no_restart=False)  # 1: restarted by Ray
     ranks = requests.get(f"{base}/v1/pool", params={"model": "tiny-wan"}, timeout=30).json()["ranks"]
+    stage("kill a rank")
     os.kill(ranks[1]["pid"], signal.SIGKILL)  # 2: a rank of the video model's group
     out["rank_killed"] = ranks[1]["pid"]
+    stage("stop the database")
     server.stop()  # 3: the database, for OUTAGE_S
     stopped = time.monotonic()
+    stage("redeploy the image model")
     deploy(config(qwen_steps=2))  # 4: the image model's application redeployed meanwhile
+    stage("redeployed")
     time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - stopped)))
     server.start()
+    stage("database started")
     out["outage_s"] = round(time.monotonic() - stopped, 1)
     ray.kill(find_store(), no_restart=True)  # 5: gone for good; the ingress starts it again
+    stage("store killed for good")
 
 
 def main(folder: Path) -> dict:
@@ -123,7 +147,8 @@ def main(folder: Path) -> dict:
 
     out: dict = {}
     with postgres() as server:
-        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
+        stage("start Ray")
+        ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)  # a Ray of its own
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         media = str(folder / "media")
@@ -132,10 +157,12 @@ def main(folder: Path) -> dict:
             return config_of(port, server.url, media, qwen_steps)
 
         started = time.monotonic()
+        stage("deploy")
         deploy(config())
         base = f"http://127.0.0.1:{port}"
         wait_for(lambda: requests.get(f"{base}/health", timeout=10).status_code == 200, 120, "never healthy")
         out["ready_s"] = round(time.monotonic() - started, 1)
+        stage("healthy")
         seeds = list(range(100, 100 + JOBS))
         run_at = time.monotonic()
         ids = create_all(base, seeds, "a fox runs")
@@ -143,12 +170,14 @@ def main(folder: Path) -> dict:
         prober = threading.Thread(target=probe, args=(base, ids[-1], stop, seen))
         prober.start()
         faults(base, server, out, config)
+        stage("wait for the jobs")
         videos = wait_for(lambda: ended(base, ids), 120, "the jobs did not all end within 120 s after the faults")
         stop.set()
         prober.join()
         out["chaos_s"] = round(time.monotonic() - run_at, 1)
         out["probes"] = seen
         out["videos"] = videos
+        stage("the lone runs")
         lone_ids = create_all(base, seeds, "a fox runs")
         lone = wait_for(lambda: ended(base, lone_ids), 120, "the lone runs did not end")
         out["lone"] = lone
@@ -156,6 +185,7 @@ def main(folder: Path) -> dict:
         for video_id, lone_id in zip(ids, lone_ids):
             pair = [requests.get(f"{base}/v1/videos/{v}/content", timeout=30) for v in (video_id, lone_id)]
             out["mp4s"][video_id] = [(r.status_code, r.content.hex() if r.status_code == 200 else r.text) for r in pair]
+        stage("compare")
         out["files"] = sorted(p.name for p in Path(media).iterdir())
         out["total_s"] = round(time.monotonic() - started, 1)
         serve.shutdown()
