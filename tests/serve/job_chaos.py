@@ -41,7 +41,7 @@ def stage(what: str | None) -> None:
         (Path(sys.argv[1]) / "stages.log").write_text("\n".join([*LOG, "not ended:", *WAITING]))
 
 
-BODY = {"model": "tiny-wan", "size": "64x64", "num_frames": 5, "num_inference_steps": 10}
+BODY = {"model": "tiny-wan", "size": "64x64", "num_frames": 5, "num_inference_steps": 6}
 
 
 def deploy(config: dict) -> None:
