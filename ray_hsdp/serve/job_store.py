@@ -81,10 +81,10 @@ def limits(config) -> dict:
 DEFAULT_LIMITS = limits(EndpointConfig())
 
 
-def _engine(url: str):
+def _engine(url: str, **options):
     if url.startswith("sqlite"):
         # Readers and writers wait for a write rather than fail.
-        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False}, **options)
 
         @event.listens_for(engine, "connect")
         def _wal(connection, _):  # a write then never blocks the readers
@@ -95,7 +95,7 @@ def _engine(url: str):
     # A connection that died with its server is replaced at its next use, not handed out; a server
     # that does not answer is given up on in seconds (the call answers 503), not after TCP's minutes.
     connect = {"connect_timeout": 5} if url.startswith("postgresql") else {}
-    return create_engine(url, pool_timeout=10, connect_args=connect)
+    return create_engine(url, pool_timeout=10, connect_args=connect, **options)
 
 
 def answering(method):
@@ -214,7 +214,7 @@ class JobStore(JobSweep, JobViews):
         self.engine = _engine(url)
         #: The same pool without a transaction around each call: a read, and a report (whose writes
         #: are each one guarded statement), cost one round trip to the database, not three.
-        self.reads = self.engine.execution_options(isolation_level="AUTOCOMMIT")
+        self.reads = _engine(url, isolation_level="AUTOCOMMIT")  # a pool of its own: no reset per use
         self.media = JobMedia(media, node)
         self.leases = JobLeases()
         self.orphan_after_s = orphan_after_s
