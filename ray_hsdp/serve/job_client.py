@@ -21,6 +21,9 @@ logger = logging.getLogger("ray_hsdp")
 #: its actor restarts or is gone (found again at the next call), or it did not answer in time.
 STORE_AWAY = (StoreUnavailableError, ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, TimeoutError)
 
+#: The longest one store call may take (a database that hangs on an open connection answers 503).
+CALL_TIMEOUT_S = 30.0
+
 #: The backoff of a call that must land (``StoreClient.landed``): first and longest wait.
 RETRY_FIRST_S, RETRY_MOST_S = 0.25, 5.0
 
@@ -58,8 +61,13 @@ class StoreClient:
         """
         for again in (False, True):
             handle = await self.handle()
+            call = getattr(handle, method).remote(*args, **kwargs)
             try:
-                return await getattr(handle, method).remote(*args, **kwargs)
+                async with asyncio.timeout(CALL_TIMEOUT_S):
+                    return await call
+            except TimeoutError:
+                why = f"the video job store did not answer {method} within {CALL_TIMEOUT_S:g}s"
+                raise StoreUnavailableError(why) from None
             except ray.exceptions.ActorDiedError as err:
                 if self._handle is handle:
                     self._handle = None

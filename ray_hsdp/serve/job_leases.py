@@ -43,6 +43,7 @@ class JobLeases:
         self._reachable_since: float | None = self._started
         self._last_call = self._started
         self._heard: dict[str, float] = {}  # owner -> the store's clock at its last report
+        self._jobs: dict[str, float] = {}  # video id -> the store's clock when its owner last named it
         self._handles: dict[str, object] = {}  # owner -> its replica's actor handle
         self._pings: dict[str, tuple[float, object]] = {}  # owner -> (sent at, the ping's ref)
         self._dead: set[str] = set()
@@ -55,12 +56,20 @@ class JobLeases:
                 self._reachable_since = now
             self._last_call = now
 
-    def heard(self, owner: str, handle=None) -> None:
-        """``owner`` reported (its reports reached the database)."""
+    def heard(self, owner: str, handle=None, jobs=()) -> None:
+        """``owner`` reported (its reports reached the database), naming ``jobs``."""
         with self._lock:
-            self._heard[owner] = self._clock()
+            now = self._clock()
+            self._heard[owner] = now
+            self._jobs.update(dict.fromkeys(jobs, now))
             if handle is not None:
                 self._handles[owner] = handle
+
+    def keep_jobs(self, active: set[str]) -> None:
+        """Forgets the jobs that are no longer active (the sweep's)."""
+        with self._lock:
+            for video_id in set(self._jobs) - active:
+                del self._jobs[video_id]
 
     def reachable(self) -> None:
         """The database answered."""
@@ -73,22 +82,28 @@ class JobLeases:
         with self._lock:
             self._reachable_since = None
 
-    def silent_for(self, owner: str) -> float:
-        """How long ``owner`` has been silent while the store could have heard it (0 in an outage)."""
+    def silent_for(self, owner: str, video_id: str | None = None) -> float:
+        """How long ``owner`` (or its report of ``video_id``) has been silent while the store could
+        have heard it (0 in an outage)."""
         with self._lock:
             if self._reachable_since is None:
                 return 0.0
-            since = max(self._heard.get(owner, self._started), self._reachable_since)
+            heard = self._heard if video_id is None else self._jobs
+            since = max(heard.get(owner if video_id is None else video_id, self._started), self._reachable_since)
             return max(0.0, self._clock() - since)
 
-    def gone(self, owner: str, stale_after_s: float) -> str | None:
-        """Why ``owner`` is known gone, or ``None`` while it may live (never during an outage)."""
+    def gone(self, owner: str, stale_after_s: float, video_id: str | None = None) -> str | None:
+        """Why ``owner`` no longer runs ``video_id`` (it is known gone, or it has not named the
+        job for ``stale_after_s`` while the store could hear it: a replica that lives but dropped
+        the job), or ``None`` while it may (never during an outage)."""
         if owner in self._dead:
             return "the replica running this job is gone (its actor died)"
+        why = "while the job store could hear it"
         silent = self.silent_for(owner)
         if silent > stale_after_s:
-            why = "while the job store could hear it"
             return f"the replica running this job sent no report for {stale_after_s:g}s {why}"
+        if video_id is not None and self.silent_for(owner, video_id) > stale_after_s:
+            return f"the replica that owns this job has not reported it for {stale_after_s:g}s {why}"
         if silent > PING_AFTER_S:
             self._ping(owner)
         return "the replica running this job is gone (its actor died)" if owner in self._dead else None
@@ -115,10 +130,3 @@ class JobLeases:
             if now - sent[0] < PING_AFTER_S:
                 return
         self._pings[owner] = (now, handle.__ray_ready__.remote())
-
-    def forget(self, owner: str) -> None:
-        """``owner`` holds no job any more."""
-        with self._lock:
-            self._heard.pop(owner, None)
-            self._handles.pop(owner, None)
-            self._pings.pop(owner, None)

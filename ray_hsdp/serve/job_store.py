@@ -30,7 +30,7 @@ import time
 import uuid
 
 from sqlalchemy import and_, create_engine, delete, event, func, insert, select, update
-from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
+from sqlalchemy.exc import DisconnectionError, IntegrityError, InterfaceError, OperationalError
 
 from ray_hsdp.config.endpoint import EndpointConfig
 from ray_hsdp.serve.job_leases import JobLeases
@@ -92,8 +92,9 @@ def _engine(url: str, **options):
             connection.execute("PRAGMA synchronous=NORMAL")
 
         return engine
-    # A connection that died with its server is replaced at its next use, not handed out; a server
-    # that does not answer is given up on in seconds (the call answers 503), not after TCP's minutes.
+    # No ping per checkout (it doubled a call's round trips): a connection that died with its server
+    # fails its next use once (a 503; the pool then opens new ones); a server that does not answer
+    # is given up on in seconds, not after TCP's minutes.
     connect = {"connect_timeout": 5} if url.startswith("postgresql") else {}
     return create_engine(url, pool_timeout=10, connect_args=connect, **options)
 
@@ -226,6 +227,7 @@ class JobStore(JobSweep, JobViews):
         #: Ids deleted lately, existing or not: a create of one that was still on its way (its
         #: caller left during the create and deleted it) is refused, not run unwatched.
         self._deleted: collections.deque[str] = collections.deque(maxlen=4096)
+        self._creating = threading.Lock()
 
     def _open(self) -> None:
         """Makes the tables (and adds the columns an earlier version lacked) once the database answers."""
@@ -248,16 +250,23 @@ class JobStore(JobSweep, JobViews):
     def configure(self, endpoint: str, new_limits: dict) -> None:
         """Sets an endpoint's limits (its ingress at each start, so an edit applies with no restart
         of any group); kept in the database for a restarted store."""
-        with self.engine.begin() as conn:
-            conn.execute(delete(endpoints_table).where(endpoints_table.c.endpoint == endpoint))
-            conn.execute(insert(endpoints_table).values(endpoint=endpoint, limits=dict(new_limits)))
+        for again in (False, True):
+            try:
+                with self.engine.begin() as conn:
+                    conn.execute(delete(endpoints_table).where(endpoints_table.c.endpoint == endpoint))
+                    conn.execute(insert(endpoints_table).values(endpoint=endpoint, limits=dict(new_limits)))
+                break
+            except IntegrityError:  # another ingress replica's configure committed in between
+                if again:
+                    raise
         self._limits[endpoint] = {**DEFAULT_LIMITS, **new_limits}
 
     def limits_of(self, endpoint: str) -> dict:
         if endpoint not in self._limits:
             with self.engine.connect() as conn:
                 row = conn.execute(select(endpoints_table).where(endpoints_table.c.endpoint == endpoint)).first()
-            self._limits[endpoint] = {**DEFAULT_LIMITS, **(row.limits if row is not None else {})}
+            # (setdefault: a configure on the other thread meanwhile wins over this older read)
+            self._limits.setdefault(endpoint, {**DEFAULT_LIMITS, **(row.limits if row is not None else {})})
         return self._limits[endpoint]
 
     # ---- transitions -------------------------------------------------------------------------
@@ -288,11 +297,13 @@ class JobStore(JobSweep, JobViews):
             for a named job deleted before this create arrived.
         """
         self._sweep()
-        if video_id is not None and video_id in self._deleted:
-            return "deleted", f"video {video_id!r} was deleted before its create reached the store"
         now = time.time()
         limit = self.limits_of(endpoint)
-        with self.engine.begin() as conn:
+        # (Under the lock a delete also takes: a create and its delete on the store's two threads
+        # never interleave, so a create that started before its delete is deleted with it.)
+        with self._creating, self.engine.begin() as conn:
+            if video_id is not None and video_id in self._deleted:
+                return "deleted", f"video {video_id!r} was deleted before its create reached the store"
             if video_id is not None and (row := self._row(conn, video_id, endpoint)) is not None:
                 ran_elsewhere = row.status == "in_progress" and row.owner != owner
                 values = dict(owner=owner, last_owner=owner, attempt=row.attempt + 1, progress=0, status="queued",
@@ -320,7 +331,7 @@ class JobStore(JobSweep, JobViews):
                 )
             )  # fmt: skip
             out = public(self._row(conn, video_id))
-        self.leases.heard(owner)
+        self.leases.heard(owner, jobs=[video_id])
         return "ok", out
 
     @answering
@@ -346,7 +357,7 @@ class JobStore(JobSweep, JobViews):
             ).all()  # fmt: skip
             rows = {row.id: row for row in found}
             kept = [self._report_one(conn, owner, now, rows.get(report["video_id"]), **report) for report in reports]
-        self.leases.heard(owner, handle)
+        self.leases.heard(owner, handle, [report["video_id"] for report, ok in zip(reports, kept) if ok])
         return kept
 
     def _report_one(self, conn, owner, now, row, video_id, attempt, progress=None, running=False, media_bytes=None):
@@ -380,6 +391,8 @@ class JobStore(JobSweep, JobViews):
         its attempts have failed (naming each)."""
         with self.engine.begin() as conn:
             row = self._row(conn, video_id)
+            if row is not None and row.owner is None and row.attempt == attempt and row.released_at is not None:
+                return row.status in ACTIVE  # released already: a call run again (the store restarted under it)
             if row is None or row.owner != owner or row.attempt != attempt:
                 return False
             return self._give_up(conn, row, code, why, hold_s)
@@ -418,7 +431,9 @@ class JobStore(JobSweep, JobViews):
                 .order_by(c.seq)
             ).all()
             for row in rows:
-                if self._guarded(conn, row.id, None, row.attempt, {"claimed_until": now + hold_s}):
+                free = and_(c.id == row.id, c.attempt == row.attempt, c.owner.is_(None), c.status.in_(ACTIVE),
+                            c.claimed_until <= now)  # fmt: skip
+                if conn.execute(update(jobs_table).where(free).values(claimed_until=now + hold_s)).rowcount == 1:
                     out.append(tuple(row))
         return out
 
@@ -450,8 +465,11 @@ class JobStore(JobSweep, JobViews):
                         heartbeat=now, waiting_since=now, released_at=None, claimed_until=0.0)  # fmt: skip
             ).rowcount
         if moved != 1:
-            return None
-        self.leases.heard(replica)
+            with self.reads.connect() as conn:  # a call run again (the store restarted under it)
+                row = self._row(conn, video_id)
+            mine = row is not None and row.status in ACTIVE and (row.owner, row.attempt) == (replica, attempt + 1)
+            return attempt + 1 if mine else None
+        self.leases.heard(replica, jobs=[video_id])
         return attempt + 1
 
     @answering
@@ -477,7 +495,7 @@ class JobStore(JobSweep, JobViews):
                 values = dict(owner=replica, last_owner=replica, attempt=row.attempt + 1, heartbeat=now,
                               waiting_since=now)  # fmt: skip
                 if self._guarded(conn, row.id, row.owner, row.attempt, values):
-                    self.leases.heard(replica)
+                    self.leases.heard(replica, jobs=[row.id])
                     return row.id, row.spec, row.attempt + 1
         return None
 
@@ -541,8 +559,8 @@ class JobStore(JobSweep, JobViews):
     def delete(self, endpoint: str, video_id: str) -> bool:
         """``cancel``: removes a job and its files (afterwards its id is 404); its owner stops it at
         its next report; a create of its id that arrives later is refused. Returns whether it existed."""
-        self._deleted.append(video_id)
-        with self.engine.begin() as conn:
+        with self._creating, self.engine.begin() as conn:
+            self._deleted.append(video_id)
             row = self._row(conn, video_id, endpoint)
             if row is None:
                 return False

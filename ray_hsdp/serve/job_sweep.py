@@ -54,6 +54,7 @@ class JobSweep:
                 ).all()  # fmt: skip
                 for row in active:
                     self._sweep_one(conn, row, now)
+                self.leases.keep_jobs({row.id for row in active})
             for row in expired:
                 self.media.remove(row.media_key)
             self.media.retry_removals()
@@ -70,7 +71,7 @@ class JobSweep:
                 wait = f"video_lost_wait_s={limit['lost_wait_s']:g}s"
                 why = f"{row.released_why}; no other group took it over within {wait}"
                 self._fail(conn, row.id, row.released_code, why, None, row.attempt)
-        elif row.owner is not None and (gone := self.leases.gone(row.owner, limit["stale_after_s"])):
+        elif row.owner is not None and (gone := self.leases.gone(row.owner, limit["stale_after_s"], row.id)):
             logger.warning("Releasing video job %s of attempt %d: %s", row.id, row.attempt, gone)
             self._give_up(conn, row, "replica_lost", gone)
 

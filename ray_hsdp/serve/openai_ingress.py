@@ -207,8 +207,9 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
         try:
             return await cancelled_with_caller(response), None
         except LOST_GROUP as err:
+            # Not cancelled: a replica Ray lost sight of for a while that still runs the call is
+            # joined by the retry (it carries the same request or video id), not refused by it.
             first, avoid = f"the shard group running it was lost ({type(err).__name__})", None
-            response.cancel()
         except Exception as err:
             cause = remote_cause(err)
             if not isinstance(cause, GroupFailedError):

@@ -170,6 +170,12 @@ class VideoJobs:
             "guidance_scale_2": job.guidance_scale_2,
             "flow_shift": job.flow_shift,
         }
+        # The store's create and the job's start are one step that the caller's cancel (a client
+        # gone) cannot split: a created job always runs here (a caller that left deletes it).
+        return await asyncio.shield(self._create_and_start(endpoint, fields, job, fps, video_id))
+
+    async def _create_and_start(self, endpoint: str, fields: dict, job: GenerationRequest, fps: int, video_id) -> dict:
+        """The job's record in the store (``create``), then its run here; its video object."""
         status, created = await self.store.call(
             "create", endpoint, self._pool, fields, self._replica, encode_spec(job, fps), video_id
         )

@@ -109,7 +109,7 @@ def probe(base: str, video_id: str, stop: threading.Event, seen: list) -> None:
     """GET of one job every 0.25 s until ``stop``: the status codes the outage answers with."""
     while not stop.is_set():
         try:
-            response = requests.get(f"{base}/v1/videos/{video_id}", timeout=10)
+            response = requests.get(f"{base}/v1/videos/{video_id}", timeout=60)  # a slow answer is no 500
             seen.append((response.status_code, response.headers.get("Retry-After")))
         except requests.RequestException as err:
             seen.append((type(err).__name__, None))

@@ -17,15 +17,18 @@ def test_a_write_leaves_no_partial_file_and_reads_back(tmp_path):
     assert media.read("video_a-1", "video") == b"mp4" * 100 and media.read("video_b-1", "video") is None
 
 
-def test_a_failed_removal_is_tried_again_by_the_sweep_and_never_raises(tmp_path):
+def test_a_failed_removal_is_tried_again_by_the_sweep_and_never_raises(tmp_path, monkeypatch):
     store = JobStore(f"sqlite:///{tmp_path / 'jobs.sqlite'}", str(tmp_path / "media"))
     _, video = store.create("app", "pool", {"model": "m"}, "a", "spec")
     assert store.complete(video["id"], "a", 1, b"mp4", b"png")
-    real_rm = store.media.fs.rm
-    store.media.fs.rm = lambda path: (_ for _ in ()).throw(OSError("the media store is read-only now"))
-    assert store.delete("app", video["id"])  # answered, not raised
-    assert store.media.pending == {f"{video['id']}-1"}
-    store.media.fs.rm = real_rm
+
+    def read_only(path):
+        raise OSError("the media store is read-only now")
+
+    with monkeypatch.context() as patch:  # fsspec's file system object is shared by the process
+        patch.setattr(store.media.fs, "rm", read_only)
+        assert store.delete("app", video["id"])  # answered, not raised
+        assert store.media.pending == {f"{video['id']}-1"}
     store._swept = 0.0
     store.counts()  # any call sweeps
     assert store.media.pending == set() and list((tmp_path / "media").iterdir()) == []
