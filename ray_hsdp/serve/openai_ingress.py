@@ -192,8 +192,9 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
     async def _call(self, model: str, method: str, *args, **kwargs):
         """Calls ``method`` of a group of ``model``; a call whose group was lost (Serve's router no
         longer picks a replica whose actor died) or failed under it (the retry avoids its replica)
-        goes once more to another group. Where Ray lost sight of the first only for a while, the
-        first is cancelled: one answer reaches the caller.
+        goes once more to another group. The caller awaits the retry alone, so one answer reaches
+        it; where Ray lost sight of the first only for a while and the retry reaches the same
+        replica, the retry joins the run it still holds (same request or video id).
 
         Returns:
             ``(answer, first_error)``: ``first_error`` says why it was retried, or is ``None``.
