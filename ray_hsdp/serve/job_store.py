@@ -391,7 +391,8 @@ class JobStore(JobSweep, JobViews):
         its attempts have failed (naming each)."""
         with self.engine.begin() as conn:
             row = self._row(conn, video_id)
-            if row is not None and row.owner is None and row.attempt == attempt and row.released_at is not None:
+            released = row is not None and row.owner is None and row.released_at is not None
+            if released and (row.attempt, row.last_owner) == (attempt, owner):
                 return row.status in ACTIVE  # released already: a call run again (the store restarted under it)
             if row is None or row.owner != owner or row.attempt != attempt:
                 return False
