@@ -234,18 +234,20 @@ class VideoJobs:
             raise self._refusal("this shard group is the one the job left, or is being removed; it cannot take it")
         return await asyncio.shield(self._adopt(video_id, spec, attempt))
 
-    def _decoded(self, spec: str) -> tuple[GenerationRequest, int] | str:
-        """A stored request, or why it cannot run here (an earlier version's, or a broken one)."""
+    async def _runnable(self, video_id: str, spec: str, owner: str | None, attempt: int):
+        """A stored request as ``(job, fps)``; one this version cannot read (an earlier version's,
+        or a broken one) fails its job at once with the reason, and gives ``None``: nothing loops."""
         try:
             return decode_spec(spec)
-        except Exception as err:  # noqa: BLE001 - the job fails with the reason, nothing loops
-            return f"its stored request cannot be read by this version ({type(err).__name__}: {err})"
+        except Exception as err:  # noqa: BLE001 - the job says why it failed
+            why = f"its stored request cannot be read by this version ({type(err).__name__}: {err})"
+        logger.warning("Failing video job %s: %s", video_id, why)
+        await self.store.call("fail", video_id, "internal_error", why, owner, attempt)
+        return None
 
     async def _adopt(self, video_id: str, spec: str, attempt: int) -> bool:
-        decoded = self._decoded(spec)
-        if isinstance(decoded, str):
-            logger.warning("Failing video job %s: %s", video_id, decoded)
-            await self.store.call("fail", video_id, "internal_error", decoded, None, attempt)
+        decoded = await self._runnable(video_id, spec, None, attempt)
+        if decoded is None:
             return False
         new_attempt = await self.store.call("adopt", video_id, self._replica, attempt)
         if new_attempt is None:
@@ -283,9 +285,8 @@ class VideoJobs:
         if taken is None:
             return False
         video_id, spec, attempt = taken
-        decoded = self._decoded(spec)
-        if isinstance(decoded, str):
-            await self.store.call("fail", video_id, "internal_error", decoded, self._replica, attempt)
+        decoded = await self._runnable(video_id, spec, self._replica, attempt)
+        if decoded is None:
             return True
         job, fps = decoded
         job = dataclasses.replace(job, request_id=video_id)
