@@ -125,6 +125,11 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, G
         # Offers and sessions that completed, as Ray reports them; the scheduler handles them.
         self._events: deque[tuple[str, ray.ObjectRef, Future]] = deque()
         self._wake = False  # a request was submitted
+        # (rank index, request id) of the cancels to send: sent by the scheduler thread, never by the
+        # caller's. A caller is often a Serve request being cancelled, and Ray's cancel of a task
+        # reaches the tasks it submitted (``recursive``): a rank's cancel sent from it was seen
+        # dropped before it ran, and the request ran all its steps.
+        self._cancels: list[tuple[int, str]] = []
         self._cond = threading.Condition()
         self._scheduler: threading.Thread | None = None
         self._failure: str | None = None
@@ -337,11 +342,11 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, G
             holders = {
                 i for i, j in self._inflight.values() if j.request.request_id == request_id and i == j.ranks.start
             }
-            ranks = list(self.ranks)
+            if holders:
+                self._cancels.extend((rank_index, request_id) for rank_index in holders)
+                self._cond.notify_all()
         for job in queued:
             resolve(job.future, error=RequestCancelledError(f"request {request_id!r} was cancelled while queued"))
-        for rank_index in holders:
-            ranks[rank_index].cancel.remote(request_id)  # the offer then fails with RequestCancelledError
         return bool(queued or holders)
 
     # ---- inspection ------------------------------------------------------------------------

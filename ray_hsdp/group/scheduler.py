@@ -291,7 +291,7 @@ class GroupScheduler:
         try:
             while True:
                 with self._cond:
-                    while not (self._closed or self._events or self._wake):
+                    while not (self._closed or self._events or self._wake or self._cancels):
                         if not self._cond.wait(self._until_queue_timeout()):
                             break  # the oldest queued request's time is up
                     if self._closed:
@@ -299,6 +299,10 @@ class GroupScheduler:
                     self._wake = False
                     events = list(self._events)
                     self._events.clear()
+                    cancels, self._cancels = self._cancels, []
+                for rank_index, request_id in cancels:
+                    # The offer then fails with RequestCancelledError.
+                    self.ranks[rank_index].cancel.remote(request_id)
                 for kind, ref, future in events:
                     if kind == "offer":
                         self._offer_done(ref, future)

@@ -24,6 +24,7 @@ from ray.serve.handle import DeploymentHandle
 from ray_hsdp.config.endpoint import EndpointConfig
 from ray_hsdp.group import GroupFailedError, remote_cause
 from ray_hsdp.request import RequestCancelledError
+from ray_hsdp.serve.detached import Detached
 from ray_hsdp.serve.errors import (
     GroupLostError,
     ModelLoadingError,
@@ -141,6 +142,8 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
         self._placers = [loop.create_task(self._place_released_jobs(model)) for model in self.servers]
         self._watcher = loop.create_task(self.watch.run())
         self._key_reader = loop.create_task(self._read_key_again())
+        #: Where the delete of a job whose caller left runs: not in the cancelled call (``serve.detached``).
+        self._detached = Detached()
 
     async def reconfigure(self, user_config: dict) -> None:
         """The endpoint's fields from the ingress' ``user_config`` over its ``args``: Serve calls it
@@ -277,7 +280,7 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
                 await asyncio.sleep(JOBS_POLL_S)
         except asyncio.CancelledError:
             # Its group stops it at its next report; a store that is away gets the delete when it is back.
-            asyncio.get_running_loop().create_task(self._delete_left(video_id))
+            self._detached.start(self._delete_left(video_id))
             raise
         raise RequestCancelledError(f"video {video_id!r} was deleted while the call waited for it")
 

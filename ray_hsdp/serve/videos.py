@@ -17,6 +17,7 @@ from ray import serve
 from ray_hsdp import deadlines
 from ray_hsdp.group import GroupFailedError, GroupOverloadedError, remote_cause
 from ray_hsdp.request import GenerationRequest, RequestCancelledError
+from ray_hsdp.serve.detached import Detached
 from ray_hsdp.serve.errors import (
     JobTableFullError,
     RequestLimitError,
@@ -101,6 +102,8 @@ class VideoJobs:
         of waiting jobs. Serve runs the constructor on the replica's event loop: the tasks start
         once it returns (held here: the loop keeps only a weak reference to its tasks)."""
         loop = asyncio.get_running_loop()
+        #: Where a request's work that outlives its cancel runs (a job's create and start, an adoption).
+        self._detached = Detached()
         self._poller = loop.create_task(self._poll_progress())
         if self.config.video_takeover_after_s is not None:
             self._takeover = loop.create_task(self._take_waiting_jobs(self.config.video_takeover_after_s))
@@ -171,8 +174,9 @@ class VideoJobs:
             "flow_shift": job.flow_shift,
         }
         # The store's create and the job's start are one step that the caller's cancel (a client
-        # gone) cannot split: a created job always runs here (a caller that left deletes it).
-        return await asyncio.shield(self._create_and_start(endpoint, fields, job, fps, video_id))
+        # gone) cannot split, run as the replica's own work (``serve.detached`` says why): a
+        # created job always runs here (a caller that left deletes it).
+        return await self._detached.start(self._create_and_start(endpoint, fields, job, fps, video_id))
 
     async def _create_and_start(self, endpoint: str, fields: dict, job: GenerationRequest, fps: int, video_id) -> dict:
         """The job's record in the store (``create``), then its run here; its video object."""
@@ -225,14 +229,14 @@ class VideoJobs:
         cannot run: then the job fails at once, with the reason).
 
         The adoption and the job's start are one step that the caller's cancel (its deadline)
-        cannot split: an adopted job always runs here.
+        cannot split (the replica's own work, ``serve.detached``): an adopted job always runs here.
 
         Raises:
             GroupFailedError: This is the replica to avoid, or it is being removed too.
         """
         if avoid_replica == self._replica or self._draining:
             raise self._refusal("this shard group is the one the job left, or is being removed; it cannot take it")
-        return await asyncio.shield(self._adopt(video_id, spec, attempt))
+        return await self._detached.start(self._adopt(video_id, spec, attempt))
 
     async def _runnable(self, video_id: str, spec: str, owner: str | None, attempt: int):
         """A stored request as ``(job, fps)``; one this version cannot read (an earlier version's,
