@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
+from ray.serve.exceptions import RequestCancelledError
 from support import reference_frames, wait_until
 
 from ray_hsdp.request import GenerationRequest
@@ -465,7 +466,8 @@ def running_past_step_2(server: str, exclude: frozenset[str] = frozenset()) -> t
 
 def test_a_client_that_goes_away_stops_its_request(server):
     """A caller that disconnects (HTTP) or cancels its handle call stops its request on the group,
-    not after its 200 steps: the proxy cancels the ingress' call, which cancels the group's."""
+    not after its 200 steps: the proxy cancels the ingress' call, which cancels the group's. Six
+    times each: a cancel sent from the cancelled call itself was dropped by Ray about once in ten."""
     import http.client
     from urllib.parse import urlparse
 
@@ -473,25 +475,23 @@ def test_a_client_that_goes_away_stops_its_request(server):
 
     slow = {"prompt": "nobody waits", "num_inference_steps": 200, "size": "256x256", "seed": 3}
     address = urlparse(server)
-    client = http.client.HTTPConnection(address.hostname, address.port, timeout=60)
-    client.request("POST", "/v1/images/generations", json.dumps(slow), {"Content-Type": "application/json"})
-    request_id, step = running_past_step_2(server)
-    client.close()  # the client goes away before its answer
-    http_last = last_step_before_it_left(lambda: running_steps(server), request_id, step)
-    assert http_last < step + 100, (step, http_last)  # stopped, not run to its 200th step
-    before = frozenset(requests.get(f"{server}/v1/pool", timeout=60).json()["requests"])
-    call = serve.get_app_handle(APP).generate.remote(slow)
-    request_id, step = running_past_step_2(server, exclude=before)  # the call's own request
-    held = requests.get(f"{server}/v1/pool", timeout=60).json()["requests"]  # copies of it, if any
-    call.cancel()
-    handle_last = last_step_before_it_left(lambda: running_steps(server), request_id, step)
-    try:  # what the call itself ended with says where a cancel that did not stop it was lost
-        outcome = f"the call returned image {call.result(timeout_s=60)['id']} (never cancelled)"
-    except Exception as err:  # noqa: BLE001 - a cancelled call ends in an error
-        outcome = f"the call ended {type(err).__name__}"
-    assert handle_last < step + 100, (step, handle_last, outcome, held)
+    for _ in range(6):
+        before = frozenset(requests.get(f"{server}/v1/pool", timeout=60).json()["requests"])
+        client = http.client.HTTPConnection(address.hostname, address.port, timeout=60)
+        client.request("POST", "/v1/images/generations", json.dumps(slow), {"Content-Type": "application/json"})
+        request_id, step = running_past_step_2(server, exclude=before)
+        client.close()  # the client goes away before its answer
+        http_last = last_step_before_it_left(lambda: running_steps(server), request_id, step)
+        assert http_last < step + 100, (step, http_last)  # stopped, not run to its 200th step
+        before = frozenset(requests.get(f"{server}/v1/pool", timeout=60).json()["requests"])
+        call = serve.get_app_handle(APP).generate.remote(slow)
+        request_id, step = running_past_step_2(server, exclude=before)  # the call's own request
+        call.cancel()
+        handle_last = last_step_before_it_left(lambda: running_steps(server), request_id, step)
+        assert handle_last < step + 100, (step, handle_last)
+        with pytest.raises(RequestCancelledError):
+            call.result(timeout_s=60)
     assert requests.post(f"{server}/v1/images/generations", json={"prompt": "after"}, timeout=120).status_code == 200
-    print(f"\nLeft the group at step {http_last} (HTTP client gone) and {handle_last} (handle call cancelled) of 200")
 
 
 def test_a_killed_rank_fails_its_request_with_503_and_the_group_heals(server):
