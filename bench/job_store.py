@@ -174,8 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     from ray_hsdp.serve.job_actor import open_store
 
-    folder = Path(tempfile.mkdtemp(prefix="bench_jobs_"))
     with contextlib.ExitStack() as stack:
+        folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_jobs_")))
         if args.db == "postgresql":
             sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
             from postgres import postgres  # the tests' throwaway server (Debian's postgresql package)

@@ -24,6 +24,7 @@ job belongs to the endpoint whose ingress took it, and each endpoint has its own
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import threading
 import time
@@ -44,6 +45,7 @@ from ray_hsdp.serve.job_records import (
     metadata,
     public,
 )
+from ray_hsdp.serve.job_reports import Held, HeldJobs
 from ray_hsdp.serve.job_sweep import JobSweep, released_values
 
 #: Progress (0-100) at the end of denoising; decode and MP4 encoding fill the rest.
@@ -102,11 +104,14 @@ def _engine(url: str, **options):
 def answering(method):
     """A store call: the database opened (tables made, columns added) at the first call that
     reaches it; a database that does not answer raises ``StoreUnavailableError`` (a 503 to a
-    caller; an owner's report waits) and stops every owner's silence from counting (``JobLeases``)."""
+    caller; an owner's report waits) and stops every owner's silence from counting (``JobLeases``).
+    A call that changed a row (a transition: the reports' own writes are not its) forgets the rows
+    the reports hold once it has ended (``job_reports``)."""
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         self.leases.called()
+        self._changes.rows = False
         try:
             self._open()
             out = method(self, *args, **kwargs)
@@ -117,6 +122,9 @@ def answering(method):
                 f"the video job store's database does not answer ({cause}); running jobs go on and report once "
                 "it does: retry shortly"
             ) from None
+        finally:
+            if self._changes.rows:
+                self.held.changed()
         self.leases.reachable()
         return out
 
@@ -124,7 +132,8 @@ def answering(method):
 
 
 class JobViews:
-    """What callers read of the store (``JobStore`` holds the engine, the media and the limits)."""
+    """What callers read of the store (``JobStore`` holds the engine, the media and the limits).
+    A read never sweeps (``JobSweep``): it would wait for the housekeeping of every active job."""
 
     def _row(self, conn, video_id: str, endpoint: str | None = None):
         query = select(jobs_table).where(jobs_table.c.id == video_id)
@@ -135,7 +144,6 @@ class JobViews:
     @answering
     def get(self, endpoint: str, video_id: str) -> dict | None:
         """The video object, or ``None`` when the endpoint has no such job (any more)."""
-        self._sweep()
         with self.reads.connect() as conn:
             row = self._row(conn, video_id, endpoint)
         return public(row) if row is not None else None
@@ -144,7 +152,6 @@ class JobViews:
     def list(self, endpoint: str, limit: int, after: str | None, order: str) -> dict | None:
         """A page of video objects (``order`` ``desc``: newest first), or ``None`` when ``after``
         names no job."""
-        self._sweep()
         c = jobs_table.c
         with self.reads.connect() as conn:
             query = select(jobs_table).where(c.endpoint == endpoint)
@@ -168,7 +175,6 @@ class JobViews:
     def locate(self, endpoint: str, video_id: str) -> tuple[str, str | None]:
         """Where a job's files are: ``("ok", media key)``, ``("missing", None)`` or
         ``("not_ready", status)`` (for a caller that reads the media itself: ``JobMedia.reaches``)."""
-        self._sweep()
         with self.reads.connect() as conn:
             row = self._row(conn, video_id, endpoint)
         if row is None:
@@ -192,7 +198,6 @@ class JobViews:
     @answering
     def counts(self, endpoint: str | None = None) -> dict[str, int]:
         """Jobs kept, by status (the metrics' gauge), of one endpoint or of all."""
-        self._sweep()
         c = jobs_table.c
         query = select(c.status, func.count()).group_by(c.status)
         if endpoint is not None:
@@ -218,6 +223,12 @@ class JobStore(JobSweep, JobViews):
         self.reads = _engine(url, isolation_level="AUTOCOMMIT")  # a pool of its own: no reset per use
         self.media = JobMedia(media, node)
         self.leases = JobLeases()
+        #: The rows of the reported jobs, between two transitions: a steady report reads none.
+        self.held = HeldJobs()
+        # Whether the call running on this thread changed a row (a statement of the transactions'
+        # engine that hit one; the reports write through ``reads``, and keep what they write).
+        self._changes = threading.local()
+        event.listen(self.engine, "after_execute", self._note_change)
         self.orphan_after_s = orphan_after_s
         self._limits: dict[str, dict] = {}
         self._swept = self._orphans_swept = 0.0
@@ -228,6 +239,10 @@ class JobStore(JobSweep, JobViews):
         #: caller left during the create and deleted it) is refused, not run unwatched.
         self._deleted: collections.deque[str] = collections.deque(maxlen=4096)
         self._creating = threading.Lock()
+
+    def _note_change(self, conn, statement, multiparams, params, options, result) -> None:
+        if getattr(statement, "is_dml", False) and result.rowcount:
+            self._changes.rows = True
 
     def _open(self) -> None:
         """Makes the tables (and adds the columns an earlier version lacked) once the database answers."""
@@ -349,22 +364,47 @@ class JobStore(JobSweep, JobViews):
             longer the job's (released, adopted elsewhere): the owner stops its copy.
         """
         now = time.time()
-        c = jobs_table.c
-        with self.reads.connect() as conn:
-            found = conn.execute(
-                select(c.id, c.status, c.owner, c.attempt, c.progress, c.media_bytes)
-                .where(c.id.in_([report["video_id"] for report in reports]))
-            ).all()  # fmt: skip
-            rows = {row.id: row for row in found}
-            kept = [self._report_one(conn, owner, now, rows.get(report["video_id"]), **report) for report in reports]
+        ids = [report["video_id"] for report in reports]
+        version, rows = self.held.read(ids)
+        with contextlib.ExitStack() as opened:
+            conn = None
+            if missing := [video_id for video_id in ids if video_id not in rows]:
+                conn = opened.enter_context(self.reads.connect())
+                c = jobs_table.c
+                found = conn.execute(
+                    select(c.id, c.status, c.owner, c.attempt, c.progress, c.media_bytes).where(c.id.in_(missing))
+                ).all()
+                read = {row.id: Held(*row[1:]) for row in found}
+                self.held.keep(version, read)
+                rows.update(read)
+            kept = []
+            for report in reports:
+                row = rows.get(report["video_id"])
+                values = self._report_values(owner, row, **report)
+                if not values:  # refused (None), or nothing to write ({})
+                    kept.append(values is not None)
+                    continue
+                conn = conn or opened.enter_context(self.reads.connect())
+                kept.append(self._write_report(conn, version, row, report, values, now))
         self.leases.heard(owner, handle, [report["video_id"] for report, ok in zip(reports, kept) if ok])
         return kept
 
-    def _report_one(self, conn, owner, now, row, video_id, attempt, progress=None, running=False, media_bytes=None):
-        """One report against its job's ``row``: written only where it changes the job (the lease
-        itself lives in memory, ``JobLeases``), so an owner's steady reports cost one read."""
-        if row is None or row.status not in ACTIVE or row.owner != owner or row.attempt != attempt:
+    def _write_report(self, conn, version: int, row: Held, report: dict, values: dict, now: float) -> bool:
+        """Writes what a report changes of its job, guarded by its owner and attempt."""
+        video_id = report["video_id"]
+        if not self._guarded(conn, video_id, row.owner, row.attempt, {**values, "heartbeat": now}):
+            self.held.forget(video_id)
             return False
+        self.held.keep(version, {video_id: row._replace(**{k: v for k, v in values.items() if k in Held._fields})})
+        return True
+
+    @staticmethod
+    def _report_values(owner, row: Held | None, video_id, attempt, progress=None, running=False, media_bytes=None):
+        """What one report changes of its job's ``row`` (the lease itself lives in memory,
+        ``JobLeases``): ``None`` when it is refused (the job ended, or is no longer ``owner``'s
+        ``attempt``), ``{}`` when nothing changes: an owner's steady reports write nothing."""
+        if row is None or row.status not in ACTIVE or row.owner != owner or row.attempt != attempt:
+            return None
         values: dict = {}
         if (running or progress) and row.status != "in_progress":  # (a short job may end between two reports)
             values.update(status="in_progress", replica=owner)
@@ -373,9 +413,7 @@ class JobStore(JobSweep, JobViews):
                 values["progress"] = moved
         if media_bytes is not None and int(media_bytes) != row.media_bytes:
             values["media_bytes"] = int(media_bytes)
-        if not values:
-            return True
-        return self._guarded(conn, video_id, owner, attempt, {**values, "heartbeat": now})
+        return values
 
     def report(self, video_id: str, owner: str, attempt: int, progress: int | None = None, running: bool = False):
         """One report (``renew`` of one job)."""

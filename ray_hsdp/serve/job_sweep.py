@@ -1,7 +1,10 @@
-"""The job store's own housekeeping, at its calls (no thread): ``expire`` what is past its
-``expires_at`` (with its files), fail the released jobs no group took within ``lost_wait_s``,
-release the jobs whose owner is known gone (``job_leases``), and remove the media files no record
-holds (``job_store``)."""
+"""The job store's own housekeeping: ``expire`` what is past its ``expires_at`` (with its files),
+fail the released jobs no group took within ``lost_wait_s``, release the jobs whose owner is known
+gone (``job_leases``), and remove the media files no record holds (``job_store``).
+
+It runs at some of the store's writes (the ingress' ``claim``, a few times a second; a create; a
+takeover); never at a read, which would wait for the housekeeping of every active job; and in no
+thread of its own: an owner's silence counts only while the store runs calls."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from ray_hsdp.serve.job_records import ACTIVE, jobs_table
 
 logger = logging.getLogger("ray_hsdp")
 
-#: How often at most the store looks for expired, stale and lost jobs (at a call, not in a thread).
+#: How often at most the store looks for expired, stale and lost jobs (at a write, not in a thread).
 SWEEP_EVERY_S = 0.5
 #: How often at most it lists the media store for files no record holds.
 ORPHANS_EVERY_S = 60.0

@@ -3,6 +3,7 @@ against a real PostgreSQL server that the tests start themselves (``tests/postgr
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -127,16 +128,22 @@ def test_one_attempt_is_adopted_once_whichever_replicas_race(store_url, tmp_path
     assert not stores[0].unclaim(video["id"], 1, retry_in_s=0.0)  # adopted: no claim of it to free
 
 
+def swept_get(store, video_id: str) -> dict | None:
+    """``get`` after the ingress' poll for released jobs (``claim``), which sweeps: a read does not."""
+    store.claim(["no such pool"], hold_s=1)
+    return store.get("app", video_id)
+
+
 def test_a_released_job_no_group_takes_fails_and_stays_failed(store_url, tmp_path):
     store = make(store_url, tmp_path / "media", stale_after_s=0.3, lost_wait_s=0.3)
     _, video = store.create("app", "pool", {"model": "m", "prompt": "p"}, "a", "spec")
     assert store.report(video["id"], "a", 1, progress=30)
     deadline = time.time() + 30
-    while store.get("app", video["id"])["progress"] != 0:  # a stopped reporting: released
+    while swept_get(store, video["id"])["progress"] != 0:  # a stopped reporting: released
         assert time.time() < deadline
         time.sleep(0.1)
     assert store.claim(["pool"], hold_s=60)[0][0] == video["id"]
-    while store.get("app", video["id"])["status"] != "failed":  # no group adopted it in lost_wait_s
+    while swept_get(store, video["id"])["status"] != "failed":  # no group adopted it in lost_wait_s
         assert time.time() < deadline
         time.sleep(0.1)
     failed = store.get("app", video["id"])
@@ -189,7 +196,7 @@ def test_expired_jobs_go_with_their_files_and_deleted_ones_at_once(store_url, tm
     assert store.delete("app", deleted["id"]) and store.delete("app", deleted["id"]) is False
     assert store.report(deleted["id"], "a", 1) is False
     deadline = time.time() + 30
-    while store.get("app", video["id"]) is not None:
+    while swept_get(store, video["id"]) is not None:
         assert time.time() < deadline
         time.sleep(0.1)
     assert list((tmp_path / "media").iterdir()) == []
@@ -246,7 +253,9 @@ def test_a_database_outage_longer_than_stale_after_s_releases_no_job(tmp_path):
                 assert "postgres" not in str(raised.value) and "socket" not in str(raised.value)
             time.sleep(0.1)
         server.start()
-        kept = store.get("app", video["id"])  # the first call back sweeps: the owner's silence did not count
+        with contextlib.suppress(StoreUnavailableError):  # a pooled connection that died with the server fails once
+            store.claim(["no such pool"], hold_s=1)
+        kept = swept_get(store, video["id"])  # the first sweep back: the owner's silence did not count
         assert (kept["status"], kept["progress"], kept["attempt"]) == ("in_progress", 40, 1), kept
         assert store.report(video["id"], "a", 1, progress=60)
         assert store.complete(video["id"], "a", 1, b"mp4", b"png")
@@ -342,3 +351,37 @@ def test_a_create_that_arrives_after_its_delete_is_refused(store_url, tmp_path):
     status, why = store.create("app", "pool", {"model": "m"}, "a", "spec", "video_early")
     assert status == "deleted" and "deleted before its create" in why
     assert store.get("app", "video_early") is None
+
+
+def test_a_steady_report_reads_no_row_and_a_transition_makes_the_next_read_it(store_url, tmp_path):
+    """A report that changes nothing is answered from the rows the reports read last; a transition
+    (here another job's create and a release) makes the next report read its row again, and a
+    report of a released job is refused."""
+    from sqlalchemy import event
+
+    store = make(store_url, tmp_path / "media")
+    _, video = store.create("app", "pool", {"model": "m"}, "a", "spec")
+    statements = []
+    event.listen(store.reads, "before_cursor_execute", lambda *args: statements.append(args[2]))
+    assert store.report(video["id"], "a", 1, progress=10, running=True)  # a read, then its write
+    assert len(statements) == 2
+    assert all(store.report(video["id"], "a", 1, progress=10) for _ in range(5))
+    assert len(statements) == 2  # steady: from memory
+    store.create("app", "pool", {"model": "m"}, "b", "spec")
+    assert store.report(video["id"], "a", 1, progress=10) and len(statements) == 3  # read again
+    assert store.release(video["id"], "a", 1, "group_failed", "its group failed")
+    assert store.report(video["id"], "a", 1, progress=10) is False
+
+
+def test_rows_read_while_a_transition_ended_are_not_held():
+    from ray_hsdp.serve.job_reports import Held, HeldJobs
+
+    held, row = HeldJobs(), Held("in_progress", "a", 1, 10, 0)
+    version, rows = held.read(["v"])
+    assert rows == {}
+    held.changed()  # a transition ended while the report read its row
+    held.keep(version, {"v": row})
+    assert held.read(["v"])[1] == {}
+    version, _ = held.read(["v"])
+    held.keep(version, {"v": row})
+    assert held.read(["v"])[1] == {"v": row}
