@@ -300,9 +300,10 @@ class GroupScheduler:
                     events = list(self._events)
                     self._events.clear()
                     cancels, self._cancels = self._cancels, []
+                    ranks = list(self.ranks)  # (a failed group has none: it answered its requests)
                 for rank_index, request_id in cancels:
-                    # The offer then fails with RequestCancelledError.
-                    self.ranks[rank_index].cancel.remote(request_id)
+                    if rank_index < len(ranks):  # the offer then fails with RequestCancelledError
+                        ranks[rank_index].cancel.remote(request_id)
                 for kind, ref, future in events:
                     if kind == "offer":
                         self._offer_done(ref, future)

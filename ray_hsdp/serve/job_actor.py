@@ -79,6 +79,9 @@ class StoreActor(JobStore):
 
 
 def _on_reads_thread(read):
+    """``read`` as a method of the actor that Ray runs on the ``reads`` thread (a wrapper: ``JobStore``'s
+    own functions, used without Ray too, stay unmarked)."""
+
     @functools.wraps(read)
     def on_reads_thread(self, *args, **kwargs):
         return read(self, *args, **kwargs)

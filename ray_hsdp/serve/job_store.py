@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 
-from sqlalchemy import and_, create_engine, delete, event, func, insert, select, update
+from sqlalchemy import and_, create_engine, delete, event, func, insert, or_, select, update
 from sqlalchemy.exc import DisconnectionError, IntegrityError, InterfaceError, OperationalError
 
 from ray_hsdp.config.endpoint import EndpointConfig
@@ -111,7 +111,7 @@ def answering(method):
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         self.leases.called()
-        self._changes.rows = False
+        self._call.changed_rows = self._call.reached_database = False
         try:
             self._open()
             out = method(self, *args, **kwargs)
@@ -123,9 +123,10 @@ def answering(method):
                 "it does: retry shortly"
             ) from None
         finally:
-            if self._changes.rows:
+            if self._call.changed_rows:  # (a transaction forgot them already: ``_transaction``)
                 self.held.changed()
-        self.leases.reachable()
+        if self._call.reached_database:  # (a report answered from memory says nothing of the database)
+            self.leases.reachable()
         return out
 
     return call
@@ -141,11 +142,17 @@ class JobViews:
             query = query.where(jobs_table.c.endpoint == endpoint)
         return conn.execute(query).first()
 
+    def _kept_row(self, conn, video_id: str, endpoint: str):
+        """A job's row as a read sees it: ``None`` once past its ``expires_at`` (the sweep that
+        removes it, at a write, may not have run yet)."""
+        row = self._row(conn, video_id, endpoint)
+        return None if row is None or (row.expires_at is not None and row.expires_at <= time.time()) else row
+
     @answering
     def get(self, endpoint: str, video_id: str) -> dict | None:
         """The video object, or ``None`` when the endpoint has no such job (any more)."""
         with self.reads.connect() as conn:
-            row = self._row(conn, video_id, endpoint)
+            row = self._kept_row(conn, video_id, endpoint)
         return public(row) if row is not None else None
 
     @answering
@@ -154,7 +161,8 @@ class JobViews:
         names no job."""
         c = jobs_table.c
         with self.reads.connect() as conn:
-            query = select(jobs_table).where(c.endpoint == endpoint)
+            kept = or_(c.expires_at.is_(None), c.expires_at > time.time())
+            query = select(jobs_table).where(c.endpoint == endpoint, kept)
             if after is not None:
                 anchor = self._row(conn, after, endpoint)
                 if anchor is None:
@@ -176,7 +184,7 @@ class JobViews:
         """Where a job's files are: ``("ok", media key)``, ``("missing", None)`` or
         ``("not_ready", status)`` (for a caller that reads the media itself: ``JobMedia.reaches``)."""
         with self.reads.connect() as conn:
-            row = self._row(conn, video_id, endpoint)
+            row = self._kept_row(conn, video_id, endpoint)
         if row is None:
             return "missing", None
         if row.status != "completed":
@@ -225,10 +233,13 @@ class JobStore(JobSweep, JobViews):
         self.leases = JobLeases()
         #: The rows of the reported jobs, between two transitions: a steady report reads none.
         self.held = HeldJobs()
-        # Whether the call running on this thread changed a row (a statement of the transactions'
-        # engine that hit one; the reports write through ``reads``, and keep what they write).
-        self._changes = threading.local()
+        # What the call running on this thread did: ``changed_rows`` (a statement of the
+        # transactions' engine hit a row; the reports write through ``reads``, and keep what they
+        # write) and ``reached_database`` (a statement of either engine ran).
+        self._call = threading.local()
         event.listen(self.engine, "after_execute", self._note_change)
+        for engine in (self.engine, self.reads):
+            event.listen(engine, "before_cursor_execute", self._note_contact)
         self.orphan_after_s = orphan_after_s
         self._limits: dict[str, dict] = {}
         self._swept = self._orphans_swept = 0.0
@@ -242,7 +253,20 @@ class JobStore(JobSweep, JobViews):
 
     def _note_change(self, conn, statement, multiparams, params, options, result) -> None:
         if getattr(statement, "is_dml", False) and result.rowcount:
-            self._changes.rows = True
+            self._call.changed_rows = True
+
+    def _note_contact(self, *args) -> None:
+        self._call.reached_database = True
+
+    @contextlib.contextmanager
+    def _transaction(self):
+        """``engine.begin()``; once it committed, a transaction that changed a row forgets the rows
+        the reports hold (before the call's slower work: removing files, a media listing)."""
+        with self.engine.begin() as conn:
+            yield conn
+        if getattr(self._call, "changed_rows", False):
+            self._call.changed_rows = False
+            self.held.changed()
 
     def _open(self) -> None:
         """Makes the tables (and adds the columns an earlier version lacked) once the database answers."""
@@ -267,7 +291,7 @@ class JobStore(JobSweep, JobViews):
         of any group); kept in the database for a restarted store."""
         for again in (False, True):
             try:
-                with self.engine.begin() as conn:
+                with self._transaction() as conn:
                     conn.execute(delete(endpoints_table).where(endpoints_table.c.endpoint == endpoint))
                     conn.execute(insert(endpoints_table).values(endpoint=endpoint, limits=dict(new_limits)))
                 break
@@ -316,7 +340,7 @@ class JobStore(JobSweep, JobViews):
         limit = self.limits_of(endpoint)
         # (Under the lock a delete also takes: a create and its delete on the store's two threads
         # never interleave, so a create that started before its delete is deleted with it.)
-        with self._creating, self.engine.begin() as conn:
+        with self._creating, self._transaction() as conn:
             if video_id is not None and video_id in self._deleted:
                 return "deleted", f"video {video_id!r} was deleted before its create reached the store"
             if video_id is not None and (row := self._row(conn, video_id, endpoint)) is not None:
@@ -427,7 +451,7 @@ class JobStore(JobSweep, JobViews):
         ``adopt``; not before ``hold_s``: a full group's room comes later); ``code`` and ``why``
         fail it if none does within ``video_lost_wait_s``, or at once where ``max_attempts`` of
         its attempts have failed (naming each)."""
-        with self.engine.begin() as conn:
+        with self._transaction() as conn:
             row = self._row(conn, video_id)
             released = row is not None and row.owner is None and row.released_at is not None
             if released and (row.attempt, row.last_owner) == (attempt, owner):
@@ -462,7 +486,7 @@ class JobStore(JobSweep, JobViews):
         now = time.time()
         c = jobs_table.c
         out = []
-        with self.engine.begin() as conn:
+        with self._transaction() as conn:
             rows = conn.execute(
                 select(c.id, c.model, c.spec, c.last_owner, c.attempt, c.released_code)
                 .where(c.released_at.is_not(None), c.owner.is_(None), c.status.in_(ACTIVE), c.pool.in_(pools))
@@ -481,7 +505,7 @@ class JobStore(JobSweep, JobViews):
         """A claim whose placement failed (no group answered in time, or each refused): the job may
         be claimed again after ``retry_in_s`` rather than after the claim's whole hold."""
         c = jobs_table.c
-        with self.engine.begin() as conn:
+        with self._transaction() as conn:
             where = and_(c.id == video_id, c.attempt == attempt, c.owner.is_(None), c.status.in_(ACTIVE))
             moved = conn.execute(update(jobs_table).where(where).values(claimed_until=time.time() + retry_in_s))
             return moved.rowcount == 1
@@ -496,7 +520,7 @@ class JobStore(JobSweep, JobViews):
         """
         now = time.time()
         c = jobs_table.c
-        with self.engine.begin() as conn:
+        with self._transaction() as conn:
             moved = conn.execute(
                 update(jobs_table)
                 .where(c.id == video_id, c.attempt == attempt, c.owner.is_(None), c.status.in_(ACTIVE))
@@ -523,7 +547,7 @@ class JobStore(JobSweep, JobViews):
         self._sweep()
         now = time.time()
         c = jobs_table.c
-        with self.engine.begin() as conn:
+        with self._transaction() as conn:
             rows = conn.execute(
                 select(c.id, c.spec, c.attempt, c.owner)
                 .where(c.status == "queued", c.pool == pool, c.owner.is_not(None), c.owner != replica)
@@ -558,7 +582,7 @@ class JobStore(JobSweep, JobViews):
         Returns:
             False (and the files removed) when the job has ended or is gone, or the attempt is not its own.
         """
-        with self.engine.begin() as conn:
+        with self._transaction() as conn:
             row = self._row(conn, video_id)
             if row is not None and row.status == "completed" and (row.owner, row.attempt) == (owner, attempt):
                 return True
@@ -580,7 +604,7 @@ class JobStore(JobSweep, JobViews):
     ) -> bool:
         """``fail``: the job ends failed with the reason; False when it had ended already, or when
         ``owner``'s ``attempt`` is no longer the job's (its failure is not the job's)."""
-        with self.engine.begin() as conn:
+        with self._transaction() as conn:
             return self._fail(conn, video_id, code, message, owner, attempt)
 
     def _fail(self, conn, video_id: str, code: str, message: str, owner=None, attempt=None, errors=None) -> bool:
@@ -598,7 +622,7 @@ class JobStore(JobSweep, JobViews):
     def delete(self, endpoint: str, video_id: str) -> bool:
         """``cancel``: removes a job and its files (afterwards its id is 404); its owner stops it at
         its next report; a create of its id that arrives later is refused. Returns whether it existed."""
-        with self._creating, self.engine.begin() as conn:
+        with self._creating, self._transaction() as conn:
             self._deleted.append(video_id)
             row = self._row(conn, video_id, endpoint)
             if row is None:

@@ -47,7 +47,7 @@ class JobSweep:
         try:
             self._swept = now
             c = jobs_table.c
-            with self.engine.begin() as conn:
+            with self._transaction() as conn:
                 expired = conn.execute(select(c.id, c.media_key).where(c.expires_at <= now)).all()
                 for row in expired:
                     conn.execute(delete(jobs_table).where(c.id == row.id))

@@ -196,10 +196,14 @@ def test_expired_jobs_go_with_their_files_and_deleted_ones_at_once(store_url, tm
     assert store.delete("app", deleted["id"]) and store.delete("app", deleted["id"]) is False
     assert store.report(deleted["id"], "a", 1) is False
     deadline = time.time() + 30
-    while swept_get(store, video["id"]) is not None:
+    while store.get("app", video["id"]) is not None:  # a read leaves an expired job out at once
         assert time.time() < deadline
         time.sleep(0.1)
-    assert list((tmp_path / "media").iterdir()) == []
+    while list((tmp_path / "media").iterdir()):  # its row and files go at the next sweep
+        assert time.time() < deadline
+        store.claim(["no such pool"], hold_s=1)
+        time.sleep(0.1)
+    assert swept_get(store, video["id"]) is None
     assert store.list("app", 10, None, "desc")["data"] == []
 
 
