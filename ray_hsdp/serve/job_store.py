@@ -105,8 +105,8 @@ def answering(method):
     """A store call: the database opened (tables made, columns added) at the first call that
     reaches it; a database that does not answer raises ``StoreUnavailableError`` (a 503 to a
     caller; an owner's report waits) and stops every owner's silence from counting (``JobLeases``).
-    A call that changed a row (a transition: the reports' own writes are not its) forgets the rows
-    the reports hold once it has ended (``job_reports``)."""
+    A transaction that changed a row (a transition's: the reports' own writes keep what they wrote)
+    forgets the rows the reports hold as it commits (``_transaction``, ``job_reports``)."""
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
@@ -123,7 +123,7 @@ def answering(method):
                 "it does: retry shortly"
             ) from None
         finally:
-            if self._call.changed_rows:  # (a transaction forgot them already: ``_transaction``)
+            if self._call.changed_rows:  # a change outside ``_transaction`` (none today): forgotten here
                 self.held.changed()
         if self._call.reached_database:  # (a report answered from memory says nothing of the database)
             self.leases.reachable()
