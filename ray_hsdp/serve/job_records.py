@@ -23,6 +23,7 @@ from sqlalchemy import (
     Table,
     Text,
     inspect,
+    or_,
     text,
 )
 
@@ -80,6 +81,11 @@ endpoints_table = Table(
 class StoreUnavailableError(RuntimeError):
     """The job store cannot answer now: its database does not answer, or its actor is restarting.
     Jobs go on running; their reports wait. (Its message never carries the database's URL.)"""
+
+
+def unexpired(now: float):
+    """The rows not yet past their ``expires_at`` at ``now`` (the sweep removes the others)."""
+    return or_(jobs_table.c.expires_at.is_(None), jobs_table.c.expires_at > now)
 
 
 def add_missing_columns(engine) -> None:

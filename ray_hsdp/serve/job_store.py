@@ -25,20 +25,19 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import threading
 import time
 import uuid
 
-from sqlalchemy import and_, create_engine, delete, event, func, insert, or_, select, update
-from sqlalchemy.exc import DisconnectionError, IntegrityError, InterfaceError, OperationalError
+from sqlalchemy import and_, delete, event, func, insert, select, update
+from sqlalchemy.exc import IntegrityError
 
 from ray_hsdp.config.endpoint import EndpointConfig
+from ray_hsdp.serve.job_database import answering, engine_for
 from ray_hsdp.serve.job_leases import JobLeases
 from ray_hsdp.serve.job_media import JobMedia
 from ray_hsdp.serve.job_records import (
     ACTIVE,
-    StoreUnavailableError,
     add_missing_columns,
     endpoints_table,
     jobs_table,
@@ -47,6 +46,7 @@ from ray_hsdp.serve.job_records import (
 )
 from ray_hsdp.serve.job_reports import Held, HeldJobs
 from ray_hsdp.serve.job_sweep import JobSweep, released_values
+from ray_hsdp.serve.job_views import JobViews
 
 #: Progress (0-100) at the end of denoising; decode and MP4 encoding fill the rest.
 DENOISED = 90
@@ -62,10 +62,6 @@ TRANSITION_METHODS = {"start": "renew", "cancel": "delete", "expire": "_sweep"}
 #: Why a job may be released without its attempt counting against ``max_attempts``: a full group
 #: (it waits for room) and a removed one (a downscale, a redeploy) are no fault of the job's.
 UNCOUNTED_CODES = ("overloaded", "drained")
-
-#: What a database that does not answer raises (a connection refused or lost, a locked SQLite file).
-DATABASE_DOWN = (OperationalError, InterfaceError, DisconnectionError)
-
 
 def limits(config) -> dict:
     """An endpoint's limits from its ``EndpointConfig`` (or an ``AppConfig``)."""
@@ -83,137 +79,6 @@ def limits(config) -> dict:
 DEFAULT_LIMITS = limits(EndpointConfig())
 
 
-def _engine(url: str, **options):
-    if url.startswith("sqlite"):
-        # Readers and writers wait for a write rather than fail.
-        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False}, **options)
-
-        @event.listens_for(engine, "connect")
-        def _wal(connection, _):  # a write then never blocks the readers
-            connection.execute("PRAGMA journal_mode=WAL")
-            connection.execute("PRAGMA synchronous=NORMAL")
-
-        return engine
-    # No ping per checkout (it doubled a call's round trips): a connection that died with its server
-    # fails its next use once (a 503; the pool then opens new ones); a server that does not answer
-    # is given up on in seconds, not after TCP's minutes.
-    connect = {"connect_timeout": 5} if url.startswith("postgresql") else {}
-    return create_engine(url, pool_timeout=10, connect_args=connect, **options)
-
-
-def answering(method):
-    """A store call: the database opened (tables made, columns added) at the first call that
-    reaches it; a database that does not answer raises ``StoreUnavailableError`` (a 503 to a
-    caller; an owner's report waits) and stops every owner's silence from counting (``JobLeases``).
-    A transaction that changed a row (a transition's: the reports' own writes keep what they wrote)
-    forgets the rows the reports hold as it commits (``_transaction``, ``job_reports``)."""
-
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        self.leases.called()
-        self._call.changed_rows = self._call.reached_database = False
-        try:
-            self._open()
-            out = method(self, *args, **kwargs)
-        except DATABASE_DOWN as err:
-            self.leases.unreachable()
-            cause = type(getattr(err, "orig", None) or err).__name__  # the class only: a message may name the URL
-            raise StoreUnavailableError(
-                f"the video job store's database does not answer ({cause}); running jobs go on and report once "
-                "it does: retry shortly"
-            ) from None
-        finally:
-            if self._call.changed_rows:  # a change outside ``_transaction`` (none today): forgotten here
-                self.held.changed()
-        if self._call.reached_database:  # (a report answered from memory says nothing of the database)
-            self.leases.reachable()
-        return out
-
-    return call
-
-
-class JobViews:
-    """What callers read of the store (``JobStore`` holds the engine, the media and the limits).
-    A read never sweeps (``JobSweep``): it would wait for the housekeeping of every active job."""
-
-    def _row(self, conn, video_id: str, endpoint: str | None = None):
-        query = select(jobs_table).where(jobs_table.c.id == video_id)
-        if endpoint is not None:
-            query = query.where(jobs_table.c.endpoint == endpoint)
-        return conn.execute(query).first()
-
-    def _kept_row(self, conn, video_id: str, endpoint: str):
-        """A job's row as a read sees it: ``None`` once past its ``expires_at`` (the sweep that
-        removes it, at a write, may not have run yet)."""
-        row = self._row(conn, video_id, endpoint)
-        return None if row is None or (row.expires_at is not None and row.expires_at <= time.time()) else row
-
-    @answering
-    def get(self, endpoint: str, video_id: str) -> dict | None:
-        """The video object, or ``None`` when the endpoint has no such job (any more)."""
-        with self.reads.connect() as conn:
-            row = self._kept_row(conn, video_id, endpoint)
-        return public(row) if row is not None else None
-
-    @answering
-    def list(self, endpoint: str, limit: int, after: str | None, order: str) -> dict | None:
-        """A page of video objects (``order`` ``desc``: newest first), or ``None`` when ``after``
-        names no job."""
-        c = jobs_table.c
-        with self.reads.connect() as conn:
-            kept = or_(c.expires_at.is_(None), c.expires_at > time.time())
-            query = select(jobs_table).where(c.endpoint == endpoint, kept)
-            if after is not None:
-                anchor = self._row(conn, after, endpoint)
-                if anchor is None:
-                    return None
-                query = query.where(c.seq < anchor.seq if order == "desc" else c.seq > anchor.seq)
-            query = query.order_by(c.seq.desc() if order == "desc" else c.seq.asc()).limit(limit + 1)
-            rows = conn.execute(query).all()
-        page = [public(row) for row in rows[:limit]]
-        return {
-            "object": "list",
-            "data": page,
-            "has_more": len(rows) > limit,
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None,
-        }
-
-    @answering
-    def locate(self, endpoint: str, video_id: str) -> tuple[str, str | None]:
-        """Where a job's files are: ``("ok", media key)``, ``("missing", None)`` or
-        ``("not_ready", status)`` (for a caller that reads the media itself: ``JobMedia.reaches``)."""
-        with self.reads.connect() as conn:
-            row = self._kept_row(conn, video_id, endpoint)
-        if row is None:
-            return "missing", None
-        if row.status != "completed":
-            return "not_ready", row.status
-        return "ok", row.media_key
-
-    def content(self, endpoint: str, video_id: str, variant: str) -> tuple[str, bytes | str | None]:
-        """``("ok", bytes)``, ``("missing", None)``, ``("not_ready", status)`` or ``("gone", why)``
-        (a completed job whose file is missing from the media store), through the store's actor for a
-        caller that cannot reach the media itself."""
-        status, key = self.locate(endpoint, video_id)
-        if status != "ok":
-            return status, key
-        data = self.media.read(key, variant)
-        if data is None:
-            return "gone", f"the {variant} file of video {video_id!r} is missing from the media store"
-        return "ok", data
-
-    @answering
-    def counts(self, endpoint: str | None = None) -> dict[str, int]:
-        """Jobs kept, by status (the metrics' gauge), of one endpoint or of all."""
-        c = jobs_table.c
-        query = select(c.status, func.count()).group_by(c.status)
-        if endpoint is not None:
-            query = query.where(c.endpoint == endpoint)
-        with self.reads.connect() as conn:
-            return {status: int(n) for status, n in conn.execute(query).all()}
-
-
 class JobStore(JobSweep, JobViews):
     """The video jobs of a cluster's endpoints, their MP4s, and their transitions.
 
@@ -225,10 +90,10 @@ class JobStore(JobSweep, JobViews):
     """
 
     def __init__(self, url: str, media: str, node: str | None = None, orphan_after_s: float = 600.0):
-        self.engine = _engine(url)
+        self.engine = engine_for(url)
         #: The same pool without a transaction around each call: a read, and a report (whose writes
         #: are each one guarded statement), cost one round trip to the database, not three.
-        self.reads = _engine(url, isolation_level="AUTOCOMMIT")  # a pool of its own: no reset per use
+        self.reads = engine_for(url, isolation_level="AUTOCOMMIT")  # a pool of its own: no reset per use
         self.media = JobMedia(media, node)
         self.leases = JobLeases()
         #: The rows of the reported jobs, between two transitions: a steady report reads none.
@@ -262,10 +127,10 @@ class JobStore(JobSweep, JobViews):
     def _transaction(self):
         """``engine.begin()``; once it committed, a transaction that changed a row forgets the rows
         the reports hold (before the call's slower work: removing files, a media listing)."""
+        self._call.changed_rows = False
         with self.engine.begin() as conn:
             yield conn
-        if getattr(self._call, "changed_rows", False):
-            self._call.changed_rows = False
+        if self._call.changed_rows:  # (one rolled back raised instead: it changed nothing)
             self.held.changed()
 
     def _open(self) -> None:

@@ -210,8 +210,7 @@ class VideoJobs:
         self._attempts[video_id] = attempt
         if video_id in self._videos and video_id not in self._cancelled:
             return
-        while video_id in self._cancelled:
-            self._cancelled.remove(video_id)
+        self._forget_stop(video_id)
         task = asyncio.create_task(self._run_video(video_id, job, fps, future))
         self._videos[video_id] = task
         task.add_done_callback(lambda done: self._forget_video(video_id, done))
@@ -362,9 +361,13 @@ class VideoJobs:
         self._attempts[video_id] = new_attempt
         # The poller's report of the released attempt was refused meanwhile and stopped the old
         # copy: that stop is not the new attempt's (a later refusal of it stops it again).
+        self._forget_stop(video_id)
+        return True
+
+    def _forget_stop(self, video_id: str) -> None:
+        """A stop of an earlier copy of ``video_id`` here no longer applies (a new attempt runs)."""
         while video_id in self._cancelled:
             self._cancelled.remove(video_id)
-        return True
 
     async def _store_video(self, video_id: str, mp4: bytes, thumbnail: bytes, size: str) -> None:
         """Writes this attempt's files to the media store (directly where this process reaches it;
