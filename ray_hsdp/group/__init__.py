@@ -10,6 +10,7 @@ and the shared modules; not serve or cli."""
 
 from ray_hsdp.group.core import ShardGroup, check_placeable
 from ray_hsdp.group.errors import (
+    GroupBusyError,
     GroupFailedError,
     GroupOverloadedError,
     GroupUnplaceableError,
@@ -19,6 +20,7 @@ from ray_hsdp.group.errors import (
 from ray_hsdp.group.scheduler import RequestRecord, pick_next
 
 __all__ = [
+    "GroupBusyError",
     "GroupFailedError",
     "GroupOverloadedError",
     "GroupUnplaceableError",

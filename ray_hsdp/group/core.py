@@ -22,7 +22,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ray_hsdp import deadlines
 from ray_hsdp.config.group import GroupConfig
 from ray_hsdp.config.topology import PLACEMENT_STRATEGY, ParallelDims
-from ray_hsdp.group.errors import GroupFailedError, GroupOverloadedError, GroupUnplaceableError
+from ray_hsdp.group import residency
+from ray_hsdp.group.errors import GroupBusyError, GroupFailedError, GroupOverloadedError, GroupUnplaceableError
 from ray_hsdp.group.inspection import GroupInspection
 from ray_hsdp.group.lanes import LaneTimes, LeanLanes, TickModel
 from ray_hsdp.group.mend import GroupMend
@@ -348,5 +349,33 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, G
         for job in queued:
             resolve(job.future, error=RequestCancelledError(f"request {request_id!r} was cancelled while queued"))
         return bool(queued or holders)
+
+    # ---- sleep and wake --------------------------------------------------------------------
+
+    def sleep(self) -> dict:
+        """Parks every rank's weights in host memory and gives their device memory back
+        (``group.residency``); the ranks, their communicators and compiled graphs stay. The next
+        request wakes the ranks it runs on; ``wake`` wakes them all at once.
+
+        Returns:
+            The seconds it took, the most bytes a rank parked, each rank's report.
+
+        Raises:
+            GroupBusyError: The group holds requests (queued or running).
+        """
+        with self._cond:
+            if self._pending or self._inflight:
+                raise GroupBusyError(
+                    f"the shard group holds {len(self._pending) + len(self._inflight)} requests; it sleeps once "
+                    "they are answered"
+                )
+            ranks = list(self.ranks)
+        return residency.sleep_ranks(ranks, self.config.load_timeout_s)
+
+    def wake(self) -> dict:
+        """Copies every rank's weights back to its device (after ``sleep``); returns as ``sleep``."""
+        with self._cond:
+            ranks = list(self.ranks)
+        return residency.wake_ranks(ranks, self.config.load_timeout_s)
 
     # ---- inspection ------------------------------------------------------------------------

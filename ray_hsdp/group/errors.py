@@ -41,6 +41,10 @@ class GroupOverloadedError(RuntimeError):
     """The group's queue is full; the request was not accepted."""
 
 
+class GroupBusyError(RuntimeError):
+    """The group holds requests, so it cannot sleep now."""
+
+
 class QueueTimeoutError(TimeoutError):
     """No rank took the request within ``queue_timeout_s`` (HTTP 504)."""
 

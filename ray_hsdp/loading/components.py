@@ -294,6 +294,10 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+#: Bytes a CPU read copies at a time.
+_READ_CHUNK = 64 * 1024**2
+
+
 class SafetensorsReader:
     """Reads whole tensors or row ranges of a safetensors file with plain file reads.
 
@@ -348,9 +352,15 @@ class SafetensorsReader:
         if not (direct and list(out.shape) == shape):
             out = torch.empty(shape, dtype=dtype)
         if out.numel():
+            # Through a buffer of its own: a tensor seen by numpy gets a storage that can never be
+            # emptied, and a sleeping model empties its storages (``pipeline.residence``).
+            target = out.view(torch.uint8).reshape(-1)
             with open(self.path, "rb") as f:
                 f.seek(offset)
-                f.readinto(out.view(torch.uint8).reshape(-1).numpy())
+                for start in range(0, target.numel(), _READ_CHUNK):
+                    piece = bytearray(min(_READ_CHUNK, target.numel() - start))
+                    f.readinto(piece)
+                    target[start : start + len(piece)].copy_(torch.frombuffer(piece, dtype=torch.uint8))
         return out
 
     def read_staged(self, key: str, rows: slice | None, out: torch.Tensor, staging: StagedReads) -> bool:

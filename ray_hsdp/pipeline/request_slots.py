@@ -135,6 +135,8 @@ class RequestSlots:
                     object.__setattr__(clone, name, copy.deepcopy(component))
             copies.append(clone)
         self.request_slots = slots
+        #: The other slots' pipelines (the first slot is ``pipe``): their own VAE, scheduler, tokenizers.
+        self.slot_copies = copies
         self._slots: queue.Queue = queue.Queue()
         for pipe in [self.pipe, *copies]:
             self._slots.put(pipe)

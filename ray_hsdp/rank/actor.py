@@ -132,6 +132,7 @@ class Rank(RankStart):
         self.last_request_peak_device_bytes = 0
         self._profile = None
         self._leaving = threading.Event()
+        self._residence = None  # where the weights rest while the model sleeps (built at the first sleep)
 
     def __repr__(self) -> str:
         # Ray prefixes the actor's log lines with this: "(Rank(group=..., rank=...) pid=...)".
@@ -164,6 +165,7 @@ class Rank(RankStart):
         """
         runtime = self._loaded()
         request = variant.request
+        self._awake()
         # A compile on this rank while the request ran (its own new shape, or a neighbour's) held
         # every forward of it back: the run is marked, so the group learns no time from it.
         graphs_before = compiled_graphs() if self.config.compile else 0
@@ -205,7 +207,15 @@ class Rank(RankStart):
         Returns:
             How many requests this session started.
         """
+        self._awake()
         return {"rank": self.rank, "requests": self._loaded().session()}
+
+    def _awake(self) -> None:
+        """A group woken by its caller never gets here asleep. One used directly wakes at its first
+        request: every rank's session and the request's own thread wake their rank first (once:
+        the other waits for it), since every rank joins every forward's gathers."""
+        if self._residence is not None and self._residence.asleep:
+            self._residence.wake()
 
     @ray.method(concurrency_group="control")
     def warm_up_done(self) -> dict[str, int]:
@@ -279,6 +289,10 @@ class Rank(RankStart):
             "load_bytes_read": sum(s["bytes_read"] for s in self.pipeline.load_stats.values()) if self.pipeline else 0,
             "device_allocated_bytes": device_allocated_bytes(self.config.device),
             "last_request_peak_device_bytes": self.last_request_peak_device_bytes,
+            # Once the model slept: the bytes it parks, and those of them on the device now (0 asleep).
+            "parked_bytes": self._residence.nbytes if self._residence is not None else 0,
+            "asleep": self._residence is not None and self._residence.asleep,
+            "resident_parked_bytes": self._residence.resident_bytes if self._residence is not None else 0,
             **report,
             **(
                 {"compile": compile_report(self.pipeline.compiled_modules)}
@@ -332,6 +346,41 @@ class Rank(RankStart):
     def release(self, ticket: int) -> None:
         """Ends this rank's help of the wider lane ``ticket`` at its next tick."""
         self._loaded().release(ticket)
+
+    def _parked(self):
+        if self._residence is None:
+            from ray_hsdp.pipeline.residence import pipeline_residence
+
+            if self.pipeline is None:
+                raise RuntimeError(f"rank {self.rank} has no pipeline loaded")
+            self._residence = pipeline_residence(self.pipeline, pin=self.config.device == "cuda")
+        return self._residence
+
+    @ray.method(concurrency_group="control")
+    def reserve_host(self) -> dict:
+        """Allocates the host buffers a sleep parks this rank's weights in (once: pinning tens of
+        GB takes seconds), so that the first sleep is as fast as the next. Returns their bytes and
+        the seconds the allocation took."""
+        residence = self._parked()
+        return {"rank": self.rank, "bytes": residence.nbytes, "allocate_s": round(residence.allocate(), 3)}
+
+    @ray.method(concurrency_group="control")
+    def sleep(self) -> dict:
+        """Parks this rank's weights in host memory and gives their device memory back
+        (``ray_hsdp.pipeline.residence``). Call only while the rank holds no request.
+
+        Returns:
+            The bytes moved, the seconds, and the device's free memory before and after.
+        """
+        if self.runtime is not None and (self.runtime.in_session or self.runtime.progress()):
+            raise RuntimeError(f"rank {self.rank} holds requests: a model sleeps only once its work is done")
+        return {"rank": self.rank, **self._parked().sleep().as_dict()}
+
+    @ray.method(concurrency_group="control")
+    def wake(self) -> dict:
+        """Copies this rank's weights back to the device, components in the order a request
+        needs them; returns once all landed (what it moved, as ``sleep``)."""
+        return {"rank": self.rank, **self._parked().wake().as_dict()}
 
     @ray.method(concurrency_group="control")
     def ping(self) -> int:

@@ -89,6 +89,16 @@ class FsdpUnits:
             for i, unit in enumerate(self.units[:-1]):
                 unit.set_modules_to_forward_prefetch(self.units[i + 1 : i + 1 + forward_prefetch])
 
+    def device_buffers(self) -> list[torch.Tensor]:
+        """None besides the parameters: FSDP2 allocates its gathers per forward."""
+        return []
+
+    def before_sleep(self) -> None:
+        """Frees every unit's gathered weights (kept units too: their next forward gathers them again,
+        on every rank at the same tick, and keeps them), so that each module holds its shards alone."""
+        for _, module in self.unit_modules:
+            module.reshard()
+
     def activate(self) -> None:
         """Gathers the kept units; call once on every rank of the mesh, after the load (FSDP2
         hooked the forwards when it sharded)."""

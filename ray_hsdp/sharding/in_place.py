@@ -179,6 +179,14 @@ class InPlaceUnits:
         replicated ones."""
         return self._kept_weight_bytes
 
+    def device_buffers(self) -> list[torch.Tensor]:
+        """The buffers the units hold besides their parameters (the gather slots, the kept units'
+        whole weights among them): what a sleep parks with the parameters."""
+        return list(self._slots)
+
+    def before_sleep(self) -> None:
+        """Nothing to free: between forwards every unit holds its sharded parameters."""
+
     def activate(self) -> None:
         """Allocates the gather buffers, gathers the kept units and hooks the forwards; call once
         on every rank of the mesh, after the load."""
