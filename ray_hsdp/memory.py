@@ -76,6 +76,18 @@ def current_rss_bytes() -> int:
         return 0
 
 
+def available_host_bytes() -> int:
+    """Host memory this node can still give (Linux's ``MemAvailable``; unbounded where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 2**62
+
+
 class RssSampler:
     """Samples this process's RSS in a thread; ``peak_above_start`` is the highest rise seen.
 

@@ -151,6 +151,27 @@ class AppConfig(GroupConfig):
         "each is handed to another group (its seed makes the same video there); one that none takes fails with the "
         "reason.",
     )
+    gpu_share: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="Name of a GPU share: the models of the cluster that name the same share take turns on the same "
+        "shard_size GPUs of one node, one group each. A request for a sleeping model waits (its queue deadline "
+        "counts) while the least recently used idle models sleep, their weights parked in pinned host memory, and "
+        "its own wakes. Each model's ranks need host memory for their weights. None: the model's groups hold their "
+        "GPUs alone.",
+    )
+    gpu_share_budget_gib: float | None = Field(
+        None,
+        gt=0,
+        description="In a GPU share: the most GiB of weights per GPU that its awake models hold together (each "
+        "model's as its ranks measured them at load); leave room beside it for every awake model's activations. "
+        "Every model of a share gives the same. None: one model awake at a time.",
+    )
+    resident: bool = Field(
+        False,
+        description="In a GPU share: this model never sleeps (its weights count against gpu_share_budget_gib at "
+        "all times).",
+    )
     warm_up: list[WarmUpShape] | None = Field(
         None,
         description="Request shapes each group runs before it serves (at its start and after a rebuild), on every "
@@ -166,6 +187,19 @@ class AppConfig(GroupConfig):
         "gives none (for an adapter of fuse_loras: every request). A request's own values win; two named adapters "
         "that default a field differently need the request to give it.",
     )
+
+    @model_validator(mode="after")
+    def _check_share(self) -> AppConfig:
+        if self.gpu_share is None:
+            if self.resident or self.gpu_share_budget_gib is not None:
+                raise ValueError("resident and gpu_share_budget_gib apply to a model of a GPU share: set gpu_share")
+            return self
+        if self.replicate_size > 1 or self.autoscaling is not None:
+            raise ValueError(
+                "gpu_share holds one group of each of its models; it cannot be combined with replicate_size > 1 or "
+                "autoscaling (give the model its own GPUs: no gpu_share)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_against_limits(self) -> AppConfig:

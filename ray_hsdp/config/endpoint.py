@@ -46,6 +46,7 @@ ENDPOINT_FIELDS = (
     "job_store_password_env",
 )
 
+
 class _EndpointChecks(BaseModel):
     """What the endpoint's fields must hold together (as ``AppConfig`` checks them)."""
 

@@ -38,6 +38,10 @@ from ray_hsdp.variant import RequestVariant
 
 logger = logging.getLogger("ray_hsdp")
 
+#: The share of its bundle's GPU a rank of a GPU share asks Ray for: any number of models' ranks fit
+#: on one GPU, and Ray still gives each the bundle's GPU (its CUDA_VISIBLE_DEVICES).
+SHARED_GPU = 0.01
+
 
 def check_placeable(bundles: list[dict[str, float]]) -> None:
     """Fails at once when no alive node of the cluster has the resources of all of a group's
@@ -83,6 +87,8 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, G
             own); when ``None`` the group creates one and removes it at shutdown.
         dims: The pool's mesh arithmetic; built from ``config`` when not given.
         labels: Said in each request's log line and in ``describe`` (a Serve replica passes its id).
+        shares_gpus: ``placement_group`` is a GPU share's, whose GPUs other models' groups use too
+            (``serve.gpu_share``).
 
     Use ``start()`` (or a ``with`` block), then ``generate`` (blocking) or ``submit`` (a future).
     """
@@ -93,8 +99,12 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, G
         placement_group: PlacementGroup | None = None,
         dims: ParallelDims | None = None,
         labels: dict[str, str] | None = None,
+        shares_gpus: bool = False,
     ):
         self.config = config
+        #: Its ranks share their GPUs with other models' groups (a GPU share's placement group, whose
+        #: bundles each hold one GPU): each takes a sliver of its bundle's GPU and none of its CPUs.
+        self.shares_gpus = shares_gpus
         self.dims = dims or config.parallel_dims()
         #: This group's id: in its ranks' actor names, their log prefixes and every request's log line.
         self.group_id = uuid.uuid4().hex[:8]
@@ -170,6 +180,9 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, G
                 reports = ray.get([r.load.remote() for r in self.ranks], timeout=self.config.load_timeout_s)
             self.pipeline_facts = reports[0]["pipeline"]
             self.mend_refusal = reports[0]["mend_refusal"]
+            if self.shares_gpus:
+                # Its other ranks may be asleep when one is lost: the group is rebuilt whole.
+                self.mend_refusal = self.mend_refusal or "the group is on a GPU share (its ranks may sleep)"
             self.rank_phases = [r["start_phases_s"] for r in reports]
         except BaseException:
             self.shutdown()
@@ -193,6 +206,8 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, G
     def _spawn_rank(self, index: int, spawned_at: float):
         """Rank ``index``'s actor in bundle ``index`` of the group's placement group."""
         bundle = self.dims.bundles(self.config.device, self.config.cpus_per_rank)[index]
+        if self.shares_gpus:
+            bundle = {"CPU": 0, "GPU": SHARED_GPU if "GPU" in bundle else 0}
         return (
             ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(Rank)
             .options(
@@ -377,5 +392,10 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, G
         with self._cond:
             ranks = list(self.ranks)
         return residency.wake_ranks(ranks, self.config.load_timeout_s)
+
+    def fail(self, reason: str) -> None:
+        """Marks the group failed from outside (its wake failed): its requests fail with ``reason``
+        and its ranks are killed, as when a rank dies; its keeper rebuilds it."""
+        self._fail(reason)
 
     # ---- inspection ------------------------------------------------------------------------

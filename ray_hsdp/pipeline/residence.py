@@ -154,6 +154,11 @@ class Residence:
         """Bytes of those storages on the device now: ``nbytes`` awake, 0 asleep."""
         return sum(storage.nbytes() for part in self.parts for storage in part.storages)
 
+    @property
+    def allocated(self) -> bool:
+        """Whether the host buffers exist (``allocate`` ran)."""
+        return all(part.host is not None for part in self.parts)
+
     def allocate(self) -> float:
         """Allocates the host buffers (once; later calls return at once). Returns its seconds:
         pinning tens of GB takes seconds, which a caller may spend before the first sleep."""

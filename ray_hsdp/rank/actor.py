@@ -361,7 +361,16 @@ class Rank(RankStart):
         """Allocates the host buffers a sleep parks this rank's weights in (once: pinning tens of
         GB takes seconds), so that the first sleep is as fast as the next. Returns their bytes and
         the seconds the allocation took."""
+        from ray_hsdp.memory import available_host_bytes
+
         residence = self._parked()
+        available = available_host_bytes()
+        if not residence.allocated and residence.nbytes > available:
+            raise MemoryError(
+                f"rank {self.rank} needs {residence.nbytes / 2**30:.2f} GiB of host memory ({residence.nbytes} bytes) "
+                f"to hold its weights while its model sleeps; its node has {available / 2**30:.2f} GiB available: give "
+                "the node more memory, or the model GPUs of its own (no gpu_share)"
+            )
         return {"rank": self.rank, "bytes": residence.nbytes, "allocate_s": round(residence.allocate(), 3)}
 
     @ray.method(concurrency_group="control")

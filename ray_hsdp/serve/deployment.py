@@ -20,6 +20,7 @@ from ray_hsdp.config.topology import ParallelDims
 from ray_hsdp.group import GroupFailedError, QueueTimeoutError, ShardGroup
 from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
 from ray_hsdp.serve.errors import RequestLimitError, UnknownModelError
+from ray_hsdp.serve.gpu_share import WakeFailedError
 from ray_hsdp.serve.job_actor import find_store
 from ray_hsdp.serve.job_client import StoreClient
 from ray_hsdp.serve.job_records import pool_of
@@ -29,6 +30,7 @@ from ray_hsdp.serve.metrics import ReplicaMetrics
 from ray_hsdp.serve.model_facts import ModelFacts
 from ray_hsdp.serve.routing import GROUP_LOAD, GROUP_OK
 from ray_hsdp.serve.schema import ImageGenerationRequest, image_response, to_generation_request
+from ray_hsdp.serve.share_member import ShareMember
 from ray_hsdp.serve.videos import VideoJobs
 from ray_hsdp.serve.warm_up import check_shapes, start_warm
 
@@ -72,11 +74,17 @@ class HSDPServer(VideoJobs, ModelFacts):
         self._draining = False
         self._stopping = threading.Event()
         self.keeper: GroupKeeper | None = None  # while None, the group is starting
+        #: The model's place in its GPU share (``gpu_share``): its ranks go in the share's placement
+        #: group, its load waits for room and each request holds it awake; None: GPUs of its own.
+        self.share: ShareMember | None = None
         # Before the group's start, so that the metrics show it starting.
         threading.Thread(target=self._report_metrics, name="ray_hsdp-metrics", daemon=True).start()
         try:
             if not shapes_checked:  # the check imports torch, which a replica otherwise never does
                 check_shapes(self.config)
+            if self.config.gpu_share is not None:
+                self.share = ShareMember(self.config, self.dims)
+                self._placement = self.share.placement
             self.keeper = GroupKeeper(self._build_group)
         except BaseException:
             self._stopping.set()
@@ -84,8 +92,19 @@ class HSDPServer(VideoJobs, ModelFacts):
         self._start_video_tasks()
 
     def _build_group(self) -> ShardGroup:
+        if self.share is not None:
+            return self.share.start(self._start_group)
+        return self._start_group()
+
+    def _start_group(self) -> ShardGroup:
         labels = {"replica": self._replica}
-        group = ShardGroup(self.config, placement_group=self._placement, dims=self.dims, labels=labels)
+        group = ShardGroup(
+            self.config,
+            placement_group=self._placement,
+            dims=self.dims,
+            labels=labels,
+            shares_gpus=self.share is not None,
+        )
         group.listeners.append(self.metrics.request_done)
         return start_warm(group, self.config)
 
@@ -100,6 +119,9 @@ class HSDPServer(VideoJobs, ModelFacts):
                     group = self.keeper.group
                     self.metrics.group(group.group_id, *group.load(), group.tick_stats(), group.warm_up_stats)
                 self.metrics.keeper(self.keeper.failures, self.keeper.rebuilds)
+                if self.share is not None:
+                    shared = self.share.state()
+                    self.metrics.sleeping(shared.get("node") or "", shared.get("parked_bytes", 0))
                 if (store := self.store.cached()) is not None:
                     counts = ray.get(store.counts.remote(), timeout=self.config.metrics_interval_s)
                     self.metrics.video_jobs(counts)
@@ -140,7 +162,28 @@ class HSDPServer(VideoJobs, ModelFacts):
         if job.request_id in self._cancelled:
             # Cancelled while it waited for the rebuild (the failed group held no record of it).
             raise RequestCancelledError(f"request {job.request_id!r} was cancelled before its group took it")
-        return group.submit(job)
+        if self.share is None:
+            return group.submit(job)
+        return await self._submit_awake(group, job, deadline)
+
+    async def _submit_awake(self, group: ShardGroup, job: GenerationRequest, deadline: float):
+        """``group.submit`` once the model is awake on its GPU share (woken here if it slept),
+        holding it awake until the request is answered."""
+        lease = job.request_id
+        try:
+            entered = await self.share.enter(lease, deadline)
+        except WakeFailedError as err:
+            group.fail(str(err))  # its keeper rebuilds it; the request may be retried
+            raise GroupFailedError(str(err), ran=False) from None
+        if entered.get("woke"):
+            self.metrics.woke(entered["wake_s"])
+        try:
+            future = group.submit(job)
+        except BaseException:
+            self.share.leave(lease)
+            raise
+        future.add_done_callback(lambda _: self.share.leave(lease))
+        return future
 
     def _cancel(self, request_id: str) -> None:
         """The one cancel path of a request this replica runs (DELETE, its client gone, a job taken
@@ -240,7 +283,11 @@ class HSDPServer(VideoJobs, ModelFacts):
             return "starting"
         if self.keeper.broken:
             return "failed"
-        return "serving" if self.keeper.ready else "rebuilding"
+        if not self.keeper.ready:
+            return "rebuilding"
+        if self.share is not None and (state := self.share.state()["state"]) in ("sleeping", "waking"):
+            return state
+        return "serving"
 
     def _load(self) -> int:
         """Requests the group holds, queued or running, video jobs included; while the group is
@@ -265,10 +312,12 @@ class HSDPServer(VideoJobs, ModelFacts):
             "cache": self.config.cache.model_dump(),
         }
 
-    def health(self) -> None:
+    def health(self) -> str:
         """Every rank of the group answers within the deadline (the ingress' ``/health``); raises
-        while the group is rebuilt (503) or could not be."""
+        while the group is rebuilt (503) or could not be. Returns the model's state: ``ready``, or
+        on a GPU share its state there (``sleeping``, ``waking``...)."""
         self._ready_group().check_health()
+        return self.share.state()["state"] if self.share is not None else "ready"
 
     def progress(self) -> dict:
         """Request id -> state (queued, or running with its denoising step) of this replica's requests."""
@@ -310,3 +359,6 @@ class HSDPServer(VideoJobs, ModelFacts):
         keeper = getattr(self, "keeper", None)
         if keeper is not None:
             keeper.shutdown()
+        share = getattr(self, "share", None)
+        if share is not None:
+            share.forget()

@@ -63,6 +63,7 @@ TRANSITION_METHODS = {"start": "renew", "cancel": "delete", "expire": "_sweep"}
 #: (it waits for room) and a removed one (a downscale, a redeploy) are no fault of the job's.
 UNCOUNTED_CODES = ("overloaded", "drained")
 
+
 def limits(config) -> dict:
     """An endpoint's limits from its ``EndpointConfig`` (or an ``AppConfig``)."""
     return {
@@ -389,8 +390,17 @@ class JobStore(JobSweep, JobViews):
             moved = conn.execute(
                 update(jobs_table)
                 .where(c.id == video_id, c.attempt == attempt, c.owner.is_(None), c.status.in_(ACTIVE))
-                .values(owner=replica, last_owner=replica, attempt=attempt + 1, progress=0, status="queued",
-                        heartbeat=now, waiting_since=now, released_at=None, claimed_until=0.0)  # fmt: skip
+                .values(
+                    owner=replica,
+                    last_owner=replica,
+                    attempt=attempt + 1,
+                    progress=0,
+                    status="queued",
+                    heartbeat=now,
+                    waiting_since=now,
+                    released_at=None,
+                    claimed_until=0.0,
+                )  # fmt: skip
             ).rowcount
         if moved != 1:
             with self.reads.connect() as conn:  # a call run again (the store restarted under it)

@@ -47,6 +47,17 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "ray_hsdp_group_rebuilds_total": ("counter", ("model",), "shard groups rebuilt after a failure"),
     "ray_hsdp_video_jobs": ("gauge", ("status",), "video jobs in the job store, by status"),
     "ray_hsdp_group_state": ("gauge", ("model", "state"), "1 for the state the replica's group is in, else 0"),
+    "ray_hsdp_wakes_total": ("counter", ("model",), "wakes of the model's group on its GPU share"),
+    "ray_hsdp_wake_seconds": (
+        "histogram",
+        ("model",),
+        "seconds a request waited for its sleeping model to wake (the sleeps that made room, then its copy back)",
+    ),
+    "ray_hsdp_sleeping_bytes": (
+        "gauge",
+        ("model", "node"),
+        "host memory that holds the model's weights while it sleeps, on its GPU share's node (0 awake)",
+    ),
     "ray_hsdp_group_load": (
         "gauge",
         ("model",),
@@ -54,9 +65,10 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     ),
 }
 
-#: A replica's group: building in the replica's constructor, serving, being rebuilt after a
-#: failure, failed for good (Serve replaces the replica), or draining before the replica stops.
-GROUP_STATES = ("starting", "serving", "rebuilding", "failed", "draining")
+#: A replica's group: building in the replica's constructor, serving, asleep or waking on its GPU
+#: share, being rebuilt after a failure, failed for good (Serve replaces the replica), or draining
+#: before the replica stops.
+GROUP_STATES = ("starting", "serving", "sleeping", "waking", "rebuilding", "failed", "draining")
 
 #: Rank counters: Prometheus name -> the field of ``Rank.tick_stats``.
 _RANK_COUNTERS = {
@@ -149,6 +161,15 @@ class ReplicaMetrics:
         if rebuilds > self._rebuilds:
             self._m["ray_hsdp_group_rebuilds_total"].inc(rebuilds - self._rebuilds, tags=tags)
             self._rebuilds = rebuilds
+
+    def woke(self, seconds: float) -> None:
+        """The model's group woke for a request of this replica, in ``seconds``."""
+        self._m["ray_hsdp_wakes_total"].inc(1, tags={"model": self.model})
+        self._m["ray_hsdp_wake_seconds"].observe(seconds, tags={"model": self.model})
+
+    def sleeping(self, node: str, parked_bytes: int) -> None:
+        """The host memory the model's weights take while it sleeps (0 awake), on ``node``."""
+        self._m["ray_hsdp_sleeping_bytes"].set(parked_bytes, tags={"model": self.model, "node": node})
 
     def video_jobs(self, counts: dict[str, int]) -> None:
         """Video jobs by status, from the job table."""

@@ -20,6 +20,8 @@ CHECK_TIMEOUT_S = 5.0
 
 #: The states of a model (``/v1/models``' ``state``, an extension field).
 LOADING, READY, DEGRADED = "loading", "ready", "degraded"
+#: A model of a GPU share answers requests in these states too: asleep, a request waits while it wakes.
+SHARE_SERVING = ("sleeping", "waking", "parking")
 
 
 class ModelWatch:
@@ -46,9 +48,10 @@ class ModelWatch:
         a model at all: one model at least has one. One model's outage (a rebuild, a restart, its
         application deleted) is that model's alone: a load balancer that drained the endpoint for
         it would drain the models that serve."""
+        serving = (READY, *SHARE_SERVING)
         if model is not None:
-            return self.states[model] == READY
-        return any(state == READY for state in self.states.values())
+            return self.states[model] in serving
+        return any(state in serving for state in self.states.values())
 
     async def run(self) -> None:
         """Checks every model, each on its own, until cancelled."""
@@ -64,7 +67,7 @@ class ModelWatch:
         handle = self.servers[model]
         call = handle.health.remote()
         try:
-            await asyncio.wait_for(call, CHECK_TIMEOUT_S)
+            answer = await asyncio.wait_for(call, CHECK_TIMEOUT_S)
             if model not in self.descriptions:
                 self.descriptions[model] = await asyncio.wait_for(handle.describe.remote(), CHECK_TIMEOUT_S)
         except Exception as err:  # noqa: BLE001 - the state says it; the error is kept for callers with the key
@@ -80,5 +83,6 @@ class ModelWatch:
                 self.states[model] = DEGRADED
         else:
             self.errors.pop(model, None)
-            self.states[model] = READY
+            # A model of a GPU share says its state there; it serves asleep too (a request wakes it).
+            self.states[model] = answer if answer in SHARE_SERVING else READY
         self.checked_at[model] = time.time()

@@ -192,7 +192,8 @@ class VideoJobs:
         job = dataclasses.replace(job, request_id=created["id"])
         future = None
         current = self.keeper.current()
-        if created["id"] not in self._videos and current.done() and current.exception() is None:
+        # (A model of a GPU share submits from the job's task: it may have to wake first.)
+        if created["id"] not in self._videos and current.done() and current.exception() is None and not self.share:
             try:
                 future = current.result().submit(job)
             except GroupOverloadedError:

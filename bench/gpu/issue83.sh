@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Issue 83's GPU runs on a one-GPU host (H100 / H200); /tmp stays between calls while the machine is held:
+#
+#   bash bench/gpu/issue83.sh sleep   the random Wan2.1-T2V-14B and its FP8 folder written to $MODELS unless
+#                                     there, then the one-GPU fast YAML's group: two warm requests, then three
+#                                     sleep / wake / request cycles beside the link's own copy of the same
+#                                     bytes (bench.sleep_wake)
+#
+# No sage wheel on a fresh host: the YAML's attention_backend is replaced by diffusers' default.
+# OUT (default bench/results) is where logs and results go; MODELS (default /tmp) the checkpoints.
+set -uo pipefail
+PART=${1:?sleep}
+OUT=${OUT:-bench/results}
+MODELS=${MODELS:-/tmp}
+STEPS=${STEPS:-4}
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | sed -e "s/NVIDIA //" -e "s/ .*//")
+YAML=serve_configs/wan2.1_t2v_14b_fast_1gpu.yaml
+mkdir -p "$OUT"
+
+write_models() {
+  SECONDS=0
+  [ -d "$MODELS/wan14b" ] || python -m ray_hsdp.cli make-random wan2.1-t2v-14b "$MODELS/wan14b" 2>&1 | tail -2
+  [ -d "$MODELS/wan14b-fp8" ] || python -m ray_hsdp.cli quantize "$MODELS/wan14b" "$MODELS/wan14b-fp8" 2>&1 | tail -2
+  echo "bf16 and fp8 folders: ${SECONDS}s"
+}
+
+case "$PART" in
+  sleep)
+    write_models
+    python -m bench.sleep_wake --config "$YAML" --model-dir "$MODELS/wan14b-fp8" --set attention_backend=auto \
+      --compile-cache-dir "$MODELS/compile-cache" --steps "$STEPS" --cycles 3 --out "$OUT" \
+      --name "sleep-wake-wan2.1-t2v-14b-fp8-folder-1x$GPU" >"$OUT/sleep-wake-1x$GPU.log" 2>&1
+    echo "sleep: exit $?"
+    tail -12 "$OUT/sleep-wake-1x$GPU.log"
+    ;;
+  *)
+    echo "unknown part $PART" >&2
+    exit 2
+    ;;
+esac
