@@ -5,11 +5,18 @@
 #                                     there, then the one-GPU fast YAML's group: two warm requests, then three
 #                                     sleep / wake / request cycles beside the link's own copy of the same
 #                                     bytes (bench.sleep_wake)
+#   bash bench/gpu/issue83.sh share   two models on one GPU share, one awake at a time, through `ray-hsdp serve
+#                                     --config` (its phase table): the FP8 folder and the bf16 folder of that
+#                                     Wan2.1-T2V-14B as two models; each twice (warm), then alternating
+#                                     (bench.gpu_share)
+#   bash bench/gpu/issue83.sh serve   `ray-hsdp serve` of the one-GPU fast YAML on the FP8 folder, its compile
+#                                     cache filled by the sleep part: the phase table from the command to
+#                                     /health 200, then Ctrl-C
 #
 # No sage wheel on a fresh host: the YAML's attention_backend is replaced by diffusers' default.
 # OUT (default bench/results) is where logs and results go; MODELS (default /tmp) the checkpoints.
 set -uo pipefail
-PART=${1:?sleep}
+PART=${1:?sleep, share or serve}
 OUT=${OUT:-bench/results}
 MODELS=${MODELS:-/tmp}
 STEPS=${STEPS:-4}
@@ -32,6 +39,22 @@ case "$PART" in
       --name "sleep-wake-wan2.1-t2v-14b-fp8-folder-1x$GPU" >"$OUT/sleep-wake-1x$GPU.log" 2>&1
     echo "sleep: exit $?"
     tail -12 "$OUT/sleep-wake-1x$GPU.log"
+    ;;
+  share)
+    write_models
+    python -m bench.gpu_share --model wan-fp8="$MODELS/wan14b-fp8" --set wan-fp8.quantization=fp8 \
+      --model wan-bf16="$MODELS/wan14b" --size 832x480 --steps "$STEPS" --alternations 3 --out "$OUT" \
+      --name "gpu-share-wan2.1-t2v-14b-fp8-and-bf16-1x$GPU" >"$OUT/gpu-share-1x$GPU.log" 2>&1
+    echo "share: exit $?"
+    tail -30 "$OUT/gpu-share-1x$GPU.log"
+    ;;
+  serve)
+    python -m ray_hsdp.cli serve "$MODELS/wan14b-fp8" --config "$YAML" --set attention_backend=auto \
+      --set compile_cache_dir="$MODELS/compile-cache" >"$OUT/serve-phases-1x$GPU.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 400); do grep -q "^Serving " "$OUT/serve-phases-1x$GPU.log" && break; sleep 0.5; done
+    kill -INT $pid; wait $pid
+    sed -n '/^Ready in/,/^Serving /p' "$OUT/serve-phases-1x$GPU.log"
     ;;
   *)
     echo "unknown part $PART" >&2

@@ -13,6 +13,10 @@ import time
 def cmd_serve(args: argparse.Namespace) -> int:
     """Deploys the application under its own name; Ctrl-C removes that application only, at any
     moment (while it deploys too), and stops Ray only where this command started it."""
+    from ray_hsdp.cli.serve_phases import ServeClock, import_beside
+
+    clock = ServeClock()
+    import_beside()  # what the build imports, beside Ray's and Serve's starts
     from pydantic import ValidationError
 
     from ray_hsdp.cli.serve_flags import UsageError, default_app_name, file_application, serve_config, served_args
@@ -38,6 +42,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (UsageError, ValidationError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    clock.lap("configuration and key")
     drain_s = max(model.drain_timeout_s for model in served.models)
     what = ", ".join(served.names)
     import ray
@@ -56,15 +61,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for key, value in rank_pool_env(args.rank_pool_size).items():
             os.environ.setdefault(key, value)
     ray.init(address=args.address, ignore_reinit_error=True)
+    clock.lap("Ray start" if started_ray else "Ray connect")
     deploying, failed = False, None
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
+        clock.lap("Serve start")
         url = f"{_listening(args)}{route_prefix.rstrip('/')}"
         app = build_application(fields, api_key)
+        clock.lap("application build (checks, job store)")
         _say_a_stored_key_wins(name)
         print(f"Deploying {what} as application {name!r} at {url} (Ctrl-C removes it)", flush=True)
         deploying = True  # from here the application may exist: every way out removes it
         serve.run(app, name=name, route_prefix=route_prefix)
+        clock.lap("deploy: replicas started, groups loaded and warmed")
+        _say_where_the_start_went(clock, name, served.names, url)
         print(f"Serving {what} as application {name!r} on {url} (POST /v1/images/generations); "
               "Ctrl-C removes it", flush=True)  # fmt: skip
         while True:
@@ -77,9 +87,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         if deploying:
             remove_application(name, drain_s + 60)
+            _close_shares({model.gpu_share for model in served.models} - {None})
         if started_ray:
             ray.shutdown()
     return 1 if failed else 0
+
+
+def _say_where_the_start_went(clock, name: str, models: list[str], url: str) -> None:
+    """Prints the phase table of this start (``serve_phases``), once ``/health`` answers 200."""
+    from ray_hsdp.cli.serve_phases import group_starts, wait_healthy
+
+    groups = group_starts(name, models)
+    wait_healthy(url)
+    clock.lap("until /health answers 200")
+    print(clock.table(groups), flush=True)
+
+
+def _close_shares(shares: set[str]) -> None:
+    """Removes the GPU shares this application's models used, once no model is left on them (a
+    share outlives applications: another one of the cluster may still use it)."""
+    import ray
+
+    from ray_hsdp.serve.gpu_share import SHARE_NAMESPACE, close_share, share_actor_name
+
+    for share in sorted(shares):
+        try:
+            actor = ray.get_actor(share_actor_name(share), namespace=SHARE_NAMESPACE)
+            if not ray.get(actor.states.remote(), timeout=10):
+                close_share(share)
+        except Exception:  # noqa: BLE001 - none runs, or it is gone with its cluster
+            pass
 
 
 def _say_a_stored_key_wins(name: str) -> None:
