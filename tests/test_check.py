@@ -215,3 +215,25 @@ def test_a_warm_up_request_of_a_pipeline_that_takes_no_size_gives_none():
     facts = call_facts(pipeline_on_meta(resolve_model_path(config.model), pipeline))
     request, fps = warm_up_request(WarmUpShape(size="64x48"), config, facts, 0)
     assert not request.size_given and request.image is not None and fps > 0
+
+
+def test_a_gpu_share_says_which_models_fit_awake_together_and_the_host_memory_they_need(capsys, tmp_path):
+    """Issue 83: per share, each model's bytes per GPU, how many fit awake within the budget, and the
+    host memory of their weights asleep; a model over the budget fails the file."""
+    path = tmp_path / "share.yaml"
+
+    def write(budget):
+        share = {"device": "cpu", "shard_size": 2, "gpu_share": "s", "gpu_share_budget_gib": budget}
+        models = [{"model": "tiny", "model_name": "a", **share}, {"model": "tiny-qwen-image", "model_name": "b", **share}]
+        app = {"name": "x", "route_prefix": "/", "import_path": "ray_hsdp.serve:build_app", "args": {"models": models}}
+        path.write_text(yaml.safe_dump({"applications": [app]}))
+        return str(path)
+
+    code, out = check(capsys, write(1.0))
+    assert code == 0 and "gpu_share s: 2 model(s) on 2 GPU(s) of one node" in out, out
+    assert "awake together: at most 2 of 2 (gpu_share_budget_gib 1)" in out
+    per_gpu = [float(line.split()[-2]) for line in out.splitlines() if "weights per GPU in all" in line]
+    host_gib = float(out.split("host memory for their weights asleep: ")[1].split()[0])
+    assert per_gpu and abs(host_gib - 2 * sum(per_gpu)) <= 0.01
+    code, out = check(capsys, write(0.0004))  # holds the tiny Wan (0.0005 GiB per GPU) alone, never both
+    assert code != 0 and "exceeds gpu_share_budget_gib" in out, out

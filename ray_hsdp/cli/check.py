@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from ray_hsdp.cli.check_shares import ShareMember, share_lines
 from ray_hsdp.config.app import AppConfig
 from ray_hsdp.config.embedded import EMBEDDED_MODELS
 from ray_hsdp.config.endpoint import EndpointConfig, endpoint_args, model_args, served_models
@@ -72,6 +73,7 @@ class AppReport:
     notes: list[str] = field(default_factory=list)
     layout: str = ""
     per_gpu: dict[str, int] = field(default_factory=dict)  # component -> bytes on each GPU
+    share: ShareMember | None = None  # its model's place in a GPU share (``check_shares``)
 
 
 def model_weight_bytes(module, config, shard_size: int) -> int:
@@ -214,6 +216,11 @@ def check_app(name: str, args: dict, device: str | None, gpu_memory_gib: float |
         else:
             report.per_gpu[component] = -(-size // dims.shard_size) if component in sharded else size
     total = sum(report.per_gpu.values())
+    if config.gpu_share is not None:
+        report.share = ShareMember(
+            config.served_model_name, config.gpu_share, total, dims.shard_size, config.gpu_share_budget_gib,
+            config.resident,
+        )  # fmt: skip
     if gpu_memory_gib is not None and total > gpu_memory_gib * _GIB:
         report.failures.append(
             f"its weights take {total / _GIB:.2f} GiB on each GPU, over --gpu-memory {gpu_memory_gib:g} GiB: "
@@ -290,6 +297,10 @@ def check_file(path: str, device: str | None = None, gpu_memory_gib: float | Non
                 reports.append(check_app(f"{name} / {model}", fields, device, gpu_memory_gib, strict))
     if not reports:
         reports.append(AppReport(path, failures=[f"{path} holds no application of ray_hsdp (import_path ray_hsdp...)"]))
+    members = [report.share for report in reports if report.share is not None]
+    if members:
+        lines, failures = share_lines(members, gpu_memory_gib)
+        reports.append(AppReport("GPU shares", failures=failures, notes=lines))
     return reports
 
 
