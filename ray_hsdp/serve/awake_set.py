@@ -98,14 +98,16 @@ class AwakeSet:
             key=lambda m: m.last_used,
         )
         chosen: list[Member] = []
-        for victim in idle:
-            chosen.append(victim)
-            victim.state = SLEEPING  # tentatively, to ask ``fits``
-            fits = self.fits(member)
-            victim.state = READY
-            if fits:
-                return chosen
-        return None
+        try:
+            for victim in idle:
+                chosen.append(victim)
+                victim.state = SLEEPING  # tentatively, to ask ``fits``
+                if self.fits(member):
+                    return chosen
+            return None
+        finally:
+            for victim in chosen:
+                victim.state = READY
 
     def too_large(self, model: str) -> str | None:
         """Why ``model`` can never be awake here (its bytes alone, or with the resident members,
