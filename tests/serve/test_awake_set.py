@@ -22,7 +22,7 @@ def test_the_least_recently_used_idle_models_sleep_until_the_next_fits():
     c = ready(awake, "c", 30)
     c.state = SLEEPING
     assert [m.model for m in awake.victims("c")] == ["b", "a"]  # 15 + 15 + 30 and 15 + 30 > 40: both, older first
-    c.bytes = 10 * GIB
+    c.bytes = 12 * GIB  # 15 + 15 + 12 > 40, 15 + 12 fits
     assert [m.model for m in awake.victims("c")] == ["b"]
     awake.enter("b", "request-1")  # work in flight: never put to sleep; the other goes instead
     assert [m.model for m in awake.victims("c")] == ["a"]
