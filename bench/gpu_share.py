@@ -108,7 +108,8 @@ def main() -> None:
             for round_ in range(args.alternations):
                 for name in names:
                     seconds = request(base, name, args, 10 + round_)
-                    row["alternating"].append({"model": name, "s": seconds, "over_warm_s": round(seconds - warm[name], 3)})
+                    over = round(seconds - warm[name], 3)
+                    row["alternating"].append({"model": name, "s": seconds, "over_warm_s": over})
                     print(row["alternating"][-1], flush=True)
             row["states_at_end"] = states(base)
         except Exception as err:  # noqa: BLE001 - a failed run is a result

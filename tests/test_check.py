@@ -224,7 +224,8 @@ def test_a_gpu_share_says_which_models_fit_awake_together_and_the_host_memory_th
 
     def write(budget):
         share = {"device": "cpu", "shard_size": 2, "gpu_share": "s", "gpu_share_budget_gib": budget}
-        models = [{"model": "tiny", "model_name": "a", **share}, {"model": "tiny-qwen-image", "model_name": "b", **share}]
+        models = [{"model": "tiny", "model_name": "a", **share}]
+        models.append({"model": "tiny-qwen-image", "model_name": "b", **share})
         app = {"name": "x", "route_prefix": "/", "import_path": "ray_hsdp.serve:build_app", "args": {"models": models}}
         path.write_text(yaml.safe_dump({"applications": [app]}))
         return str(path)

@@ -29,6 +29,7 @@ from ray_hsdp.serve.errors import (
 from ray_hsdp.serve.job_records import decode_spec, encode_spec
 from ray_hsdp.serve.job_store import DECODED, DENOISED
 from ray_hsdp.serve.media import encode_mp4, encode_png
+from ray_hsdp.serve.model_health import SHARE_SERVING
 from ray_hsdp.serve.schema import VideoCreateRequest, to_video_request
 
 logger = logging.getLogger("ray_hsdp")
@@ -48,14 +49,16 @@ def _application_going() -> bool:
 
 class JobReads:
     """A job's object and content, read from the job store (``self.store``, a ``StoreClient``) as
-    the endpoint ``self.endpoint`` holds them."""
+    the endpoint ``self.endpoint`` holds them; its model's state from ``self.watch`` (``ModelWatch``)."""
 
     async def video(self, video_id: str) -> dict:
-        """The video object of a job."""
+        """The video object of a job; a queued one whose model sleeps or wakes on its GPU share says
+        so in ``model_state`` (``waking``: it starts once its model is awake)."""
         found = await self.store.call("get", self.endpoint, video_id)
         if found is None:
             raise VideoNotFoundError(f"no video {video_id!r} (never created, deleted, or expired)")
-        return found
+        state = self.watch.states.get(found.get("model")) if found["status"] == "queued" else None
+        return {**found, "model_state": state} if state in SHARE_SERVING else found
 
     async def video_content(self, video_id: str, variant: str = "video") -> bytes:
         """The MP4 of a completed job, or its first frame as PNG (``variant="thumbnail"``): read

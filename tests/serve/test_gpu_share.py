@@ -133,3 +133,31 @@ def test_a_sleeping_model_that_lost_a_rank_comes_back_while_the_other_serves(sha
     image = generate(share_app, WAN, 3)
     assert np.abs(image - expected(WAN, 3, reference_pipe)).max() <= 1
     assert ray.get(actor.rank_handles.remote(WAN))[1]._actor_id != ranks[1]._actor_id
+
+
+def test_a_video_job_waiting_for_its_model_says_so_and_runs_once_the_other_is_done(share_app):
+    generate(share_app, QWEN, 1)  # the Wan sleeps
+    wait_until(lambda: states(share_app) == {QWEN: "ready", WAN: "sleeping"}, 10, "the health states")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        # A long Qwen-Image request holds its model awake: the Wan cannot wake until it is answered.
+        long = pool.submit(
+            requests.post,
+            f"{share_app}/v1/images/generations",
+            json={"model": QWEN, "prompt": "a red fox", "size": "64x64", "seed": 5, "num_inference_steps": 60},
+            timeout=300,
+        )
+        wait_until(lambda: share_states()[QWEN]["in_flight"] == 1, 30, "the long request to run")
+        body = {"model": WAN, "prompt": "a red fox runs", "size": "64x64", "num_frames": 5, "seed": 2}
+        job = requests.post(f"{share_app}/v1/videos", json=body, timeout=60).json()
+        seen = requests.get(f"{share_app}/v1/videos/{job['id']}", timeout=10).json()
+        assert seen["status"] == "queued" and seen.get("model_state") in ("sleeping", "waking"), seen
+        assert long.result().status_code == 200
+    done = wait_until(
+        lambda: (
+            (v := requests.get(f"{share_app}/v1/videos/{job['id']}", timeout=10).json())["status"] == "completed" and v
+        ),
+        120,
+        "the video job to complete",
+        interval_s=0.5,
+    )
+    assert "model_state" not in done and share_states()[WAN]["state"] == "ready"
