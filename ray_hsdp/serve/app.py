@@ -143,13 +143,17 @@ def group_deployment(config: AppConfig, models: int) -> Application:
         scale = {"autoscaling_config": autoscaling_config(config.autoscaling, dims.widest_lanes)}
     else:
         scale = {"num_replicas": dims.replicate_size}
+    # A replica's placement group holds its group's GPUs; a model of a GPU share places its ranks in
+    # the share's (serve.gpu_share), so that its replica holds none of the GPUs the models take turns on.
+    placement = (
+        {} if config.gpu_share else {"placement_group_bundles": bundles, "placement_group_strategy": PLACEMENT_STRATEGY}
+    )
     return HSDPServer.options(
         name=server_name(config.served_model_name, models),
         **scale,
         # A removed group drains its video jobs first (HSDPServer.__del__), then shuts its ranks down.
         graceful_shutdown_timeout_s=config.drain_timeout_s + 60,
-        placement_group_bundles=bundles,
-        placement_group_strategy=PLACEMENT_STRATEGY,
+        **placement,
         # The replica process only routes; its bundle's resources belong to rank 0.
         ray_actor_options={"num_cpus": 0},
         # Room for every rank's requests, the group's own queue and a margin of requests that the
