@@ -38,6 +38,9 @@ CONCURRENCY_GROUPS = {
     "control": 2, "intake": MAX_REQUESTS_PER_RANK, "loops": MAX_REQUESTS_PER_RANK, "profile": 1, "watch": 1,
 }  # fmt: skip
 
+#: How long a sleep waits for a rank's session to end (its last request just answered).
+SLEEP_IDLE_WAIT_S = 10.0
+
 #: Faults ``inject_fault`` knows: a rank hung before its next collective, a forward that raises,
 #: a split decode that raises.
 FAULTS = ("stall", "forward", "decode")
@@ -381,8 +384,12 @@ class Rank(RankStart):
         Returns:
             The bytes moved, the seconds, and the device's free memory before and after.
         """
-        if self.runtime is not None and (self.runtime.in_session or self.runtime.progress()):
-            raise RuntimeError(f"rank {self.rank} holds requests: a model sleeps only once its work is done")
+        # A request answered a moment ago may still be ending its session here: that is waited for.
+        deadline = time.monotonic() + SLEEP_IDLE_WAIT_S
+        while self.runtime is not None and (self.runtime.in_session or self.runtime.progress()):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank {self.rank} holds requests: a model sleeps only once its work is done")
+            time.sleep(0.005)
         return {"rank": self.rank, **self._parked().sleep().as_dict()}
 
     @ray.method(concurrency_group="control")

@@ -180,9 +180,11 @@ class InPlaceUnits:
         return self._kept_weight_bytes
 
     def device_buffers(self) -> list[torch.Tensor]:
-        """The buffers the units hold besides their parameters (the gather slots, the kept units'
-        whole weights among them): what a sleep parks with the parameters."""
-        return list(self._slots)
+        """The buffers the units hold besides their modules' parameters: the gather slots (the kept
+        units' whole weights among them) and every unit's shards (a kept unit's module holds its
+        whole weights instead): what a sleep parks with the parameters."""
+        shards = [p.sharded.to_local() for unit in [*self.all_units, self.root] for p in unit.params]
+        return [*self._slots, *shards]
 
     def before_sleep(self) -> None:
         """Nothing to free: between forwards every unit holds its sharded parameters."""
