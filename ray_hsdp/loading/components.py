@@ -8,6 +8,7 @@ filled, else the load fails naming the keys.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import inspect
 import json
@@ -294,8 +295,12 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-#: Bytes a CPU read copies at a time.
-_READ_CHUNK = 64 * 1024**2
+def _writable_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a buffer a file reads into, with no copy. (Not
+    ``tensor.numpy()``: a storage numpy has seen can never be emptied again, and a sleeping model
+    empties its storages: ``pipeline.residence``.)"""
+    nbytes = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 class SafetensorsReader:
@@ -352,15 +357,9 @@ class SafetensorsReader:
         if not (direct and list(out.shape) == shape):
             out = torch.empty(shape, dtype=dtype)
         if out.numel():
-            # Through a buffer of its own: a tensor seen by numpy gets a storage that can never be
-            # emptied, and a sleeping model empties its storages (``pipeline.residence``).
-            target = out.view(torch.uint8).reshape(-1)
             with open(self.path, "rb") as f:
                 f.seek(offset)
-                for start in range(0, target.numel(), _READ_CHUNK):
-                    piece = bytearray(min(_READ_CHUNK, target.numel() - start))
-                    f.readinto(piece)
-                    target[start : start + len(piece)].copy_(torch.frombuffer(piece, dtype=torch.uint8))
+                f.readinto(_writable_bytes(out))
         return out
 
     def read_staged(self, key: str, rows: slice | None, out: torch.Tensor, staging: StagedReads) -> bool:
