@@ -194,6 +194,11 @@ class AppConfig(GroupConfig):
             if self.resident or self.gpu_share_budget_gib is not None:
                 raise ValueError("resident and gpu_share_budget_gib apply to a model of a GPU share: set gpu_share")
             return self
+        if self.resident and self.gpu_share_budget_gib is None:
+            raise ValueError(
+                "resident: true needs gpu_share_budget_gib (without a budget one model of a GPU share is awake at a "
+                "time, and a resident one would keep every other asleep)"
+            )
         if self.replicate_size > 1 or self.autoscaling is not None:
             raise ValueError(
                 "gpu_share holds one group of each of its models; it cannot be combined with replicate_size > 1 or "

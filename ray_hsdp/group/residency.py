@@ -10,21 +10,21 @@ import ray
 
 
 def _summary(kind: str, reports: list[dict], started: float) -> dict:
+    busy = [r["rank"] for r in reports if r.get("busy")]
     return {
-        kind: True,
+        kind: not busy,
+        "busy_ranks": busy,
         "seconds": round(time.perf_counter() - started, 4),
-        "bytes": max((r["bytes"] for r in reports), default=0),
+        "bytes": max((r.get("bytes", 0) for r in reports), default=0),
         "ranks": reports,
     }
 
 
 def sleep_ranks(ranks: list, timeout_s: float) -> dict:
     """Parks every rank's weights in host memory; returns the seconds it took (the slowest rank's
-    with the calls), the most bytes a rank parked, and each rank's report.
-
-    Raises:
-        RuntimeError: A rank still holds a request (none is put to sleep mid-request).
-    """
+    with the calls), the most bytes a rank parked, and each rank's report; ``slept`` is False and
+    ``busy_ranks`` names the ranks that still held a request (they parked nothing; the others did,
+    and the next request wakes them)."""
     started = time.perf_counter()
     return _summary("slept", ray.get([r.sleep.remote() for r in ranks], timeout=timeout_s), started)
 
@@ -36,8 +36,23 @@ def wake_ranks(ranks: list, timeout_s: float) -> dict:
 
 
 def reserve_host(ranks: list, timeout_s: float) -> dict:
-    """Allocates every rank's host buffers for a sleep (``Rank.reserve_host``); returns the most
-    bytes a rank reserves and the slowest allocation."""
+    """Allocates every rank's host memory for a sleep (``Rank.reserve_host``) once the ranks of each
+    node together fit in what it has available (they would all pass a check of their own at once);
+    returns the most bytes a rank reserves and the slowest allocation.
+
+    Raises:
+        MemoryError: A node lacks the memory, with the bytes its ranks need and what it has.
+    """
+    needs = ray.get([r.host_need.remote() for r in ranks], timeout=timeout_s)
+    for node in {need["node"] for need in needs}:
+        mine = [need for need in needs if need["node"] == node]
+        total, available = sum(need["bytes"] for need in mine), min(need["available"] for need in mine)
+        if total > available:
+            raise MemoryError(
+                f"the group's {len(mine)} rank(s) on node {node} need {total / 2**30:.2f} GiB of host memory "
+                f"({total} bytes) to hold their weights while the model sleeps; the node has {available / 2**30:.2f} "
+                "GiB available: give it more memory, or the model GPUs of its own (no gpu_share)"
+            )
     reports = ray.get([r.reserve_host.remote() for r in ranks], timeout=timeout_s)
     return {
         "bytes": max((r["bytes"] for r in reports), default=0),

@@ -15,6 +15,7 @@ of the host-to-device link.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+
+logger = logging.getLogger("ray_hsdp")
 
 #: Components woken first: a request encodes its prompt before the denoisers' first step, and
 #: decodes only after their last.
@@ -60,12 +63,11 @@ def module_tensors(module: nn.Module) -> list[torch.Tensor]:
 
 @dataclass
 class _Part:
-    """One component's storages and the host bytes they rest in while asleep."""
+    """One component's storages (at the last sleep) and their bytes back to back in host memory."""
 
     name: str
     storages: list[torch.UntypedStorage]
     sizes: list[int]
-    host: torch.Tensor | None = None  # uint8, the storages back to back
 
     @property
     def nbytes(self) -> int:
@@ -103,43 +105,73 @@ def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
+def collect_parts(tensors: dict[str, list[torch.Tensor]]) -> list[_Part]:
+    """Each component's distinct storages with bytes, in wake order (a storage that two components
+    hold goes with the first)."""
+    seen: set[int] = set()
+    parts = []
+    for name in wake_order(list(tensors)):
+        storages, sizes = [], []
+        for tensor in tensors[name]:
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            if storage.nbytes() == 0 or key in seen:
+                continue
+            seen.add(key)
+            storages.append(storage)
+            sizes.append(storage.nbytes())
+        parts.append(_Part(name, storages, sizes))
+    return parts
+
+
+class HostBuffer:
+    """Host memory of exactly ``nbytes``, page-locked on CUDA hosts. Not torch's pinned allocator:
+    it rounds every block up to a power of two (a 14.6 GB transformer would take 16 GiB); a
+    pageable tensor registered with CUDA (``cudaHostRegister``) takes what it holds."""
+
+    def __init__(self, nbytes: int, pin: bool):
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+        self.pinned = False
+        if pin and nbytes:
+            code = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
+            self.pinned = int(code) == 0
+            if not self.pinned:  # the copies still work, from pageable memory, at a fraction of the speed
+                logger.warning("cudaHostRegister of %d bytes failed (%s): host copies will be pageable", nbytes, code)
+
+    def release(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+
+
 class Residence:
-    """A rank's device tensors, grouped by component, and their host buffers while asleep.
+    """A rank's device tensors, by component, and the host buffer they rest in while asleep.
 
     Args:
-        parts: Component name -> the tensors it holds on this rank (a storage shared by two
-            components is moved once, with the first in wake order).
-        device: ``"cuda"`` or ``"cpu"`` (a CPU rank parks its tensors in other host buffers: the
+        collect: Component name -> the tensors it holds on this rank now; called at each sleep
+            (a forward may have given a tensor new storage since the last one).
+        device: ``"cuda"`` or ``"cpu"`` (a CPU rank parks its tensors in other host memory: the
             same steps, tested where no GPU is).
-        pin: Page-locked host buffers (CUDA only): a copy then runs at the link's speed and
-            without blocking the host; pageable ones run at a fraction of it.
-        before_sleep: Called at each sleep before anything is copied (frees what a forward left
-            gathered, so that only the shards are parked).
+        pin: Page-locked host memory (CUDA only): a copy then runs at the link's speed and
+            without blocking the host; pageable memory runs at a fraction of it.
+        before_sleep: Called at each sleep before the tensors are collected (frees what a forward
+            left gathered, so that only the shards are parked).
     """
 
     def __init__(
         self,
-        parts: dict[str, list[torch.Tensor]],
+        collect: Callable[[], dict[str, list[torch.Tensor]]],
         device: str,
         pin: bool = True,
         before_sleep: Callable[[], None] | None = None,
     ):
         self.device = device
+        self._collect = collect
         self._before_sleep = before_sleep
         self.pin = pin and device == "cuda"
-        seen: set[int] = set()
-        self.parts: list[_Part] = []
-        for name in wake_order(list(parts)):
-            storages, sizes = [], []
-            for tensor in parts[name]:
-                storage = tensor.untyped_storage()
-                key = storage.data_ptr()
-                if storage.nbytes() == 0 or key in seen:
-                    continue
-                seen.add(key)
-                storages.append(storage)
-                sizes.append(storage.nbytes())
-            self.parts.append(_Part(name, storages, sizes))
+        self.parts = collect_parts(collect())
+        self.host: HostBuffer | None = None
         self.asleep = False
         self._lock = threading.Lock()
         self._stream = torch.cuda.Stream() if device == "cuda" else None
@@ -151,43 +183,50 @@ class Residence:
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes of those storages on the device now: ``nbytes`` awake, 0 asleep."""
-        return sum(storage.nbytes() for part in self.parts for storage in part.storages)
+        """Bytes of the pipeline's tensors on the device now, collected afresh: all of ``nbytes``
+        awake, 0 asleep (a tensor that a sleep missed would show here)."""
+        return sum(part.nbytes for part in collect_parts(self._collect()))
 
     @property
     def allocated(self) -> bool:
-        """Whether the host buffers exist (``allocate`` ran)."""
-        return all(part.host is not None for part in self.parts)
+        """Whether the host buffer exists (``allocate`` ran)."""
+        return self.host is not None
 
     def allocate(self) -> float:
-        """Allocates the host buffers (once; later calls return at once). Returns its seconds:
-        pinning tens of GB takes seconds, which a caller may spend before the first sleep."""
+        """Allocates the host buffer for ``nbytes`` (once, again only if they grew). Returns its
+        seconds: pinning tens of GB takes seconds, which a caller may spend before the first sleep."""
         started = time.perf_counter()
         with self._lock:
-            for part in self.parts:
-                if part.host is None:
-                    part.host = torch.empty(part.nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            self._allocate()
         return time.perf_counter() - started
 
+    def _allocate(self) -> None:
+        if self.host is None or self.host.tensor.numel() < self.nbytes:
+            if self.host is not None:
+                self.host.release()
+            self.host = HostBuffer(self.nbytes, self.pin)
+
     def sleep(self) -> ResidenceReport:
-        """Copies every storage to its host buffer, then empties it; the caching allocator gives
+        """Copies every storage to the host buffer, then empties it; the caching allocator gives
         the memory back to the device. Call only while no request runs on this rank."""
-        self.allocate()
         with self._lock:
             if self.asleep:
                 return ResidenceReport(1, 0, 0.0, _device_free(self.device), _device_free(self.device))
+            if self.device == "cuda":
+                torch.cuda.synchronize()  # every queued kernel has written what it will
             if self._before_sleep is not None:
                 self._before_sleep()
+            self.parts = collect_parts(self._collect())
+            self._allocate()
             free_before = _device_free(self.device)
             started = time.perf_counter()
             times: dict[str, float] = {}
-            if self.device == "cuda":
-                torch.cuda.synchronize()  # every queued kernel has written what it will
+            offset = 0
             for part in self.parts:
                 part_started = time.perf_counter()
-                self._copy_out(part)
+                offset = self._copy(part, offset, to_host=True)
                 times[part.name] = time.perf_counter() - part_started
-            if self.device == "cuda":
+            if self._stream is not None:
                 self._stream.synchronize()
             for part in self.parts:
                 for storage in part.storages:
@@ -200,18 +239,23 @@ class Residence:
             )
 
     def wake(self) -> ResidenceReport:
-        """Refills every storage from its host buffer, components in wake order, and returns once
-        all of it landed (the device's current stream waits for the copies)."""
+        """Refills every storage from the host buffer, components in wake order, and returns once
+        all of it landed. Awake already: returns at once (the check is made under the lock, so a
+        wake asked for during a sleep waits for it, then wakes)."""
         with self._lock:
             if not self.asleep:
                 return ResidenceReport(1, 0, 0.0, _device_free(self.device), _device_free(self.device))
             free_before = _device_free(self.device)
             started = time.perf_counter()
             times: dict[str, float] = {}
+            offset = 0
             for part in self.parts:
                 part_started = time.perf_counter()
-                self._copy_in(part)
-                if self.device == "cuda":
+                # Allocated on the compute stream (the one that will use them), filled on the side stream.
+                for storage, size in zip(part.storages, part.sizes):
+                    storage.resize_(size)
+                offset = self._copy(part, offset, to_host=False)
+                if self._stream is not None:
                     self._stream.synchronize()
                 times[part.name] = time.perf_counter() - part_started
             self.asleep = False
@@ -219,22 +263,19 @@ class Residence:
                 1, self.nbytes, time.perf_counter() - started, free_before, _device_free(self.device), times
             )
 
-    def _copy_out(self, part: _Part) -> None:
-        offset = 0
+    def _copy(self, part: _Part, offset: int, to_host: bool) -> int:
+        """Copies ``part``'s storages to (or from) the host buffer from ``offset``; returns the offset after."""
+        host = self.host.tensor
+        non_blocking = self.host.pinned
         with self._on_stream():
             for storage, size in zip(part.storages, part.sizes):
-                part.host[offset : offset + size].copy_(_bytes_of(storage), non_blocking=self.pin)
+                device = _bytes_of(storage)
+                if to_host:
+                    host[offset : offset + size].copy_(device, non_blocking=non_blocking)
+                else:
+                    device.copy_(host[offset : offset + size], non_blocking=non_blocking)
                 offset += size
-
-    def _copy_in(self, part: _Part) -> None:
-        # Allocated on the compute stream (the one that will use them), filled on the side stream.
-        for storage, size in zip(part.storages, part.sizes):
-            storage.resize_(size)
-        offset = 0
-        with self._on_stream():
-            for storage, size in zip(part.storages, part.sizes):
-                _bytes_of(storage).copy_(part.host[offset : offset + size], non_blocking=self.pin)
-                offset += size
+        return offset
 
     def _on_stream(self):
         if self._stream is None:
@@ -255,23 +296,25 @@ class _NoStream:
 
 def pipeline_residence(pipeline, pin: bool = True) -> Residence:
     """The ``Residence`` of a loaded ``ShardedPipeline``: per component, its parameters and buffers
-    as this rank holds them, its sharding's own buffers (in-place gather slots), and the other
-    request slots' copies of it. Each sleep first has the shardings free what a forward left
-    gathered (so call this after they did: the modules then hold their shards alone)."""
+    as this rank holds them, its sharding's own buffers (in-place gathers), and the other request
+    slots' copies of it. Each sleep first has the shardings free what a forward left gathered."""
 
     def before_sleep() -> None:
         for sharding in pipeline.shardings.values():
             sharding.before_sleep()
 
+    def collect() -> dict[str, list[torch.Tensor]]:
+        parts: dict[str, list[torch.Tensor]] = {}
+        for name, module in pipeline.modules.items():
+            tensors = module_tensors(module)
+            if name in pipeline.shardings:
+                tensors += pipeline.shardings[name].device_buffers()
+            for copy in pipeline.slot_copies:
+                own = copy.components.get(name)
+                if isinstance(own, nn.Module) and own is not module:
+                    tensors += module_tensors(own)
+            parts[name] = tensors
+        return parts
+
     before_sleep()
-    parts: dict[str, list[torch.Tensor]] = {}
-    for name, module in pipeline.modules.items():
-        tensors = module_tensors(module)
-        if name in pipeline.shardings:
-            tensors += pipeline.shardings[name].device_buffers()
-        for copy in pipeline.slot_copies:
-            own = copy.components.get(name)
-            if isinstance(own, nn.Module) and own is not module:
-                tensors += module_tensors(own)
-        parts[name] = tensors
-    return Residence(parts, pipeline.device, pin, before_sleep)
+    return Residence(collect, pipeline.device, pin, before_sleep)

@@ -33,9 +33,11 @@ logger = logging.getLogger("ray_hsdp")
 #: one per request handed over; ``ping``, ``memory``, ``progress``, ``tick_stats``, ``cancel``,
 #: ``help``, ``release``, ``inject_fault`` and ``leave`` answer on "control" while a long request
 #: runs. The torch profiler must stop on the thread that started it: "profile". The group's
-#: ``watch`` call waits on "watch" for as long as the rank lives.
+#: ``watch`` call waits on "watch" for as long as the rank lives. A sleep or a wake copies for
+#: seconds on "residence", never holding up a health check's ``ping``.
 CONCURRENCY_GROUPS = {
     "control": 2, "intake": MAX_REQUESTS_PER_RANK, "loops": MAX_REQUESTS_PER_RANK, "profile": 1, "watch": 1,
+    "residence": 1,
 }  # fmt: skip
 
 #: How long a sleep waits for a rank's session to end (its last request just answered).
@@ -217,8 +219,8 @@ class Rank(RankStart):
         """A group woken by its caller never gets here asleep. One used directly wakes at its first
         request: every rank's session and the request's own thread wake their rank first (once:
         the other waits for it), since every rank joins every forward's gathers."""
-        if self._residence is not None and self._residence.asleep:
-            self._residence.wake()
+        if self._residence is not None:
+            self._residence.wake()  # at once when awake (it looks under its lock: a sleep under way ends first)
 
     @ray.method(concurrency_group="control")
     def warm_up_done(self) -> dict[str, int]:
@@ -295,7 +297,8 @@ class Rank(RankStart):
             # Once the model slept: the bytes it parks, and those of them on the device now (0 asleep).
             "parked_bytes": self._residence.nbytes if self._residence is not None else 0,
             "asleep": self._residence is not None and self._residence.asleep,
-            "resident_parked_bytes": self._residence.resident_bytes if self._residence is not None else 0,
+            # The pipeline's tensors on the device now, collected afresh (0 asleep: none was missed).
+            "resident_tensor_bytes": self._residence.resident_bytes if self._residence is not None else 0,
             **report,
             **(
                 {"compile": compile_report(self.pipeline.compiled_modules)}
@@ -359,40 +362,43 @@ class Rank(RankStart):
             self._residence = pipeline_residence(self.pipeline, pin=self.config.device == "cuda")
         return self._residence
 
-    @ray.method(concurrency_group="control")
-    def reserve_host(self) -> dict:
-        """Allocates the host buffers a sleep parks this rank's weights in (once: pinning tens of
-        GB takes seconds), so that the first sleep is as fast as the next. Returns their bytes and
-        the seconds the allocation took."""
+    @ray.method(concurrency_group="residence")
+    def host_need(self) -> dict:
+        """What this rank's weights need in host memory to sleep (0 once reserved), its node and
+        what the node has available: the group checks a node's ranks together before any pins."""
+        from ray_hsdp import distributed
         from ray_hsdp.memory import available_host_bytes
 
         residence = self._parked()
-        available = available_host_bytes()
-        if not residence.allocated and residence.nbytes > available:
-            raise MemoryError(
-                f"rank {self.rank} needs {residence.nbytes / 2**30:.2f} GiB of host memory ({residence.nbytes} bytes) "
-                f"to hold its weights while its model sleeps; its node has {available / 2**30:.2f} GiB available: give "
-                "the node more memory, or the model GPUs of its own (no gpu_share)"
-            )
+        need = 0 if residence.allocated else residence.nbytes
+        return {"rank": self.rank, "node": distributed.node_ip(), "bytes": need, "available": available_host_bytes()}
+
+    @ray.method(concurrency_group="residence")
+    def reserve_host(self) -> dict:
+        """Allocates the host memory a sleep parks this rank's weights in (once: pinning tens of GB
+        takes seconds), so that the first sleep is as fast as the next. Returns its bytes and the
+        seconds the allocation took."""
+        residence = self._parked()
         return {"rank": self.rank, "bytes": residence.nbytes, "allocate_s": round(residence.allocate(), 3)}
 
-    @ray.method(concurrency_group="control")
+    @ray.method(concurrency_group="residence")
     def sleep(self) -> dict:
         """Parks this rank's weights in host memory and gives their device memory back
-        (``ray_hsdp.pipeline.residence``). Call only while the rank holds no request.
+        (``ray_hsdp.pipeline.residence``), once the rank holds no request: a session that its last
+        request is ending is waited for (``SLEEP_IDLE_WAIT_S``).
 
         Returns:
-            The bytes moved, the seconds, and the device's free memory before and after.
+            The bytes moved, the seconds, and the device's free memory before and after; or
+            ``busy``: the rank still held a request, and nothing was moved.
         """
-        # A request answered a moment ago may still be ending its session here: that is waited for.
         deadline = time.monotonic() + SLEEP_IDLE_WAIT_S
         while self.runtime is not None and (self.runtime.in_session or self.runtime.progress()):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"rank {self.rank} holds requests: a model sleeps only once its work is done")
+                return {"rank": self.rank, "busy": True}
             time.sleep(0.005)
         return {"rank": self.rank, **self._parked().sleep().as_dict()}
 
-    @ray.method(concurrency_group="control")
+    @ray.method(concurrency_group="residence")
     def wake(self) -> dict:
         """Copies this rank's weights back to the device, components in the order a request
         needs them; returns once all landed (what it moved, as ``sleep``)."""

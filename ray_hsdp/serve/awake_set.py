@@ -33,7 +33,7 @@ class Member:
         last_used: When a request last entered (``time.monotonic``): the least recent sleeps first.
     """
 
-    model: str
+    model: str  # the served model's name (a key names one of its groups: ``model/group``)
     resident: bool = False
     bytes: int = 0
     state: str = STARTING
@@ -56,17 +56,17 @@ class AwakeSet:
         self.budget_bytes = budget_bytes
         self.members: dict[str, Member] = {}
 
-    def join(self, model: str, resident: bool) -> Member:
-        """Adds ``model`` (or takes it back after its group's rebuild: its leases are gone with
-        the failed group). Raises ``ValueError`` for a resident model without a budget."""
+    def join(self, key: str, model: str, resident: bool) -> Member:
+        """Adds the group ``key`` of ``model`` (a rebuilt or replacing group has a key of its own;
+        an older one of the model stays, and counts, until it is forgotten). Raises ``ValueError``
+        for a resident model without a budget."""
         if resident and self.budget_bytes is None:
             raise ValueError(
                 f"{model}: resident: true needs gpu_share_budget_gib (without a budget one model is awake at a "
                 "time, and a resident one would keep every other asleep)"
             )
-        member = self.members.get(model) or Member(model, resident)
-        member.resident, member.state, member.leases = resident, STARTING, set()
-        self.members[model] = member
+        member = Member(model, resident, state=JOINING)
+        self.members[key] = member
         return member
 
     def awake(self) -> list[Member]:
@@ -78,15 +78,16 @@ class AwakeSet:
         others = [m for m in self.awake() if m is not member]
         if self.budget_bytes is None:
             return not others
-        if any(m.bytes == 0 for m in others) or member.bytes == 0:
-            return not others  # a size not yet known (a group still loading) leaves room for nothing else
+        if member.bytes == 0 or any(m.bytes == 0 for m in others):
+            # A size not yet known (a group loading) leaves room beside it for the resident models alone.
+            return all(m.resident and m.bytes > 0 for m in others)
         return sum(m.bytes for m in others) + member.bytes <= self.budget_bytes
 
-    def victims(self, model: str) -> list[Member] | None:
-        """The members to put to sleep so that ``model`` fits awake, least recently used first;
+    def victims(self, key: str) -> list[Member] | None:
+        """The members to put to sleep so that group ``key`` fits awake, least recently used first;
         ``[]``: it fits now; ``None``: not until a member's work ends (or it never fits alone:
         ``too_large`` says so)."""
-        member = self.members[model]
+        member = self.members[key]
         if self.fits(member):
             return []
         idle = sorted(
@@ -109,26 +110,23 @@ class AwakeSet:
             for victim in chosen:
                 victim.state = READY
 
-    def too_large(self, model: str) -> str | None:
-        """Why ``model`` can never be awake here (its bytes alone, or with the resident members,
+    def too_large(self, key: str) -> str | None:
+        """Why group ``key`` can never be awake here (its bytes alone, or with the resident members,
         exceed the budget), or ``None``."""
-        member = self.members[model]
+        member = self.members[key]
         if self.budget_bytes is None or member.bytes == 0:
             return None
         resident = sum(m.bytes for m in self.members.values() if m.resident and m is not member)
         if member.bytes + resident > self.budget_bytes:
             return (
-                f"{model} holds {member.bytes / 2**30:.2f} GiB per GPU awake"
+                f"{member.model} holds {member.bytes / 2**30:.2f} GiB per GPU awake"
                 + (f" beside {resident / 2**30:.2f} GiB of resident models" if resident else "")
                 + f": more than gpu_share_budget_gib ({self.budget_bytes / 2**30:.2f} GiB)"
             )
         return None
 
-    def enter(self, model: str, lease: str) -> None:
-        """A request of ``model`` holds it awake from now on."""
-        member = self.members[model]
+    def enter(self, key: str, lease: str) -> None:
+        """A request holds group ``key`` awake from now on."""
+        member = self.members[key]
         member.leases.add(lease)
         member.last_used = time.monotonic()
-
-    def states(self) -> dict[str, str]:
-        return {model: m.state for model, m in self.members.items()}

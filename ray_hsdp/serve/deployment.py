@@ -168,13 +168,18 @@ class HSDPServer(VideoJobs, ModelFacts):
 
     async def _submit_awake(self, group: ShardGroup, job: GenerationRequest, deadline: float):
         """``group.submit`` once the model is awake on its GPU share (woken here if it slept),
-        holding it awake until the request is answered."""
-        lease = job.request_id
+        holding it awake until the request is answered. A wake that fails fails the group, whose
+        rebuild the request then waits for, within its deadline."""
         try:
-            entered = await self.share.enter(lease, deadline)
+            lease, entered = await self.share.enter(deadline)
         except WakeFailedError as err:
-            group.fail(str(err))  # its keeper rebuilds it; the request may be retried
-            raise GroupFailedError(str(err), ran=False) from None
+            group.fail(str(err))  # its keeper rebuilds it
+            rebuilt = await self._rebuilt(deadline)
+            lease, entered = await self.share.enter(deadline)
+            group = rebuilt
+        if job.request_id in self._cancelled:  # cancelled while its model woke
+            self.share.leave(lease)
+            raise RequestCancelledError(f"request {job.request_id!r} was cancelled while its model woke")
         if entered.get("woke"):
             self.metrics.woke(entered["wake_s"])
         try:
@@ -184,6 +189,14 @@ class HSDPServer(VideoJobs, ModelFacts):
             raise
         future.add_done_callback(lambda _: self.share.leave(lease))
         return future
+
+    async def _rebuilt(self, deadline: float) -> ShardGroup:
+        """The group once its rebuild ended (``QueueTimeoutError`` at ``deadline``)."""
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.time())):
+                return await asyncio.shield(asyncio.wrap_future(self.keeper.current()))
+        except TimeoutError:
+            raise QueueTimeoutError("the shard group was still being rebuilt at the request's deadline") from None
 
     def _cancel(self, request_id: str) -> None:
         """The one cancel path of a request this replica runs (DELETE, its client gone, a job taken
@@ -317,7 +330,12 @@ class HSDPServer(VideoJobs, ModelFacts):
         while the group is rebuilt (503) or could not be. Returns the model's state: ``ready``, or
         on a GPU share its state there (``sleeping``, ``waking``...)."""
         self._ready_group().check_health()
-        return self.share.state()["state"] if self.share is not None else "ready"
+        if self.share is None:
+            return "ready"
+        state = self.share.state()["state"]
+        if state == "failed":
+            raise GroupFailedError(f"{self.model_name}'s group failed on its GPU share and is being rebuilt")
+        return state
 
     def progress(self) -> dict:
         """Request id -> state (queued, or running with its denoising step) of this replica's requests."""

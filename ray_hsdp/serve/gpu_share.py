@@ -29,7 +29,6 @@ from ray_hsdp.serve.awake_set import (
     STARTING,
     WAKING,
     AwakeSet,
-    Member,
 )
 
 logger = logging.getLogger("ray_hsdp")
@@ -46,23 +45,28 @@ class WakeFailedError(RuntimeError):
 
 
 class GpuShare:
-    """One GPU share's placement group and awake set (a detached Ray actor, async).
+    """One GPU share's placement group and awake set (a detached Ray actor, async). Each group of
+    a model on it has a key of its own (``join``): a rebuilt or replacing group never takes over the
+    state of the one before, which counts until its replica forgets it.
 
     Args:
         share: The share's name (``gpu_share``).
         bundles: One bundle per GPU (the first model's group's bundles).
         budget_bytes: ``gpu_share_budget_gib`` in bytes; ``None``: one model awake at a time.
+        call_timeout_s: Longest a group's sleep or wake may take; past it the group's ranks are
+            killed (their memory goes with them) and its replica rebuilds it.
     """
 
-    def __init__(self, share: str, bundles: list[dict], budget_bytes: int | None):
+    def __init__(self, share: str, bundles: list[dict], budget_bytes: int | None, call_timeout_s: float = 600.0):
         logging.basicConfig(level=logging.INFO)
         self.share = share
         self.terms = {"bundles": bundles, "budget_bytes": budget_bytes}
+        self.call_timeout_s = call_timeout_s
         self.awake = AwakeSet(budget_bytes)
         self.placement = placement_group(bundles, strategy=PLACEMENT_STRATEGY)
-        self.ranks: dict[str, list] = {}
+        self.ranks: dict[str, list] = {}  # key -> its group's ranks
         self.nodes: dict[str, str] = {}
-        self.parked: dict[str, int] = {}  # model -> bytes its ranks park (all of them together)
+        self.parked: dict[str, int] = {}  # key -> bytes its ranks park (all of them together)
         self._left: collections.deque[str] = collections.deque(maxlen=4096)
         self._locks: dict[str, asyncio.Lock] = {}
         self._changed: asyncio.Condition | None = None
@@ -83,9 +87,9 @@ class GpuShare:
             except TimeoutError:
                 pass
 
-    def check_terms(self, bundles: list[dict], budget_bytes: int | None) -> dict:
+    def check_terms(self) -> dict:
         """The share's bundles and budget, as its first model set them (a model that says others
-        is refused by its replica, naming both)."""
+        is refused by ``open_share``, naming both)."""
         return self.terms
 
     async def placement_group(self, timeout_s: float):
@@ -93,144 +97,171 @@ class GpuShare:
         await asyncio.wait_for(self.placement.ready(), timeout_s)
         return self.placement
 
-    async def join(self, model: str, resident: bool) -> None:
-        """Before ``model``'s group loads (its first start or a rebuild): the other idle models
-        sleep until it fits (all of them while its size is unknown). Returns once it may load."""
-        member = self.awake.join(model, resident)
-        member.state = JOINING  # not awake yet: room is made first
-        self.ranks.pop(model, None)
-        async with self._lock(model):
-            await self._make_room(member)
+    async def join(self, key: str, model: str, resident: bool) -> None:
+        """Before group ``key`` of ``model`` loads: the other idle groups sleep until it fits (all
+        but the resident ones while its size is unknown). Returns once it may load."""
+        member = self.awake.join(key, model, resident)
+        async with self._lock(key):
+            await self._make_room(key)
             member.state = STARTING
         await self._notify()
 
-    async def ready(self, model: str, ranks: list, node: str, nbytes: int) -> None:
-        """``model``'s group loaded: its ranks, its node and what it holds per GPU awake.
+    async def ready(self, key: str, ranks: list, node: str, nbytes: int) -> None:
+        """Group ``key`` loaded: its ranks, its node and what it holds per GPU awake.
 
         Raises:
             ValueError: It can never be awake within the budget (``AwakeSet.too_large``).
         """
-        member = self.awake.members[model]
-        member.bytes, self.ranks[model], self.nodes[model] = nbytes, ranks, node
-        why = self.awake.too_large(model)
+        member = self.awake.members[key]
+        member.bytes, self.ranks[key], self.nodes[key] = nbytes, ranks, node
+        why = self.awake.too_large(key)
         member.state = FAILED if why else READY
         await self._notify()
         if why:
             raise ValueError(why)
 
-    async def enter(self, model: str, lease: str) -> dict:
-        """A request of ``model`` is about to run: returns once the model is awake, holding it
+    async def enter(self, key: str, lease: str) -> dict:
+        """A request of group ``key`` is about to run: returns once the group is awake, holding it
         awake until ``leave(lease)``; wakes it first if it sleeps.
 
         Returns:
             ``woke``: whether this call woke it, and ``wake_s`` its seconds.
 
         Raises:
-            WakeFailedError: The model's group could not be woken (its replica rebuilds it).
+            WakeFailedError: The group could not be woken, or is gone (its replica rebuilds it).
         """
-        woke: dict = {"woke": False}
         while True:
             if lease in self._left:
                 self._left.remove(lease)
-                return woke
-            member = self.awake.members.get(model)
+                return {"woke": False}
+            member = self.awake.members.get(key)
             if member is None or member.state == FAILED:
-                raise WakeFailedError(f"{model}'s shard group is not on its GPU share now (it is being rebuilt)")
+                raise WakeFailedError(f"{key.split('/')[0]}'s shard group is not on its GPU share now (it is rebuilt)")
             if member.state == READY:
-                self.awake.enter(model, lease)
-                return woke
+                self.awake.enter(key, lease)
+                return {"woke": False}
             if member.state == SLEEPING:
-                woke = await self._wake(member)
+                woke = await self._wake(key, lease)
+                if woke["woke"]:
+                    return woke
                 continue
             await self._wait_change()
 
-    async def leave(self, model: str, lease: str) -> None:
-        """The request ``lease`` of ``model`` was answered: the model may sleep once it has none."""
-        member = self.awake.members.get(model)
+    async def leave(self, key: str, lease: str) -> None:
+        """The request ``lease`` was answered: its group may sleep once none holds it."""
+        member = self.awake.members.get(key)
         if member is not None and lease in member.leases:
             member.leases.discard(lease)
             await self._notify()
         else:
             self._left.append(lease)  # its enter has not returned yet: it returns without holding
 
-    async def forget(self, model: str) -> None:
-        """``model``'s replica stops: it leaves the share (its memory is freed with its ranks)."""
-        self.awake.members.pop(model, None)
-        self.ranks.pop(model, None)
+    async def forget(self, key: str) -> None:
+        """Group ``key`` is shut down (its replica stops, or rebuilds it): its memory is free."""
+        self.awake.members.pop(key, None)
+        self.ranks.pop(key, None)
         await self._notify()
 
     def states(self) -> dict[str, dict]:
-        """Each model's state, bytes per GPU awake, bytes parked, wakes and their seconds."""
-        return {
-            model: {
+        """Each model's newest group's state, bytes per GPU awake, bytes parked, wakes and their
+        seconds, requests in flight."""
+        out = {}
+        for key, m in self.awake.members.items():  # joined in order: a model's newest group last
+            out[m.model] = {
                 "state": m.state,
                 "bytes_per_gpu": m.bytes,
-                "parked_bytes": self.parked.get(model, 0) if m.state == SLEEPING else 0,
-                "node": self.nodes.get(model),
+                "parked_bytes": self.parked.get(key, 0) if m.state == SLEEPING else 0,
+                "node": self.nodes.get(key),
                 "wakes": m.wakes,
                 "wake_seconds": round(m.wake_seconds, 4),
                 "in_flight": len(m.leases),
             }
-            for model, m in self.awake.members.items()
-        }
+        return out
 
     def rank_handles(self, model: str) -> list:
-        """The rank actors of ``model``'s group as it told them at ``ready`` (drills, tests)."""
-        return list(self.ranks.get(model, []))
+        """The rank actors of ``model``'s newest group (drills, tests)."""
+        keys = [key for key, m in self.awake.members.items() if m.model == model and key in self.ranks]
+        return list(self.ranks[keys[-1]]) if keys else []
 
     # ---- the sleeps and wakes --------------------------------------------------------------
 
-    def _lock(self, model: str) -> asyncio.Lock:
-        return self._locks.setdefault(model, asyncio.Lock())
+    def _lock(self, key: str) -> asyncio.Lock:
+        return self._locks.setdefault(key, asyncio.Lock())
 
-    async def _make_room(self, member: Member) -> None:
-        """Puts the least recently used idle models to sleep until ``member`` fits; waits while
+    async def _make_room(self, key: str) -> None:
+        """Puts the least recently used idle groups to sleep until group ``key`` fits; waits while
         it cannot (the others' work in flight)."""
-        while True:
-            victims = self.awake.victims(member.model)
+        while key in self.awake.members:
+            victims = self.awake.victims(key)
             if victims == []:
                 return
             if victims is None:
                 await self._wait_change()
                 continue
+            keys = [k for k, m in self.awake.members.items() if any(m is v for v in victims)]
             for victim in victims:
                 victim.state = PARKING  # still holding its memory: counted, never picked again
-            await asyncio.gather(*(self._sleep(victim) for victim in victims))
+            await asyncio.gather(*(self._sleep(k) for k in keys))
+        raise WakeFailedError(f"{key.split('/')[0]}'s shard group left its GPU share while it waited for room")
 
-    async def _sleep(self, member: Member) -> None:
-        ranks = self.ranks.get(member.model, [])
+    async def _ranks_call(self, key: str, method: str) -> list[dict]:
+        calls = [getattr(rank, method).remote() for rank in self.ranks.get(key, [])]
+        return await asyncio.wait_for(asyncio.gather(*calls), self.call_timeout_s)
+
+    async def _sleep(self, key: str) -> None:
+        member = self.awake.members.get(key)
         try:
-            reports = await asyncio.gather(*(rank.sleep.remote() for rank in ranks))
-        except Exception as err:  # noqa: BLE001 - its ranks' memory went with them; its replica rebuilds it
-            logger.warning("Putting %s to sleep failed: %s", member.model, remote_cause(err))
-            member.state = FAILED
+            reports = await self._ranks_call(key, "sleep")
+        except BaseException as err:  # noqa: BLE001 - its ranks go (their memory with them); its replica rebuilds it
+            logger.warning("Putting %s to sleep failed: %s; its ranks are stopped", key, remote_cause(err))
+            self._kill(key)
+            if member is not None:
+                member.state = FAILED
         else:
-            self.parked[member.model] = sum(r["bytes"] for r in reports)
-            member.state = SLEEPING
-            logger.info("%s sleeps (%.2f GiB parked per GPU)", member.model, member.bytes / 2**30)
+            if member is not None:
+                if any(r.get("busy") for r in reports):
+                    # A rank still held a request (it ends at its next step): it stays awake and is
+                    # weighed again. (Ranks that parked wake at the group's next request.)
+                    member.state = READY
+                else:
+                    self.parked[key] = sum(r["bytes"] for r in reports)
+                    member.state = SLEEPING
+                    logger.info("%s sleeps (%.2f GiB parked per GPU)", key, member.bytes / 2**30)
         await self._notify()
 
-    async def _wake(self, member: Member) -> dict:
-        async with self._lock(member.model):
+    async def _wake(self, key: str, lease: str) -> dict:
+        """Wakes group ``key`` for request ``lease``, which holds it from the moment it is awake
+        (before any other waiter could pick it to sleep again)."""
+        member = self.awake.members[key]
+        async with self._lock(key):
             if member.state != SLEEPING:
                 return {"woke": False}
             started = time.perf_counter()
-            await self._make_room(member)
+            await self._make_room(key)
             member.state = WAKING
-            await self._notify()
             try:
-                await asyncio.gather(*(rank.wake.remote() for rank in self.ranks.get(member.model, [])))
-            except Exception as err:
+                await self._ranks_call(key, "wake")
+            except BaseException as err:
+                self._kill(key)
                 member.state = FAILED
                 await self._notify()
                 raise WakeFailedError(f"waking {member.model}'s shard group failed: {remote_cause(err)}") from None
             seconds = time.perf_counter() - started
             member.state = READY
+            self.awake.enter(key, lease)
             member.wakes += 1
             member.wake_seconds += seconds
-            logger.info("%s woke in %.3f s", member.model, seconds)
-            await self._notify()
-            return {"woke": True, "wake_s": seconds}
+            logger.info("%s woke in %.3f s", key, seconds)
+        await self._notify()
+        return {"woke": True, "wake_s": seconds}
+
+    def _kill(self, key: str) -> None:
+        """Stops a group whose sleep or wake failed: its memory is free once its processes are."""
+        for rank in self.ranks.get(key, []):
+            try:
+                ray.kill(rank, no_restart=True)
+            except Exception:  # noqa: BLE001 - gone already
+                pass
 
 
 def open_share(share: str, bundles: list[dict], budget_bytes: int | None):
@@ -253,7 +284,7 @@ def open_share(share: str, bundles: list[dict], budget_bytes: int | None):
         )
         .remote(share, bundles, budget_bytes)
     )
-    terms = ray.get(actor.check_terms.remote(bundles, budget_bytes))
+    terms = ray.get(actor.check_terms.remote())
     if terms != {"bundles": bundles, "budget_bytes": budget_bytes}:
         raise ValueError(
             f"gpu_share {share!r} runs with {len(terms['bundles'])} x {terms['bundles'][0]} and a budget of "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 
 import ray
 
@@ -33,45 +34,52 @@ class ShareMember:
         self.timeout_s = config.load_timeout_s
         budget = int(config.gpu_share_budget_gib * 2**30) if config.gpu_share_budget_gib is not None else None
         self.actor = open_share(config.gpu_share, dims.bundles(config.device, config.cpus_per_rank), budget)
+        #: The share's key of the model's current group (``model/id``): each start has its own.
+        self.key: str | None = None
         #: The share's placement group: the model's group places its ranks there, beside the other models'.
         self.placement = ray.get(self.actor.placement_group.remote(PLACEMENT_WAIT_S), timeout=PLACEMENT_WAIT_S + 10)
 
     def start(self, build) -> ShardGroup:
-        """Starts the model's group with ``build`` once the share made room for its load, then
-        reserves its ranks' host buffers (a sleep's) and tells the share what it holds.
+        """Starts the model's group with ``build`` once the share made room for its load (the
+        group it replaces, if any, forgotten first: a rebuild shut it down), then reserves its
+        ranks' host memory (a sleep's) and tells the share what it holds.
 
         Raises:
-            MemoryError: A rank's node lacks the host memory its weights need asleep.
+            MemoryError: A node lacks the host memory its ranks' weights need asleep.
         """
-        ray.get(self.actor.join.remote(self.model, self.resident), timeout=self.timeout_s)
+        if self.key is not None:
+            self.forget()
+        self.key = f"{self.model}/{uuid.uuid4().hex[:8]}"
         group = None
         try:
+            ray.get(self.actor.join.remote(self.key, self.model, self.resident), timeout=self.timeout_s)
             group = build()
             reserved = reserve_host(group.ranks, self.timeout_s)
             node = group.placement[0]["node_ip"] if group.placement else ""
-            ray.get(self.actor.ready.remote(self.model, group.ranks, node, reserved["bytes"]), timeout=60)
+            ray.get(self.actor.ready.remote(self.key, group.ranks, node, reserved["bytes"]), timeout=60)
         except BaseException:
-            ray.get(self.actor.forget.remote(self.model), timeout=60)
             if group is not None:
-                group.shutdown()
+                group.shutdown()  # its memory free before the share counts it so
+            self.forget()
             raise
         return group
 
-    async def enter(self, lease: str, deadline: float) -> dict:
-        """Returns once the model is awake (woken here if it slept), holding it awake until
-        ``leave(lease)``.
+    async def enter(self, deadline: float) -> tuple[str, dict]:
+        """Returns once the model's group is awake (woken here if it slept), holding it awake
+        until ``leave`` of the lease returned.
 
         Returns:
-            ``woke`` and, if it did, ``wake_s``.
+            The lease, and ``woke`` with, if it did, ``wake_s``.
 
         Raises:
             QueueTimeoutError: It was not awake by ``deadline`` (``time.time()``).
             WakeFailedError: Its group could not be woken (the caller fails the group: it is rebuilt).
         """
-        call = self.actor.enter.remote(self.model, lease)
+        lease = uuid.uuid4().hex
+        call = self.actor.enter.remote(self.key, lease)
         try:
             async with asyncio.timeout(max(0.0, deadline - time.time())):
-                return await call
+                return lease, await call
         except TimeoutError:
             self.leave(lease)
             raise QueueTimeoutError(
@@ -83,16 +91,18 @@ class ShareMember:
             raise
 
     def leave(self, lease: str) -> None:
-        """The request ``lease`` was answered (or given up): the model may sleep once none holds it."""
-        self.actor.leave.remote(self.model, lease)
+        """The request holding ``lease`` was answered (or gave up): the group may sleep once none does."""
+        self.actor.leave.remote(self.key, lease)
 
     def state(self, timeout_s: float = 5.0) -> dict:
         """The model's entry of the share's states (``GpuShare.states``)."""
         return ray.get(self.actor.states.remote(), timeout=timeout_s).get(self.model, {"state": "joining"})
 
     def forget(self) -> None:
-        """The replica stops: the model leaves the share."""
+        """The model's group is shut down (the replica stops, or rebuilds it): it leaves the share."""
+        if self.key is None:
+            return
         try:
-            ray.get(self.actor.forget.remote(self.model), timeout=10)
+            ray.get(self.actor.forget.remote(self.key), timeout=10)
         except Exception:  # noqa: BLE001 - a share that is gone holds nothing of it
             pass

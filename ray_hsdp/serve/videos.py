@@ -108,7 +108,8 @@ class VideoJobs:
         #: Where a request's work that outlives its cancel runs (a job's create and start, an adoption).
         self._detached = Detached()
         self._poller = loop.create_task(self._poll_progress())
-        if self.config.video_takeover_after_s is not None:
+        # (A model of a GPU share has one group: no other group of its pool could take a job over.)
+        if self.config.video_takeover_after_s is not None and not self.share:
             self._takeover = loop.create_task(self._take_waiting_jobs(self.config.video_takeover_after_s))
 
     async def _drain_videos(self) -> None:

@@ -10,7 +10,7 @@ GIB = 2**30
 
 
 def ready(awake: AwakeSet, model: str, gib: float, resident: bool = False, used: float = 0.0):
-    member = awake.join(model, resident)
+    member = awake.join(model, model, resident)
     member.bytes, member.state, member.last_used = int(gib * GIB), READY, used
     return member
 
@@ -37,7 +37,7 @@ def test_without_a_budget_one_model_is_awake_and_a_resident_one_needs_a_budget()
     b.state = SLEEPING
     assert [m.model for m in awake.victims("b")] == ["a"]
     with pytest.raises(ValueError, match="resident: true needs gpu_share_budget_gib"):
-        awake.join("c", resident=True)
+        awake.join("c", "c", resident=True)
 
 
 def test_a_resident_model_never_sleeps_and_one_too_large_is_named():
@@ -47,8 +47,12 @@ def test_a_resident_model_never_sleeps_and_one_too_large_is_named():
     b.state = SLEEPING
     assert awake.victims("b") is None
     assert "b holds 15.00 GiB per GPU awake beside 20.00 GiB of resident models" in awake.too_large("b")
-    loading = awake.join("d", resident=False)  # its size unknown while it loads: nothing else fits beside it
-    assert not awake.fits(loading)
+    loading = awake.join("d", "d", resident=False)
+    loading.state = "loading"
+    # Its size unknown while it loads: the resident model stays beside it, every other sleeps first.
+    assert awake.victims("d") == [] and not awake.fits(b)
+    b.state = READY
+    assert [m.model for m in awake.victims("d")] == ["b"]
 
 
 def test_a_gpu_share_holds_one_group_of_each_model():
@@ -57,3 +61,5 @@ def test_a_gpu_share_holds_one_group_of_each_model():
             AppConfig(model="tiny", gpu_share="s", **pair)
     with pytest.raises(ValueError, match="set gpu_share"):
         AppConfig(model="tiny", resident=True)
+    with pytest.raises(ValueError, match="resident: true needs gpu_share_budget_gib"):
+        AppConfig(model="tiny", gpu_share="s", resident=True)
