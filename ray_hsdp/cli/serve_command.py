@@ -21,7 +21,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from ray_hsdp.cli.serve_flags import UsageError, default_app_name, file_application, serve_config, served_args
     from ray_hsdp.config.endpoint import served_models
-    from ray_hsdp.config.group import rank_pool_env
     from ray_hsdp.serve.keys import read_api_key
 
     try:
@@ -56,11 +55,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # background (which leaves SIGINT ignored).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    started_ray = not ray.is_initialized() and not (args.address or os.environ.get("RAY_ADDRESS"))
-    if started_ray:  # its own Ray: idle workers import what a rank needs before any rank is asked for
-        for key, value in rank_pool_env(args.rank_pool_size).items():
-            os.environ.setdefault(key, value)
-    ray.init(address=args.address, ignore_reinit_error=True)
+    started_ray = _start_ray(args)
     clock.lap("Ray start" if started_ray else "Ray connect")
     deploying, failed = False, None
     try:
@@ -91,6 +86,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if started_ray:
             ray.shutdown()
     return 1 if failed else 0
+
+
+def _start_ray(args: argparse.Namespace) -> bool:
+    """Connects to Ray, starting a Ray of its own where none is given; returns whether it started one."""
+    import ray
+
+    from ray_hsdp.config.group import rank_pool_env
+
+    started_ray = not ray.is_initialized() and not (args.address or os.environ.get("RAY_ADDRESS"))
+    if started_ray:  # its own Ray: idle workers import what a rank needs before any rank is asked for
+        for key, value in rank_pool_env(args.rank_pool_size).items():
+            os.environ.setdefault(key, value)
+    ray.init(address=args.address, ignore_reinit_error=True)
+    return started_ray
 
 
 def _say_where_the_start_went(clock, name: str, models: list[str], url: str) -> None:
