@@ -113,14 +113,19 @@ def main() -> None:
         for _ in range(args.cycles):
             row["cycles"].append(cycle(group, requests[-1], warm_frames))
             print(row["cycles"][-1], flush=True)
+            write(args, row, config, name)  # as it goes: a run cut short keeps its cycles
     except Exception as err:  # noqa: BLE001 - a failed run is a result
         row["error"] = failure(err, 0)
     finally:
         group.shutdown()
+    write(args, row, config, name)
+    ray.shutdown()
+
+
+def write(args, row: dict, config, name: str) -> None:
     argv = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
     payload = {"row": row, "config": config.model_dump(mode="json"), "environment": environment(), "argv": argv}
     write_results(Path(args.out), name, payload, table(row))
-    ray.shutdown()
 
 
 def table(row: dict) -> str:

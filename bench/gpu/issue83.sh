@@ -5,6 +5,7 @@
 #                                     there, then the one-GPU fast YAML's group: two warm requests, then three
 #                                     sleep / wake / request cycles beside the link's own copy of the same
 #                                     bytes (bench.sleep_wake)
+#   bash bench/gpu/issue83.sh sleep-quick   the same from the bf16 folder alone (FP8 quantized at the load), two cycles
 #   bash bench/gpu/issue83.sh share   two models on one GPU share, one awake at a time, through `ray-hsdp serve
 #                                     --config` (its phase table): the FP8 folder and the bf16 folder of that
 #                                     Wan2.1-T2V-14B as two models; each twice (warm), then alternating
@@ -39,6 +40,17 @@ case "$PART" in
       --name "sleep-wake-wan2.1-t2v-14b-fp8-folder-1x$GPU" >"$OUT/sleep-wake-1x$GPU.log" 2>&1
     echo "sleep: exit $?"
     tail -12 "$OUT/sleep-wake-1x$GPU.log"
+    ;;
+  sleep-quick)
+    # The same from the bf16 folder alone, its linears quantized at the load (no FP8 folder to write).
+    SECONDS=0
+    [ -d "$MODELS/wan14b" ] || python -m ray_hsdp.cli make-random wan2.1-t2v-14b "$MODELS/wan14b" 2>&1 | tail -2
+    echo "bf16 folder: ${SECONDS}s"
+    python -m bench.sleep_wake --config "$YAML" --model-dir "$MODELS/wan14b" --set attention_backend=auto \
+      --compile-cache-dir "$MODELS/compile-cache" --steps "$STEPS" --cycles 2 --out "$OUT" \
+      --name "sleep-wake-wan2.1-t2v-14b-fp8-at-load-1x$GPU" >"$OUT/sleep-wake-quick-1x$GPU.log" 2>&1
+    echo "sleep-quick: exit $?"
+    tail -12 "$OUT/sleep-wake-quick-1x$GPU.log"
     ;;
   share)
     write_models
