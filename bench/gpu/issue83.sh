@@ -6,6 +6,7 @@
 #                                     sleep / wake / request cycles beside the link's own copy of the same
 #                                     bytes (bench.sleep_wake)
 #   bash bench/gpu/issue83.sh sleep-quick   the same from the bf16 folder alone (FP8 quantized at the load), two cycles
+#   bash bench/gpu/issue83.sh sleep-min     the least device time: no compile, no warm-up, 1-step requests
 #   bash bench/gpu/issue83.sh share   two models on one GPU share, one awake at a time, through `ray-hsdp serve
 #                                     --config` (its phase table): the FP8 folder and the bf16 folder of that
 #                                     Wan2.1-T2V-14B as two models; each twice (warm), then alternating
@@ -51,6 +52,17 @@ case "$PART" in
       --name "sleep-wake-wan2.1-t2v-14b-fp8-at-load-1x$GPU" >"$OUT/sleep-wake-quick-1x$GPU.log" 2>&1
     echo "sleep-quick: exit $?"
     tail -12 "$OUT/sleep-wake-quick-1x$GPU.log"
+    ;;
+  sleep-min)
+    # The least device time: the bf16 folder alone, FP8 at the load, no compile, no warm-up, 1-step requests.
+    SECONDS=0
+    [ -d "$MODELS/wan14b" ] || python -m ray_hsdp.cli make-random wan2.1-t2v-14b "$MODELS/wan14b" 2>&1 | tail -2
+    echo "bf16 folder: ${SECONDS}s"
+    python -m bench.sleep_wake --config "$YAML" --model-dir "$MODELS/wan14b" --set attention_backend=auto \
+      --set compile=false --set 'warm_up=[]' --cycles 2 --out "$OUT" \
+      --name "sleep-wake-wan2.1-t2v-14b-fp8-at-load-eager-1x$GPU" >"$OUT/sleep-wake-min-1x$GPU.log" 2>&1
+    echo "sleep-min: exit $?"
+    tail -12 "$OUT/sleep-wake-min-1x$GPU.log"
     ;;
   share)
     write_models
