@@ -68,6 +68,7 @@ class GpuShare:
         self.nodes: dict[str, str] = {}
         self.parked: dict[str, int] = {}  # key -> bytes its ranks park (all of them together)
         self._left: collections.deque[str] = collections.deque(maxlen=4096)
+        self._waiting: dict[str, float] = {}  # key -> since when it waits for room (others' work in flight)
         self._locks: dict[str, asyncio.Lock] = {}
         self._changed: asyncio.Condition | None = None
 
@@ -137,7 +138,7 @@ class GpuShare:
             member = self.awake.members.get(key)
             if member is None or member.state == FAILED:
                 raise WakeFailedError(f"{key.split('/')[0]}'s shard group is not on its GPU share now (it is rebuilt)")
-            if member.state == READY:
+            if member.state == READY and not self._turn_taken(key):
                 self.awake.enter(key, lease)
                 return {"woke": False}
             if member.state == SLEEPING:
@@ -178,6 +179,14 @@ class GpuShare:
             }
         return out
 
+    def _turn_taken(self, key: str) -> bool:
+        """Whether a new request of awake group ``key`` waits, so that a group waiting for room gets
+        its turn: else a model under steady load would hold the GPUs for as long as it is asked,
+        and the other models' requests would wait until their deadlines. (A resident group never
+        gives way: it never sleeps.)"""
+        member = self.awake.members[key]
+        return not member.resident and any(other != key for other in self._waiting)
+
     def rank_handles(self, model: str) -> list:
         """The rank actors of ``model``'s newest group (drills, tests)."""
         keys = [key for key, m in self.awake.members.items() if m.model == model and key in self.ranks]
@@ -196,7 +205,11 @@ class GpuShare:
             if victims == []:
                 return
             if victims is None:
-                await self._wait_change()
+                self._waiting[key] = self._waiting.get(key, time.monotonic())
+                try:
+                    await self._wait_change()
+                finally:
+                    self._waiting.pop(key, None)
                 continue
             keys = [k for k, m in self.awake.members.items() if any(m is v for v in victims)]
             for victim in victims:
