@@ -161,6 +161,9 @@ class GpuShare:
         """Group ``key`` is shut down (its replica stops, or rebuilds it): its memory is free."""
         self.awake.members.pop(key, None)
         self.ranks.pop(key, None)
+        self.nodes.pop(key, None)
+        self.parked.pop(key, None)
+        self._locks.pop(key, None)
         await self._notify()
 
     def states(self) -> dict[str, dict]:
