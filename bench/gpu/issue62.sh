@@ -40,12 +40,7 @@ GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | sed -e "s/NV
 YAML=serve_configs/wan2.1_t2v_14b_fast_1gpu.yaml
 mkdir -p "$OUT"
 
-write_models() {
-  SECONDS=0
-  [ -d "$MODELS/wan14b" ] || python -m ray_hsdp.cli make-random wan2.1-t2v-14b "$MODELS/wan14b" 2>&1 | tail -2
-  [ -d "$MODELS/wan14b-fp8" ] || python -m ray_hsdp.cli quantize "$MODELS/wan14b" "$MODELS/wan14b-fp8" 2>&1 | tail -2
-  echo "bf16 and fp8 folders: ${SECONDS}s"
-}
+source bench/gpu/models.sh  # write_models
 
 case "$PART" in
   fp8)

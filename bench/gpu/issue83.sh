@@ -26,11 +26,18 @@ GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | sed -e "s/NV
 YAML=serve_configs/wan2.1_t2v_14b_fast_1gpu.yaml
 mkdir -p "$OUT"
 
-write_models() {
-  SECONDS=0
-  [ -d "$MODELS/wan14b" ] || python -m ray_hsdp.cli make-random wan2.1-t2v-14b "$MODELS/wan14b" 2>&1 | tail -2
-  [ -d "$MODELS/wan14b-fp8" ] || python -m ray_hsdp.cli quantize "$MODELS/wan14b" "$MODELS/wan14b-fp8" 2>&1 | tail -2
-  echo "bf16 and fp8 folders: ${SECONDS}s"
+source bench/gpu/models.sh  # write_models, write_bf16
+
+# A sleep_wake run from the bf16 folder alone, its linears quantized at the load: its tag, its result's
+# name, and its own flags.
+sleep_from_bf16() {
+  local tag=$1 name=$2
+  shift 2
+  write_bf16
+  python -m bench.sleep_wake --config "$YAML" --model-dir "$MODELS/wan14b" --set attention_backend=auto "$@" \
+    --cycles 2 --out "$OUT" --name "$name-1x$GPU" >"$OUT/sleep-wake-$tag-1x$GPU.log" 2>&1
+  echo "sleep-$tag: exit $?"
+  tail -12 "$OUT/sleep-wake-$tag-1x$GPU.log"
 }
 
 case "$PART" in
@@ -43,26 +50,13 @@ case "$PART" in
     tail -12 "$OUT/sleep-wake-1x$GPU.log"
     ;;
   sleep-quick)
-    # The same from the bf16 folder alone, its linears quantized at the load (no FP8 folder to write).
-    SECONDS=0
-    [ -d "$MODELS/wan14b" ] || python -m ray_hsdp.cli make-random wan2.1-t2v-14b "$MODELS/wan14b" 2>&1 | tail -2
-    echo "bf16 folder: ${SECONDS}s"
-    python -m bench.sleep_wake --config "$YAML" --model-dir "$MODELS/wan14b" --set attention_backend=auto \
-      --compile-cache-dir "$MODELS/compile-cache" --steps "$STEPS" --cycles 2 --out "$OUT" \
-      --name "sleep-wake-wan2.1-t2v-14b-fp8-at-load-1x$GPU" >"$OUT/sleep-wake-quick-1x$GPU.log" 2>&1
-    echo "sleep-quick: exit $?"
-    tail -12 "$OUT/sleep-wake-quick-1x$GPU.log"
+    # The same from the bf16 folder alone (no FP8 folder to write).
+    sleep_from_bf16 quick sleep-wake-wan2.1-t2v-14b-fp8-at-load --compile-cache-dir "$MODELS/compile-cache" \
+      --steps "$STEPS"
     ;;
   sleep-min)
-    # The least device time: the bf16 folder alone, FP8 at the load, no compile, no warm-up, 1-step requests.
-    SECONDS=0
-    [ -d "$MODELS/wan14b" ] || python -m ray_hsdp.cli make-random wan2.1-t2v-14b "$MODELS/wan14b" 2>&1 | tail -2
-    echo "bf16 folder: ${SECONDS}s"
-    python -m bench.sleep_wake --config "$YAML" --model-dir "$MODELS/wan14b" --set attention_backend=auto \
-      --set compile=false --set 'warm_up=[]' --cycles 2 --out "$OUT" \
-      --name "sleep-wake-wan2.1-t2v-14b-fp8-at-load-eager-1x$GPU" >"$OUT/sleep-wake-min-1x$GPU.log" 2>&1
-    echo "sleep-min: exit $?"
-    tail -12 "$OUT/sleep-wake-min-1x$GPU.log"
+    # The least device time: the bf16 folder alone, no compile, no warm-up.
+    sleep_from_bf16 min sleep-wake-wan2.1-t2v-14b-fp8-at-load-eager --set compile=false --set 'warm_up=[]'
     ;;
   share)
     write_models

@@ -220,14 +220,7 @@ class Residence:
             self._allocate()
             free_before = _device_free(self.device)
             started = time.perf_counter()
-            times: dict[str, float] = {}
-            offset = 0
-            for part in self.parts:
-                part_started = time.perf_counter()
-                offset = self._copy(part, offset, to_host=True)
-                times[part.name] = time.perf_counter() - part_started
-            if self._stream is not None:
-                self._stream.synchronize()
+            times = self._move(to_host=True)
             for part in self.parts:
                 for storage in part.storages:
                     storage.resize_(0)
@@ -247,21 +240,30 @@ class Residence:
                 return ResidenceReport(1, 0, 0.0, _device_free(self.device), _device_free(self.device))
             free_before = _device_free(self.device)
             started = time.perf_counter()
-            times: dict[str, float] = {}
-            offset = 0
-            for part in self.parts:
-                part_started = time.perf_counter()
-                # Allocated on the compute stream (the one that will use them), filled on the side stream.
-                for storage, size in zip(part.storages, part.sizes):
-                    storage.resize_(size)
-                offset = self._copy(part, offset, to_host=False)
-                if self._stream is not None:
-                    self._stream.synchronize()
-                times[part.name] = time.perf_counter() - part_started
+            times = self._move(to_host=False)
             self.asleep = False
             return ResidenceReport(
                 1, self.nbytes, time.perf_counter() - started, free_before, _device_free(self.device), times
             )
+
+    def _move(self, to_host: bool) -> dict[str, float]:
+        """Copies every part to (or from) the host buffer, in wake order; returns each part's
+        seconds. A wake first refills a part's storages, on the compute stream (the one that will
+        use them), and waits for each part to land; a sleep waits once, for all of them."""
+        times: dict[str, float] = {}
+        offset = 0
+        for part in self.parts:
+            part_started = time.perf_counter()
+            if not to_host:
+                for storage, size in zip(part.storages, part.sizes):
+                    storage.resize_(size)
+            offset = self._copy(part, offset, to_host)
+            if not to_host and self._stream is not None:
+                self._stream.synchronize()
+            times[part.name] = time.perf_counter() - part_started
+        if to_host and self._stream is not None:
+            self._stream.synchronize()
+        return times
 
     def _copy(self, part: _Part, offset: int, to_host: bool) -> int:
         """Copies ``part``'s storages to (or from) the host buffer from ``offset``; returns the offset after."""
