@@ -64,6 +64,12 @@ def peak_device_bytes(device: str) -> int:
     return torch.cuda.max_memory_allocated() if device == "cuda" else 0
 
 
+def free_bytes(device: str) -> int:
+    """Memory free for this process's next allocations: the device's as its driver counts it
+    (every process's use counted), or on CPU the host's available memory."""
+    return torch.cuda.mem_get_info()[0] if device == "cuda" else available_host_bytes()
+
+
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 

@@ -268,6 +268,24 @@ class GroupQueue(BaseModel):
     )
 
 
+class GroupSleep(BaseModel):
+    """Where a group's weights rest while its model sleeps (a GPU share's model, or ``ShardGroup.sleep``)."""
+
+    sleep_level: Literal[1, 2] = Field(
+        1,
+        description="1: a sleep copies each rank's weights into pinned host memory reserved at start (as many bytes "
+        "as the rank holds; a wake copies them back at the host-to-device link's speed). 2: for hosts that cannot "
+        "hold every sleeping model in memory: the first sleep writes each rank's weights to a file of its own in "
+        "sleep_dir, every sleep drops them from the device, and a wake reads the file back (from the page cache "
+        "where the kernel kept it, else from the disk); host memory held is a few staging buffers per rank.",
+    )
+    sleep_dir: str | None = Field(
+        None,
+        description="sleep_level 2: the folder on each node where its ranks write their weights (its disk needs the "
+        "bytes of every rank there). None: ray_hsdp-sleep in the system's temporary folder.",
+    )
+
+
 class RequestFeatures(BaseModel):
     """What requests may choose per request: LoRA adapters and step caches."""
 
@@ -298,7 +316,7 @@ class RequestFeatures(BaseModel):
     )
 
 
-class GroupConfig(RequestFeatures, GroupQueue, GroupKernels, GroupLayout, ServedModel):
+class GroupConfig(RequestFeatures, GroupSleep, GroupQueue, GroupKernels, GroupLayout, ServedModel):
     """How one shard group loads, shards and runs a diffusers pipeline: the fields of its concerns
     (the bases, listed last first: pydantic orders the fields of the last base first) and the
     checks and facts that need several of them."""

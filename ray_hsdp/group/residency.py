@@ -42,6 +42,7 @@ def reserve_host(ranks: list, timeout_s: float) -> dict:
 
     Raises:
         MemoryError: A node lacks the memory, with the bytes its ranks need and what it has.
+        OSError: At ``sleep_level`` 2, a node's ``sleep_dir`` lacks the disk for its ranks' files.
     """
     needs = ray.get([r.host_need.remote() for r in ranks], timeout=timeout_s)
     for node in {need["node"] for need in needs}:
@@ -51,10 +52,26 @@ def reserve_host(ranks: list, timeout_s: float) -> dict:
             raise MemoryError(
                 f"the group's {len(mine)} rank(s) on node {node} need {total / 2**30:.2f} GiB of host memory "
                 f"({total} bytes) to hold their weights while the model sleeps; the node has {available / 2**30:.2f} "
-                "GiB available: give it more memory, or the model GPUs of its own (no gpu_share)"
+                "GiB available: give it more memory, sleep_level: 2 (the weights rest on disk), or the model GPUs of "
+                "its own (no gpu_share)"
             )
+        check_spill_disk(node, mine)
     reports = ray.get([r.reserve_host.remote() for r in ranks], timeout=timeout_s)
     return {
         "bytes": max((r["bytes"] for r in reports), default=0),
         "allocate_s": max((r["allocate_s"] for r in reports), default=0.0),
     }
+
+
+def check_spill_disk(node: str, needs: list[dict]) -> None:
+    """Raises ``OSError`` where a level-2 sleep's files would not fit the node's ``sleep_dir``."""
+    spilling = [need for need in needs if "disk_bytes" in need]
+    if not spilling:
+        return
+    total, free = sum(need["disk_bytes"] for need in spilling), min(need["disk_free"] for need in spilling)
+    if total > free:
+        raise OSError(
+            f"sleep_level 2: the group's {len(spilling)} rank(s) on node {node} need {total / 2**30:.2f} GiB ({total} "
+            f"bytes) of disk in {spilling[0]['folder']} for their weights while the model sleeps; it has "
+            f"{free / 2**30:.2f} GiB free: set sleep_dir to a larger disk"
+        )

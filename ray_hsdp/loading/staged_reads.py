@@ -1,5 +1,5 @@
 """Checkpoint bytes to GPU memory through pinned host buffers, the copy of one piece overlapping the
-read of the next.
+read of the next (and the reverse way, device bytes to a file: a level-2 sleep's).
 
 A read into pageable memory followed by a synchronous ``copy_`` moves about 1.8 GB/s to the GPU
 (vllm-omni's RFC #4896 measured it), and the thread waits for each copy before it reads on; from
@@ -10,6 +10,8 @@ the other.
 
 from __future__ import annotations
 
+import ctypes
+import os
 import threading
 
 import torch
@@ -54,6 +56,25 @@ class StagedReads:
                 done += piece
         self.bytes += nbytes
 
+    def write(self, fd: int, offset: int, source: torch.Tensor) -> None:
+        """Writes the bytes of ``source`` (a contiguous uint8 tensor on the device) to the open file
+        ``fd`` from ``offset``: the device copies a piece into one buffer while the thread writes
+        the other's to the file. Returns once all is written."""
+        if self.stream is not None:  # the source's last writes, queued on the compute stream, first
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        pending = None
+        done = 0
+        while done < source.numel():
+            piece = min(source.numel() - done, self.buffers[0].numel())
+            buffer = self._free_buffer()
+            self._copy(buffer[:piece], source[done : done + piece])
+            if pending is not None:
+                _pwrite(fd, *pending)
+            pending = (self.copied[self.turn], buffer, piece, offset + done)
+            done += piece
+        if pending is not None:
+            _pwrite(fd, *pending)
+
     def _free_buffer(self) -> torch.Tensor:
         """The buffer whose turn it is, once the copy from it has finished."""
         self.turn ^= 1
@@ -61,12 +82,12 @@ class StagedReads:
             self.copied[self.turn].synchronize()
         return self.buffers[self.turn]
 
-    def _copy(self, target: torch.Tensor, buffer: torch.Tensor) -> None:
+    def _copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
         if self.stream is None:
-            target.copy_(buffer)
+            target.copy_(source)
             return
         with torch.cuda.stream(self.stream):
-            target.copy_(buffer, non_blocking=True)
+            target.copy_(source, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
         self.copied[self.turn] = event
@@ -75,6 +96,16 @@ class StagedReads:
         """Waits for this thread's last copies."""
         if self.stream is not None:
             self.stream.synchronize()
+
+
+def _pwrite(fd: int, event, buffer: torch.Tensor, nbytes: int, offset: int) -> None:
+    """Writes a staging buffer's first ``nbytes`` at ``offset`` once its device copy is done."""
+    if event is not None:
+        event.synchronize()
+    view = memoryview((ctypes.c_char * nbytes).from_address(buffer.data_ptr())).cast("B")
+    written = 0
+    while written < nbytes:
+        written += os.pwrite(fd, view[written:], offset + written)
 
 
 class ThreadStagings:

@@ -11,6 +11,10 @@ survive that; ray_hsdp compiles none.)
 A wake copies the components back in the order a request needs them (text encoders first, the
 denoisers, the VAE last) on a stream of its own; with pinned buffers the copies run at the speed
 of the host-to-device link.
+
+That is level 1. At level 2 (``spill_file``) the bytes rest in a file of the rank's own instead,
+written at the first sleep; a sleep then only gives the device memory back, and a wake reads the
+file (the page cache's copy where the kernel kept one).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+
+from ray_hsdp.pipeline.spill_file import SpillFile, staging_bytes
 
 logger = logging.getLogger("ray_hsdp")
 
@@ -157,6 +163,7 @@ class Residence:
             without blocking the host; pageable memory runs at a fraction of it.
         before_sleep: Called at each sleep before the tensors are collected (frees what a forward
             left gathered, so that only the shards are parked).
+        spill: Level 2: the file the bytes rest in instead of a host buffer.
     """
 
     def __init__(
@@ -165,8 +172,11 @@ class Residence:
         device: str,
         pin: bool = True,
         before_sleep: Callable[[], None] | None = None,
+        spill: SpillFile | None = None,
     ):
         self.device = device
+        self.spill = spill
+        self.level = 1 if spill is None else 2
         self._collect = collect
         self._before_sleep = before_sleep
         self.pin = pin and device == "cuda"
@@ -188,39 +198,55 @@ class Residence:
         return sum(part.nbytes for part in collect_parts(self._collect()))
 
     @property
+    def host_bytes(self) -> int:
+        """Host memory a sleep holds: the weights' bytes at level 1, the staging buffers at level 2."""
+        return self.nbytes if self.spill is None else staging_bytes()
+
+    @property
     def allocated(self) -> bool:
-        """Whether the host buffer exists (``allocate`` ran)."""
-        return self.host is not None
+        """Whether the host buffer exists (level 2: whether the file was written): ``allocate`` ran."""
+        return self.host is not None if self.spill is None else self.spill.layout is not None
 
     def allocate(self) -> float:
-        """Allocates the host buffer for ``nbytes`` (once, again only if they grew). Returns its
-        seconds: pinning tens of GB takes seconds, which a caller may spend before the first sleep."""
+        """Allocates the host buffer for ``nbytes`` (once, again only if they grew); at level 2
+        writes the file instead (call while no request runs). Returns its seconds: pinning or
+        writing tens of GB takes seconds, which a caller may spend before the first sleep."""
         started = time.perf_counter()
         with self._lock:
-            self._allocate()
+            if self.spill is None:
+                self._allocate()
+            elif not self.asleep:
+                self._settle()
+                self._spill_out()
         return time.perf_counter() - started
 
+    def _settle(self) -> None:
+        """Collects the parts once every queued kernel has written what it will and the
+        shardings freed what a forward left gathered."""
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        if self._before_sleep is not None:
+            self._before_sleep()
+        self.parts = collect_parts(self._collect())
+
     def _allocate(self) -> None:
-        if self.host is None or self.host.tensor.numel() < self.nbytes:
+        if self.spill is None and (self.host is None or self.host.tensor.numel() < self.nbytes):
             if self.host is not None:
                 self.host.release()
             self.host = HostBuffer(self.nbytes, self.pin)
 
     def sleep(self) -> ResidenceReport:
-        """Copies every storage to the host buffer, then empties it; the caching allocator gives
-        the memory back to the device. Call only while no request runs on this rank."""
+        """Copies every storage to the host buffer (level 2: to the file, unless it holds them
+        already), then empties it; the caching allocator gives the memory back to the device.
+        Call only while no request runs on this rank."""
         with self._lock:
             if self.asleep:
-                return ResidenceReport(1, 0, 0.0, _device_free(self.device), _device_free(self.device))
-            if self.device == "cuda":
-                torch.cuda.synchronize()  # every queued kernel has written what it will
-            if self._before_sleep is not None:
-                self._before_sleep()
-            self.parts = collect_parts(self._collect())
+                return ResidenceReport(self.level, 0, 0.0, _device_free(self.device), _device_free(self.device))
+            self._settle()
             self._allocate()
             free_before = _device_free(self.device)
             started = time.perf_counter()
-            times = self._move(to_host=True)
+            times = self._move(to_host=True) if self.spill is None else self._spill_out()
             for part in self.parts:
                 for storage in part.storages:
                     storage.resize_(0)
@@ -228,7 +254,7 @@ class Residence:
                 torch.cuda.empty_cache()
             self.asleep = True
             return ResidenceReport(
-                1, self.nbytes, time.perf_counter() - started, free_before, _device_free(self.device), times
+                self.level, self.nbytes, time.perf_counter() - started, free_before, _device_free(self.device), times
             )
 
     def wake(self) -> ResidenceReport:
@@ -237,13 +263,13 @@ class Residence:
         wake asked for during a sleep waits for it, then wakes)."""
         with self._lock:
             if not self.asleep:
-                return ResidenceReport(1, 0, 0.0, _device_free(self.device), _device_free(self.device))
+                return ResidenceReport(self.level, 0, 0.0, _device_free(self.device), _device_free(self.device))
             free_before = _device_free(self.device)
             started = time.perf_counter()
             times = self._move(to_host=False)
             self.asleep = False
             return ResidenceReport(
-                1, self.nbytes, time.perf_counter() - started, free_before, _device_free(self.device), times
+                self.level, self.nbytes, time.perf_counter() - started, free_before, _device_free(self.device), times
             )
 
     def _move(self, to_host: bool) -> dict[str, float]:
@@ -265,8 +291,21 @@ class Residence:
             self._stream.synchronize()
         return times
 
+    def _spill_out(self) -> dict[str, float]:
+        """Level 2's sleep: writes every storage to the file unless it holds them already (a
+        pipeline's weights do not change after its load: ``spill_file``); the seconds it took."""
+        storages = [_bytes_of(s) for part in self.parts for s in part.storages]
+        if self.spill.holds([t.numel() for t in storages]):
+            return {}
+        started = time.perf_counter()
+        self.spill.write(storages)
+        return {"file write": time.perf_counter() - started}
+
     def _copy(self, part: _Part, offset: int, to_host: bool) -> int:
-        """Copies ``part``'s storages to (or from) the host buffer from ``offset``; returns the offset after."""
+        """Copies ``part``'s storages to (or from) the host buffer, or from the file at level 2,
+        from ``offset``; returns the offset after."""
+        if self.spill is not None:
+            return self.spill.read([_bytes_of(s) for s in part.storages], offset)
         host = self.host.tensor
         non_blocking = self.host.pinned
         with self._on_stream():
@@ -296,7 +335,7 @@ class _NoStream:
         return False
 
 
-def pipeline_residence(pipeline, pin: bool = True) -> Residence:
+def pipeline_residence(pipeline, pin: bool = True, spill: SpillFile | None = None) -> Residence:
     """The ``Residence`` of a loaded ``ShardedPipeline``: per component, its parameters and buffers
     as this rank holds them, its sharding's own buffers (in-place gathers), and the other request
     slots' copies of it. Each sleep first has the shardings free what a forward left gathered."""
@@ -319,4 +358,4 @@ def pipeline_residence(pipeline, pin: bool = True) -> Residence:
         return parts
 
     before_sleep()
-    return Residence(collect, pipeline.device, pin, before_sleep)
+    return Residence(collect, pipeline.device, pin, before_sleep, spill)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 import threading
 import time
@@ -46,6 +47,13 @@ SLEEP_IDLE_WAIT_S = 10.0
 #: Faults ``inject_fault`` knows: a rank hung before its next collective, a forward that raises,
 #: a split decode that raises.
 FAULTS = ("stall", "forward", "decode")
+
+
+def sleep_folder(config: GroupConfig) -> str:
+    """Where a level-2 sleep writes this node's ranks' weights (``sleep_dir``)."""
+    import tempfile
+
+    return config.sleep_dir or os.path.join(tempfile.gettempdir(), "ray_hsdp-sleep")
 
 
 def compiled_graphs() -> int:
@@ -356,28 +364,43 @@ class Rank(RankStart):
     def _parked(self):
         if self._residence is None:
             from ray_hsdp.pipeline.residence import pipeline_residence
+            from ray_hsdp.pipeline.spill_file import SpillFile
 
             if self.pipeline is None:
                 raise RuntimeError(f"rank {self.rank} has no pipeline loaded")
-            self._residence = pipeline_residence(self.pipeline, pin=self.config.device == "cuda")
+            spill = None
+            if self.config.sleep_level == 2:
+                spill = SpillFile(sleep_folder(self.config), f"{self.group_id}-{self.rank}", self.config.device)
+            self._residence = pipeline_residence(self.pipeline, pin=self.config.device == "cuda", spill=spill)
         return self._residence
 
     @ray.method(concurrency_group="residence")
     def host_need(self) -> dict:
-        """What this rank's weights need in host memory to sleep (0 once reserved), its node and
-        what the node has available: the group checks a node's ranks together before any pins."""
+        """What this rank's sleep needs of its node: host memory (0 once reserved; level 2: its
+        staging buffers) and, at level 2, disk under ``sleep_dir``; with what the node has. The
+        group checks a node's ranks together before any pins."""
         from ray_hsdp import distributed
         from ray_hsdp.memory import available_host_bytes
+        from ray_hsdp.pipeline.spill_file import SpillFile
 
         residence = self._parked()
-        need = 0 if residence.allocated else residence.nbytes
-        return {"rank": self.rank, "node": distributed.node_ip(), "bytes": need, "available": available_host_bytes()}
+        need = {
+            "rank": self.rank,
+            "node": distributed.node_ip(),
+            "bytes": residence.host_bytes if residence.spill is not None or not residence.allocated else 0,
+            "available": available_host_bytes(),
+        }
+        if residence.spill is not None:
+            folder = sleep_folder(self.config)
+            disk = 0 if residence.allocated else residence.nbytes
+            need.update(disk_bytes=disk, disk_free=SpillFile.free_bytes(folder), folder=folder)
+        return need
 
     @ray.method(concurrency_group="residence")
     def reserve_host(self) -> dict:
         """Allocates the host memory a sleep parks this rank's weights in (once: pinning tens of GB
-        takes seconds), so that the first sleep is as fast as the next. Returns its bytes and the
-        seconds the allocation took."""
+        takes seconds; level 2: writes its file), so that the first sleep is as fast as the next.
+        Returns its bytes and the seconds the allocation took."""
         residence = self._parked()
         return {"rank": self.rank, "bytes": residence.nbytes, "allocate_s": round(residence.allocate(), 3)}
 
@@ -403,6 +426,14 @@ class Rank(RankStart):
         """Copies this rank's weights back to the device, components in the order a request
         needs them; returns once all landed (what it moved, as ``sleep``)."""
         return {"rank": self.rank, **self._parked().wake().as_dict()}
+
+    @ray.method(concurrency_group="control")
+    def device_free(self) -> int:
+        """Free bytes of this rank's device now, as the driver counts them (every process's use
+        counted: a GPU share's other models' too); on a CPU rank, the host's available memory."""
+        from ray_hsdp.memory import free_bytes
+
+        return free_bytes(self.config.device)
 
     @ray.method(concurrency_group="control")
     def ping(self) -> int:
@@ -438,5 +469,7 @@ class Rank(RankStart):
         from ray_hsdp import distributed
 
         self._leaving.set()
+        if self._residence is not None and self._residence.spill is not None:
+            self._residence.spill.remove()
         if self.runtime is None or not self.runtime.in_session:
             distributed.destroy_process_group()

@@ -36,6 +36,10 @@ logger = logging.getLogger("ray_hsdp")
 SHARE_NAMESPACE = "ray_hsdp"
 
 
+#: Device memory left free beyond a group's weights for its wake to start beside the others' sleeps.
+WAKE_HEADROOM_BYTES = 2 * 2**30
+
+
 def share_actor_name(share: str) -> str:
     return f"ray_hsdp-gpu-share-{share}"
 
@@ -70,6 +74,7 @@ class GpuShare:
         self._left: collections.deque[str] = collections.deque(maxlen=4096)
         self._waiting: dict[str, float] = {}  # key -> since when it waits for room (others' work in flight)
         self._locks: dict[str, asyncio.Lock] = {}
+        self._swap: asyncio.Lock | None = None  # one wake (and the sleeps it asks for) at a time: one link
         self._changed: asyncio.Condition | None = None
 
     def _condition(self) -> asyncio.Condition:
@@ -249,14 +254,20 @@ class GpuShare:
         """Wakes group ``key`` for request ``lease``, which holds it from the moment it is awake
         (before any other waiter could pick it to sleep again)."""
         member = self.awake.members[key]
-        async with self._lock(key):
+        self._swap = self._swap or asyncio.Lock()
+        async with self._lock(key), self._swap:
             if member.state != SLEEPING:
                 return {"woke": False}
             started = time.perf_counter()
-            await self._make_room(key)
-            member.state = WAKING
+            waking = await self._wake_beside_sleeps(key, member)
             try:
-                await self._ranks_call(key, "wake")
+                await self._make_room(key)
+                member.state = WAKING
+                await (waking or self._ranks_call(key, "wake"))
+            except WakeFailedError:
+                if waking is not None:
+                    await asyncio.gather(waking, return_exceptions=True)
+                raise
             except BaseException as err:
                 self._kill(key)
                 member.state = FAILED
@@ -267,9 +278,26 @@ class GpuShare:
             self.awake.enter(key, lease)
             member.wakes += 1
             member.wake_seconds += seconds
-            logger.info("%s woke in %.3f s", key, seconds)
+            logger.info("%s woke in %.3f s%s", key, seconds, " (beside the sleeps)" if waking else "")
         await self._notify()
         return {"woke": True, "wake_s": seconds}
+
+    async def _wake_beside_sleeps(self, key: str, member) -> asyncio.Future | None:
+        """Starts group ``key``'s wake at once, beside the sleeps that make room for it, where its
+        GPUs have the memory for its weights now and the groups to sleep are idle (no request of
+        theirs can need memory meanwhile): a sleep copies to the host and a wake from it, the two
+        directions of the link at once. Returns the wake's task, or None (it waits for the sleeps)."""
+        try:
+            free = await asyncio.wait_for(
+                asyncio.gather(*(rank.device_free.remote() for rank in self.ranks.get(key, []))), 10
+            )
+        except Exception:  # noqa: BLE001 - a rank that cannot say: wake after the sleeps (their error shows there)
+            return None
+        victims = self.awake.victims(key)  # after the await: the groups idle now
+        if not free or not victims or min(free) < member.bytes + WAKE_HEADROOM_BYTES:
+            return None
+        member.state = WAKING
+        return asyncio.ensure_future(self._ranks_call(key, "wake"))
 
     def _kill(self, key: str) -> None:
         """Stops a group whose sleep or wake failed: its memory is free once its processes are."""
