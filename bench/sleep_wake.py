@@ -15,6 +15,7 @@ On CPU it runs the tiny model on gloo ranks (a dry run of the steps).
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -34,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compile-cache-dir", default=None)
     parser.add_argument("--steps", type=int, default=4, help="steps of each timed request")
     parser.add_argument("--cycles", type=int, default=3, help="sleep, wake and request, this many times")
+    parser.add_argument(
+        "--cold-cycles",
+        type=int,
+        default=0,
+        help="sleep_level 2: the last this many cycles drop the files' page cache before the wake (it reads the disk)",
+    )
     parser.add_argument("--ray-cpus", type=int, default=None, help="logical CPUs of the local Ray (CPU dry runs)")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--name", default=None)
@@ -68,13 +75,29 @@ def link_copy(nbytes: int) -> dict:
     return out
 
 
-def cycle(group, request, warm_frames) -> dict:
-    """One sleep, wake and request: their seconds, the device's free memory, the frames' match."""
+def drop_page_cache(folder: str) -> None:
+    """Writes the level-2 files of ``folder`` back and drops them from the page cache (no root needed)."""
+    for path in Path(folder).glob("rank-*.bin"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def cycle(group, request, warm_frames, cold_folder: str | None) -> dict:
+    """One sleep, wake and request: their seconds, the device's free memory, the frames' match;
+    with ``cold_folder``, its level-2 files leave the page cache before the wake."""
     slept = group.sleep()
+    if cold_folder is not None:
+        drop_page_cache(cold_folder)
     woke = group.wake()
     result = group.generate([request])[0]
     worst = max(slept["ranks"], key=lambda r: r["seconds"])
     return {
+        "level": worst.get("level", 1),
+        "page_cache": "dropped" if cold_folder is not None else "kept",
         "sleep_s": slept["seconds"],
         "wake_s": woke["seconds"],
         "parked_bytes": slept["bytes"],
@@ -111,8 +134,9 @@ def main() -> None:
         row["link"] = link_copy(reserved["bytes"])
         warm_frames = warm[-1].frames.astype(np.float64)
         row["cycles"] = []
-        for _ in range(args.cycles):
-            row["cycles"].append(cycle(group, requests[-1], warm_frames))
+        for i in range(args.cycles):
+            cold = config.sleep_level == 2 and i >= args.cycles - args.cold_cycles
+            row["cycles"].append(cycle(group, requests[-1], warm_frames, config.sleep_folder if cold else None))
             print(row["cycles"][-1], flush=True)
             write(args, row, config, name)  # as it goes: a run cut short keeps its cycles
     except Exception as err:  # noqa: BLE001 - a failed run is a result
@@ -138,14 +162,15 @@ def table(row: dict) -> str:
         f"({row.get('shape')}). Host buffers: {row.get('host_reserve')}. Link (this process, same bytes): "
         f"{row.get('link')}.",
         "",
-        "| cycle | sleep s | wake s | bytes parked per rank | free GiB before / asleep / awake | request after wake s "
-        "| vs warm | frames max abs diff |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| cycle | level | sleep s | wake s | bytes parked per rank | free GiB before / asleep / awake "
+        "| request after wake s | vs warm | frames max abs diff |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     warm = (row.get("warm_requests_s") or [0])[-1] or 1
     for i, c in enumerate(row.get("cycles", [])):
         lines.append(
-            f"| {i + 1} | {c['sleep_s']} | {c['wake_s']} | {c['parked_bytes'] / 2**30:.2f} GiB | "
+            f"| {i + 1} | {c.get('level', 1)}{' (page cache dropped)' if c.get('page_cache') == 'dropped' else ''} "
+            f"| {c['sleep_s']} | {c['wake_s']} | {c['parked_bytes'] / 2**30:.2f} GiB | "
             f"{c['free_before_sleep_gib']} / {c['free_asleep_gib']} / {c['free_awake_gib']} | "
             f"{c['request_after_wake_s']} | {c['request_after_wake_s'] / warm:.3f}x | {c['frames_max_abs_diff']:g} |"
         )

@@ -7,6 +7,10 @@
 #                                     bytes (bench.sleep_wake)
 #   bash bench/gpu/issue83.sh sleep-quick   the same from the bf16 folder alone (FP8 quantized at the load), two cycles
 #   bash bench/gpu/issue83.sh sleep-min     the least device time: no compile, no warm-up, 1-step requests
+#   bash bench/gpu/issue83.sh sleep-levels  level 1 (pinned host memory) and level 2 (a file on disk, its
+#                                     page cache kept, then dropped) from the FP8 folder, eager, 832x480 images
+#                                     (the bf16 transformer is removed first: the disk holds the FP8 folder and
+#                                     the level-2 file, not both folders and the file)
 #   bash bench/gpu/issue83.sh share   two models on one GPU share, one awake at a time, through `ray-hsdp serve
 #                                     --config` (its phase table): the FP8 folder and the bf16 folder of that
 #                                     Wan2.1-T2V-14B as two models; each twice (warm), then alternating
@@ -57,6 +61,19 @@ case "$PART" in
   sleep-min)
     # The least device time: the bf16 folder alone, no compile, no warm-up.
     sleep_from_bf16 min sleep-wake-wan2.1-t2v-14b-fp8-at-load-eager --set compile=false --set 'warm_up=[]'
+    ;;
+  sleep-levels)
+    write_models
+    rm -rf "$MODELS/wan14b/transformer"
+    for level in 1 2; do
+      python -m bench.sleep_wake --config "$YAML" --model-dir "$MODELS/wan14b-fp8" --set attention_backend=auto \
+        --set compile=false --set 'warm_up=[{"size": "832x480", "num_frames": 1}]' --set sleep_level=$level \
+        --set sleep_dir="$MODELS/spill" --steps "$STEPS" --cycles 4 --cold-cycles $((level == 2 ? 2 : 0)) \
+        --out "$OUT" --name "sleep-wake-level$level-wan2.1-t2v-14b-fp8-folder-eager-1x$GPU" \
+        >"$OUT/sleep-level$level-1x$GPU.log" 2>&1
+      echo "level $level: exit $?"
+      tail -9 "$OUT/sleep-level$level-1x$GPU.log"
+    done
     ;;
   share)
     write_models

@@ -7,6 +7,8 @@ field and the rule, the way vllm-omni's ``--use-hsdp`` flags report them.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 from typing import Literal
 
@@ -284,6 +286,11 @@ class GroupSleep(BaseModel):
         description="sleep_level 2: the folder on each node where its ranks write their weights (its disk needs the "
         "bytes of every rank there). None: ray_hsdp-sleep in the system's temporary folder.",
     )
+
+    @property
+    def sleep_folder(self) -> str:
+        """Where a level-2 sleep writes this node's ranks' weights."""
+        return self.sleep_dir or os.path.join(tempfile.gettempdir(), "ray_hsdp-sleep")
 
 
 class RequestFeatures(BaseModel):

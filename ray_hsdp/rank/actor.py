@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import sys
 import threading
 import time
@@ -47,13 +46,6 @@ SLEEP_IDLE_WAIT_S = 10.0
 #: Faults ``inject_fault`` knows: a rank hung before its next collective, a forward that raises,
 #: a split decode that raises.
 FAULTS = ("stall", "forward", "decode")
-
-
-def sleep_folder(config: GroupConfig) -> str:
-    """Where a level-2 sleep writes this node's ranks' weights (``sleep_dir``)."""
-    import tempfile
-
-    return config.sleep_dir or os.path.join(tempfile.gettempdir(), "ray_hsdp-sleep")
 
 
 def compiled_graphs() -> int:
@@ -370,7 +362,7 @@ class Rank(RankStart):
                 raise RuntimeError(f"rank {self.rank} has no pipeline loaded")
             spill = None
             if self.config.sleep_level == 2:
-                spill = SpillFile(sleep_folder(self.config), f"{self.group_id}-{self.rank}", self.config.device)
+                spill = SpillFile(self.config.sleep_folder, f"{self.group_id}-{self.rank}", self.config.device)
             self._residence = pipeline_residence(self.pipeline, pin=self.config.device == "cuda", spill=spill)
         return self._residence
 
@@ -391,7 +383,7 @@ class Rank(RankStart):
             "available": available_host_bytes(),
         }
         if residence.spill is not None:
-            folder = sleep_folder(self.config)
+            folder = self.config.sleep_folder
             disk = 0 if residence.allocated else residence.nbytes
             need.update(disk_bytes=disk, disk_free=SpillFile.free_bytes(folder), folder=folder)
         return need
