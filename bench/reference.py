@@ -65,18 +65,42 @@ def reference_frames(pipe, request: GenerationRequest) -> np.ndarray:
         ``(n, frames, height, width, 3)``; an image pipeline's output gets a frame axis of 1.
     """
     scheduler, guider = pipe.scheduler, getattr(pipe, "guider", None)
-    if request.flow_shift is not None:  # Wan's UniPC calls it flow_shift, a flow-match Euler shift
+    boundary = getattr(pipe.config, "boundary_ratio", None)
+    if request.sample_solver is not None:
+        pipe.scheduler = solver_as_written(scheduler, request.sample_solver, request.flow_shift)
+    elif request.flow_shift is not None:  # Wan's UniPC calls it flow_shift, a flow-match Euler shift
         key = "flow_shift" if "flow_shift" in scheduler.config else "shift"
         pipe.scheduler = type(scheduler).from_config(scheduler.config, **{key: request.flow_shift})
     if guider is not None:
         pipe.guider = guider.new(guidance_scale=request.guidance_scale)
+    if request.boundary_ratio is not None:
+        pipe.register_to_config(boundary_ratio=request.boundary_ratio)
     try:
         out = pipe(**plain_call(pipe, request))
     finally:
         pipe.scheduler = scheduler
         if guider is not None:
             pipe.guider = guider
+        if request.boundary_ratio is not None:
+            pipe.register_to_config(boundary_ratio=boundary)
     return out.frames if hasattr(out, "frames") else out.images[:, None]
+
+
+def solver_as_written(scheduler, solver: str, flow_shift: float | None):
+    """The scheduler a diffusers user writes for ``solver`` at the model's shift (or ``flow_shift``):
+    Wan's model card's UniPC, or diffusers' flow-match Euler."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+    config = scheduler.config
+    shift = flow_shift if flow_shift is not None else config.get("flow_shift", config.get("shift"))
+    if solver == "euler":
+        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=config["num_train_timesteps"], shift=shift)
+    return UniPCMultistepScheduler(
+        prediction_type="flow_prediction",
+        use_flow_sigmas=True,
+        num_train_timesteps=config["num_train_timesteps"],
+        flow_shift=shift,
+    )
 
 
 def timed_frames(pipe, request: GenerationRequest) -> tuple[np.ndarray, float, int]:

@@ -60,6 +60,10 @@ class StepCache:
     full_after_step: int | None = None
 
 
+#: The schedulers a request may run its steps with (``GenerationRequest.sample_solver``).
+SAMPLE_SOLVERS = ("unipc", "euler")
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One generation job in diffusers terms.
@@ -89,6 +93,12 @@ class GenerationRequest:
             ``flow_shift``, a flow-match scheduler's ``shift``; distilled LoRAs ask for their own);
             ``None``: the pipeline's.
         cache: The request's step cache; ``None``: every step computed in full.
+        boundary_ratio: Where a two-expert pipeline (Wan2.2 A14B) hands the steps from the
+            high-noise expert to the low-noise one, as a fraction of the training timesteps;
+            ``None``: the pipeline's own.
+        sample_solver: The scheduler that runs the steps: ``"unipc"`` (diffusers' UniPC
+            multistep, flow sigmas) or ``"euler"`` (diffusers' flow-match Euler), each at the
+            request's or the pipeline's shift; ``None``: the pipeline's own scheduler.
         queue_deadline: When (``time.time()``) a rank must have taken the request, set once where
             it arrived (the server: arrival plus ``queue_timeout_s``) and kept through a rebuild's
             wait, the queue, a retry on another group and a takeover; ``None``: the group that
@@ -122,6 +132,8 @@ class GenerationRequest:
     lora: tuple[tuple[str, float], ...] = ()
     flow_shift: float | None = None
     cache: StepCache | None = None
+    boundary_ratio: float | None = None
+    sample_solver: str | None = None
     queue_deadline: float | None = None
     lane_size: int | None = None
     deadline: float | None = None

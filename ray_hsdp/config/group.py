@@ -316,6 +316,14 @@ class RequestFeatures(BaseModel):
         "scale (W += scale * B @ A): every request runs with them at no cost per step (a step-distillation LoRA), "
         "and no request names them. Works with compile.",
     )
+    sample_solver: Literal["unipc", "euler"] | None = Field(
+        None,
+        description="The scheduler a request runs its steps with when it names none (its sample_solver, or "
+        "extra_params.sample_solver): unipc (diffusers' UniPC multistep with flow sigmas, Wan's default) or euler "
+        "(diffusers' flow-match Euler, what step-distilled LoRAs such as lightx2v's are trained with), each at the "
+        "pipeline's shift or the request's flow_shift. None: the pipeline's own scheduler. A scheduler without a "
+        "static shift (FLUX.1's, Qwen-Image's) refuses it at start.",
+    )
     cache: StepCacheConfig = Field(
         default_factory=StepCacheConfig,
         description="Step caching (an opt-in approximation): the kind whose hooks every rank loads, and the settings "

@@ -18,6 +18,7 @@ LoRA sources are resolved where the start resolves them (``loading.resolve_lora_
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,15 +32,31 @@ from ray_hsdp.sharding.context_parallel import refuse_heads, refuse_lane_heads, 
 from ray_hsdp.sharding.pipeline_call import pipeline_call_for
 from ray_hsdp.sharding.policy import registered_policy
 
+#: Scheduler config keys that shift the timesteps of a flow-matching schedule (UniPC's, then
+#: FlowMatchEulerDiscrete's); a request's ``flow_shift`` sets the first one the scheduler has.
+SHIFT_KEYS = ("flow_shift", "shift")
+
+
+def static_shift_key(config) -> str | None:
+    """The key of a scheduler's ``config`` that holds its static shift; ``None``: it has none, or
+    its shift is dynamic (``use_dynamic_shifting``, FLUX.1's: it follows the image size and ignores
+    the static one)."""
+    config = config or {}
+    if config.get("use_dynamic_shifting"):
+        return None
+    return next((key for key in SHIFT_KEYS if key in config), None)
+
 
 @dataclass
 class StartFacts:
-    """What the checks built: the class the folder loads as, and each sharded component's class
-    and (for diffusers models) its module on the meta device, in the served dtype."""
+    """What the checks built: the class the folder loads as, each sharded component's class and
+    (for diffusers models) its module on the meta device, in the served dtype, and its
+    scheduler's static shift key (``static_shift_key``)."""
 
     pipeline_cls: type
     classes: dict[str, type]
     models: dict[str, nn.Module]
+    scheduler_shift: str | None = None
 
 
 def start_facts(folder: Path, pipeline: str | None, shard_components: tuple[str, ...], dtype: str) -> StartFacts:
@@ -58,7 +75,9 @@ def start_facts(folder: Path, pipeline: str | None, shard_components: tuple[str,
         classes[name] = getattr(importlib.import_module(library), class_name)
         if hasattr(classes[name], "enable_parallelism"):  # diffusers models: heads, plans, blocks
             models[name] = build_on_meta(folder / name, library, class_name, dtype)
-    return StartFacts(pipeline_cls, classes, models)
+    scheduler = folder / "scheduler" / "scheduler_config.json"
+    shift = static_shift_key(json.loads(scheduler.read_text())) if scheduler.is_file() else None
+    return StartFacts(pipeline_cls, classes, models, shift)
 
 
 def pipeline_on_meta(folder: Path, pipeline: str | None):
@@ -142,15 +161,19 @@ def refuse_cfg_split(pipeline_name: str, dims: ParallelDims, classes: dict[str, 
         )
 
 
-def refuse_start(facts: StartFacts, dims: ParallelDims, attention_backend: str, cache_kind: str) -> None:
+def refuse_start(
+    facts: StartFacts, dims: ParallelDims, attention_backend: str, cache_kind: str, sample_solver: str | None = None
+) -> None:
     """Every check of the module doc on ``facts`` for a group of ``dims`` whose transformers run
     ``attention_backend`` (``auto``: the default) and a step cache of ``cache_kind`` (or
-    ``none``), first failure first.
+    ``none``), and whose requests run ``sample_solver`` by default; first failure first.
 
     Raises:
         ValueError: The start's own message.
     """
     refuse_cfg_split(facts.pipeline_cls.__name__, dims, facts.classes)
+    name = facts.pipeline_cls.__name__
+    refuse_model({"model": name, "sample_solver": sample_solver, "scheduler_shift": facts.scheduler_shift})
     for module in facts.models.values():
         if attention_backend != "auto":
             refuse_attention_backend(module, attention_backend)

@@ -178,6 +178,7 @@ class ShardedPipeline(RequestSlots):
         quantization: str = "none",
         phases: Phases | None = None,
         pipeline: str | None = None,
+        sample_solver: str | None = None,
     ) -> ShardedPipeline:
         """Loads a pipeline folder, sharding the named components over ``mesh``, by the steps of
         ``ray_hsdp.loading.steps``, after the start's checks (``ray_hsdp.loading.start_checks``): a sharded
@@ -188,7 +189,8 @@ class ShardedPipeline(RequestSlots):
         repeated blocks; ``fuse_loras`` merges adapters as the rows load; ``cache_hooks``
         (``step_cache.enable``'s arguments) puts a step cache's hooks on; ``quantization``
         ``"fp8"`` keeps the units' linears in FP8; ``keep_gathered`` is the share of units kept
-        whole; ``pipeline`` names the class to load the folder as (``None``: the one it names).
+        whole; ``pipeline`` names the class to load the folder as (``None``: the one it names);
+        ``sample_solver`` is the group's default solver (refused for a scheduler without a static shift).
 
         Raises:
             ValueError: A start check's refusal, or none of ``shard_components`` is a module of it.
@@ -199,7 +201,7 @@ class ShardedPipeline(RequestSlots):
             check_fp8_device(device)
         with phases.phase("start checks"):  # what ray-hsdp check runs too, before any weight loads
             start = start_facts(Path(path), pipeline, shard_components, dtype)
-            refuse_start(start, dims, attention_backend, cache_hooks["kind"] if cache_hooks else "none")
+            refuse_start(start, dims, attention_backend, cache_hooks["kind"] if cache_hooks else "none", sample_solver)
         fused = dict(fuse_loras or {})
         # An FP8 folder (ray-hsdp quantize) gives its linears as stored, to the configuration it was made with.
         scales = {name: scale for name, (scale, _) in fused.items()}

@@ -245,6 +245,7 @@ class RankStart:
             quantization=self.config.quantization,
             phases=self.phases,
             pipeline=self.config.pipeline_class,
+            sample_solver=self.config.sample_solver,
         )
 
     def _load_adapters(self):

@@ -276,6 +276,8 @@ class HSDPServer(VideoJobs, ModelFacts):
             # None: the low-noise expert ran at guidance_scale (or the model has one expert).
             "guidance_scale_2": job.guidance_scale_2,
             "flow_shift": job.flow_shift,
+            "boundary_ratio": job.boundary_ratio,
+            "sample_solver": job.sample_solver,
         }
 
     # ---- video jobs ------------------------------------------------------------------------

@@ -5,6 +5,7 @@ OpenAI-shaped routes (``OpenAIRoutes``, which ``openai_ingress.OpenAIIngress`` t
 No ``from __future__ import annotations`` here: FastAPI reads the routes' annotations as types."""
 
 import logging
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -188,8 +189,17 @@ class OpenAIRoutes:
 
     @api.post("/v1/videos/sync")
     async def videos_create_sync(self, request: Request) -> Response:
+        started = time.perf_counter()
         out = await self.generate_video(await video_body(request))
-        return Response(out["mp4"], media_type="video/mp4", headers={"X-Video-Id": out["video"]["id"]})
+        video = out["video"]
+        headers = {
+            "X-Video-Id": video["id"],
+            # vllm-omni's names: its clients read these.
+            "X-Request-Id": video["id"],
+            "X-Model": str(video.get("model", "")),
+            "X-Inference-Time-S": f"{time.perf_counter() - started:.3f}",
+        }
+        return Response(out["mp4"], media_type="video/mp4", headers=headers)
 
     @api.get("/v1/videos")
     async def videos_list(self, limit: int = 20, after: str | None = None, order: str = "desc") -> dict:

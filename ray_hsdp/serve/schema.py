@@ -23,7 +23,14 @@ from pydantic import (
 from ray_hsdp import deadlines
 from ray_hsdp.config.app import AppConfig
 from ray_hsdp.config.group import parse_size
-from ray_hsdp.request import GenerationRequest, GenerationResult, InvalidRequestError, fit_image, parse_lora
+from ray_hsdp.request import (
+    SAMPLE_SOLVERS,
+    GenerationRequest,
+    GenerationResult,
+    InvalidRequestError,
+    fit_image,
+    parse_lora,
+)
 from ray_hsdp.serve.media import encode_image, frames_for_seconds
 
 MAX_SEED = 2**63 - 1
@@ -71,6 +78,59 @@ CACHE_DESCRIPTION = (
     "settings (threshold for first_block; interval, warmup_steps, full_after_step for taylorseer); the "
     "deployment's choice when omitted (GET /v1/pool shows its cache)."
 )
+
+
+def _extra_params(value):
+    """vllm-omni's ``extra_params``: a JSON object (a form field carries it as text) of the keys
+    this server runs; an unknown key is refused by name, never ignored."""
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"extra_params is not a JSON object: {err}") from None
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"extra_params must be a JSON object, not {type(value).__name__}")
+    unknown = sorted(set(value) - set(EXTRA_PARAMS))
+    if unknown:
+        raise ValueError(
+            f"extra_params.{unknown[0]} is not a parameter this server runs (it takes {list(EXTRA_PARAMS)})"
+        )
+    solver = value.get("sample_solver")
+    if solver is not None and solver not in SAMPLE_SOLVERS:
+        raise ValueError(f"extra_params.sample_solver must be one of {list(SAMPLE_SOLVERS)}, not {solver!r}")
+    return value
+
+
+#: The keys of ``extra_params`` a request may give, and what each does.
+EXTRA_PARAMS = {"sample_solver": "the scheduler of the steps, as the request's sample_solver field"}
+ExtraParams = Annotated[dict | None, BeforeValidator(_extra_params)]
+EXTRA_PARAMS_DESCRIPTION = (
+    "vllm-omni's model-specific parameters, a JSON object: sample_solver ('unipc' or 'euler'). Any other key is "
+    "refused (HTTP 400, naming it)."
+)
+SOLVER_DESCRIPTION = (
+    "The scheduler of the steps: 'unipc' (diffusers' UniPC multistep with flow sigmas, Wan's default) or 'euler' "
+    "(diffusers' flow-match Euler, as step-distilled LoRAs run), each at flow_shift or the pipeline's shift; the "
+    "deployment's sample_solver (or the pipeline's own scheduler) when omitted."
+)
+BOUNDARY_DESCRIPTION = (
+    "Wan2.2 A14B: the fraction of the training timesteps below which the low-noise expert takes over from the "
+    "high-noise one; the pipeline's own when omitted. A one-expert model refuses it."
+)
+
+
+def _solver_of(body) -> str | None:
+    """The request's solver from its field or its ``extra_params`` (both: they must agree)."""
+    given = (body.extra_params or {}).get("sample_solver")
+    if given is not None and body.sample_solver is not None and given != body.sample_solver:
+        raise ValueError(
+            f"sample_solver={body.sample_solver!r} and extra_params.sample_solver={given!r} disagree: give one"
+        )
+    return body.sample_solver or given
 
 
 class ImageGenerationRequest(BaseModel):
@@ -130,11 +190,15 @@ class ImageGenerationRequest(BaseModel):
         "as base64, a data: URL or {'image_url': 'data:...'}; fitted to the size (cover, then centre crop). A model "
         "that makes images from text alone refuses it.",
     )
+    boundary_ratio: StrictFloat | StrictInt | None = Field(None, gt=0, lt=1, description=BOUNDARY_DESCRIPTION)
+    sample_solver: Literal["unipc", "euler"] | None = Field(None, description=SOLVER_DESCRIPTION)
+    extra_params: ExtraParams = Field(None, description=EXTRA_PARAMS_DESCRIPTION)
 
     @model_validator(mode="after")
     def _compression_of_a_lossy_format(self) -> ImageGenerationRequest:
         if self.output_compression is not None and self.output_format == "png":
             raise ValueError("output_compression is the quality of a jpeg or webp image; a png is lossless")
+        _solver_of(self)
         return self
 
 
@@ -307,6 +371,8 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
         image=image,
         size_given=body.size is not None,
         uint8_frames=True,  # cast on the rank's device: a quarter of float32's bytes reach the replica
+        boundary_ratio=float(body.boundary_ratio) if body.boundary_ratio is not None else None,
+        sample_solver=_solver_of(body) or config.sample_solver,
     )
 
 
@@ -347,10 +413,21 @@ class VideoCreateRequest(BaseModel):
     prompt: str = Field(..., min_length=1, description="Text prompt.")
     model: str | None = Field(None, description="Served model name; the deployment's model when omitted.")
     size: Size = Field(None, description="'WxH', each a multiple of 16; the server default when omitted.")
+    width: int | None = Field(
+        None, ge=16, description="vllm-omni's form of size: with height (both or neither); if size is given too, "
+        "they must agree."
+    )  # fmt: skip
+    height: int | None = Field(None, ge=16, description="See width.")
     seconds: float | None = Field(
         None, gt=0, description="Clip length; frames = the nearest count the VAE takes at the model's frame rate."
     )
-    num_frames: int | None = Field(None, ge=1, description="Frames; wins over seconds when both are given.")
+    num_frames: int | None = Field(
+        None,
+        ge=1,
+        description="Frames; wins over seconds when both are given. A count the model's VAE does not take (Wan: 4k+1) "
+        "is rounded down to one as diffusers rounds it (80 makes 81: 4 * (80 // 4) + 1); the video's num_frames "
+        "says what was made.",
+    )
     fps: int | None = Field(None, ge=1, le=120, description="Frame rate of the MP4; the model's when omitted.")
     num_inference_steps: int | None = Field(None, ge=1, description="Denoising steps.")
     guidance_scale: float | None = Field(None, ge=0, description="Classifier-free guidance scale.")
@@ -381,6 +458,27 @@ class VideoCreateRequest(BaseModel):
     )
     lora: Lora = Field(None, description=LORA_DESCRIPTION)
     cache: Cache = Field(None, description=CACHE_DESCRIPTION)
+    boundary_ratio: float | None = Field(None, gt=0, lt=1, description=BOUNDARY_DESCRIPTION)
+    sample_solver: Literal["unipc", "euler"] | None = Field(None, description=SOLVER_DESCRIPTION)
+    extra_params: ExtraParams = Field(None, description=EXTRA_PARAMS_DESCRIPTION)
+
+    @model_validator(mode="after")
+    def _one_size(self) -> VideoCreateRequest:
+        if (self.width is None) != (self.height is None):
+            raise ValueError("width and height go together: give both, or neither (or size)")
+        if self.width is not None:
+            parse_size(f"{self.width}x{self.height}")  # each a multiple of 16
+            if self.size is not None and self.size != f"{self.width}x{self.height}":
+                raise ValueError(
+                    f"size={self.size!r} and width x height = {self.width}x{self.height} disagree: give one"
+                )
+        _solver_of(self)
+        return self
+
+    @property
+    def resolved_size(self) -> str | None:
+        """``size``, or ``width`` x ``height``; ``None``: the server's default."""
+        return self.size or (f"{self.width}x{self.height}" if self.width is not None else None)
 
 
 def to_video_request(
@@ -400,7 +498,7 @@ def to_video_request(
             k: v
             for k, v in {
                 "prompt": body.prompt,
-                "size": body.size,
+                "size": body.resolved_size,
                 "negative_prompt": body.negative_prompt,
                 "num_inference_steps": body.num_inference_steps,
                 "guidance_scale": body.guidance_scale,
@@ -411,6 +509,8 @@ def to_video_request(
                 "cache": body.cache,
                 "lane_size": body.lane_size,
                 "deadline_s": body.deadline_s,
+                "boundary_ratio": body.boundary_ratio,
+                "sample_solver": _solver_of(body),
             }.items()
             if v is not None
         }
@@ -422,13 +522,10 @@ def to_video_request(
         frames = body.num_frames
     else:
         frames = frames_for_seconds(body.seconds or config.default_video_seconds, fps, t)
+    if (frames - 1) % t:
+        frames = frames // t * t + 1  # what diffusers' video pipelines make of such a count
     if frames > config.max_frames:
         raise RequestLimitError(f"{frames} frames exceed the limit max_frames={config.max_frames}")
-    if (frames - 1) % t:
-        raise RequestLimitError(
-            f"num_frames={frames} is not a count this model's VAE takes: {t}k+1 (e.g. {t * ((frames - 1) // t) + 1} "
-            f"or {t * ((frames - 1) // t + 1) + 1})"
-        )
     image = None
     if body.input_reference is not None:
         image = fit_image(reference_image(body.input_reference, config), request.width, request.height)

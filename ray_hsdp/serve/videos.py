@@ -176,6 +176,8 @@ class VideoJobs:
             "guidance_scale": job.guidance_scale,
             "guidance_scale_2": job.guidance_scale_2,
             "flow_shift": job.flow_shift,
+            "boundary_ratio": job.boundary_ratio,
+            "sample_solver": job.sample_solver,
         }
         # The store's create and the job's start are one step that the caller's cancel (a client
         # gone) cannot split, run as the replica's own work (``serve.detached`` says why): a

@@ -8,7 +8,8 @@ pipeline call, what wraps each of its forwards on the tick thread, what is relea
 A request that asks for nothing carries no choice; the rank's features still put their defaults
 on around its forwards (no adapter, no step cache), since a module serves several requests.
 
-The features, one module each: ``adapters``, ``step_cache``, ``shift``, ``guidance``, ``image``;
+The features, one module each: ``adapters``, ``step_cache``, ``solver``, ``shift``, ``guidance``
+(both experts' choices), ``image``;
 ``lane`` checks that the request's tokens split over its lane.
 """
 
@@ -24,18 +25,21 @@ from ray_hsdp.config.pairs import refuse_request
 from ray_hsdp.request import GenerationRequest
 from ray_hsdp.variant.adapters import AdapterFeature
 from ray_hsdp.variant.base import Feature, RankFeatures
-from ray_hsdp.variant.guidance import SecondExpertGuidance
+from ray_hsdp.variant.guidance import ExpertBoundary, SecondExpertGuidance
 from ray_hsdp.variant.image import FirstFrame
 from ray_hsdp.variant.lane import LaneFeature, check_split, runnable_sizes, work_of
 from ray_hsdp.variant.shift import ShiftFeature
+from ray_hsdp.variant.solver import SolverFeature
 from ray_hsdp.variant.step_cache import StepCacheFeature
 
 #: Every per-request feature, in the order their parts are checked and entered.
 FEATURES: tuple[Feature, ...] = (
     AdapterFeature(),
     StepCacheFeature(),
+    SolverFeature(),  # before the shift: a request's flow_shift shifts the solver it chose
     ShiftFeature(),
     SecondExpertGuidance(),
+    ExpertBoundary(),
     FirstFrame(),
     LaneFeature(),
 )

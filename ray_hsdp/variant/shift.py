@@ -5,21 +5,15 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+from ray_hsdp.loading.start_checks import static_shift_key
 from ray_hsdp.variant.base import Feature, RankFeatures
-
-#: Scheduler config keys that shift the timesteps of a flow-matching schedule (UniPC's, then
-#: FlowMatchEulerDiscrete's); a request's ``flow_shift`` sets the first one the scheduler has.
-SHIFT_KEYS = ("flow_shift", "shift")
 
 
 def shift_key(scheduler) -> str | None:
     """The config key a request's ``flow_shift`` sets on ``scheduler``; ``None``: it has none, or
     its shift is dynamic (``use_dynamic_shifting``, FLUX.1's: it follows the image size and ignores
     the static one)."""
-    config = getattr(scheduler, "config", {}) or {}
-    if config.get("use_dynamic_shifting"):
-        return None
-    return next((key for key in SHIFT_KEYS if key in config), None)
+    return static_shift_key(getattr(scheduler, "config", {}))
 
 
 class ShiftFeature(Feature):

@@ -1,0 +1,53 @@
+"""A request's scheduler (``sample_solver``): the request's pipeline slot runs its steps with
+diffusers' UniPC multistep scheduler (flow sigmas, Wan's default) or its flow-match Euler
+scheduler (what step-distilled LoRAs were trained with), each at the pipeline's shift (a
+request's ``flow_shift`` then shifts it as it shifts the pipeline's own); the slot gets its own
+scheduler back afterwards. A pipeline whose scheduler has no static shift refuses it (a pair of
+the table of refusals, ``ray_hsdp.config.pairs``)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from ray_hsdp.request import SAMPLE_SOLVERS, InvalidRequestError
+from ray_hsdp.variant.base import Feature
+from ray_hsdp.variant.shift import shift_key
+
+
+def solver_scheduler(scheduler, solver: str):
+    """A new scheduler of ``solver`` with ``scheduler``'s shift and training timesteps, as a
+    diffusers user builds it: ``UniPCMultistepScheduler(prediction_type="flow_prediction",
+    use_flow_sigmas=True, flow_shift=...)`` or ``FlowMatchEulerDiscreteScheduler(shift=...)``."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+    config = scheduler.config
+    shift = float(config[shift_key(scheduler)])
+    steps = int(config.get("num_train_timesteps", 1000))
+    if solver == "euler":
+        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=steps, shift=shift)
+    return UniPCMultistepScheduler(
+        num_train_timesteps=steps, prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift
+    )
+
+
+class SolverFeature(Feature):
+    field = "sample_solver"
+
+    def choose(self, request, config, facts):
+        """The request's solver, else the group's (``sample_solver`` of its config)."""
+        solver = request.sample_solver or getattr(config, "sample_solver", None)
+        if solver is not None and solver not in SAMPLE_SOLVERS:
+            raise InvalidRequestError(f"sample_solver must be one of {list(SAMPLE_SOLVERS)}, not {solver!r}")
+        return solver
+
+    @contextmanager
+    def around_run(self, choice, pipe, features):
+        if choice is None:
+            yield
+            return
+        scheduler = pipe.scheduler
+        pipe.scheduler = solver_scheduler(scheduler, choice)
+        try:
+            yield
+        finally:
+            pipe.scheduler = scheduler
