@@ -11,6 +11,8 @@
 #                                     page cache kept, then dropped) from the FP8 folder, eager, 832x480 images
 #                                     (the bf16 transformer is removed first: the disk holds the FP8 folder and
 #                                     the level-2 file, not both folders and the file)
+#   bash bench/gpu/issue83.sh share-and-levels  two models of the FP8 folder on one share (one awake), then
+#                                     sleep-levels: the least machine starts for both
 #   bash bench/gpu/issue83.sh share   two models on one GPU share, one awake at a time, through `ray-hsdp serve
 #                                     --config` (its phase table): the FP8 folder and the bf16 folder of that
 #                                     Wan2.1-T2V-14B as two models; each twice (warm), then alternating
@@ -62,12 +64,25 @@ case "$PART" in
     # The least device time: the bf16 folder alone, no compile, no warm-up.
     sleep_from_bf16 min sleep-wake-wan2.1-t2v-14b-fp8-at-load-eager --set compile=false --set 'warm_up=[]'
     ;;
+  share-and-levels)
+    # One machine's start for both: two models of the FP8 folder on one share, then the levels.
+    write_models
+    rm -rf "$MODELS/wan14b/transformer"
+    timeout -s INT 240 python -m bench.gpu_share --model wan-a="$MODELS/wan14b-fp8" --set wan-a.quantization=fp8 \
+      --model wan-b="$MODELS/wan14b-fp8" --set wan-b.quantization=fp8 --size 832x480 --steps "$STEPS" \
+      --alternations 3 --out "$OUT" --name "gpu-share-wan2.1-t2v-14b-fp8-twice-1x$GPU" \
+      >"$OUT/gpu-share-twice-1x$GPU.log" 2>&1
+    echo "share: exit $?"
+    tail -12 "$OUT/gpu-share-twice-1x$GPU.log"
+    python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1
+    bash "$0" sleep-levels
+    ;;
   sleep-levels)
     write_models
     rm -rf "$MODELS/wan14b/transformer"
     for level in 1 2; do
-      python -m bench.sleep_wake --config "$YAML" --model-dir "$MODELS/wan14b-fp8" --set attention_backend=auto \
-        --set compile=false --set 'warm_up=[{"size": "832x480", "num_frames": 1}]' --set sleep_level=$level \
+      timeout 170 python -m bench.sleep_wake --config "$YAML" --model-dir "$MODELS/wan14b-fp8" \
+        --set attention_backend=auto --set compile=false --set 'warm_up=[{"size": "832x480", "num_frames": 1}]' --set sleep_level=$level \
         --set sleep_dir="$MODELS/spill" --steps "$STEPS" --cycles 4 --cold-cycles $((level == 2 ? 2 : 0)) \
         --out "$OUT" --name "sleep-wake-level$level-wan2.1-t2v-14b-fp8-folder-eager-1x$GPU" \
         >"$OUT/sleep-level$level-1x$GPU.log" 2>&1

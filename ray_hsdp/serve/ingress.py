@@ -194,8 +194,8 @@ class OpenAIRoutes:
         video = out["video"]
         headers = {
             "X-Video-Id": video["id"],
-            # vllm-omni's names: its clients read these.
-            "X-Request-Id": video["id"],
+            # vllm-omni's names: its clients read these. (X-Request-Id is Serve's own: the id of
+            # this HTTP request in Serve's logs, the client's own when it sent one.)
             "X-Model": str(video.get("model", "")),
             "X-Inference-Time-S": f"{time.perf_counter() - started:.3f}",
         }

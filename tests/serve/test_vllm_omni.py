@@ -1,0 +1,110 @@
+"""vllm-omni's clients against ray_hsdp unchanged: its videos guide's multipart requests as the guide
+writes them (sizes, frames and steps scaled down for the tiny model), its sync answer's headers, and
+its ``extra_params``; each video equal to the unsharded diffusers run of the same request."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import requests
+from support import reference_frames, wait_until
+
+from ray_hsdp.request import GenerationRequest
+from ray_hsdp.serve.media import decode_mp4, encode_mp4
+
+#: As ``test_videos``: an MP4 of the sharded run against the unsharded frames through the same encoder.
+SAME_MP4_MAE = 0.2
+
+
+def form(**fields) -> dict:
+    """``curl -F key=value`` for each field, as the guide sends them."""
+    return {key: (None, str(value)) for key, value in fields.items()}
+
+
+def reference_mp4(pipe, **fields) -> np.ndarray:
+    frames = reference_frames(pipe, GenerationRequest(**fields))[0]
+    return decode_mp4(encode_mp4((np.clip(frames, 0, 1) * 255).round().astype(np.uint8), fps=16))[0]
+
+
+def mae(a, b) -> float:
+    return float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).mean())
+
+
+def test_the_guides_quick_start_creates_polls_and_downloads(server, reference_pipe):
+    # The guide: -F prompt=... -F width=1280 -F height=720 -F num_frames=80 -F fps=16 -F num_inference_steps=40.
+    created = requests.post(
+        f"{server}/v1/videos",
+        files=form(prompt="A cinematic tracking shot of a mountain lake at sunrise", width=64, height=32,
+                   num_frames=8, fps=16, num_inference_steps=3, seed=4),  # fmt: skip
+        timeout=60,
+    )
+    assert created.status_code == 200, created.text
+    video_id = created.json()["id"]
+    done = wait_until(
+        lambda: (v := requests.get(f"{server}/v1/videos/{video_id}", timeout=10).json())["status"] == "completed" and v,
+        timeout_s=300,
+    )
+    # 8 frames is no 4k+1 count: diffusers makes 9 of it, and so does the server (the record says so).
+    assert done["num_frames"] == 9 and done["size"] == "64x32"
+    content = requests.get(f"{server}/v1/videos/{video_id}/content", timeout=60)
+    frames, _ = decode_mp4(content.content)
+    want = reference_mp4(reference_pipe, prompt="A cinematic tracking shot of a mountain lake at sunrise",
+                         width=64, height=32, num_frames=9, num_inference_steps=3, seed=4)  # fmt: skip
+    assert mae(frames, want) <= SAME_MP4_MAE
+
+
+def test_sync_answers_with_vllm_omnis_headers_and_runs_extra_params(server, reference_pipe):
+    # The guide's synchronous request, with extra_params' solver.
+    sync = requests.post(
+        f"{server}/v1/videos/sync",
+        files=form(prompt="A small robot walking through a neon city", width=64, height=64, num_frames=5, fps=16,
+                   num_inference_steps=3, seed=9, extra_params=json.dumps({"sample_solver": "unipc"})),  # fmt: skip
+        timeout=300,
+    )
+    assert sync.status_code == 200, sync.text
+    served = requests.get(f"{server}/v1/models", timeout=10).json()["data"][0]["id"]
+    assert sync.headers["X-Request-Id"] and sync.headers["X-Model"] == served  # Serve's request id
+    assert float(sync.headers["X-Inference-Time-S"]) > 0
+    asked = requests.post(f"{server}/v1/videos/sync", files=form(prompt="a", num_frames=1, num_inference_steps=1),
+                          headers={"X-Request-Id": "mine-1"}, timeout=300)  # fmt: skip
+    assert asked.status_code == 200 and asked.headers["X-Request-Id"] == "mine-1"  # a client's own id comes back
+    frames, _ = decode_mp4(sync.content)
+    want = reference_mp4(reference_pipe, prompt="A small robot walking through a neon city", num_frames=5,
+                         num_inference_steps=3, seed=9, sample_solver="unipc")  # fmt: skip
+    assert mae(frames, want) <= SAME_MP4_MAE
+    other = reference_mp4(reference_pipe, prompt="A small robot walking through a neon city", num_frames=5,
+                          num_inference_steps=3, seed=9)  # fmt: skip
+    assert mae(frames, other) > 10 * SAME_MP4_MAE  # the solver made them
+
+
+BAD_VLLM_OMNI_BODIES = [
+    ({"prompt": "a", "width": 64}, "width and height go together"),
+    ({"prompt": "a", "width": 64, "height": 48, "size": "64x64"}, "disagree"),
+    ({"prompt": "a", "width": 65, "height": 64}, "multiples of 16"),
+    ({"prompt": "a", "extra_params": '{"preencode_mp4": true}'}, "extra_params.preencode_mp4"),
+    ({"prompt": "a", "extra_params": "{not json"}, "extra_params is not a JSON object"),
+    ({"prompt": "a", "extra_params": '{"sample_solver": "dpm++"}'}, "sample_solver"),
+    ({"prompt": "a", "sample_solver": "euler", "extra_params": '{"sample_solver": "unipc"}'}, "disagree"),
+    ({"prompt": "a", "boundary_ratio": 0.9}, "a one-expert model with boundary_ratio"),
+    ({"prompt": "a", "boundary_ratio": 1.5}, "boundary_ratio"),
+    ({"prompt": "a", "enable_frame_interpolation": "true"}, "enable_frame_interpolation"),
+]
+
+
+@pytest.mark.parametrize("body, mentions", BAD_VLLM_OMNI_BODIES)
+def test_what_the_server_does_not_run_is_a_400_that_names_it(server, body, mentions):
+    for response in (
+        requests.post(f"{server}/v1/videos/sync", files=form(**body), timeout=60),
+        requests.post(f"{server}/v1/videos", json={k: _json(v) for k, v in body.items()}, timeout=60),
+    ):
+        assert response.status_code == 400, response.text
+        assert mentions in response.json()["error"]["message"], response.text
+
+
+def _json(value):
+    """A form's JSON text as the JSON body carries it (an object), other values as they are."""
+    if isinstance(value, str) and value.startswith("{") and value != "{not json":
+        return json.loads(value)
+    return value
