@@ -14,7 +14,14 @@ from pydantic import ValidationError
 from ray import serve
 
 from ray_hsdp.config.endpoint import EndpointConfig
-from ray_hsdp.serve.errors import RequestLimitError, UnknownCursorError, error_json, error_response
+from ray_hsdp.serve import chat
+from ray_hsdp.serve.errors import (
+    ModelLoadingError,
+    RequestLimitError,
+    UnknownCursorError,
+    error_json,
+    error_response,
+)
 from ray_hsdp.serve.keys import KeyCheck
 from ray_hsdp.serve.schema import ImageGenerationRequest, VideoCreateRequest
 
@@ -41,7 +48,7 @@ async def _invalid_model(request: Request, exc: ValidationError) -> JSONResponse
 
 #: The routes whose body may carry an input_reference image (a first frame, or FLUX.2's reference):
 #: keyed on the route, since the guard runs before the body (and its ``model``) is read.
-IMAGE_INPUT_ROUTES = ("/v1/images/generations", "/v1/videos", "/v1/videos/sync")
+IMAGE_INPUT_ROUTES = ("/v1/images/generations", "/v1/videos", "/v1/videos/sync", "/v1/chat/completions")
 
 
 @api.middleware("http")
@@ -200,6 +207,23 @@ class OpenAIRoutes:
             "X-Inference-Time-S": f"{time.perf_counter() - started:.3f}",
         }
         return Response(out["mp4"], media_type="video/mp4", headers=headers)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> dict:
+        """vllm-omni's chat route for an image or video model (``serve.chat``): the last user
+        message is the prompt, and the answer carries the image(s) or the MP4 as data URLs."""
+        try:
+            body = await request.json()
+        except ValueError as err:
+            raise RequestLimitError(f"the body is not valid JSON: {err}") from None
+        ask = chat.read_chat(body)
+        model = self._model(ask.model)
+        kind = self.watch.entry(model).get("kind")
+        if kind is None:
+            raise ModelLoadingError(f"model {model!r} is loading: no shard group of it has answered yet; retry shortly")
+        if kind == "video":
+            return chat.video_answer(model, await self.generate_video(ask.video_body()))
+        return chat.image_answer(model, await self.generate(ask.image_body()))
 
     @api.get("/v1/videos")
     async def videos_list(self, limit: int = 20, after: str | None = None, order: str = "desc") -> dict:

@@ -80,6 +80,20 @@ def test_one_endpoint_lists_both_models_and_routes_each_request_to_its_own_pool(
     assert np.abs(pixels(wan.data[0].b64_json) - expected_wan).max() <= 1
     # The two differ by far more than the tolerance: a request sent to the wrong pool would fail above.
     assert np.abs(expected - expected_wan).mean() > 20
+    # vllm-omni's chat route for the image model: the image as a data URL part, the same pixels.
+    chat = requests.post(
+        f"{models_app}/v1/chat/completions",
+        json={
+            "model": "tiny-qwen-image",
+            "messages": [{"role": "user", "content": "a red fox"}],
+            "extra_body": {"height": 64, "width": 64, "seed": 3, "num_inference_steps": 3},
+        },  # fmt: skip
+        timeout=300,
+    )
+    assert chat.status_code == 200, chat.text
+    part = chat.json()["choices"][0]["message"]["content"][0]
+    assert part["type"] == "image_url" and part["image_url"]["url"].startswith("data:image/png;base64,")
+    assert np.abs(pixels(part["image_url"]["url"].split(",", 1)[1]) - expected).max() <= 1
 
     # Each model's pool has shard groups of its own: its own ranks, on bundles of its own.
     pools = requests.get(f"{models_app}/v1/pool", timeout=60).json()["data"]

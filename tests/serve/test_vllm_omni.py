@@ -36,8 +36,15 @@ def test_the_guides_quick_start_creates_polls_and_downloads(server, reference_pi
     # The guide: -F prompt=... -F width=1280 -F height=720 -F num_frames=80 -F fps=16 -F num_inference_steps=40.
     created = requests.post(
         f"{server}/v1/videos",
-        files=form(prompt="A cinematic tracking shot of a mountain lake at sunrise", width=64, height=32,
-                   num_frames=8, fps=16, num_inference_steps=3, seed=4),  # fmt: skip
+        files=form(
+            prompt="A cinematic tracking shot of a mountain lake at sunrise",
+            width=64,
+            height=32,
+            num_frames=8,
+            fps=16,
+            num_inference_steps=3,
+            seed=4,
+        ),  # fmt: skip
         timeout=60,
     )
     assert created.status_code == 200, created.text
@@ -59,8 +66,16 @@ def test_sync_answers_with_vllm_omnis_headers_and_runs_extra_params(server, refe
     # The guide's synchronous request, with extra_params' solver.
     sync = requests.post(
         f"{server}/v1/videos/sync",
-        files=form(prompt="A small robot walking through a neon city", width=64, height=64, num_frames=5, fps=16,
-                   num_inference_steps=3, seed=9, extra_params=json.dumps({"sample_solver": "unipc"})),  # fmt: skip
+        files=form(
+            prompt="A small robot walking through a neon city",
+            width=64,
+            height=64,
+            num_frames=5,
+            fps=16,
+            num_inference_steps=3,
+            seed=9,
+            extra_params=json.dumps({"sample_solver": "unipc"}),
+        ),  # fmt: skip
         timeout=300,
     )
     assert sync.status_code == 200, sync.text
@@ -108,3 +123,59 @@ def _json(value):
     if isinstance(value, str) and value.startswith("{") and value != "{not json":
         return json.loads(value)
     return value
+
+
+def chat_video(response) -> bytes:
+    """The MP4 of a chat answer, read as vllm-omni's example client reads it."""
+    import base64
+
+    for item in response.json()["choices"][0]["message"]["content"]:
+        url = item.get("video_url", {}).get("url", "")
+        if url.startswith("data:video"):
+            return base64.b64decode(url.split(",", 1)[1])
+    raise AssertionError(f"no video in {response.text[:300]}")
+
+
+def test_the_chat_examples_body_makes_its_video(server, reference_pipe):
+    # examples/online_serving/text_to_video's curl body (its extra_body as a JSON key), scaled down.
+    body = {
+        "messages": [{"role": "user", "content": "A cat surfing on waves"}],
+        "extra_body": {
+            "height": 32,
+            "width": 64,
+            "num_frames": 8,
+            "num_inference_steps": 3,
+            "guidance_scale": 4.0,
+            "seed": 42,
+            "fps": 16,
+        },  # fmt: skip
+    }
+    response = requests.post(f"{server}/v1/chat/completions", json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    assert response.json()["object"] == "chat.completion" and response.json()["video"]["num_frames"] == 9
+    frames, _ = decode_mp4(chat_video(response))
+    want = reference_mp4(reference_pipe, prompt="A cat surfing on waves", width=64, height=32, num_frames=9,
+                         num_inference_steps=3, guidance_scale=4.0, seed=42)  # fmt: skip
+    assert mae(frames, want) <= SAME_MP4_MAE
+    # The OpenAI SDK flattens extra_body into the top level: the same request, the same video.
+    flat = {"messages": body["messages"], **body["extra_body"]}
+    again = requests.post(f"{server}/v1/chat/completions", json=flat, timeout=300)
+    assert mae(decode_mp4(chat_video(again))[0], frames) <= SAME_MP4_MAE
+
+
+BAD_CHATS = [
+    ({"messages": []}, "messages must be a non-empty list"),
+    ({"messages": [{"role": "system", "content": "x"}]}, "no user message"),
+    ({"messages": [{"role": "user", "content": "a"}], "stream": True}, "stream"),
+    ({"messages": [{"role": "user", "content": "a"}], "temperature": 0.7}, "temperature"),
+    ({"messages": [{"role": "user", "content": "a"}], "extra_body": {"guidance_scale_2": 3.0}}, "guidance_scale_2"),
+    ({"messages": [{"role": "user", "content": "a"}], "seed": 1, "extra_body": {"seed": 2}}, "seed"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "input_audio"),
+]
+
+
+@pytest.mark.parametrize("body, mentions", BAD_CHATS)
+def test_a_chat_the_model_cannot_run_is_a_400_that_names_why(server, body, mentions):
+    response = requests.post(f"{server}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert mentions in response.json()["error"]["message"], response.text
