@@ -158,8 +158,8 @@ def parse_lora(value) -> tuple[tuple[str, float], ...]:
     """The adapters a client asked for, as ``(name, scale)`` pairs in the order given.
 
     Forms: ``None`` or ``""`` (none); a name (scale 1.0); the string form ``"x:0.5,y"`` (what a
-    form field or a command line carries); a list of names, of ``{"name": ..., "scale": ...}``
-    objects, or of both.
+    form field or a command line carries); one ``{"name": ..., "scale": ...}`` object (vllm-omni's
+    form); a list of names, of such objects, or of both.
 
     Raises:
         ValueError: A form not listed, an empty name, a scale that is not a finite number, or a
@@ -173,6 +173,8 @@ def parse_lora(value) -> tuple[tuple[str, float], ...]:
         items = [part.strip() for part in value.split(",") if part.strip()]
     elif isinstance(value, (list, tuple)):
         items = list(value)
+    elif isinstance(value, dict):
+        items = [value]
     else:
         raise ValueError(f"lora must be a name, 'name:scale,...' or a list of {{'name', 'scale'}}; got {value!r}")
     pairs: list[tuple[str, float]] = []

@@ -52,11 +52,37 @@ def _lora_is_valid(value):
 
 
 #: LoRA adapters: a name, ``"x:0.5,y"``, or a list of names and ``{"name", "scale"}`` objects.
-Lora = Annotated[str | list[str | dict] | None, AfterValidator(_lora_is_valid)]
+def _lora_form(value):
+    """A form field carries an adapter object (vllm-omni's ``lora``) as JSON text."""
+    if isinstance(value, str) and value.strip().startswith(("{", "[")):
+        import json
+
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"lora is not valid JSON: {err}") from None
+    return value
+
+
+Lora = Annotated[str | list[str | dict] | dict | None, BeforeValidator(_lora_form), AfterValidator(_lora_is_valid)]
 LORA_DESCRIPTION = (
-    "LoRA adapters of the deployment to run with (GET /v1/loras lists them): a name, 'name:scale,...', or a list "
-    "of names and {'name', 'scale'} objects; none when omitted."
+    "LoRA adapters of the deployment to run with (GET /v1/loras lists them): a name, 'name:scale,...', one "
+    "{'name', 'scale'} object (vllm-omni's form), or a list of names and such objects; none when omitted."
 )
+TRUE_CFG_DESCRIPTION = (
+    "vllm-omni's name of the guidance of a true-CFG pipeline (Qwen-Image): the same as guidance_scale, which "
+    "this server passes as the pipeline's own guidance field; giving both, they must agree."
+)
+
+
+def _guidance_of(body):
+    """``guidance_scale``, or vllm-omni's ``true_cfg_scale`` (both: they must agree)."""
+    if body.true_cfg_scale is not None and body.guidance_scale is not None:
+        if float(body.true_cfg_scale) != float(body.guidance_scale):
+            raise ValueError(
+                f"guidance_scale={body.guidance_scale} and true_cfg_scale={body.true_cfg_scale} disagree: give one"
+            )
+    return body.guidance_scale if body.guidance_scale is not None else body.true_cfg_scale
 
 
 def _cache_form(value):
@@ -161,6 +187,7 @@ class ImageGenerationRequest(BaseModel):
     negative_prompt: StrictStr | None = Field(None, description="Negative prompt.")
     num_inference_steps: StrictInt | None = Field(None, ge=1, description="Denoising steps.")
     guidance_scale: StrictFloat | StrictInt | None = Field(None, ge=0, description="Classifier-free guidance scale.")
+    true_cfg_scale: StrictFloat | StrictInt | None = Field(None, ge=0, description=TRUE_CFG_DESCRIPTION)
     guidance_scale_2: StrictFloat | StrictInt | None = Field(
         None, ge=0, description="Guidance of the low-noise expert (Wan2.2 A14B); guidance_scale when omitted."
     )
@@ -199,6 +226,7 @@ class ImageGenerationRequest(BaseModel):
         if self.output_compression is not None and self.output_format == "png":
             raise ValueError("output_compression is the quality of a jpeg or webp image; a png is lossless")
         _solver_of(self)
+        _guidance_of(self)
         return self
 
 
@@ -327,7 +355,7 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
             f
             for f in ("num_inference_steps", "guidance_scale", "guidance_scale_2", "flow_shift")
             if getattr(body, f) is not None
-        )
+        ) | ({"guidance_scale"} if body.true_cfg_scale is not None else set())
         defaults = config.request_defaults(lora, given)
     except ValueError as err:
         raise RequestLimitError(str(err)) from None
@@ -338,13 +366,14 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
         raise RequestLimitError(
             f"timeout_s={body.timeout_s} exceeds the limit request_timeout_s={config.request_timeout_s}"
         )
-    guidance = body.guidance_scale if body.guidance_scale is not None else defaults["guidance_scale"]
+    guidance = _guidance_of(body)
+    guidance = guidance if guidance is not None else defaults["guidance_scale"]
     # An omitted guidance_scale_2 follows guidance_scale: an adapter's default for it comes with its
     # default for guidance_scale, and yields to a request's own guidance_scale.
     if body.guidance_scale_2 is not None:
         guidance_2 = body.guidance_scale_2
     else:
-        guidance_2 = defaults.get("guidance_scale_2") if body.guidance_scale is None else None
+        guidance_2 = defaults.get("guidance_scale_2") if _guidance_of(body) is None else None
     shift = body.flow_shift if body.flow_shift is not None else defaults.get("flow_shift")
     image = None
     if body.input_reference is not None:
@@ -431,6 +460,7 @@ class VideoCreateRequest(BaseModel):
     fps: int | None = Field(None, ge=1, le=120, description="Frame rate of the MP4; the model's when omitted.")
     num_inference_steps: int | None = Field(None, ge=1, description="Denoising steps.")
     guidance_scale: float | None = Field(None, ge=0, description="Classifier-free guidance scale.")
+    true_cfg_scale: float | None = Field(None, ge=0, description=TRUE_CFG_DESCRIPTION)
     guidance_scale_2: float | None = Field(
         None, ge=0, description="Guidance of the low-noise expert (Wan2.2 A14B); guidance_scale when omitted."
     )
@@ -473,6 +503,7 @@ class VideoCreateRequest(BaseModel):
                     f"size={self.size!r} and width x height = {self.width}x{self.height} disagree: give one"
                 )
         _solver_of(self)
+        _guidance_of(self)
         return self
 
     @property
@@ -501,7 +532,7 @@ def to_video_request(
                 "size": body.resolved_size,
                 "negative_prompt": body.negative_prompt,
                 "num_inference_steps": body.num_inference_steps,
-                "guidance_scale": body.guidance_scale,
+                "guidance_scale": _guidance_of(body),
                 "guidance_scale_2": body.guidance_scale_2,
                 "flow_shift": body.flow_shift,
                 "seed": body.seed,

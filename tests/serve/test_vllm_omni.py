@@ -179,3 +179,19 @@ def test_a_chat_the_model_cannot_run_is_a_400_that_names_why(server, body, menti
     response = requests.post(f"{server}/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == 400, response.text
     assert mentions in response.json()["error"]["message"], response.text
+
+
+def test_the_image_clients_body_is_our_request_by_vllm_omnis_names(server):
+    # examples/online_serving/text_to_image's client: true_cfg_scale for the guidance, lora as one object.
+    theirs = {
+        "prompt": "a cup of coffee on the table", "response_format": "b64_json", "n": 1, "size": "64x64",
+        "num_inference_steps": 3, "true_cfg_scale": 4.0, "seed": 5, "lora": {"name": "style", "scale": 0.5},
+    }  # fmt: skip
+    ours = {**theirs, "guidance_scale": 4.0, "lora": "style:0.5"}
+    del ours["true_cfg_scale"]
+    answers = [requests.post(f"{server}/v1/images/generations", json=body, timeout=300) for body in (theirs, ours)]
+    assert [a.status_code for a in answers] == [200, 200], answers[0].text
+    assert answers[0].json()["data"][0]["b64_json"] == answers[1].json()["data"][0]["b64_json"]
+    assert answers[0].json()["guidance_scale"] == 4.0
+    both = requests.post(f"{server}/v1/images/generations", json={**ours, "true_cfg_scale": 2.0}, timeout=60)
+    assert both.status_code == 400 and "disagree" in both.json()["error"]["message"], both.text
