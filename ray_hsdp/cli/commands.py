@@ -263,6 +263,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         guidance_scale=args.guidance_scale,
         guidance_scale_2=args.guidance_scale_2,
         flow_shift=args.flow_shift,
+        sample_solver=args.sample_solver,
+        boundary_ratio=args.boundary_ratio,
         seed=args.seed,
         n=args.n,
         request_id="cli",
@@ -560,6 +562,12 @@ def _add_generate(sub) -> None:
     p.add_argument("--guidance-scale", type=float, default=DEFAULT_GUIDANCE_SCALE)
     p.add_argument("--guidance-scale-2", type=float, default=None, help="the low-noise expert's guidance (Wan2.2 A14B)")
     p.add_argument("--flow-shift", type=float, default=None, help="the scheduler's timestep shift (the pipeline's)")
+    p.add_argument(
+        "--sample-solver", choices=["unipc", "euler"], default=None, help="the scheduler of the steps (the pipeline's)"
+    )
+    p.add_argument(
+        "--boundary-ratio", type=float, default=None, help="Wan2.2 A14B: where the low-noise expert takes over"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--n", type=int, default=1)
     p.add_argument("--shard-size", type=int, default=2)
