@@ -75,8 +75,14 @@ def reference_frames(pipe, request: GenerationRequest) -> np.ndarray:
         pipe.guider = guider.new(guidance_scale=request.guidance_scale)
     if request.boundary_ratio is not None:
         pipe.register_to_config(boundary_ratio=request.boundary_ratio)
+    call = plain_call(pipe, request)
+    if request.sigmas is not None:
+        if "sigmas" in inspect.signature(pipe.__call__).parameters:  # Qwen-Image, FLUX: a call argument
+            call["sigmas"] = list(request.sigmas)
+        else:  # Wan's pipelines take none: the scheduler is told them at its set_timesteps
+            pipe.scheduler = with_sigmas(pipe.scheduler, list(request.sigmas))
     try:
-        out = pipe(**plain_call(pipe, request))
+        out = pipe(**call)
     finally:
         pipe.scheduler = scheduler
         if guider is not None:
@@ -101,6 +107,14 @@ def solver_as_written(scheduler, solver: str, flow_shift: float | None):
         num_train_timesteps=config["num_train_timesteps"],
         flow_shift=shift,
     )
+
+
+def with_sigmas(scheduler, sigmas: list[float]):
+    """A copy of a flow-match Euler ``scheduler`` whose ``set_timesteps`` sets ``sigmas``."""
+    copy = type(scheduler).from_config(scheduler.config)
+    own = copy.set_timesteps
+    copy.set_timesteps = lambda num_inference_steps=None, device=None, **kw: own(sigmas=sigmas, device=device)
+    return copy
 
 
 def timed_frames(pipe, request: GenerationRequest) -> tuple[np.ndarray, float, int]:

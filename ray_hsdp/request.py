@@ -64,6 +64,30 @@ class StepCache:
 SAMPLE_SOLVERS = ("unipc", "euler")
 
 
+def check_sigmas(values) -> tuple[float, ...]:
+    """A step schedule as a request or an adapter's defaults give it: one sigma per step, each in
+    (0, 1], falling (before the scheduler's shift: 1.0, 0.75, 0.5, 0.25 is lightx2v's 4-step
+    schedule of timesteps 1000, 750, 500, 250).
+
+    Raises:
+        ValueError: Not a non-empty list of numbers in (0, 1] that fall.
+    """
+    import math
+
+    if not isinstance(values, (list, tuple)) or not values:
+        raise ValueError(f"sigmas must be a non-empty list of numbers, got {values!r}")
+    out = []
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"sigmas must be numbers, got {value!r}")
+        if not 0 < value <= 1:
+            raise ValueError(f"each sigma must be in (0, 1], got {value!r}")
+        out.append(float(value))
+    if any(b >= a for a, b in zip(out, out[1:])):
+        raise ValueError(f"sigmas must fall from step to step, got {out}")
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One generation job in diffusers terms.
@@ -99,6 +123,8 @@ class GenerationRequest:
         sample_solver: The scheduler that runs the steps: ``"unipc"`` (diffusers' UniPC
             multistep, flow sigmas) or ``"euler"`` (diffusers' flow-match Euler), each at the
             request's or the pipeline's shift; ``None``: the pipeline's own scheduler.
+        sigmas: The steps' sigmas before the shift, one per step (``check_sigmas``), for a
+            flow-match Euler scheduler (a distilled model's schedule); ``None``: its own spacing.
         queue_deadline: When (``time.time()``) a rank must have taken the request, set once where
             it arrived (the server: arrival plus ``queue_timeout_s``) and kept through a rebuild's
             wait, the queue, a retry on another group and a takeover; ``None``: the group that
@@ -134,6 +160,7 @@ class GenerationRequest:
     cache: StepCache | None = None
     boundary_ratio: float | None = None
     sample_solver: str | None = None
+    sigmas: tuple[float, ...] | None = None
     queue_deadline: float | None = None
     lane_size: int | None = None
     deadline: float | None = None

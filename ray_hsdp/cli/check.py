@@ -119,7 +119,9 @@ def start_refusals(config: AppConfig, dims, folder: Path, report: AppReport):
 
     try:
         facts = start_facts(folder, config.pipeline_class, config.shard_components, config.dtype)
-        refuse_start(facts, dims, config.attention_backend, config.cache.kind, config.sample_solver)
+        refuse_start(
+            facts, dims, config.attention_backend, config.cache.kind, config.sample_solver, config.scheduler_config
+        )
         stored_fp8_components(
             folder, config.quantization, config.dtype, config.min_num_params, config.fuse_loras, None,
             config.shard_components, fused_files_here(config),

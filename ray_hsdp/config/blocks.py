@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ray_hsdp.request import StepCache
+from ray_hsdp.request import StepCache, check_sigmas
 
 #: The fields of a step cache a request may set for itself (``StepCache``'s, but ``kind``).
 CACHE_REQUEST_FIELDS = ("threshold", "interval", "warmup_steps", "full_after_step")
@@ -116,6 +116,30 @@ class LoraDefaults(BaseModel):
     flow_shift: float | None = Field(
         None, gt=0, description="The scheduler's timestep shift (Wan's flow_shift) the adapter was distilled with."
     )
+    boundary_ratio: float | None = Field(
+        None, gt=0, lt=1, description="Wan2.2 A14B: where the low-noise expert takes over, as the adapters were "
+        "distilled (a pair of LoRAs, one per expert)."
+    )  # fmt: skip
+    sigmas: list[float] | None = Field(
+        None,
+        description="The step schedule the adapter was distilled with, one sigma per step before the shift (lightx2v's "
+        "4-step: [1.0, 0.75, 0.5, 0.25], timesteps 1000/750/500/250); its length is the steps. Needs a flow-match "
+        "Euler scheduler (sample_solver: euler). A request that gives its own num_inference_steps drops it.",
+    )
+
+    @field_validator("sigmas")
+    @classmethod
+    def _sigmas(cls, value):
+        return list(check_sigmas(value)) if value is not None else None
+
+    @model_validator(mode="after")
+    def _one_count(self) -> LoraDefaults:
+        if self.sigmas is not None and self.num_inference_steps not in (None, len(self.sigmas)):
+            raise ValueError(
+                f"sigmas has {len(self.sigmas)} values and num_inference_steps is {self.num_inference_steps}: "
+                "the steps are the sigmas' count (leave num_inference_steps out)"
+            )
+        return self
 
 
 class WarmUpShape(BaseModel):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -323,6 +323,12 @@ class RequestFeatures(BaseModel):
         "(diffusers' flow-match Euler, what step-distilled LoRAs such as lightx2v's are trained with), each at the "
         "pipeline's shift or the request's flow_shift. None: the pipeline's own scheduler. A scheduler without a "
         "static shift (FLUX.1's, Qwen-Image's) refuses it at start.",
+    )
+    scheduler_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Settings of the pipeline's scheduler that replace its folder's (diffusers' from_config), for "
+        "a distilled model that runs its own schedule: Qwen-Image-Lightning's {base_shift: 1.0986, max_shift: 1.0986, "
+        "shift_terminal: null, time_shift_type: exponential}. {}: the folder's.",
     )
     cache: StepCacheConfig = Field(
         default_factory=StepCacheConfig,

@@ -249,6 +249,24 @@ REFUSALS: tuple[Refusal, ...] = (
         scope="model",
     ),
     Refusal(
+        "sample_solver unipc (the request's or the deployment's)",
+        "sigmas",
+        "UniPC spaces its own steps and takes no schedule of a request's",
+        "use sample_solver euler, or leave sigmas out",
+        lambda c, facts, r: r.sigmas is not None and (r.sample_solver or c.sample_solver) == "unipc",
+        scope="request",
+    ),
+    Refusal(
+        "a scheduler other than diffusers' flow-match Euler (Wan's UniPC)",
+        "sigmas",
+        "only the flow-match Euler scheduler takes a schedule of sigmas",
+        "add sample_solver euler (the request's or the deployment's), or leave sigmas out",
+        lambda c, facts, r: (
+            r.sigmas is not None and (r.sample_solver or c.sample_solver) is None and not facts.get("euler")
+        ),
+        scope="request",
+    ),
+    Refusal(
         "a text-to-video or text-to-image model",
         "a conditioning image (input_reference)",
         "the model makes its output from text alone",

@@ -51,12 +51,12 @@ def static_shift_key(config) -> str | None:
 class StartFacts:
     """What the checks built: the class the folder loads as, each sharded component's class and
     (for diffusers models) its module on the meta device, in the served dtype, and its
-    scheduler's static shift key (``static_shift_key``)."""
+    scheduler's config as the folder gives it."""
 
     pipeline_cls: type
     classes: dict[str, type]
     models: dict[str, nn.Module]
-    scheduler_shift: str | None = None
+    scheduler: dict | None = None
 
 
 def start_facts(folder: Path, pipeline: str | None, shard_components: tuple[str, ...], dtype: str) -> StartFacts:
@@ -76,8 +76,7 @@ def start_facts(folder: Path, pipeline: str | None, shard_components: tuple[str,
         if hasattr(classes[name], "enable_parallelism"):  # diffusers models: heads, plans, blocks
             models[name] = build_on_meta(folder / name, library, class_name, dtype)
     scheduler = folder / "scheduler" / "scheduler_config.json"
-    shift = static_shift_key(json.loads(scheduler.read_text())) if scheduler.is_file() else None
-    return StartFacts(pipeline_cls, classes, models, shift)
+    return StartFacts(pipeline_cls, classes, models, json.loads(scheduler.read_text()) if scheduler.is_file() else None)
 
 
 def pipeline_on_meta(folder: Path, pipeline: str | None):
@@ -162,18 +161,25 @@ def refuse_cfg_split(pipeline_name: str, dims: ParallelDims, classes: dict[str, 
 
 
 def refuse_start(
-    facts: StartFacts, dims: ParallelDims, attention_backend: str, cache_kind: str, sample_solver: str | None = None
+    facts: StartFacts,
+    dims: ParallelDims,
+    attention_backend: str,
+    cache_kind: str,
+    sample_solver: str | None = None,
+    scheduler_config: dict | None = None,
 ) -> None:
     """Every check of the module doc on ``facts`` for a group of ``dims`` whose transformers run
     ``attention_backend`` (``auto``: the default) and a step cache of ``cache_kind`` (or
-    ``none``), and whose requests run ``sample_solver`` by default; first failure first.
+    ``none``), and whose requests run ``sample_solver`` by default on the folder's scheduler with
+    ``scheduler_config``'s settings; first failure first.
 
     Raises:
         ValueError: The start's own message.
     """
     refuse_cfg_split(facts.pipeline_cls.__name__, dims, facts.classes)
-    name = facts.pipeline_cls.__name__
-    refuse_model({"model": name, "sample_solver": sample_solver, "scheduler_shift": facts.scheduler_shift})
+    if facts.scheduler is not None:
+        shift = static_shift_key({**facts.scheduler, **(scheduler_config or {})})
+        refuse_model({"model": facts.pipeline_cls.__name__, "sample_solver": sample_solver, "scheduler_shift": shift})
     for module in facts.models.values():
         if attention_backend != "auto":
             refuse_attention_backend(module, attention_backend)

@@ -80,6 +80,8 @@ def call_facts(pipe) -> dict:
         "lora": hasattr(pipe, "load_lora_weights"),
         # The scheduler key a request's flow_shift sets; None: the scheduler takes no shift.
         "flow_shift": shift_key(scheduler),
+        # A request's sigmas need diffusers' flow-match Euler (its own, or sample_solver euler).
+        "euler": type(scheduler).__name__ == "FlowMatchEulerDiscreteScheduler",
         # The fewest steps its scheduler takes: one that stretches its schedule to a terminal
         # shift (Qwen-Image's) divides by zero at one step, and every frame comes out NaN.
         "min_steps": min_steps,
@@ -179,6 +181,7 @@ class ShardedPipeline(RequestSlots):
         phases: Phases | None = None,
         pipeline: str | None = None,
         sample_solver: str | None = None,
+        scheduler_config: Mapping | None = None,
     ) -> ShardedPipeline:
         """Loads a pipeline folder, sharding the named components over ``mesh``, by the steps of
         ``ray_hsdp.loading.steps``, after the start's checks (``ray_hsdp.loading.start_checks``): a sharded
@@ -190,7 +193,8 @@ class ShardedPipeline(RequestSlots):
         (``step_cache.enable``'s arguments) puts a step cache's hooks on; ``quantization``
         ``"fp8"`` keeps the units' linears in FP8; ``keep_gathered`` is the share of units kept
         whole; ``pipeline`` names the class to load the folder as (``None``: the one it names);
-        ``sample_solver`` is the group's default solver (refused for a scheduler without a static shift).
+        ``sample_solver`` is the group's default solver (refused for a scheduler without a static shift);
+        ``scheduler_config`` replaces settings of the folder's scheduler.
 
         Raises:
             ValueError: A start check's refusal, or none of ``shard_components`` is a module of it.
@@ -228,6 +232,9 @@ class ShardedPipeline(RequestSlots):
             lane_meshes=lane_meshes,
             meta_models=start.models,
         )
+        if scheduler_config:
+            scheduler = parts.pipe.scheduler
+            parts.pipe.scheduler = type(scheduler).from_config(scheduler.config, **scheduler_config)
         release_pinned_memory()  # the reads' staging buffers, cached by torch's host allocator
         with phases.phase("replicated components to device"):
             return cls(parts.pipe, device, rank, parts.shardings, parts.stats, parts.sequence, parts.cfg_split)._with(

@@ -246,6 +246,7 @@ class RankStart:
             phases=self.phases,
             pipeline=self.config.pipeline_class,
             sample_solver=self.config.sample_solver,
+            scheduler_config=self.config.scheduler_config,
         )
 
     def _load_adapters(self):

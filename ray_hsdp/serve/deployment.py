@@ -278,6 +278,7 @@ class HSDPServer(VideoJobs, ModelFacts):
             "flow_shift": job.flow_shift,
             "boundary_ratio": job.boundary_ratio,
             "sample_solver": job.sample_solver,
+            "sigmas": list(job.sigmas) if job.sigmas is not None else None,
         }
 
     # ---- video jobs ------------------------------------------------------------------------

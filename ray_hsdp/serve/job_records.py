@@ -144,4 +144,6 @@ def decode_spec(text: str) -> tuple[GenerationRequest, int]:
     if fields.get("cache") is not None:
         fields["cache"] = StepCache(**fields["cache"])
     fields["lora"] = tuple(tuple(pair) for pair in fields.get("lora") or ())
+    if fields.get("sigmas") is not None:
+        fields["sigmas"] = tuple(fields["sigmas"])
     return GenerationRequest(**fields), int(data["fps"])

@@ -28,6 +28,7 @@ from ray_hsdp.request import (
     GenerationRequest,
     GenerationResult,
     InvalidRequestError,
+    check_sigmas,
     fit_image,
     parse_lora,
 )
@@ -149,6 +150,27 @@ BOUNDARY_DESCRIPTION = (
 )
 
 
+def _sigmas_form(value):
+    """A form field carries the sigmas as a JSON list; each value is checked (``check_sigmas``)."""
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"sigmas is not a JSON list: {err}") from None
+    return list(check_sigmas(value)) if value is not None else None
+
+
+Sigmas = Annotated[list[float] | None, BeforeValidator(_sigmas_form)]
+SIGMAS_DESCRIPTION = (
+    "The steps' sigmas before the scheduler's shift, one per step, falling in (0, 1] (a step-distilled model's "
+    "schedule: [1.0, 0.75, 0.5, 0.25] is lightx2v's 4 steps at timesteps 1000/750/500/250); num_inference_steps is "
+    "their count. Needs diffusers' flow-match Euler scheduler (the pipeline's, or sample_solver euler). An adapter's "
+    "lora_defaults may give them."
+)
+
+
 def _solver_of(body) -> str | None:
     """The request's solver from its field or its ``extra_params`` (both: they must agree)."""
     given = (body.extra_params or {}).get("sample_solver")
@@ -219,6 +241,7 @@ class ImageGenerationRequest(BaseModel):
     )
     boundary_ratio: StrictFloat | StrictInt | None = Field(None, gt=0, lt=1, description=BOUNDARY_DESCRIPTION)
     sample_solver: Literal["unipc", "euler"] | None = Field(None, description=SOLVER_DESCRIPTION)
+    sigmas: Sigmas = Field(None, description=SIGMAS_DESCRIPTION)
     extra_params: ExtraParams = Field(None, description=EXTRA_PARAMS_DESCRIPTION)
 
     @model_validator(mode="after")
@@ -330,6 +353,10 @@ def reference_image(value: bytes | str | dict, config: AppConfig) -> bytes:
     return data
 
 
+#: The request fields an adapter's ``lora_defaults`` may fill in.
+DEFAULTED = ("num_inference_steps", "guidance_scale", "guidance_scale_2", "flow_shift", "sigmas", "boundary_ratio")
+
+
 def to_generation_request(body: ImageGenerationRequest, config: AppConfig, request_id: str) -> GenerationRequest:
     """Applies the server's defaults and limits to an HTTP or handle request.
 
@@ -351,15 +378,13 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
     except ValueError as err:
         raise RequestLimitError(str(err)) from None
     try:
-        given = frozenset(
-            f
-            for f in ("num_inference_steps", "guidance_scale", "guidance_scale_2", "flow_shift")
-            if getattr(body, f) is not None
-        ) | ({"guidance_scale"} if body.true_cfg_scale is not None else set())
+        given = frozenset(f for f in DEFAULTED if getattr(body, f) is not None) | (
+            {"guidance_scale"} if body.true_cfg_scale is not None else set()
+        )
         defaults = config.request_defaults(lora, given)
     except ValueError as err:
         raise RequestLimitError(str(err)) from None
-    steps = body.num_inference_steps or defaults["num_inference_steps"]
+    steps, sigmas = _schedule(body, defaults)
     if steps > config.max_steps:
         raise RequestLimitError(f"num_inference_steps={steps} exceeds the limit max_steps={config.max_steps}")
     if body.timeout_s is not None and body.timeout_s > config.request_timeout_s:
@@ -375,6 +400,7 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
     else:
         guidance_2 = defaults.get("guidance_scale_2") if _guidance_of(body) is None else None
     shift = body.flow_shift if body.flow_shift is not None else defaults.get("flow_shift")
+    boundary = body.boundary_ratio if body.boundary_ratio is not None else defaults.get("boundary_ratio")
     image = None
     if body.input_reference is not None:
         image = fit_image(reference_image(body.input_reference, config), width, height)
@@ -400,9 +426,25 @@ def to_generation_request(body: ImageGenerationRequest, config: AppConfig, reque
         image=image,
         size_given=body.size is not None,
         uint8_frames=True,  # cast on the rank's device: a quarter of float32's bytes reach the replica
-        boundary_ratio=float(body.boundary_ratio) if body.boundary_ratio is not None else None,
+        boundary_ratio=float(boundary) if boundary is not None else None,
         sample_solver=_solver_of(body) or config.sample_solver,
+        sigmas=sigmas,
     )
+
+
+def _schedule(body, defaults: dict) -> tuple[int, tuple[float, ...] | None]:
+    """The request's steps and sigmas: its own sigmas set its steps (a count given beside them
+    must match); an adapter's default sigmas apply where the request gives no steps of its own."""
+    if body.sigmas is not None:
+        if body.num_inference_steps is not None and body.num_inference_steps != len(body.sigmas):
+            raise RequestLimitError(
+                f"sigmas has {len(body.sigmas)} values for num_inference_steps={body.num_inference_steps}: one per "
+                "step (leave num_inference_steps out)"
+            )
+        return len(body.sigmas), tuple(body.sigmas)
+    if body.num_inference_steps is None and defaults.get("sigmas"):
+        return len(defaults["sigmas"]), tuple(defaults["sigmas"])
+    return body.num_inference_steps or defaults["num_inference_steps"], None
 
 
 def with_seed(body: ImageGenerationRequest | VideoCreateRequest):
@@ -490,6 +532,7 @@ class VideoCreateRequest(BaseModel):
     cache: Cache = Field(None, description=CACHE_DESCRIPTION)
     boundary_ratio: float | None = Field(None, gt=0, lt=1, description=BOUNDARY_DESCRIPTION)
     sample_solver: Literal["unipc", "euler"] | None = Field(None, description=SOLVER_DESCRIPTION)
+    sigmas: Sigmas = Field(None, description=SIGMAS_DESCRIPTION)
     extra_params: ExtraParams = Field(None, description=EXTRA_PARAMS_DESCRIPTION)
 
     @model_validator(mode="after")
@@ -542,6 +585,7 @@ def to_video_request(
                 "deadline_s": body.deadline_s,
                 "boundary_ratio": body.boundary_ratio,
                 "sample_solver": _solver_of(body),
+                "sigmas": body.sigmas,
             }.items()
             if v is not None
         }

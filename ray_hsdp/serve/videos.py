@@ -178,6 +178,7 @@ class VideoJobs:
             "flow_shift": job.flow_shift,
             "boundary_ratio": job.boundary_ratio,
             "sample_solver": job.sample_solver,
+            "sigmas": list(job.sigmas) if job.sigmas is not None else None,
         }
         # The store's create and the job's start are one step that the caller's cancel (a client
         # gone) cannot split, run as the replica's own work (``serve.detached`` says why): a

@@ -8,7 +8,7 @@ pipeline call, what wraps each of its forwards on the tick thread, what is relea
 A request that asks for nothing carries no choice; the rank's features still put their defaults
 on around its forwards (no adapter, no step cache), since a module serves several requests.
 
-The features, one module each: ``adapters``, ``step_cache``, ``solver``, ``shift``, ``guidance``
+The features, one module each: ``adapters``, ``step_cache``, ``solver`` (and the sigmas), ``shift``, ``guidance``
 (both experts' choices), ``image``;
 ``lane`` checks that the request's tokens split over its lane.
 """
@@ -29,7 +29,7 @@ from ray_hsdp.variant.guidance import ExpertBoundary, SecondExpertGuidance
 from ray_hsdp.variant.image import FirstFrame
 from ray_hsdp.variant.lane import LaneFeature, check_split, runnable_sizes, work_of
 from ray_hsdp.variant.shift import ShiftFeature
-from ray_hsdp.variant.solver import SolverFeature
+from ray_hsdp.variant.solver import SigmasFeature, SolverFeature
 from ray_hsdp.variant.step_cache import StepCacheFeature
 
 #: Every per-request feature, in the order their parts are checked and entered.
@@ -38,6 +38,7 @@ FEATURES: tuple[Feature, ...] = (
     StepCacheFeature(),
     SolverFeature(),  # before the shift: a request's flow_shift shifts the solver it chose
     ShiftFeature(),
+    SigmasFeature(),  # after both: it sets the schedule of the scheduler they made
     SecondExpertGuidance(),
     ExpertBoundary(),
     FirstFrame(),

@@ -1,15 +1,21 @@
-"""A request's scheduler (``sample_solver``): the request's pipeline slot runs its steps with
+"""A request's scheduler (``sample_solver``) and its step schedule (``sigmas``).
+
+The scheduler: the request's pipeline slot runs its steps with
 diffusers' UniPC multistep scheduler (flow sigmas, Wan's default) or its flow-match Euler
 scheduler (what step-distilled LoRAs were trained with), each at the pipeline's shift (a
 request's ``flow_shift`` then shifts it as it shifts the pipeline's own); the slot gets its own
 scheduler back afterwards. A pipeline whose scheduler has no static shift refuses it (a pair of
-the table of refusals, ``ray_hsdp.config.pairs``)."""
+the table of refusals, ``ray_hsdp.config.pairs``).
+
+The schedule: a flow-match Euler scheduler sets the request's sigmas (before its shift) whatever
+step count the pipeline asks it for: Wan's pipelines take no sigmas in their call, and a distilled
+model's 4 steps are not the scheduler's own spacing of 4."""
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 
-from ray_hsdp.request import SAMPLE_SOLVERS, InvalidRequestError
+from ray_hsdp.request import SAMPLE_SOLVERS, InvalidRequestError, check_sigmas
 from ray_hsdp.variant.base import Feature
 from ray_hsdp.variant.shift import shift_key
 
@@ -47,6 +53,52 @@ class SolverFeature(Feature):
             return
         scheduler = pipe.scheduler
         pipe.scheduler = solver_scheduler(scheduler, choice)
+        try:
+            yield
+        finally:
+            pipe.scheduler = scheduler
+
+
+class FixedSigmas:
+    """A flow-match Euler scheduler that sets ``sigmas`` at every ``set_timesteps`` (the pipeline's
+    step count is the schedule's length: the request's steps are ``len(sigmas)``); everything else
+    is the scheduler's own."""
+
+    def __init__(self, scheduler, sigmas: tuple[float, ...]):
+        self._scheduler = scheduler
+        self._sigmas = list(sigmas)
+
+    def set_timesteps(self, num_inference_steps=None, device=None, sigmas=None, **kwargs):
+        kwargs.pop("timesteps", None)
+        return self._scheduler.set_timesteps(sigmas=self._sigmas, device=device, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._scheduler, name)
+
+
+class SigmasFeature(Feature):
+    field = "sigmas"
+
+    def choose(self, request, config, facts):
+        if request.sigmas is None:
+            return None
+        try:
+            sigmas = check_sigmas(request.sigmas)
+        except ValueError as err:
+            raise InvalidRequestError(str(err)) from None
+        if len(sigmas) != request.num_inference_steps:
+            raise InvalidRequestError(
+                f"sigmas has {len(sigmas)} values for num_inference_steps={request.num_inference_steps}: one per step"
+            )
+        return sigmas
+
+    @contextmanager
+    def around_run(self, choice, pipe, features):
+        if choice is None:
+            yield
+            return
+        scheduler = pipe.scheduler
+        pipe.scheduler = FixedSigmas(scheduler, choice)
         try:
             yield
         finally:

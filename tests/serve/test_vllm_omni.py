@@ -94,7 +94,24 @@ def test_sync_answers_with_vllm_omnis_headers_and_runs_extra_params(server, refe
     assert mae(frames, other) > 10 * SAME_MP4_MAE  # the solver made them
 
 
+def test_a_distilled_schedule_of_sigmas_runs_as_diffusers_runs_it(server, reference_pipe):
+    body = {"prompt": "a kite over the sea", "num_frames": 5, "seed": 2, "sigmas": [1.0, 0.75, 0.5, 0.25],
+            "guidance_scale": 1.0}  # fmt: skip
+    sync = requests.post(f"{server}/v1/videos/sync", json=body, timeout=300)
+    assert sync.status_code == 200, sync.text
+    want = reference_mp4(reference_pipe, prompt="a kite over the sea", num_frames=5, seed=2, num_inference_steps=4,
+                         guidance_scale=1.0, sigmas=(1.0, 0.75, 0.5, 0.25))  # fmt: skip
+    assert mae(decode_mp4(sync.content)[0], want) <= SAME_MP4_MAE
+    # As a form (vllm-omni's clients send forms): the list as JSON text.
+    as_form = requests.post(f"{server}/v1/videos/sync", files=form(**{**body, "sigmas": json.dumps(body["sigmas"])}),
+                            timeout=300)  # fmt: skip
+    assert mae(decode_mp4(as_form.content)[0], want) <= SAME_MP4_MAE
+
+
 BAD_VLLM_OMNI_BODIES = [
+    ({"prompt": "a", "sigmas": "[0.5, 0.75]"}, "sigmas must fall"),
+    ({"prompt": "a", "sigmas": "[1.0, 0.5]", "num_inference_steps": 3}, "sigmas has 2 values"),
+    ({"prompt": "a", "sigmas": "[1.0, 0.5]", "sample_solver": "unipc"}, "with sigmas"),
     ({"prompt": "a", "width": 64}, "width and height go together"),
     ({"prompt": "a", "width": 64, "height": 48, "size": "64x64"}, "disagree"),
     ({"prompt": "a", "width": 65, "height": 64}, "multiples of 16"),
@@ -119,8 +136,8 @@ def test_what_the_server_does_not_run_is_a_400_that_names_it(server, body, menti
 
 
 def _json(value):
-    """A form's JSON text as the JSON body carries it (an object), other values as they are."""
-    if isinstance(value, str) and value.startswith("{") and value != "{not json":
+    """A form's JSON text as the JSON body carries it (an object or a list), other values as they are."""
+    if isinstance(value, str) and value.startswith(("{", "[")) and value != "{not json":
         return json.loads(value)
     return value
 
