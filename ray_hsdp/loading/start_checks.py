@@ -25,26 +25,13 @@ from pathlib import Path
 import torch.nn as nn
 
 from ray_hsdp.config.pairs import refuse_model
+from ray_hsdp.config.schedulers import static_shift_key
 from ray_hsdp.config.topology import ParallelDims
 from ray_hsdp.loading.components import build_on_meta, model_index, pipeline_class
 from ray_hsdp.sharding import step_cache
 from ray_hsdp.sharding.context_parallel import refuse_heads, refuse_lane_heads, refuse_split
 from ray_hsdp.sharding.pipeline_call import pipeline_call_for
 from ray_hsdp.sharding.policy import registered_policy
-
-#: Scheduler config keys that shift the timesteps of a flow-matching schedule (UniPC's, then
-#: FlowMatchEulerDiscrete's); a request's ``flow_shift`` sets the first one the scheduler has.
-SHIFT_KEYS = ("flow_shift", "shift")
-
-
-def static_shift_key(config) -> str | None:
-    """The key of a scheduler's ``config`` that holds its static shift; ``None``: it has none, or
-    its shift is dynamic (``use_dynamic_shifting``, FLUX.1's: it follows the image size and ignores
-    the static one)."""
-    config = config or {}
-    if config.get("use_dynamic_shifting"):
-        return None
-    return next((key for key in SHIFT_KEYS if key in config), None)
 
 
 @dataclass

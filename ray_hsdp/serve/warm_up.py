@@ -51,6 +51,14 @@ def warm_up_request(shape: WarmUpShape, config: AppConfig, facts: dict, index: i
     request_id = f"warm-up-{index}"
     try:
         if facts.get("video") and shape.num_frames != 1:  # one frame: the image route's request
+            t = facts["temporal_compression"]
+            if shape.num_frames is not None and (shape.num_frames - 1) % t:
+                # A request's count is rounded as diffusers rounds it; a shape to warm is the shape
+                # that runs, so it is refused: warming 9 frames for a config that says 8 would hide it.
+                raise RequestLimitError(
+                    f"num_frames={shape.num_frames} is not a count this model's VAE takes: {t}k+1 (e.g. "
+                    f"{t * ((shape.num_frames - 1) // t) + 1} or {t * ((shape.num_frames - 1) // t + 1) + 1})"
+                )
             body = VideoCreateRequest(**fields, num_frames=shape.num_frames, input_reference=image)
             request, fps = to_video_request(body, config, facts["temporal_compression"], request_id)
             return request, fps

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from ray_hsdp.loading.start_checks import static_shift_key
+from ray_hsdp.config.schedulers import static_shift_key
 from ray_hsdp.variant.base import Feature, RankFeatures
 
 
