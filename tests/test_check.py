@@ -238,3 +238,13 @@ def test_a_gpu_share_says_which_models_fit_awake_together_and_the_host_memory_th
     assert per_gpu and abs(host_gib - 2 * sum(per_gpu)) <= 0.01
     code, out = check(capsys, write(0.0004))  # holds the tiny Wan (0.0005 GiB per GPU) alone, never both
     assert code != 0 and "exceeds gpu_share_budget_gib" in out, out
+
+
+def test_scheduler_settings_the_folders_scheduler_lacks_fail_check_with_the_starts_message(capsys, tmp_path):
+    """diffusers' ``from_config`` would drop a setting its scheduler does not have: the start (and
+    ``check``) refuses it by name; a setting it has passes."""
+    bad = serve_yaml(tmp_path, model="tiny", device="cpu", scheduler_config={"base_shfit": 1.1})
+    code, out = check(capsys, bad)
+    assert code == 1 and "scheduler_config sets ['base_shfit']" in out, out
+    good = serve_yaml(tmp_path, model="tiny", device="cpu", scheduler_config={"shift": 3.0}, sample_solver="euler")
+    assert check(capsys, good)[0] == 0

@@ -156,3 +156,17 @@ def test_the_rank_pool_is_ray_s_preload_and_its_idle_worker_limit():
     assert rank_pool_env(None) == preload  # Ray's own count of idle workers
     assert rank_pool_env(3) == {**preload, "RAY_num_workers_soft_limit": "3"}
     assert rank_pool_env(0) == {}  # off: each rank imports at its start
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"sample_solver": "unipc", "lora_defaults": {"d": {"sigmas": [1.0, 0.5]}}}, "sigmas with sample_solver unipc"),
+        ({"max_steps": 2, "lora_defaults": {"d": {"sigmas": [1.0, 0.75, 0.5]}}}, "3 steps exceed max_steps=2"),
+        ({"lora_defaults": {"d": {"sigmas": [1.0, 0.5], "num_inference_steps": 4}}}, "the steps are the sigmas' count"),
+        ({"lora_defaults": {"d": {"sigmas": [0.5, 1.0]}}}, "sigmas must fall"),
+    ],
+)
+def test_an_adapters_schedule_the_deployment_cannot_run_is_refused_at_start(fields, message):
+    with pytest.raises(ValidationError, match=message):
+        AppConfig(model="tiny", loras={"d": "tiny-detail"}, **fields)

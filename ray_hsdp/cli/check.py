@@ -221,7 +221,7 @@ def check_app(name: str, args: dict, device: str | None, gpu_memory_gib: float |
     if config.gpu_share is not None:
         report.share = ShareMember(
             config.served_model_name, config.gpu_share, total, dims.shard_size, config.gpu_share_budget_gib,
-            config.resident,
+            config.resident, config.sleep_level,
         )  # fmt: skip
     if gpu_memory_gib is not None and total > gpu_memory_gib * _GIB:
         report.failures.append(

@@ -19,6 +19,7 @@ class ShareMember:
     gpus: int  # its shard_size: the share's GPUs
     budget_gib: float | None
     resident: bool
+    sleep_level: int = 1  # 2: its weights sleep in files on disk, not in pinned host memory
 
 
 def awake_together(members: list[ShareMember], budget: int | None) -> int:
@@ -67,10 +68,17 @@ def share_lines(members: list[ShareMember], gpu_memory_gib: float | None) -> tup
         if gpu_memory_gib is not None and budget is not None and budget > gpu_memory_gib * _GIB:
             failures.append(f"gpu_share {share!r}: gpu_share_budget_gib {budget_gib:g} exceeds --gpu-memory "
                             f"{gpu_memory_gib:g} GiB")  # fmt: skip
-        # Every model's ranks pin their weights' host buffers at the model's start.
-        host = sum(m.per_gpu for m in mine) * shard
+        # Level 1: every model's ranks pin their weights' host buffers at the model's start; level 2:
+        # each rank writes a file of them in sleep_dir.
+        host = sum(m.per_gpu for m in mine if m.sleep_level == 1) * shard
+        disk = sum(m.per_gpu for m in mine if m.sleep_level == 2) * shard
         lines.append(
             f"  host memory for their weights asleep: {host / _GIB:.2f} GiB on the share's node "
             f"(pinned at each model's start; a model whose node lacks it refuses to start)"
         )
+        if disk:
+            lines.append(
+                f"  disk for the weights of sleep_level 2 models: {disk / _GIB:.2f} GiB in their sleep_dir "
+                "(written at each model's start; a node whose sleep_dir lacks it refuses to start)"
+            )
     return lines, failures

@@ -222,10 +222,13 @@ class AppConfig(GroupConfig):
         if unknown:
             raise ValueError(f"lora_defaults names {unknown}, which loras does not register")
         for name, defaults in self.lora_defaults.items():
-            if (defaults.num_inference_steps or 0) > self.max_steps:
+            steps = len(defaults.sigmas) if defaults.sigmas else defaults.num_inference_steps or 0
+            if steps > self.max_steps:
+                raise ValueError(f"lora_defaults {name!r}: {steps} steps exceed max_steps={self.max_steps}")
+            if defaults.sigmas and self.sample_solver == "unipc":
                 raise ValueError(
-                    f"lora_defaults {name!r}: num_inference_steps={defaults.num_inference_steps} exceeds "
-                    f"max_steps={self.max_steps}"
+                    f"lora_defaults {name!r}: sigmas with sample_solver unipc: UniPC spaces its own steps and takes "
+                    "no schedule; use sample_solver euler, or leave the sigmas out"
                 )
         return self
 

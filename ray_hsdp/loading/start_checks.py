@@ -165,6 +165,12 @@ def refuse_start(
     """
     refuse_cfg_split(facts.pipeline_cls.__name__, dims, facts.classes)
     if facts.scheduler is not None:
+        unknown = sorted(set(scheduler_config or {}) - set(facts.scheduler))
+        if unknown:
+            raise ValueError(
+                f"scheduler_config sets {unknown}, which the folder's scheduler "
+                f"({facts.scheduler.get('_class_name', 'its class')}) does not have: diffusers would ignore them"
+            )
         shift = static_shift_key({**facts.scheduler, **(scheduler_config or {})})
         refuse_model({"model": facts.pipeline_cls.__name__, "sample_solver": sample_solver, "scheduler_shift": shift})
     for module in facts.models.values():

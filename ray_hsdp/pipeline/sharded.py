@@ -205,7 +205,8 @@ class ShardedPipeline(RequestSlots):
             check_fp8_device(device)
         with phases.phase("start checks"):  # what ray-hsdp check runs too, before any weight loads
             start = start_facts(Path(path), pipeline, shard_components, dtype)
-            refuse_start(start, dims, attention_backend, cache_hooks["kind"] if cache_hooks else "none", sample_solver)
+            cache_kind = cache_hooks["kind"] if cache_hooks else "none"
+            refuse_start(start, dims, attention_backend, cache_kind, sample_solver, dict(scheduler_config or {}))
         fused = dict(fuse_loras or {})
         # An FP8 folder (ray-hsdp quantize) gives its linears as stored, to the configuration it was made with.
         scales = {name: scale for name, (scale, _) in fused.items()}

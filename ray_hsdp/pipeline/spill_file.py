@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -31,7 +32,9 @@ SPILL_THREADS = 4
 #: Largest piece of a storage one thread moves: a transformer's shard may be a single storage.
 PIECE_BYTES = 4 * STAGING_BYTES
 
-_NAME = re.compile(r"^rank-(\d+)-.*\.bin$")
+#: ``rank-HOST-PID-NAME.bin``: a folder on shared storage holds other nodes' files, which a node
+#: must never take for its own dead ranks'.
+_NAME = re.compile(r"^rank-(?P<host>[^-]+)-(?P<pid>\d+)-.*\.bin$")
 
 
 def staging_bytes() -> int:
@@ -40,13 +43,14 @@ def staging_bytes() -> int:
 
 
 def remove_stale(folder: str) -> None:
-    """Removes the files of ranks whose process is gone (a rank killed leaves its file behind)."""
+    """Removes the files of this node's ranks whose process is gone (a rank killed leaves its file
+    behind)."""
     for name in os.listdir(folder):
         match = _NAME.match(name)
-        if match is None or int(match.group(1)) == os.getpid():
+        if match is None or match["host"] != _host() or int(match["pid"]) == os.getpid():
             continue
         try:
-            os.kill(int(match.group(1)), 0)
+            os.kill(int(match["pid"]), 0)
         except ProcessLookupError:
             try:
                 os.remove(os.path.join(folder, name))
@@ -68,7 +72,7 @@ class SpillFile:
     def __init__(self, folder: str, name: str, device: str):
         os.makedirs(folder, exist_ok=True)
         remove_stale(folder)
-        self.path = os.path.join(folder, f"rank-{os.getpid()}-{name}.bin")
+        self.path = os.path.join(folder, f"rank-{_host()}-{os.getpid()}-{name}.bin")
         self.device = torch.device(device)
         #: The storages' sizes, in order, that the file holds now (None: nothing written).
         self.layout: list[int] | None = None
@@ -115,6 +119,10 @@ class SpillFile:
             os.remove(self.path)
         except OSError:
             pass
+
+
+def _host() -> str:
+    return socket.gethostname().replace("-", "_")
 
 
 def _pieces(storages: list[torch.Tensor], offset: int) -> list[tuple[torch.Tensor, int]]:

@@ -74,7 +74,7 @@ class GpuShare:
         self._left: collections.deque[str] = collections.deque(maxlen=4096)
         self._waiting: dict[str, float] = {}  # key -> since when it waits for room (others' work in flight)
         self._locks: dict[str, asyncio.Lock] = {}
-        self._swap: asyncio.Lock | None = None  # one wake (and the sleeps it asks for) at a time: one link
+        self._incoming = 0  # bytes per GPU that wakes started beside sleeps are bringing now
         self._changed: asyncio.Condition | None = None
 
     def _condition(self) -> asyncio.Condition:
@@ -254,20 +254,19 @@ class GpuShare:
         """Wakes group ``key`` for request ``lease``, which holds it from the moment it is awake
         (before any other waiter could pick it to sleep again)."""
         member = self.awake.members[key]
-        self._swap = self._swap or asyncio.Lock()
-        async with self._lock(key), self._swap:
+        async with self._lock(key):
             if member.state != SLEEPING:
                 return {"woke": False}
             started = time.perf_counter()
             waking = await self._wake_beside_sleeps(key, member)
             try:
                 await self._make_room(key)
-                member.state = WAKING
-                await (waking or self._ranks_call(key, "wake"))
-            except WakeFailedError:
-                if waking is not None:
-                    await asyncio.gather(waking, return_exceptions=True)
+            except BaseException:
+                self._left_waking(key, member, waking)
                 raise
+            member.state = WAKING
+            try:
+                await (waking or self._ranks_call(key, "wake"))
             except BaseException as err:
                 self._kill(key)
                 member.state = FAILED
@@ -275,7 +274,10 @@ class GpuShare:
                 raise WakeFailedError(f"waking {member.model}'s shard group failed: {remote_cause(err)}") from None
             seconds = time.perf_counter() - started
             member.state = READY
-            self.awake.enter(key, lease)
+            if lease in self._left:  # its caller gave up meanwhile: the group is awake, and free to sleep
+                self._left.remove(lease)
+            else:
+                self.awake.enter(key, lease)
             member.wakes += 1
             member.wake_seconds += seconds
             logger.info("%s woke in %.3f s%s", key, seconds, " (beside the sleeps)" if waking else "")
@@ -283,21 +285,50 @@ class GpuShare:
         return {"woke": True, "wake_s": seconds}
 
     async def _wake_beside_sleeps(self, key: str, member) -> asyncio.Future | None:
-        """Starts group ``key``'s wake at once, beside the sleeps that make room for it, where its
-        GPUs have the memory for its weights now and the groups to sleep are idle (no request of
-        theirs can need memory meanwhile): a sleep copies to the host and a wake from it, the two
-        directions of the link at once. Returns the wake's task, or None (it waits for the sleeps)."""
+        """Starts group ``key``'s wake at once, beside the sleeps that make room for it: a sleep
+        copies to the host and a wake from it, the two directions of the link at once. Only where
+        its GPUs have the memory for its weights now (less what other such wakes are bringing) and
+        every other group awake is one that sleeps for it (idle: no request can need memory
+        meanwhile). Returns the wake's task, or None (it waits for the sleeps)."""
         try:
             free = await asyncio.wait_for(
                 asyncio.gather(*(rank.device_free.remote() for rank in self.ranks.get(key, []))), 10
             )
         except Exception:  # noqa: BLE001 - a rank that cannot say: wake after the sleeps (their error shows there)
             return None
-        victims = self.awake.victims(key)  # after the await: the groups idle now
-        if not free or not victims or min(free) < member.bytes + WAKE_HEADROOM_BYTES:
+        # From here to the task's start nothing awaits: the groups idle now are those decided on.
+        victims = self.awake.victims(key)
+        others = [m for m in self.awake.awake() if m is not member]
+        room = min(free, default=0) - self._incoming
+        if not victims or len(others) != len(victims) or room < member.bytes + WAKE_HEADROOM_BYTES:
             return None
         member.state = WAKING
-        return asyncio.ensure_future(self._ranks_call(key, "wake"))
+        self._incoming += member.bytes
+        task = asyncio.ensure_future(self._ranks_call(key, "wake"))
+        task.add_done_callback(lambda _: self._landed(member.bytes))
+        return task
+
+    def _landed(self, nbytes: int) -> None:
+        self._incoming -= nbytes
+
+    def _left_waking(self, key: str, member, waking: asyncio.Future | None) -> None:
+        """The wait for room ended in an error (the group left the share, or the call was
+        cancelled): a group not yet waking sleeps on; one whose wake started beside the sleeps is
+        what that wake makes it (awake, or failed and stopped)."""
+        if waking is None:
+            if member.state == WAKING:
+                member.state = SLEEPING
+            return
+
+        def ended(task: asyncio.Future) -> None:
+            if task.cancelled() or task.exception() is not None:
+                self._kill(key)
+                member.state = FAILED
+            else:
+                member.state = READY
+            asyncio.ensure_future(self._notify())
+
+        waking.add_done_callback(ended)
 
     def _kill(self, key: str) -> None:
         """Stops a group whose sleep or wake failed: its memory is free once its processes are."""

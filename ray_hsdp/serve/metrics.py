@@ -56,7 +56,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "ray_hsdp_sleeping_bytes": (
         "gauge",
         ("model", "node"),
-        "host memory that holds the model's weights while it sleeps, on its GPU share's node (0 awake)",
+        "bytes of the model's weights parked while it sleeps, on its GPU share's node (0 awake): host memory at "
+        "sleep_level 1, disk at 2",
     ),
     "ray_hsdp_group_load": (
         "gauge",

@@ -496,7 +496,7 @@ class VideoCreateRequest(BaseModel):
         None,
         ge=1,
         description="Frames; wins over seconds when both are given. A count the model's VAE does not take (Wan: 4k+1) "
-        "is rounded down to one as diffusers rounds it (80 makes 81: 4 * (80 // 4) + 1); the video's num_frames "
+        "is rounded to one as diffusers rounds it (80 makes 81: 4 * (80 // 4) + 1); the video's num_frames "
         "says what was made.",
     )
     fps: int | None = Field(None, ge=1, le=120, description="Frame rate of the MP4; the model's when omitted.")
