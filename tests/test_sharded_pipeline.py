@@ -52,6 +52,7 @@ def test_a_stopped_request_raises_at_its_step_and_skips_the_decode(tiny_model):
         "size": True,  # its call takes height and width
         "lora": True,  # diffusers' Wan LoRA loader
         "flow_shift": "shift",  # the tiny model's flow-match Euler scheduler
+        "euler": True,  # which takes a request's sigmas
         "min_steps": 1,
         "warm_up_steps": 1,  # one denoiser: a 1-step warm-up reaches it
     }
