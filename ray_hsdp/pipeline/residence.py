@@ -13,8 +13,9 @@ denoisers, the VAE last) on a stream of its own; with pinned buffers the copies 
 of the host-to-device link.
 
 That is level 1. At level 2 (``spill_file``) the bytes rest in a file of the rank's own instead,
-written at the first sleep; a sleep then only gives the device memory back, and a wake reads the
-file (the page cache's copy where the kernel kept one).
+written once (``allocate``: at the model's start on a GPU share; else at the first sleep); a sleep
+then only gives the device memory back, and a wake reads the file (the page cache's copy where the
+kernel kept one).
 """
 
 from __future__ import annotations
