@@ -224,7 +224,10 @@ class AppConfig(GroupConfig):
         for name, defaults in self.lora_defaults.items():
             steps = len(defaults.sigmas) if defaults.sigmas else defaults.num_inference_steps or 0
             if steps > self.max_steps:
-                raise ValueError(f"lora_defaults {name!r}: {steps} steps exceed max_steps={self.max_steps}")
+                raise ValueError(
+                    f"lora_defaults {name!r}: num_inference_steps={steps}{' (its sigmas)' if defaults.sigmas else ''} "
+                    f"exceeds max_steps={self.max_steps}"
+                )
             if defaults.sigmas and self.sample_solver == "unipc":
                 raise ValueError(
                     f"lora_defaults {name!r}: sigmas with sample_solver unipc: UniPC spaces its own steps and takes "
