@@ -119,15 +119,38 @@ def start_warm(group: ShardGroup, config: AppConfig) -> ShardGroup:
     its start and for a rebuild.
 
     Raises:
-        ValueError: A shape is not one the model takes (the group is shut down).
+        ValueError: A shape is not one the model takes, or an adapter's defaults are not a schedule
+            its pipeline runs (the group is shut down).
     """
     # On the ranks' node (a replica shares its group's placement group): the disk reads while they start.
     read_ahead_in_background(config.model)
     shapes = config.warm_up_shapes()
     group.start(warm_up=not shapes)  # the shapes' warm-up compiles what the small one would
+    try:
+        refuse_adapter_schedules(config, group.pipeline_facts)
+    except ValueError:
+        group.shutdown()
+        raise
     if shapes:
         warm_up(group, config, served_shapes(config, group.pipeline_facts))
     return group
+
+
+def refuse_adapter_schedules(config: AppConfig, facts: dict) -> None:
+    """An adapter's defaults that every request naming it (every request, for a fused one) would
+    be refused for: the deployment's error, said at its start, never a client's 400.
+
+    Raises:
+        ValueError: Naming the adapter, the default and what to set instead.
+    """
+    for name, defaults in config.lora_defaults.items():
+        if defaults.sigmas and config.sample_solver is None and not facts.get("euler"):
+            raise ValueError(
+                f"lora_defaults {name!r}: sigmas with the pipeline's own scheduler, which is not diffusers' "
+                "flow-match Euler: set sample_solver: euler"
+            )
+        if defaults.boundary_ratio is not None and not facts.get("guidance_scale_2"):
+            raise ValueError(f"lora_defaults {name!r}: boundary_ratio on a one-expert model: leave it out")
 
 
 def warm_up(group: ShardGroup, config: AppConfig, shapes: list[WarmUpShape]) -> None:

@@ -124,3 +124,18 @@ def test_a_shape_the_model_does_not_take_fails_the_deploy_once_before_any_weight
         assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if "bad-warm-up#" in a["name"]]
     finally:
         serve.delete("bad-warm-up")
+
+
+def test_an_adapters_schedule_its_pipeline_cannot_run_fails_the_start_not_each_request():
+    from ray_hsdp.config.app import AppConfig
+    from ray_hsdp.serve.warm_up import refuse_adapter_schedules
+
+    sigmas = AppConfig(model="tiny", loras={"d": "tiny-detail"}, lora_defaults={"d": {"sigmas": [1.0, 0.5]}})
+    with pytest.raises(ValueError, match="lora_defaults 'd': sigmas with the pipeline's own scheduler"):
+        refuse_adapter_schedules(sigmas, {"euler": False})  # Wan's UniPC
+    refuse_adapter_schedules(sigmas, {"euler": True})
+    refuse_adapter_schedules(sigmas.model_copy(update={"sample_solver": "euler"}), {"euler": False})
+    boundary = AppConfig(model="tiny", loras={"d": "tiny-detail"}, lora_defaults={"d": {"boundary_ratio": 0.9}})
+    with pytest.raises(ValueError, match="boundary_ratio on a one-expert model"):
+        refuse_adapter_schedules(boundary, {"guidance_scale_2": False})
+    refuse_adapter_schedules(boundary, {"guidance_scale_2": True})
