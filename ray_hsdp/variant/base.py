@@ -3,9 +3,9 @@ choice does on a rank (``ray_hsdp.variant``)."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextlib import AbstractContextManager as ContextManager
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,3 +66,16 @@ class Feature:
     def release(self, choice: Any, ticket: int, features: RankFeatures) -> dict:
         """Called once the request ended on the rank; what it adds to the result's fields."""
         return {}
+
+
+@contextmanager
+def scheduler_for_the_run(pipe, make: Callable[[Any], Any]) -> Iterator[None]:
+    """``pipe``'s scheduler replaced by ``make(its own)`` around a request's pipeline call (on the
+    request's own pipeline slot), and its own back afterwards: how a request's solver, shift and
+    sigmas take effect."""
+    scheduler = pipe.scheduler
+    pipe.scheduler = make(scheduler)
+    try:
+        yield
+    finally:
+        pipe.scheduler = scheduler

@@ -3,10 +3,10 @@ its own with that shift, and gets its own back afterwards."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import nullcontext
 
 from ray_hsdp.config.schedulers import static_shift_key
-from ray_hsdp.variant.base import Feature, RankFeatures
+from ray_hsdp.variant.base import Feature, RankFeatures, scheduler_for_the_run
 
 
 def shift_key(scheduler) -> str | None:
@@ -20,14 +20,7 @@ class ShiftFeature(Feature):
     # A scheduler that would ignore the shift is a pair of the table of refusals (ray_hsdp.config.pairs).
     field = "flow_shift"
 
-    @contextmanager
     def around_run(self, choice, pipe, features: RankFeatures):
         if choice is None:
-            yield
-            return
-        scheduler = pipe.scheduler
-        pipe.scheduler = type(scheduler).from_config(scheduler.config, **{shift_key(scheduler): choice})
-        try:
-            yield
-        finally:
-            pipe.scheduler = scheduler
+            return nullcontext()
+        return scheduler_for_the_run(pipe, lambda own: type(own).from_config(own.config, **{shift_key(own): choice}))

@@ -13,10 +13,10 @@ model's 4 steps are not the scheduler's own spacing of 4."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import nullcontext
 
 from ray_hsdp.request import SAMPLE_SOLVERS, InvalidRequestError, check_sigmas
-from ray_hsdp.variant.base import Feature
+from ray_hsdp.variant.base import Feature, scheduler_for_the_run
 from ray_hsdp.variant.shift import shift_key
 
 
@@ -46,17 +46,10 @@ class SolverFeature(Feature):
             raise InvalidRequestError(f"sample_solver must be one of {list(SAMPLE_SOLVERS)}, not {solver!r}")
         return solver
 
-    @contextmanager
     def around_run(self, choice, pipe, features):
         if choice is None:
-            yield
-            return
-        scheduler = pipe.scheduler
-        pipe.scheduler = solver_scheduler(scheduler, choice)
-        try:
-            yield
-        finally:
-            pipe.scheduler = scheduler
+            return nullcontext()
+        return scheduler_for_the_run(pipe, lambda own: solver_scheduler(own, choice))
 
 
 class FixedSigmas:
@@ -92,14 +85,7 @@ class SigmasFeature(Feature):
             )
         return sigmas
 
-    @contextmanager
     def around_run(self, choice, pipe, features):
         if choice is None:
-            yield
-            return
-        scheduler = pipe.scheduler
-        pipe.scheduler = FixedSigmas(scheduler, choice)
-        try:
-            yield
-        finally:
-            pipe.scheduler = scheduler
+            return nullcontext()
+        return scheduler_for_the_run(pipe, lambda own: FixedSigmas(own, choice))
