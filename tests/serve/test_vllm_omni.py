@@ -12,10 +12,9 @@ import requests
 from support import reference_frames, wait_until
 
 from ray_hsdp.request import GenerationRequest
-from ray_hsdp.serve.media import decode_mp4, encode_mp4
+from ray_hsdp.serve.media import decode_mp4
 
-#: As ``test_videos``: an MP4 of the sharded run against the unsharded frames through the same encoder.
-SAME_MP4_MAE = 0.2
+from .test_videos import SAME_MP4_MAE, as_mp4, mae
 
 
 def form(**fields) -> dict:
@@ -24,12 +23,8 @@ def form(**fields) -> dict:
 
 
 def reference_mp4(pipe, **fields) -> np.ndarray:
-    frames = reference_frames(pipe, GenerationRequest(**fields))[0]
-    return decode_mp4(encode_mp4((np.clip(frames, 0, 1) * 255).round().astype(np.uint8), fps=16))[0]
-
-
-def mae(a, b) -> float:
-    return float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).mean())
+    """The unsharded run of the request ``fields`` make, through the server's MP4 encoder."""
+    return as_mp4((np.clip(reference_frames(pipe, GenerationRequest(**fields))[0], 0, 1) * 255).round())
 
 
 def test_the_guides_quick_start_creates_polls_and_downloads(server, reference_pipe):
