@@ -114,8 +114,9 @@ def cmd_make_random_lora(args: argparse.Namespace) -> int:
     from ray_hsdp.checkpoints.lora import make_random_lora
 
     written = make_random_lora(
-        args.target, args.directory, rank=args.rank, seed=args.seed, tiny=args.tiny, dtype=args.dtype
-    )
+        args.target, args.directory, rank=args.rank, seed=args.seed, tiny=args.tiny, dtype=args.dtype,
+        layout=args.layout,
+    )  # fmt: skip
     print(
         f"Wrote a random rank-{args.rank} LoRA for {args.target} (seed {args.seed}) to {written['path']}: "
         f"{written['layers']} linear layers, {written['params'] / 1e6:.1f}M parameters, "
@@ -523,13 +524,16 @@ def _add_make_random(sub) -> None:
 
 def _add_make_random_lora(sub) -> None:
     """The ``make-random-lora`` subcommand and its arguments."""
-    p = sub.add_parser("make-random-lora", help="write a LoRA with seeded random weights (diffusers format)")
+    p = sub.add_parser("make-random-lora", help="write a LoRA with seeded random weights")
     p.add_argument("target", help="an architecture of make-random (wan2.1-t2v-14b, ...) or a pipeline folder")
     p.add_argument("directory")
     p.add_argument("--rank", type=int, default=64)
     p.add_argument("--tiny", action="store_true", help="for the tiny variant of the architecture")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--layout", default="diffusers", help="the file's keys: diffusers, wan (lightx2v's Wan LoRAs) or lightning"
+    )
     p.set_defaults(func=cmd_make_random_lora)
 
 
