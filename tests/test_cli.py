@@ -173,6 +173,22 @@ def test_make_random_lora_writes_a_lora_diffusers_loads(tmp_path, capsys):
     assert len(keys) == 2 * layers and all(k.startswith("transformer.blocks.") for k in keys)
 
 
+def test_make_random_lora_writes_lightx2v_s_layout(tmp_path, capsys):
+    """``--layout wan``: the original Wan repo's keys, as lightx2v's 4-step LoRAs carry them (the
+    shipped few-step YAMLs' test loads such files: tests/serve/test_few_step_configs.py)."""
+    from safetensors import safe_open
+
+    done = run_here(capsys, "make-random-lora", "wan2.1-t2v-14b", str(tmp_path / "lora"), "--tiny", "--layout", "wan")
+    assert done.returncode == 0, done.stderr
+    with safe_open(str(tmp_path / "lora" / "pytorch_lora_weights.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    key = "diffusion_model.blocks.0.self_attn.q"
+    assert {f"{key}.lora_down.weight", f"{key}.lora_up.weight", f"{key}.alpha", f"{key}.diff_b"} <= keys
+    assert "diffusion_model.blocks.0.norm3.diff" in keys and not any(k.startswith("transformer.") for k in keys)
+    refused = run_here(capsys, "make-random-lora", "wan2.1-t2v-14b", str(tmp_path / "x"), "--tiny", "--layout", "kohya")
+    assert refused.returncode != 0 and "layout 'kohya': one of diffusers, wan, lightning" in refused.stderr
+
+
 def test_ctrl_c_while_the_application_deploys_removes_it(ray_cluster, tmp_path):
     """Ctrl-C at any moment removes what the command deployed: here while its group still starts
     (Serve lists the application DEPLOYING), not only once it serves."""
