@@ -9,7 +9,8 @@
 #   bash bench/gpu/issue84.sh serve   `serve run serve_configs/wan2.1_t2v_14b_4step.yaml` (FP8, compile, the
 #                                     LoRA fused at load): three 4-step videos and one of 40 steps with CFG
 #                                     and UniPC over /v1/videos/sync, where each one's seconds went, and the
-#                                     4-step frames against plain's (bench.few_step serve)
+#                                     4-step frames against plain's (bench.few_step serve); LONG_STEPS=10
+#                                     for a shorter long request
 #
 # No sage wheel on a fresh host: the YAML's attention_backend is replaced by diffusers' default.
 # OUT (default bench/results) is where logs and results go; MODELS (default /tmp) the checkpoints.
@@ -38,6 +39,7 @@ case "$PART" in
   serve)
     python -m bench.few_step serve --model "$MODELS/wan14b" --set loras.lightx2v="$MODELS/lightx2v" \
       --set attention_backend=auto --set compile_cache_dir="$MODELS/compile-cache" --frames-file "$MODELS/plain.npy" \
+      --long-steps "${LONG_STEPS:-40}" \
       --out "$OUT" --name "$NAME" >"$OUT/$NAME.log" 2>&1
     echo "serve: exit $?"
     tail -20 "$OUT/$NAME.log"
