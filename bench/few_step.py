@@ -38,7 +38,7 @@ _LINE = re.compile(r"ray_hsdp INFO request (\{.*\})\s*$")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("part", choices=["serve", "plain"])
+    parser.add_argument("part", choices=["serve", "plain", "report"])
     parser.add_argument("--config", type=Path, default=Path("serve_configs/wan2.1_t2v_14b_4step.yaml"))
     parser.add_argument("--model", required=True)
     parser.add_argument("--lora", help="plain: the LoRA fused for the few-step request")
@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--long-steps", type=int, default=40)
     parser.add_argument("--long-guidance", type=float, default=5.0)
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a field of the args")
-    parser.add_argument("--frames-file", type=Path, default=Path("/tmp/few-step-served.npy"))
+    parser.add_argument("--frames-file", type=Path, default=Path("/tmp/few-step-plain.npy"), help="plain's frames")
+    parser.add_argument("--served-file", type=Path, default=Path("/tmp/few-step-served.npy"), help="served frames")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--name", default="few-step-wan2.1-t2v-14b")
     return parser
@@ -83,7 +84,9 @@ def sync_video(base: str, headers: dict, fields: dict, log: Path) -> tuple[dict,
     started = time.perf_counter()
     encode_mp4(np.ascontiguousarray(frames), 16)
     mp4_s = time.perf_counter() - started
-    line = request_lines(log).get(answer.headers["X-Video-Id"], {})
+    line, deadline = {}, time.monotonic() + 20  # the replica's log reaches the driver's a moment later
+    while not line and time.monotonic() < deadline:
+        line = request_lines(log).get(answer.headers["X-Video-Id"]) or time.sleep(0.2) or {}
     run_s, step_s = line.get("run_s"), line.get("step_s")
     steps = line.get("steps") or 0
     row = {
@@ -109,6 +112,8 @@ def _round(seconds: float | None) -> float | None:
 
 
 def run_served(args) -> dict:
+    import numpy as np
+
     size = {"width": args.width, "height": args.height, "num_frames": args.frames}
     overrides = [f"max_steps={max(args.long_steps, 12)}", *args.set]
     server = ServedYaml(args.config, args.model, overrides, args.out, args.name)
@@ -119,7 +124,8 @@ def run_served(args) -> dict:
             row, frames = sync_video(server.base, server.headers, few, server.log_path)
             rows.append({"request": f"few-step {i + 1}", **row})
             print(rows[-1], flush=True)
-        drift = frames_drift(frames, args.frames_file)
+        np.save(args.served_file, frames)
+        drift = frames_drift(frames, np.load(args.frames_file)) if args.frames_file.exists() else None
         long = {"prompt": PROMPT, **size, "seed": 0, "num_inference_steps": args.long_steps}
         long |= {"guidance_scale": args.long_guidance, "extra_params": {"sample_solver": "unipc"}}
         row, _ = sync_video(server.base, server.headers, long, server.log_path)
@@ -130,15 +136,12 @@ def run_served(args) -> dict:
             "served": rows, "served_vs_plain_few_step": drift}  # fmt: skip
 
 
-def frames_drift(served, plain_file: Path) -> dict | None:
-    """How far the served MP4's frames (uint8) are from plain diffusers' (in [0, 1]), if it ran."""
+def frames_drift(served, plain) -> dict:
+    """How far the served MP4's frames (uint8) are from plain diffusers' (in [0, 1])."""
     import numpy as np
 
-    if not plain_file.exists():
-        return None
     from ray_hsdp.serve.media import decode_mp4, encode_mp4, to_uint8
 
-    plain = np.load(plain_file)
     diff = np.abs(np.asarray(served, dtype=np.float32)[: len(plain)] / 255.0 - plain)
     # What the MP4 alone costs: plain's frames through the same encoder and back.
     round_trip, _ = decode_mp4(encode_mp4(to_uint8(plain), 16))
@@ -185,6 +188,8 @@ def run_plain(args) -> list[dict]:
     np.save(args.frames_file, frames)
     rows.append({"request": "4 steps (euler, sigmas 1/0.75/0.5/0.25, shift 5), guidance 1, LoRA fused",
                  "pipeline_s": round(few_s, 3), "fuse_s": round(fuse_s, 1)})  # fmt: skip
+    if args.served_file.exists():  # the server ran first
+        rows[-1]["served_vs_plain"] = frames_drift(np.load(args.served_file), frames)
     return rows
 
 
@@ -212,11 +217,11 @@ def markdown(results: dict) -> str:
         for r in results["served"]
     ]
     plain = results.get("plain_diffusers") or []
-    tail = ["", "Plain diffusers on the same GPU, before the server (the pipeline call, no HTTP or MP4):", ""]
+    tail = ["", "Plain diffusers on the same GPU in the same session (the pipeline call, no HTTP or MP4):", ""]
     for r in plain:
         fused = f" (the LoRA fused in {r['fuse_s']} s)" if "fuse_s" in r else ""
         tail.append(f"- {r['request']}: {r['pipeline_s']:.2f} s{fused}")
-    drift = results.get("served_vs_plain_few_step")
+    drift = results.get("served_vs_plain_few_step") or (plain[-1].get("served_vs_plain") if plain else None)
     if drift:
         tail.append(f"- the last served few-step MP4's frames vs plain diffusers' few-step frames: mean abs "
                     f"{drift['mean_abs']}, max abs {drift['max_abs']} (in [0, 1]; FP8 and the MP4 included; the MP4 "
@@ -227,13 +232,14 @@ def markdown(results: dict) -> str:
 
 def main() -> None:
     args = build_parser().parse_args()
-    plain_path = args.out / f"{args.name}-plain.json"
+    plain_path, served_path = args.out / f"{args.name}-plain.json", args.out / f"{args.name}.json"
     if args.part == "plain":
         args.out.mkdir(parents=True, exist_ok=True)
         plain_path.write_text(json.dumps({"environment": environment(), "plain_diffusers": run_plain(args)}, indent=1))
         print(plain_path.read_text())
-        return
-    results = run_served(args)
+        if not served_path.exists():
+            return
+    results = run_served(args) if args.part == "serve" else json.loads(served_path.read_text())
     if plain_path.exists():
         results["plain_diffusers"] = json.loads(plain_path.read_text())["plain_diffusers"]
     write_results(args.out, args.name, results, markdown(results))

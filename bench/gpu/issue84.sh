@@ -31,14 +31,14 @@ echo "lora: ${SECONDS}s"
 
 case "$PART" in
   plain)
-    python -m bench.few_step plain --model "$MODELS/wan14b" --lora "$MODELS/lightx2v" --frames-file "$MODELS/plain.npy" \
+    python -m bench.few_step plain --model "$MODELS/wan14b" --lora "$MODELS/lightx2v" --frames-file "$MODELS/plain.npy" --served-file "$MODELS/served.npy" \
       --out "$OUT" --name "$NAME" >"$OUT/$NAME-plain.log" 2>&1
     echo "plain: exit $?"
     tail -14 "$OUT/$NAME-plain.log"
     ;;
   serve)
     python -m bench.few_step serve --model "$MODELS/wan14b" --set loras.lightx2v="$MODELS/lightx2v" \
-      --set attention_backend=auto --set compile_cache_dir="$MODELS/compile-cache" --frames-file "$MODELS/plain.npy" \
+      --set attention_backend=auto --set compile_cache_dir="$MODELS/compile-cache" --frames-file "$MODELS/plain.npy" --served-file "$MODELS/served.npy" \
       --long-steps "${LONG_STEPS:-40}" \
       --out "$OUT" --name "$NAME" >"$OUT/$NAME.log" 2>&1
     echo "serve: exit $?"
