@@ -9,7 +9,7 @@ diffusers, on the same GPU in the same run.
 first): the long request (``--long-steps``, the model's default guidance and scheduler), then the
 few-step one with the LoRA fused by diffusers itself (``load_lora_weights`` + ``fuse_lora``) and the
 scheduler a diffusers user writes for it (flow-match Euler, shift 5, lightx2v's sigmas); its frames
-are kept (``--frames-file``) for ``serve``.
+are kept (``--frames-file``).
 
 ``serve``: ``serve run`` of a copy of the YAML, then ``--requests`` synchronous videos
 (``POST /v1/videos/sync``, vllm-omni's multipart fields: prompt, width, height, num_frames, seed; the
@@ -18,8 +18,9 @@ with the model's default guidance and UniPC. For each, where its seconds went: t
 POST to the MP4's last byte; the group's run (its rank's text encoding, steps, and the decode with the
 frames' copy to the host, from the replica's request line); the MP4's encoding (the same frames
 encoded here, by the replica's encoder); the rest (HTTP, queues, the store, transfers); and the last
-few-step MP4's frames against plain diffusers' (when ``plain`` ran first). Both parts write
-``--out/--name``: ``serve`` adds ``plain``'s rows.
+few-step MP4's frames against plain diffusers' (computed by the part that runs second, in either
+order). Both parts write ``--out/--name``; the second writes the report of both (``report``
+rewrites it from the two JSON files).
 """
 
 from __future__ import annotations
