@@ -1,6 +1,6 @@
 """The job store's own housekeeping: ``expire`` what is past its ``expires_at`` (with its files),
 fail the released jobs no group took within ``lost_wait_s``, release the jobs whose owner is known
-gone (``job_leases``), and remove the media files no record holds (``job_store``).
+gone (``jobs.leases``), and remove the media files no record holds (``jobs.store``).
 
 It runs at some of the store's writes (the ingress' ``claim``, a few times a second; a create; a
 takeover); never at a read, which would wait for the housekeeping of every active job; and in no
@@ -13,7 +13,7 @@ import time
 
 from sqlalchemy import delete, or_, select
 
-from ray_hsdp.serve.job_records import ACTIVE, jobs_table
+from ray_hsdp.serve.jobs.records import ACTIVE, jobs_table
 
 logger = logging.getLogger("ray_hsdp")
 

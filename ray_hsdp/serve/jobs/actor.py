@@ -21,7 +21,7 @@ from pathlib import Path
 import ray
 
 from ray_hsdp.serve.credentials import redact_url, with_password
-from ray_hsdp.serve.job_store import JobStore
+from ray_hsdp.serve.jobs.store import JobStore
 
 #: The store actor's name and Ray namespace.
 STORE_NAME = "video_jobs"

@@ -20,7 +20,7 @@ from ray.util.placement_group import placement_group
 
 from ray_hsdp.config.topology import PLACEMENT_STRATEGY
 from ray_hsdp.group import remote_cause
-from ray_hsdp.serve.awake_set import (
+from ray_hsdp.serve.replica.awake_set import (
     FAILED,
     JOINING,
     PARKING,

@@ -1,4 +1,4 @@
-"""The owners' leases (``ray_hsdp.serve.job_leases``): a job leaves its owner when the owner's actor
+"""The owners' leases (``ray_hsdp.serve.jobs.leases``): a job leaves its owner when the owner's actor
 is dead, within seconds, long before ``stale_after_s``; never while the actor lives."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import time
 
 import ray
 
-from ray_hsdp.serve.job_store import JobStore
+from ray_hsdp.serve.jobs.store import JobStore
 
 
 @ray.remote(num_cpus=0)

@@ -2,7 +2,7 @@
 owner's steady report (nothing of its job to write) is answered from memory, without a database
 round trip.
 
-Safe because one store process makes every change to a job (``job_actor``): each transition other
+Safe because one store process makes every change to a job (``jobs.actor``): each transition other
 than a report (a create, release, adoption, claim, completion, failure, delete, or the sweep)
 forgets every row once its transaction has committed, and a row read before that is kept only when
 no transition ended while it was read.

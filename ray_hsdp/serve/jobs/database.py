@@ -9,7 +9,7 @@ import functools
 from sqlalchemy import create_engine, event
 from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 
-from ray_hsdp.serve.job_records import StoreUnavailableError
+from ray_hsdp.serve.jobs.records import StoreUnavailableError
 
 #: What a database that does not answer raises (a connection refused or lost, a locked SQLite file).
 DATABASE_DOWN = (OperationalError, InterfaceError, DisconnectionError)
@@ -39,7 +39,7 @@ def answering(method):
     reaches it; a database that does not answer raises ``StoreUnavailableError`` (a 503 to a
     caller; an owner's report waits) and stops every owner's silence from counting (``JobLeases``).
     A transaction that changed a row (a transition's: the reports' own writes keep what they wrote)
-    forgets the rows the reports hold as it commits (``_transaction``, ``job_reports``)."""
+    forgets the rows the reports hold as it commits (``_transaction``, ``jobs.reports``)."""
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):

@@ -15,7 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ray_hsdp.serve.schema import RequestLimitError
+from ray_hsdp.serve.errors import RequestLimitError
 
 #: Chat fields an image or video model has no use for, accepted and dropped: OpenAI's end-user id.
 DROPPED = ("user",)

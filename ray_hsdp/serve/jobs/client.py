@@ -1,7 +1,7 @@
-"""How the ingress and the group replicas reach the cluster's job store (``job_actor``): the actor
+"""How the ingress and the group replicas reach the cluster's job store (``jobs.actor``): the actor
 found again after it died (and, for an ingress, started again with the same locations), calls that
 must land retried through a store outage, and the media store read and written directly where this
-process reaches it (``job_media``), so MP4 bytes never cross the store's actor there."""
+process reaches it (``jobs.media``), so MP4 bytes never cross the store's actor there."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import ray
 
-from ray_hsdp.serve.job_media import JobMedia, media_reaches
-from ray_hsdp.serve.job_records import StoreUnavailableError
+from ray_hsdp.serve.jobs.media import JobMedia, media_reaches
+from ray_hsdp.serve.jobs.records import StoreUnavailableError
 
 logger = logging.getLogger("ray_hsdp")
 

@@ -1,6 +1,6 @@
 """The HTTP side of the application's ingress, as Ray Serve LLM splits it: the FastAPI app, its
 guard (API key, body size), the error answers (``errors``), how a video body is read, and the
-OpenAI-shaped routes (``OpenAIRoutes``, which ``openai_ingress.OpenAIIngress`` takes on).
+OpenAI-shaped routes (``OpenAIRoutes``, which ``ingress.server.OpenAIIngress`` takes on).
 
 No ``from __future__ import annotations`` here: FastAPI reads the routes' annotations as types."""
 
@@ -14,7 +14,6 @@ from pydantic import ValidationError
 from ray import serve
 
 from ray_hsdp.config.endpoint import EndpointConfig
-from ray_hsdp.serve import chat
 from ray_hsdp.serve.errors import (
     ModelLoadingError,
     RequestLimitError,
@@ -22,7 +21,8 @@ from ray_hsdp.serve.errors import (
     error_json,
     error_response,
 )
-from ray_hsdp.serve.keys import KeyCheck
+from ray_hsdp.serve.ingress import chat
+from ray_hsdp.serve.ingress.keys import KeyCheck
 from ray_hsdp.serve.schema import ImageGenerationRequest, VideoCreateRequest
 
 logger = logging.getLogger("ray_hsdp")
@@ -210,7 +210,7 @@ class OpenAIRoutes:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> dict:
-        """vllm-omni's chat route for an image or video model (``serve.chat``): the last user
+        """vllm-omni's chat route for an image or video model (``serve.ingress.chat``): the last user
         message is the prompt, and the answer carries the image(s) or the MP4 as data URLs."""
         try:
             body = await request.json()

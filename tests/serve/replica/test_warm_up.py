@@ -10,8 +10,8 @@ from ray_hsdp.config.app import AppConfig
 from ray_hsdp.config.blocks import WarmUpShape
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.serve.media import to_uint8
+from ray_hsdp.serve.replica.warm_up import start_warm
 from ray_hsdp.serve.schema import ImageGenerationRequest, VideoCreateRequest, to_generation_request, to_video_request
-from ray_hsdp.serve.warm_up import start_warm
 
 
 def test_warm_up_defaults_to_the_default_size_with_compile_and_is_checked_against_the_limits():
@@ -109,7 +109,7 @@ def test_a_shape_the_model_does_not_take_fails_the_deploy_once_before_any_weight
     import ray
     from ray import serve
 
-    from .served import deploy_config
+    from ..served import deploy_config
 
     app = {
         "name": "bad-warm-up",
@@ -128,7 +128,7 @@ def test_a_shape_the_model_does_not_take_fails_the_deploy_once_before_any_weight
 
 def test_an_adapters_schedule_its_pipeline_cannot_run_fails_the_start_not_each_request():
     from ray_hsdp.config.app import AppConfig
-    from ray_hsdp.serve.warm_up import refuse_adapter_schedules
+    from ray_hsdp.serve.replica.warm_up import refuse_adapter_schedules
 
     sigmas = AppConfig(model="tiny", loras={"d": "tiny-detail"}, lora_defaults={"d": {"sigmas": [1.0, 0.5]}})
     with pytest.raises(ValueError, match="lora_defaults 'd': sigmas with the pipeline's own scheduler"):

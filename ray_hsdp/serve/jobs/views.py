@@ -8,8 +8,8 @@ import time
 
 from sqlalchemy import func, select
 
-from ray_hsdp.serve.job_database import answering
-from ray_hsdp.serve.job_records import jobs_table, public, unexpired
+from ray_hsdp.serve.jobs.database import answering
+from ray_hsdp.serve.jobs.records import jobs_table, public, unexpired
 
 
 class JobViews:

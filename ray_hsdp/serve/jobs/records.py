@@ -31,7 +31,7 @@ from ray_hsdp.request import GenerationRequest, StepCache
 
 metadata = MetaData()
 
-#: One row per video job. ``owner`` and ``attempt`` guard every change of state (``job_store``).
+#: One row per video job. ``owner`` and ``attempt`` guard every change of state (``jobs.store``).
 jobs_table = Table(
     "ray_hsdp_video_jobs",
     metadata,
@@ -63,7 +63,7 @@ jobs_table = Table(
     Column("fields", JSON, nullable=False),  # the public fields the create gave (prompt, size, ...)
     Column("spec", Text),  # the request as JSON (``encode_spec``); NULL once the job has ended
     Column("media_bytes", BigInteger, nullable=False, default=0),
-    Column("media_key", String(200)),  # the stored files' stem (``job_media``)
+    Column("media_key", String(200)),  # the stored files' stem (``jobs.media``)
     # Why each attempt that failed under its job gave it up ("attempt N (code): why"), in order: a
     # job fails, naming them, once ``max_attempts`` have (``JobStore.release``).
     Column("attempt_errors", JSON),

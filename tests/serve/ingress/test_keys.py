@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ray_hsdp.config.app import AppConfig
-from ray_hsdp.serve.ingress import refuse_keyless
+from ray_hsdp.serve.ingress.routes import refuse_keyless
 
 CONFIG = AppConfig(model="tiny", device="cpu")
 
@@ -35,7 +35,7 @@ def test_a_keyless_replica_refuses_a_host_strangers_reach_naming_every_way_to_gi
 
 
 def test_a_key_check_holds_no_key_and_matches_only_the_key():
-    from ray_hsdp.serve.keys import KeyCheck
+    from ray_hsdp.serve.ingress.keys import KeyCheck
 
     check = KeyCheck.of("s3cret-key")
     assert check.matches("s3cret-key") and not check.matches("s3cret-kez") and not check.matches("")
@@ -44,7 +44,7 @@ def test_a_key_check_holds_no_key_and_matches_only_the_key():
 
 
 def test_a_key_from_the_environment_loses_its_trailing_newline_as_one_from_a_file(monkeypatch, tmp_path):
-    from ray_hsdp.serve.keys import KeyCheck, read_key
+    from ray_hsdp.serve.ingress.keys import KeyCheck, read_key
 
     monkeypatch.setenv("RAY_HSDP_TEST_KEY", "s3cret-key\n")  # a Kubernetes Secret as a variable
     assert read_key(None, "RAY_HSDP_TEST_KEY") == "s3cret-key"
@@ -69,9 +69,9 @@ def test_a_key_stored_in_the_cluster_reaches_replicas_that_have_no_other(server,
     import requests
     from ray import serve
 
-    from ray_hsdp.serve.keys import stored_key
+    from ray_hsdp.serve.ingress.keys import stored_key
 
-    from .served import deploy
+    from ..served import deploy
 
     ray_hsdp = [str(Path(sys.executable).with_name("ray-hsdp")), "key"]
     # With the newline a Secret exposed as a variable ends in: the key stored is the key without it.
@@ -150,7 +150,7 @@ def test_an_overlap_accepts_the_old_key_until_its_wall_clock_time_and_a_set_with
     import dataclasses
     import time
 
-    from ray_hsdp.serve.keys import KeyCheck
+    from ray_hsdp.serve.ingress.keys import KeyCheck
 
     old = KeyCheck.of("old-s3cret")
     both = KeyCheck.of("new-s3cret").keeping(old, time.time() + 60)
@@ -187,7 +187,7 @@ class Stored:
         import dataclasses
         import time
 
-        from ray_hsdp.serve.keys import KeyCheck
+        from ray_hsdp.serve.ingress.keys import KeyCheck
 
         until = time.time() + keep_old_for if keep_old_for else 0.0
         self.state = (dataclasses.replace(KeyCheck.of(key), keep_old_until=until), version)
@@ -195,7 +195,7 @@ class Stored:
 
 def keyed_replica(carried=None, host="0.0.0.0", app="app"):
     """A ``ReplicaKey`` over a ``Stored`` stand-in, refusing keyless serving as the ingress does."""
-    from ray_hsdp.serve.keys import ReplicaKey
+    from ray_hsdp.serve.ingress.keys import ReplicaKey
 
     stored = Stored()
     replica = ReplicaKey(carried, app, lambda check, config: refuse_keyless(check, config, host, app), stored=stored)
@@ -212,7 +212,7 @@ def test_one_order_of_sources_a_stored_key_wins_over_a_carried_one_a_file_and_th
     """Issue 82, 7a and 7b: a key stored with `key set` is the operator's latest word: it wins over
     the key `ray-hsdp serve` carried, `api_key_file` and the nodes' environment; `key remove` hands
     back to the next source in the order."""
-    from ray_hsdp.serve.keys import CARRIED, ENV, FILE, STORED, KeyCheck
+    from ray_hsdp.serve.ingress.keys import CARRIED, ENV, FILE, STORED, KeyCheck
 
     monkeypatch.setenv("RAY_HSDP_TEST_KEY", "env-s3cret")
     (tmp_path / "key").write_text("file-s3cret\n")
@@ -239,7 +239,7 @@ def test_one_order_of_sources_a_stored_key_wins_over_a_carried_one_a_file_and_th
 def test_a_rotation_with_an_overlap_keeps_the_key_each_replica_served_whatever_its_source(tmp_path):
     """Issue 82, 7e: `key set --keep-old-for 60` over a key `ray-hsdp serve` carried: the replica
     accepts both until the overlap ends; the next `key set` without one refuses every earlier key."""
-    from ray_hsdp.serve.keys import KeyCheck
+    from ray_hsdp.serve.ingress.keys import KeyCheck
 
     replica, stored = keyed_replica(carried=KeyCheck.of("carried-s3cret"))
     replica.read(endpoint(tmp_path, key_file=False))
@@ -263,7 +263,7 @@ def test_an_empty_or_unreadable_source_never_opens_a_server_the_last_key_stays_a
     reach, and serves open only on a loopback host."""
     import logging
 
-    from ray_hsdp.serve.keys import FILE, OPEN, REFUSING, STORED, KeyCheck
+    from ray_hsdp.serve.ingress.keys import FILE, OPEN, REFUSING, STORED, KeyCheck
 
     monkeypatch.delenv("RAY_HSDP_TEST_KEY", raising=False)
     key_file = tmp_path / "key"
@@ -294,7 +294,7 @@ def test_an_empty_or_unreadable_source_never_opens_a_server_the_last_key_stays_a
 
 
 def test_a_key_file_that_cannot_be_read_is_an_error_naming_its_path_never_its_content(tmp_path):
-    from ray_hsdp.serve.keys import read_key
+    from ray_hsdp.serve.ingress.keys import read_key
 
     (tmp_path / "key").write_bytes(b"\xff\xfe s3cret")
     with pytest.raises(ValueError, match="cannot be read") as refused:
@@ -331,7 +331,7 @@ def test_key_set_rotates_the_key_ray_hsdp_serve_carried_on_every_replica_with_an
     from ray import serve
 
     from ray_hsdp.serve.app import build_application
-    from ray_hsdp.serve.keys import CARRIED, STORED, replica_sources, stored_key
+    from ray_hsdp.serve.ingress.keys import CARRIED, STORED, replica_sources, stored_key
 
     cli = [str(Path(sys.executable).with_name("ray-hsdp")), "key"]
 

@@ -1,4 +1,4 @@
-"""The video job store and its state machine (``ray_hsdp.serve.job_store``), against SQLite and
+"""The video job store and its state machine (``ray_hsdp.serve.jobs.store``), against SQLite and
 against a real PostgreSQL server that the tests start themselves (``tests/postgres.py``)."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from postgres import postgres as postgres_running
 from postgres import postgres_server, server_binaries
 
 from ray_hsdp.request import GenerationRequest, StepCache
-from ray_hsdp.serve.job_leases import JobLeases
-from ray_hsdp.serve.job_records import StoreUnavailableError, decode_spec, encode_spec
-from ray_hsdp.serve.job_store import TRANSITION_METHODS, TRANSITIONS, JobStore
+from ray_hsdp.serve.jobs.leases import JobLeases
+from ray_hsdp.serve.jobs.records import StoreUnavailableError, decode_spec, encode_spec
+from ray_hsdp.serve.jobs.store import TRANSITION_METHODS, TRANSITIONS, JobStore
 
 LIMITS = {"max_jobs": 8, "max_bytes": 2**20, "ttl_s": 60, "stale_after_s": 60, "lost_wait_s": 60, "max_attempts": 3}
 
@@ -378,7 +378,7 @@ def test_a_steady_report_reads_no_row_and_a_transition_makes_the_next_read_it(st
 
 
 def test_rows_read_while_a_transition_ended_are_not_held():
-    from ray_hsdp.serve.job_reports import Held, HeldJobs
+    from ray_hsdp.serve.jobs.reports import Held, HeldJobs
 
     held, row = HeldJobs(), Held("in_progress", "a", 1, 10, 0)
     version, rows = held.read(["v"])

@@ -2,8 +2,8 @@
 the cluster's job store, report progress (one poller per replica), take over jobs waiting on busy
 groups, run the jobs the ingress places here, and release the jobs whose group failed, filled or
 was removed (the ingress places them on another group: ``OpenAIIngress``). Every change of a job's
-owner is a transition of the store (``job_store``), guarded by the job's attempt, which every
-report here carries. The job reads the ingress answers (``JobReads``) live here too."""
+owner is a transition of the store (``jobs.store``), guarded by the job's attempt, which every
+report here carries."""
 
 from __future__ import annotations
 
@@ -21,15 +21,11 @@ from ray_hsdp.serve.detached import Detached
 from ray_hsdp.serve.errors import (
     JobTableFullError,
     RequestLimitError,
-    VideoGoneError,
-    VideoNotFoundError,
-    VideoNotReadyError,
     job_error_code,
 )
-from ray_hsdp.serve.job_records import decode_spec, encode_spec
-from ray_hsdp.serve.job_store import DECODED, DENOISED
+from ray_hsdp.serve.jobs.records import decode_spec, encode_spec
+from ray_hsdp.serve.jobs.store import DECODED, DENOISED
 from ray_hsdp.serve.media import encode_mp4, encode_png
-from ray_hsdp.serve.model_health import SHARE_SERVING
 from ray_hsdp.serve.schema import VideoCreateRequest, to_video_request
 
 logger = logging.getLogger("ray_hsdp")
@@ -45,44 +41,6 @@ def _application_going() -> bool:
     except Exception:  # noqa: BLE001 - no controller to ask: Serve itself is going
         return True
     return app is None or app.status == "DELETING"
-
-
-class JobReads:
-    """A job's object and content, read from the job store (``self.store``, a ``StoreClient``) as
-    the endpoint ``self.endpoint`` holds them; its model's state from ``self.watch`` (``ModelWatch``)."""
-
-    async def video(self, video_id: str) -> dict:
-        """The video object of a job; a queued one whose model sleeps or wakes on its GPU share says
-        so in ``model_state`` (``waking``: it starts once its model is awake)."""
-        found = await self.store.call("get", self.endpoint, video_id)
-        if found is None:
-            raise VideoNotFoundError(f"no video {video_id!r} (never created, deleted, or expired)")
-        state = self.watch.states.get(found.get("model")) if found["status"] == "queued" else None
-        return {**found, "model_state": state} if state in SHARE_SERVING else found
-
-    async def video_content(self, video_id: str, variant: str = "video") -> bytes:
-        """The MP4 of a completed job, or its first frame as PNG (``variant="thumbnail"``): read
-        from the media store here where this process reaches it, else through the store."""
-        if variant not in ("video", "thumbnail"):
-            raise RequestLimitError(f"variant must be 'video' or 'thumbnail', got {variant!r}")
-        media = await self.store.media()
-        if media is not None:
-            status, found = await self.store.call("locate", self.endpoint, video_id)
-            if status == "ok":
-                data = await asyncio.to_thread(media.read, found, variant)
-                status, found = ("ok", data) if data is not None else ("gone", f"its {variant} file is missing")
-        else:
-            status, found = await self.store.call("content", self.endpoint, video_id, variant)
-        if status == "missing":
-            raise VideoNotFoundError(f"no video {video_id!r} (never created, deleted, or expired)")
-        if status == "not_ready":
-            raise VideoNotReadyError(f"video {video_id!r} is {found}; its content exists once it is completed")
-        if status == "gone":
-            raise VideoGoneError(
-                f"video {video_id!r} completed, but {found} from the media store (removed outside ray_hsdp, or a "
-                "media_store that did not outlive its records): create it again"
-            )
-        return found
 
 
 class VideoJobs:

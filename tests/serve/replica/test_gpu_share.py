@@ -17,12 +17,12 @@ from support import embedded_pipeline, reference_frames, wait_until
 from test_model_qwen_image import model_card_frames
 
 from ray_hsdp.request import GenerationRequest
-from ray_hsdp.serve.gpu_share import SHARE_NAMESPACE, close_share, share_actor_name
+from ray_hsdp.serve.replica.gpu_share import SHARE_NAMESPACE, close_share, share_actor_name
 
-from .prometheus import scrape, total
-from .test_many_models import pixels
+from ..prometheus import scrape, total
+from ..test_many_models import pixels
 
-YAML = Path(__file__).resolve().parents[2] / "serve_configs" / "tiny_cpu_share.yaml"
+YAML = Path(__file__).resolve().parents[3] / "serve_configs" / "tiny_cpu_share.yaml"
 APP, WAN, QWEN, SHARE = "share", "share-wan", "share-qwen", "test-share"
 
 
@@ -52,7 +52,7 @@ def share_states() -> dict:
 def share_app(server):
     from ray import serve
 
-    from .served import deploy_config
+    from ..served import deploy_config
 
     deploy_config(server, applications(), timeout_s=240)
     url = f"{server}/{APP}"

@@ -1,4 +1,4 @@
-"""The media store (``ray_hsdp.serve.job_media``) under the store's sweep: files written whole,
+"""The media store (``ray_hsdp.serve.jobs.media``) under the store's sweep: files written whole,
 failed removals tried again, orphans removed, what a record holds kept."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 import time
 
-from ray_hsdp.serve.job_media import PARTIAL, JobMedia
-from ray_hsdp.serve.job_store import JobStore
+from ray_hsdp.serve.jobs.media import PARTIAL, JobMedia
+from ray_hsdp.serve.jobs.store import JobStore
 
 
 def test_a_write_leaves_no_partial_file_and_reads_back(tmp_path):

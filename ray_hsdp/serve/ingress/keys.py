@@ -7,7 +7,7 @@ the key (an API key is a long random token: a fast digest of it cannot be search
 the key nor its digest is ever printed or logged.
 
 Where an ingress replica finds its key: one order, first found wins, looked at again every few
-seconds (``openai_ingress.KEY_REFRESH_S``), so a rotation from any source reaches every replica
+seconds (``ingress.server.KEY_REFRESH_S``), so a rotation from any source reaches every replica
 within 10 s with no restart:
 
 1. ``stored``: stored in the cluster for the application's name by ``ray-hsdp key set --app NAME``
@@ -320,7 +320,7 @@ class ReplicaKey:
         carried: The check ``ray-hsdp serve`` carried, or ``None``.
         app: The application's name (the stored key's).
         refuse: ``refuse(check, config)`` raises ``ValueError`` where ``check`` is ``None`` and the
-            server may not serve without a key (``ingress.refuse_keyless``).
+            server may not serve without a key (``ingress.routes.refuse_keyless``).
         replica: The replica's full Serve id (its actor's name); "" reports nothing.
         stored: Reads the stored key (``stored_state``; a test gives its own).
     """

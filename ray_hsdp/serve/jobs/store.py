@@ -4,7 +4,7 @@ Every change of a job's state or owner is one transition here, one database tran
 by the job's ``owner`` and ``attempt`` (a compare-and-set ``UPDATE ... WHERE``): a report of an
 earlier attempt is refused, and one attempt is adopted once whichever replicas race. The records
 and the MP4s outlive every deployment: they live in a database (SQLAlchemy URL: SQLite by default,
-PostgreSQL for several nodes) and a media store (``job_media``), not in any replica's memory.
+PostgreSQL for several nodes) and a media store (``jobs.media``), not in any replica's memory.
 
     create ──> queued ──start──> in_progress ──complete──> completed
                  │  ▲               │
@@ -13,9 +13,9 @@ PostgreSQL for several nodes) and a media store (``job_media``), not in any repl
                  └──release─────────┘
     fail, cancel (delete) and expire end a job from any active state; terminal states never change.
 
-A job leaves its owner only when the owner is known gone (``job_leases``): a database that does
+A job leaves its owner only when the owner is known gone (``jobs.leases``): a database that does
 not answer delays reports (each call then raises ``StoreUnavailableError``) and never releases a
-job. One store process serves the cluster (``job_actor``): the leases live in its memory, and
+job. One store process serves the cluster (``jobs.actor``): the leases live in its memory, and
 ``delete``, ``expire`` and ``claim``'s hold are exact only there (the adoption is guarded in the
 database whatever runs it). A store serves several endpoints (applications) of one cluster: each
 job belongs to the endpoint whose ingress took it, and each endpoint has its own limits.
@@ -33,10 +33,10 @@ from sqlalchemy import and_, delete, event, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from ray_hsdp.config.endpoint import EndpointConfig
-from ray_hsdp.serve.job_database import answering, engine_for
-from ray_hsdp.serve.job_leases import JobLeases
-from ray_hsdp.serve.job_media import JobMedia
-from ray_hsdp.serve.job_records import (
+from ray_hsdp.serve.jobs.database import answering, engine_for
+from ray_hsdp.serve.jobs.leases import JobLeases
+from ray_hsdp.serve.jobs.media import JobMedia
+from ray_hsdp.serve.jobs.records import (
     ACTIVE,
     add_missing_columns,
     endpoints_table,
@@ -44,9 +44,9 @@ from ray_hsdp.serve.job_records import (
     metadata,
     public,
 )
-from ray_hsdp.serve.job_reports import Held, HeldJobs
-from ray_hsdp.serve.job_sweep import JobSweep, released_values
-from ray_hsdp.serve.job_views import JobViews
+from ray_hsdp.serve.jobs.reports import Held, HeldJobs
+from ray_hsdp.serve.jobs.sweep import JobSweep, released_values
+from ray_hsdp.serve.jobs.views import JobViews
 
 #: Progress (0-100) at the end of denoising; decode and MP4 encoding fill the rest.
 DENOISED = 90

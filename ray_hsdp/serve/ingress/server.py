@@ -1,5 +1,5 @@
 """The application's ingress (Ray Serve LLM's ``OpenAiIngress``): a light deployment, a replica on
-each node, that answers the HTTP API (``ingress``: the key, the limits, the routes) and the handle
+each node, that answers the HTTP API (``ingress.routes``: the key, the limits, the routes) and the handle
 API for every model of the application. It picks the model's pool by the request's ``model`` and
 calls that pool's group deployment (``HSDPServer``, one replica per shard group) by handle.
 
@@ -33,17 +33,17 @@ from ray_hsdp.serve.errors import (
     VideoNotFoundError,
     job_failure,
 )
-from ray_hsdp.serve.ingress import OpenAIRoutes, api, refuse_keyless, serve_http_host
-from ray_hsdp.serve.job_actor import open_store
-from ray_hsdp.serve.job_client import STORE_AWAY, StoreClient
-from ray_hsdp.serve.job_records import pool_of
-from ray_hsdp.serve.job_store import limits
-from ray_hsdp.serve.keys import KeyCheck, ReplicaKey
+from ray_hsdp.serve.ingress.keys import KeyCheck, ReplicaKey
+from ray_hsdp.serve.ingress.routes import OpenAIRoutes, api, refuse_keyless, serve_http_host
+from ray_hsdp.serve.jobs.actor import open_store
+from ray_hsdp.serve.jobs.client import STORE_AWAY, StoreClient
+from ray_hsdp.serve.jobs.reads import JobReads
+from ray_hsdp.serve.jobs.records import pool_of
+from ray_hsdp.serve.jobs.store import limits
 from ray_hsdp.serve.logs import show_logs
 from ray_hsdp.serve.model_health import CHECK_TIMEOUT_S, LOADING, ModelWatch
 from ray_hsdp.serve.routing import SERVER_NAME
 from ray_hsdp.serve.schema import ImageGenerationRequest, VideoCreateRequest, with_seed
-from ray_hsdp.serve.videos import JobReads
 
 logger = logging.getLogger("ray_hsdp")
 
@@ -70,7 +70,7 @@ ROOM_CODES = ("overloaded",)
 
 #: How often an ingress replica reads its key again (``ray-hsdp key set`` / ``key remove``, a new
 #: ``api_key_file``): a rotation takes effect within this, with no restart. Well under the 10 s a
-#: rotation may take to reach every replica (``serve.keys``), a look at the stored key included.
+#: rotation may take to reach every replica (``serve.ingress.keys``), a look at the stored key included.
 KEY_REFRESH_S = 2.0
 
 
@@ -97,7 +97,7 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
         servers: Model id -> the handle of its group deployment, or the name of the model's own
             application (``build_model``), in the configuration's order.
         api_key: The key's check carried from where the application was built; ``None``: each
-            replica finds its own (``serve.keys``).
+            replica finds its own (``serve.ingress.keys``).
     """
 
     def __init__(
@@ -113,7 +113,7 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
         #: The name the job store keeps this endpoint's jobs (and limits) under: the application's.
         self.endpoint = app
         host, replica = serve_http_host(), serve.get_replica_context().replica_id.to_full_id_str()
-        #: Where this replica finds its key, in ``serve.keys``' order, and reports it (``key show``).
+        #: Where this replica finds its key, in ``serve.ingress.keys``' order, and reports it (``key show``).
         self._key = ReplicaKey(api_key, app, lambda check, config: refuse_keyless(check, config, host, app), replica)
         #: The check of the key every route but /health asks for (the guard reads it); None: none.
         self.key_check = self._key.read(self.config)
@@ -175,7 +175,7 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
             logger.error("Giving the job store this endpoint's limits failed: %s", err)
 
     async def _read_key_again(self) -> None:
-        """Every ``KEY_REFRESH_S``: the key as ``serve.keys`` finds it now (``ReplicaKey.refresh``:
+        """Every ``KEY_REFRESH_S``: the key as ``serve.ingress.keys`` finds it now (``ReplicaKey.refresh``:
         a source that cannot be read keeps the key; a key that is gone leaves a server that
         strangers may reach refusing every request, never open)."""
         while True:

@@ -1,5 +1,5 @@
 """A model's group deployment: one replica owns one shard group (the engine, kept by
-``GroupKeeper``) and answers handle calls from the application's ingress (``openai_ingress``), never
+``GroupKeeper``) and answers handle calls from the application's ingress (``ingress.server``), never
 HTTP; its video jobs run in ``videos``; every error is answered by ``errors``' one table, there."""
 
 import asyncio
@@ -20,19 +20,19 @@ from ray_hsdp.config.topology import ParallelDims
 from ray_hsdp.group import GroupFailedError, QueueTimeoutError, ShardGroup
 from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
 from ray_hsdp.serve.errors import RequestLimitError, UnknownModelError
-from ray_hsdp.serve.gpu_share import WakeFailedError
-from ray_hsdp.serve.job_actor import find_store
-from ray_hsdp.serve.job_client import StoreClient
-from ray_hsdp.serve.job_records import pool_of
-from ray_hsdp.serve.keeper import GroupKeeper
+from ray_hsdp.serve.jobs.actor import find_store
+from ray_hsdp.serve.jobs.client import StoreClient
+from ray_hsdp.serve.jobs.records import pool_of
 from ray_hsdp.serve.logs import show_logs
-from ray_hsdp.serve.metrics import ReplicaMetrics
-from ray_hsdp.serve.model_facts import ModelFacts
+from ray_hsdp.serve.replica.gpu_share import WakeFailedError
+from ray_hsdp.serve.replica.keeper import GroupKeeper
+from ray_hsdp.serve.replica.metrics import ReplicaMetrics
+from ray_hsdp.serve.replica.model_facts import ModelFacts
+from ray_hsdp.serve.replica.share_member import ShareMember
+from ray_hsdp.serve.replica.videos import VideoJobs
+from ray_hsdp.serve.replica.warm_up import check_shapes, start_warm
 from ray_hsdp.serve.routing import GROUP_LOAD, GROUP_OK
 from ray_hsdp.serve.schema import ImageGenerationRequest, image_response, to_generation_request
-from ray_hsdp.serve.share_member import ShareMember
-from ray_hsdp.serve.videos import VideoJobs
-from ray_hsdp.serve.warm_up import check_shapes, start_warm
 
 logger = logging.getLogger("ray_hsdp")
 

@@ -4,7 +4,7 @@ with work in flight or a resident one; an unknown size leaves room for nothing e
 import pytest
 
 from ray_hsdp.config.app import AppConfig
-from ray_hsdp.serve.awake_set import READY, SLEEPING, AwakeSet
+from ray_hsdp.serve.replica.awake_set import READY, SLEEPING, AwakeSet
 
 GIB = 2**30
 

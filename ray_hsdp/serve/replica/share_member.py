@@ -14,7 +14,7 @@ from ray_hsdp.config.app import AppConfig
 from ray_hsdp.config.topology import ParallelDims
 from ray_hsdp.group import QueueTimeoutError, ShardGroup
 from ray_hsdp.group.residency import reserve_host
-from ray_hsdp.serve.gpu_share import open_share
+from ray_hsdp.serve.replica.gpu_share import open_share
 
 #: How long a replica waits for the share's placement group (its GPUs) to be placed.
 PLACEMENT_WAIT_S = 600.0

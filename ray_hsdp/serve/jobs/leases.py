@@ -10,7 +10,7 @@ it. Two ways to know (``JobLeases.gone``):
   release; it never causes one: the silence of an owner counts only from the moment the store
   could hear it again.
 
-Held in the store process' memory: the cluster has one store actor (``job_actor``). A restarted
+Held in the store process' memory: the cluster has one store actor (``jobs.actor``). A restarted
 store starts every owner's lease afresh and learns each owner's handle at its next report.
 """
 
