@@ -33,11 +33,11 @@ from ray_hsdp.serve.errors import (
     VideoNotFoundError,
     job_failure,
 )
+from ray_hsdp.serve.ingress.job_reads import JobReads
 from ray_hsdp.serve.ingress.keys import KeyCheck, ReplicaKey
 from ray_hsdp.serve.ingress.routes import OpenAIRoutes, api, refuse_keyless, serve_http_host
 from ray_hsdp.serve.jobs.actor import open_store
 from ray_hsdp.serve.jobs.client import STORE_AWAY, StoreClient
-from ray_hsdp.serve.jobs.reads import JobReads
 from ray_hsdp.serve.jobs.records import pool_of
 from ray_hsdp.serve.jobs.store import limits
 from ray_hsdp.serve.logs import show_logs
