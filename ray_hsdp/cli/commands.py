@@ -225,9 +225,9 @@ def _follow(group, future, request_id: str, steps: int) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     import ray
 
-    from ray_hsdp.config.group import GroupConfig, parse_size
+    from ray_hsdp.config.group import GroupConfig
     from ray_hsdp.group import ShardGroup
-    from ray_hsdp.request import GenerationRequest, fit_image, parse_lora
+    from ray_hsdp.request import GenerationRequest, fit_image, parse_lora, parse_size
     from ray_hsdp.serve.media import encode_mp4
     from ray_hsdp.serve.schema import image_response
 
@@ -451,7 +451,7 @@ def _add_make_tiny(sub) -> None:
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     """Writes the FP8 folder of a model, with the options of the group that will serve it."""
-    from ray_hsdp.checkpoints.quantize import write_fp8_folder
+    from ray_hsdp.cli.quantize import write_fp8_folder
     from ray_hsdp.cli.serve_flags import lora_files
     from ray_hsdp.loading.components import resolve_lora_path, resolve_model_path
     from ray_hsdp.request import parse_lora

@@ -21,12 +21,12 @@ from pydantic import (
 
 from ray_hsdp import deadlines
 from ray_hsdp.config.app import AppConfig
-from ray_hsdp.config.group import parse_size
 from ray_hsdp.request import (
     GenerationRequest,
     GenerationResult,
     fit_image,
     parse_lora,
+    parse_size,
 )
 from ray_hsdp.serve.errors import ImageTooLargeError, RequestLimitError
 from ray_hsdp.serve.media import encode_image, frames_for_seconds

@@ -19,6 +19,7 @@ from ray_hsdp.config.app import AppConfig
 from ray_hsdp.config.topology import ParallelDims
 from ray_hsdp.group import GroupFailedError, QueueTimeoutError, ShardGroup
 from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
+from ray_hsdp.serve.autoscaling import LOAD_METRIC
 from ray_hsdp.serve.errors import RequestLimitError, UnknownModelError
 from ray_hsdp.serve.jobs.actor import find_store
 from ray_hsdp.serve.jobs.client import StoreClient
@@ -287,8 +288,6 @@ class HSDPServer(VideoJobs, ModelFacts):
         """The load Serve's autoscaling policy sizes the pool on (``ray_hsdp.serve.autoscaling``):
         requests the group holds, queued or running, video jobs included; a group being rebuilt
         counts its waiting video jobs."""
-        from ray_hsdp.serve.autoscaling import LOAD_METRIC
-
         return {LOAD_METRIC: float(self._load())}
 
     def _state(self) -> str:

@@ -15,11 +15,10 @@ import logging
 
 from ray_hsdp.config.app import AppConfig
 from ray_hsdp.config.blocks import WarmUpShape
-from ray_hsdp.config.group import parse_size
 from ray_hsdp.group import ShardGroup
 from ray_hsdp.group.warm_up import gray_png
 from ray_hsdp.loading.page_cache import read_ahead_in_background
-from ray_hsdp.request import GenerationRequest, GenerationResult
+from ray_hsdp.request import GenerationRequest, GenerationResult, parse_size
 from ray_hsdp.serve.errors import RequestLimitError
 from ray_hsdp.serve.media import encode_mp4, encode_png
 from ray_hsdp.serve.schema import (

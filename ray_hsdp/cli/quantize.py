@@ -6,6 +6,9 @@ quantizes them at its start (one float32 scale per output row, computed whole: t
 group gathers from its ranks). They are stored in FP8 (``F8_E4M3``) beside their scales
 (``<linear>.weight_scale``); every other tensor and component is the source's. The other files are
 hard links where the file system allows (copies elsewhere).
+
+It lives beside the command that runs it: it reads through ``loading``'s steps, which
+``checkpoints`` (below ``loading``) may not import.
 """
 
 from __future__ import annotations

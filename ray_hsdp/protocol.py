@@ -1,6 +1,9 @@
 """The tick protocol's parts: the states and keys a rank offers at a tick, the errors, what
 completes exactly once (a request's job, a forward call), and the seams the runtime drives (the
-modules, the exchange, the observer). Contract: the package docstring."""
+modules, the exchange, the observer). Contract: ``ray_hsdp.runtime``'s docstring.
+
+Layer: the bottom one (the standard library only), so that the runtime and a request's variant
+(lanes, step caches), the pipeline, the rank and the group read the same keys and tickets."""
 
 from __future__ import annotations
 
