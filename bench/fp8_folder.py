@@ -101,7 +101,7 @@ def main() -> None:
 
     import torch
 
-    from ray_hsdp.checkpoints.quantize import write_fp8_folder
+    from ray_hsdp.cli.quantize import write_fp8_folder
     from ray_hsdp.config.group import GroupConfig
 
     ensure_model(args.arch, args.model_dir, "cuda")

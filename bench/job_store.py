@@ -3,7 +3,7 @@
     python -m bench.job_store --db sqlite --out bench/results
     python -m bench.job_store --db postgresql --out bench/results   # starts a PostgreSQL of its own
 
-The store's actor alone (``ray_hsdp.serve.job_actor``) on a Ray of its own, as the cluster runs it.
+The store's actor alone (``ray_hsdp.serve.jobs.actor``) on a Ray of its own, as the cluster runs it.
 ``--owners`` owners (a replica each, spread over ``--hosts`` processes as replicas are) hold
 ``--jobs-per-owner`` active jobs each and report them ``--hz`` times a second (``renew``, the
 replica's one call per round for all its jobs);
@@ -43,7 +43,7 @@ class OwnerHost:
     """One process of owners (as a group replica is one): each owner holds one job and reports it."""
 
     def __init__(self, owners: list[str], hz: float, mp4_bytes: int, through_store: bool, per_owner: int = 1):
-        from ray_hsdp.serve.job_actor import find_store
+        from ray_hsdp.serve.jobs.actor import find_store
 
         self.store = find_store()
         self.owners, self.period = owners, 1.0 / hz
@@ -85,7 +85,7 @@ class OwnerHost:
 
     async def complete_one(self) -> float:
         """Completes one owner's job with an MP4 and starts the next; returns its seconds."""
-        from ray_hsdp.serve.job_media import JobMedia
+        from ray_hsdp.serve.jobs.media import JobMedia
 
         owner = self.owners[self.completed % len(self.owners)]
         video_id, attempt = self.jobs[owner][0]
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import ray
 
-    from ray_hsdp.serve.job_actor import open_store
+    from ray_hsdp.serve.jobs.actor import open_store
 
     with contextlib.ExitStack() as stack:
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_jobs_")))

@@ -109,8 +109,7 @@ def options_of(layout: str, args) -> tuple[dict, tuple]:
 def request_for(size: str, frames: int, steps: int, request_id: str, seed: int = 0, image: bool = False):
     """One guided request; with ``image``, an image-to-video request whose first frame is the
     bench's synthetic image."""
-    from ray_hsdp.config.group import parse_size
-    from ray_hsdp.request import GenerationRequest
+    from ray_hsdp.request import GenerationRequest, parse_size
 
     width, height = parse_size(size)
     return GenerationRequest(

@@ -142,7 +142,7 @@ def build(config):
     """A started group, as a Serve replica builds its own (with ``--config``: its shapes warmed)."""
     from ray_hsdp.config.app import AppConfig
     from ray_hsdp.group import ShardGroup
-    from ray_hsdp.serve.warm_up import start_warm
+    from ray_hsdp.serve.replica.warm_up import start_warm
 
     group = ShardGroup(config)
     return start_warm(group, config) if isinstance(config, AppConfig) else group.start()
@@ -150,7 +150,7 @@ def build(config):
 
 def one_start(config, args, kill: bool) -> dict:
     """One start, its first answers, and with ``kill`` a rank's kill to the rebuilt group's answer."""
-    from ray_hsdp.serve.keeper import GroupKeeper
+    from ray_hsdp.serve.replica.keeper import GroupKeeper
 
     started = time.perf_counter()
     keeper = GroupKeeper(lambda: build(config))
@@ -198,7 +198,7 @@ def timed_requests(config, facts: dict, steps: int) -> list:
 
     from ray_hsdp.config.app import AppConfig
     from ray_hsdp.request import GenerationRequest
-    from ray_hsdp.serve.warm_up import warm_up_request
+    from ray_hsdp.serve.replica.warm_up import warm_up_request
 
     shapes = config.warm_up_shapes() if isinstance(config, AppConfig) else []
     if not shapes:

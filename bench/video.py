@@ -58,8 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def measure(group, size: str, tiling: str, args) -> dict:
     """One request of ``size`` on ``group``, profiled: its phases, its MP4 encode, or its error."""
-    from ray_hsdp.config.group import parse_size
-    from ray_hsdp.request import GenerationRequest
+    from ray_hsdp.request import GenerationRequest, parse_size
     from ray_hsdp.serve.media import encode_mp4
 
     width, height = parse_size(size)
@@ -127,9 +126,9 @@ def main() -> None:
 
     import ray
 
-    from ray_hsdp.config.group import GroupConfig, parse_size
+    from ray_hsdp.config.group import GroupConfig
     from ray_hsdp.group import ShardGroup
-    from ray_hsdp.request import GenerationRequest
+    from ray_hsdp.request import GenerationRequest, parse_size
 
     written_s = ensure_model(args.arch, args.model_dir, args.device)
     if args.warmup:

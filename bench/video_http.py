@@ -44,7 +44,7 @@ def main() -> None:
 
     import openai
 
-    from ray_hsdp.config.group import parse_size
+    from ray_hsdp.request import parse_size
     from ray_hsdp.serve.media import decode_mp4
 
     server = ServedYaml(args.config, args.model, args.set, args.out, args.name)
@@ -87,8 +87,7 @@ def run_plain_request(args, video, served_frames) -> dict:
     import numpy as np
 
     from bench.lanes import run_plain
-    from ray_hsdp.config.group import parse_size
-    from ray_hsdp.request import GenerationRequest
+    from ray_hsdp.request import GenerationRequest, parse_size
 
     width, height = parse_size(args.size)
     request = GenerationRequest(

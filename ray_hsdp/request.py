@@ -181,6 +181,21 @@ class GenerationRequest:
         return self.width * self.height * self.num_frames * self.n
 
 
+def parse_size(size: str) -> tuple[int, int]:
+    """Parses ``"WxH"`` into ``(width, height)``.
+
+    Raises:
+        ValueError: The text is not two positive integers joined by ``x``, or a side is not a multiple of 16.
+    """
+    parts = size.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"size must be 'WxH' with integer width and height, e.g. '64x64'; got {size!r}")
+    width, height = int(parts[0]), int(parts[1])
+    if width < 16 or height < 16 or width % 16 or height % 16:
+        raise ValueError(f"width and height must be positive multiples of 16; got {width}x{height}")
+    return width, height
+
+
 def parse_lora(value) -> tuple[tuple[str, float], ...]:
     """The adapters a client asked for, as ``(name, scale)`` pairs in the order given.
 

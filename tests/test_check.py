@@ -187,7 +187,7 @@ def test_weights_per_gpu_count_keep_gathered_and_fp8(capsys, tmp_path, tiny_mode
 
 
 def test_a_warm_up_shape_the_model_refuses_fails_check_before_any_weight(capsys, tmp_path):
-    """Issue 73: the start's own check of the warm-up shapes (``serve.warm_up.check_shapes``) runs in
+    """Issue 73: the start's own check of the warm-up shapes (``serve.replica.warm_up.check_shapes``) runs in
     check: 8 frames on Wan (its VAE takes 4k+1) fail with the start's message; HunyuanVideo-1.5's
     image-to-video pipeline, whose output follows its image, warms without a size (before, every
     warm-up sent one, which that call refuses after a full weight load)."""
@@ -208,7 +208,7 @@ def test_a_warm_up_request_of_a_pipeline_that_takes_no_size_gives_none():
     from ray_hsdp.loading.components import resolve_model_path
     from ray_hsdp.loading.start_checks import pipeline_on_meta
     from ray_hsdp.pipeline.sharded import call_facts
-    from ray_hsdp.serve.warm_up import warm_up_request
+    from ray_hsdp.serve.replica.warm_up import warm_up_request
 
     pipeline = "HunyuanVideo15ImageToVideoPipeline"
     config = AppConfig(model="tiny-hunyuanvideo-1.5", pipeline_class=pipeline, device="cpu")

@@ -211,7 +211,7 @@ def test_ctrl_c_while_the_application_deploys_removes_it(ray_cluster, tmp_path):
             return app is not None and app.status == "DEPLOYING"
 
         wait_until(deploying, 120, "the application deploying", 0.2)
-        from ray_hsdp.serve.ingress import serve_http_options
+        from ray_hsdp.serve.ingress.routes import serve_http_options
 
         host, port = serve_http_options()  # the address Serve listens on, which the command prints
         wait_until(lambda: f"at http://{host}:{port}/interrupted" in log.read_text(), 30, "the address printed")

@@ -2,8 +2,9 @@ import pytest
 from pydantic import ValidationError
 
 from ray_hsdp.config.app import AppConfig
-from ray_hsdp.config.group import GroupConfig, parse_size
+from ray_hsdp.config.group import GroupConfig
 from ray_hsdp.config.topology import ParallelDims
+from ray_hsdp.request import parse_size
 
 
 def test_defaults_are_a_usable_group():

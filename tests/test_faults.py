@@ -95,7 +95,7 @@ def test_killing_a_rank_answers_every_request_at_once(ray_cluster, tiny_model, r
     """A group of 3 with a request on each rank: SIGKILL of the last rank fails every request within
     seconds, one rebuild, and the group serves again. (Over HTTP each of these failures is a 503:
     ``test_http``'s error table and its killed rank.)"""
-    from ray_hsdp.serve.keeper import GroupKeeper
+    from ray_hsdp.serve.replica.keeper import GroupKeeper
 
     victim = 2
     # The whole rebuild, as of a group that cannot replace one rank (``test_mend``: one that can).
@@ -133,7 +133,7 @@ def test_killing_a_rank_answers_every_request_at_once(ray_cluster, tiny_model, r
 def test_a_forward_that_raises_fails_the_group_at_once(ray_cluster, tiny_model, reference_pipe):
     """An exception half way through one rank's forward (as an out-of-memory would be): every
     request of the group is answered within 5 s, not at the collective timeout."""
-    from ray_hsdp.serve.keeper import GroupKeeper
+    from ray_hsdp.serve.replica.keeper import GroupKeeper
 
     shard_size = 2  # a group of 3 fails the same way, with one survivor more
     config = GroupConfig(model=tiny_model, device="cpu", shard_size=shard_size, requests_per_rank=1)

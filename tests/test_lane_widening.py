@@ -17,8 +17,8 @@ from support import max_abs_diff, pipeline_with_adapters, reference_frames, refe
 from ray_hsdp.config.group import GroupConfig
 from ray_hsdp.group import GroupFailedError, ShardGroup
 from ray_hsdp.group.lanes import LaneTimes, TickModel
+from ray_hsdp.protocol import STOP, agreed_keys, help_key, key_of, lane_ticket, widened
 from ray_hsdp.request import GenerationRequest, RequestCancelledError
-from ray_hsdp.runtime.protocol import STOP, agreed_keys, help_key, key_of, lane_ticket, widened
 
 TOLERANCE = 1e-5
 LORAS = {"style": "tiny-style"}

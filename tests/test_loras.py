@@ -92,7 +92,8 @@ def test_merged_adapters_need_no_switch_so_they_compile():
 def test_a_request_takes_the_defaults_of_the_adapters_it_names():
     """A fused distillation LoRA sets every request's steps and guidance; a named adapter's defaults
     win over the fused ones; a request's own values win over both (the server's mapping)."""
-    from ray_hsdp.serve.schema import ImageGenerationRequest, RequestLimitError, to_generation_request
+    from ray_hsdp.serve.errors import RequestLimitError
+    from ray_hsdp.serve.schema import ImageGenerationRequest, to_generation_request
 
     config = AppConfig(
         model="tiny",

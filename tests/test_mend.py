@@ -61,7 +61,7 @@ def test_a_killed_rank_is_replaced_alone_and_the_group_answers_as_before(ray_clu
 
 
 def test_a_group_that_cannot_mend_says_why_and_is_rebuilt_whole(ray_cluster, tiny_model):
-    from ray_hsdp.serve.keeper import GroupKeeper
+    from ray_hsdp.serve.replica.keeper import GroupKeeper
 
     config = GroupConfig(model=tiny_model, device="cpu", shard_size=2, keep_gathered=1.0)
     keeper = GroupKeeper(lambda: ShardGroup(config).start())

@@ -12,7 +12,11 @@ prompt. Its vocabulary is every piece of a fixed corpus, sorted: the same ids in
 
 from __future__ import annotations
 
-from ray_hsdp.checkpoints.standins import CORPUS
+import inspect
+
+import torch
+
+from ray_hsdp.checkpoints.standins import CORPUS, keep_variation, t5_encoder
 
 #: Chat-template special tokens of the Qwen2 and Mistral tokenizers the pipelines format prompts with.
 CHAT_SPECIALS = (
@@ -47,6 +51,7 @@ QWEN_CHAT_TEMPLATE = (
 def chat_tokenizer(templates: tuple[str, ...], pad_token: str, model_max_length: int = 4096):
     """A word-level tokenizer over Qwen2's byte-level pieces whose vocabulary covers ``templates``
     and the corpus of the other stand-ins; unknown pieces become ``<unk>``."""
+    # Lazy: only the chat stand-ins need them (about 0.6 s per import at the top).
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -111,6 +116,7 @@ def tiny_qwen2_5_vl_text(tokenizer, hidden_size: int, layers: int) -> dict:
 def qwen2_5_vl_encoder(tokenizer, hidden_size: int, layers: int = 2):
     """A tiny ``Qwen2_5_VLForConditionalGeneration`` (a two-block vision tower beside the language
     model, as in the real one) whose last hidden state is ``hidden_size`` wide."""
+    # Lazy: only this stand-in's classes (every stand-in's at the top: about 3 s per import).
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     config = Qwen2_5_VLConfig(
@@ -144,8 +150,6 @@ TINY_ENCODER_STD = 0.15
 
 def spread_weights(module, std: float = TINY_ENCODER_STD) -> None:
     """Redraws every weight matrix of ``module`` from N(0, std^2), from the global RNG (seeded by the writer)."""
-    import torch
-
     with torch.no_grad():
         for param in module.parameters():
             if param.dim() > 1:
@@ -156,9 +160,8 @@ def qwen_image_standins(transformer_kwargs: dict) -> dict:
     """Qwen-Image: the chat tokenizer (its template's 34 dropped tokens checked), a tiny Qwen2.5-VL
     as wide as the transformer's ``joint_attention_dim``, a small Qwen-Image VAE (8x, 16 channels)
     and the pipeline's dynamic-shift flow-match scheduler."""
+    # Lazy: only this stand-in's classes (every stand-in's at the top: about 3 s per import).
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
-
-    from ray_hsdp.checkpoints.standins import keep_variation
 
     tokenizer = chat_tokenizer((QWEN_IMAGE_TEMPLATE,), pad_token="<|endoftext|>")
     check_template_length(tokenizer, QWEN_IMAGE_TEMPLATE, QWEN_IMAGE_DROPPED)
@@ -197,6 +200,7 @@ FLUX2_OUT_LAYERS = (10, 20, 30)
 def mistral3_encoder(tokenizer, hidden_size: int, layers: int):
     """A tiny ``Mistral3ForConditionalGeneration`` (a one-layer Pixtral vision tower beside the
     language model, as in the real one) ``hidden_size`` wide with ``layers`` decoder layers."""
+    # Lazy: only this stand-in's classes (every stand-in's at the top: about 3 s per import).
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
     config = Mistral3Config(
@@ -233,10 +237,9 @@ def flux2_standins(transformer_kwargs: dict) -> dict:
     """FLUX.2: the chat tokenizer with a Mistral template, a tiny Mistral 3 of ``FLUX2_OUT_LAYERS[-1]``
     layers whose three read layers make the transformer's ``joint_attention_dim``, a small FLUX.2 VAE
     (8x, 32 channels, 2x2 patches) and its flow-match scheduler."""
+    # Lazy: only this stand-in's classes (every stand-in's at the top: about 3 s per import).
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler
     from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
-
-    from ray_hsdp.checkpoints.standins import keep_variation
 
     tokenizer = chat_tokenizer((SYSTEM_MESSAGE,), pad_token="<pad>")
     tokenizer.chat_template = MISTRAL_CHAT_TEMPLATE
@@ -269,8 +272,7 @@ HUNYUAN_VIDEO15_CROPPED = 108
 
 def hunyuan_video15_template() -> str:
     """The prompt as HunyuanVideo-1.5's pipeline formats it (its system message, Qwen2's template)."""
-    import inspect
-
+    # Lazy: only this stand-in's classes (every stand-in's at the top: about 3 s per import).
     from diffusers import HunyuanVideo15Pipeline
 
     system = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters["system_message"].default
@@ -279,6 +281,7 @@ def hunyuan_video15_template() -> str:
 
 def qwen2_5_vl_text_model(tokenizer, hidden_size: int, layers: int = 2):
     """A tiny ``Qwen2_5_VLTextModel`` (HunyuanVideo-1.5 encodes text with Qwen2.5-VL's language model alone)."""
+    # Lazy: only this stand-in's classes (every stand-in's at the top: about 3 s per import).
     from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
 
     return Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**tiny_qwen2_5_vl_text(tokenizer, hidden_size, layers))).eval()
@@ -289,10 +292,9 @@ def hunyuan_video15_standins(transformer_kwargs: dict) -> dict:
     Qwen2.5-VL text model of three layers (the pipeline reads the third-to-last hidden state), ByT5's
     byte tokenizer and a small T5 encoder for quoted glyph text, a small HunyuanVideo-1.5 VAE (16x
     spatial, 4x temporal, 32 channels), a flow-match scheduler and the CFG guider."""
+    # Lazy: only this stand-in's classes (every stand-in's at the top: about 3 s per import).
     from diffusers import AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler
     from transformers import ByT5Tokenizer
-
-    from ray_hsdp.checkpoints.standins import keep_variation, t5_encoder
 
     template = hunyuan_video15_template()
     tokenizer = chat_tokenizer((template,), pad_token="<|endoftext|>")

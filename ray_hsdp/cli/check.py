@@ -202,7 +202,7 @@ def check_app(name: str, args: dict, device: str | None, gpu_memory_gib: float |
         (report.failures if strict else report.notes).append(f"model folder {folder} is not on this machine")
         return report
     models = start_refusals(config, dims, folder, report)
-    from ray_hsdp.serve.warm_up import check_shapes
+    from ray_hsdp.serve.replica.warm_up import check_shapes
 
     try:
         check_shapes(config)  # the start's own check of the warm-up shapes, before any weight

@@ -225,9 +225,9 @@ def _follow(group, future, request_id: str, steps: int) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     import ray
 
-    from ray_hsdp.config.group import GroupConfig, parse_size
+    from ray_hsdp.config.group import GroupConfig
     from ray_hsdp.group import ShardGroup
-    from ray_hsdp.request import GenerationRequest, fit_image, parse_lora
+    from ray_hsdp.request import GenerationRequest, fit_image, parse_lora, parse_size
     from ray_hsdp.serve.media import encode_mp4
     from ray_hsdp.serve.schema import image_response
 
@@ -342,7 +342,7 @@ def _add_check(sub) -> None:
 
 
 #: How long ``key set`` and ``key remove`` wait for every ingress replica to serve the change: the
-#: bound ``serve.keys`` promises (its replicas look again every ``KEY_REFRESH_S``).
+#: bound ``serve.ingress.keys`` promises (its replicas look again every ``KEY_REFRESH_S``).
 KEY_REACH_S = 10.0
 
 
@@ -352,7 +352,7 @@ def cmd_key(args: argparse.Namespace) -> int:
     serves the change (1 where one does not within ``KEY_REACH_S``)."""
     import ray
 
-    from ray_hsdp.serve import keys
+    from ray_hsdp.serve.ingress import keys
 
     if args.action == "set":
         key = keys.read_key(args.api_key_file, args.api_key_env)
@@ -394,7 +394,7 @@ def cmd_key(args: argparse.Namespace) -> int:
 
 
 def _add_key(sub) -> None:
-    """The ``key`` subcommand: an application's API key kept in the cluster (``ray_hsdp.serve.keys``)."""
+    """The ``key`` subcommand: an application's API key kept in the cluster (``ray_hsdp.serve.ingress.keys``)."""
     p = sub.add_parser(
         "key", help="store an application's API key in the running Ray cluster, remove it, or show which key "
         "source each replica serves with",
@@ -451,7 +451,7 @@ def _add_make_tiny(sub) -> None:
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     """Writes the FP8 folder of a model, with the options of the group that will serve it."""
-    from ray_hsdp.checkpoints.quantize import write_fp8_folder
+    from ray_hsdp.cli.quantize import write_fp8_folder
     from ray_hsdp.cli.serve_flags import lora_files
     from ray_hsdp.loading.components import resolve_lora_path, resolve_model_path
     from ray_hsdp.request import parse_lora

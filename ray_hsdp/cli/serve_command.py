@@ -21,7 +21,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from ray_hsdp.cli.serve_flags import UsageError, default_app_name, file_application, serve_config, served_args
     from ray_hsdp.config.endpoint import served_models
-    from ray_hsdp.serve.keys import read_api_key
+    from ray_hsdp.serve.ingress.keys import read_api_key
 
     try:
         application = file_application(args.config, args.app) if args.config else {"args": {}}
@@ -36,7 +36,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             served = served_models(fields)
         # Read once here and carried to every replica: a cluster started without the key in its
         # nodes' environment still asks for it. A key stored with `ray-hsdp key set` wins over it
-        # (serve.keys' order): that is how a key carried here is rotated, with no redeploy.
+        # (serve.ingress.keys' order): that is how a key carried here is rotated, with no redeploy.
         api_key = read_api_key(served.endpoint)
     except (UsageError, ValidationError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -117,7 +117,7 @@ def _close_shares(shares: set[str]) -> None:
     share outlives applications: another one of the cluster may still use it)."""
     import ray
 
-    from ray_hsdp.serve.gpu_share import SHARE_NAMESPACE, close_share, share_actor_name
+    from ray_hsdp.serve.replica.gpu_share import SHARE_NAMESPACE, close_share, share_actor_name
 
     for share in sorted(shares):
         try:
@@ -131,7 +131,7 @@ def _close_shares(shares: set[str]) -> None:
 def _say_a_stored_key_wins(name: str) -> None:
     """Notes that a key stored for application ``name`` (``ray-hsdp key set``, maybe long ago) is the
     one its replicas serve with, not this shell's: else a stale stored key would go unseen."""
-    from ray_hsdp.serve.keys import stored_key
+    from ray_hsdp.serve.ingress.keys import stored_key
 
     if stored_key(name) is not None:
         print(f"note: a key stored with `ray-hsdp key set --app {name}` is in the cluster; the replicas serve with "
@@ -142,7 +142,7 @@ def _say_a_stored_key_wins(name: str) -> None:
 def _listening(args: argparse.Namespace) -> str:
     """The address Serve's HTTP proxies listen on: ``--host`` and ``--port``, unless Serve was
     running already (it keeps the options it started with: say so)."""
-    from ray_hsdp.serve.ingress import serve_http_options
+    from ray_hsdp.serve.ingress.routes import serve_http_options
 
     host, port = serve_http_options()
     if (host, port) != (args.host, args.port) and host is not None:

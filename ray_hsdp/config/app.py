@@ -6,8 +6,8 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from ray_hsdp.config.blocks import AutoscalingSpec, LoraDefaults, WarmUpShape
-from ray_hsdp.config.group import GroupConfig, parse_size
-from ray_hsdp.request import DEFAULT_GUIDANCE_SCALE
+from ray_hsdp.config.group import GroupConfig
+from ray_hsdp.request import DEFAULT_GUIDANCE_SCALE, parse_size
 
 
 def check_lasting_store(job_store: str | None, media_store: str | None) -> None:

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ray_hsdp.config.blocks import StepCacheConfig
 from ray_hsdp.config.embedded import EMBEDDED_LORAS, EMBEDDED_MODELS, TINY_MODEL
-from ray_hsdp.config.kernels import GroupKernels
+from ray_hsdp.config.kernels import PROJECT_BACKENDS, GroupKernels
 from ray_hsdp.config.pairs import refuse_config
 from ray_hsdp.config.topology import ParallelDims
 
@@ -63,9 +63,7 @@ def check_attention_backend_name(name: str) -> None:
     Raises:
         ValueError: Naming ``attention_backend`` and the backends that can be used.
     """
-    from diffusers.models.attention_dispatch import AttentionBackendName
-
-    from ray_hsdp.config.kernels import PROJECT_BACKENDS
+    from diffusers.models.attention_dispatch import AttentionBackendName  # keeps diffusers, torch out of CLI/ingress
 
     if name in PROJECT_BACKENDS:
         return
@@ -451,18 +449,3 @@ class GroupConfig(RequestFeatures, GroupSleep, GroupQueue, GroupKernels, GroupLa
         )
         refuse_config(resolved)  # 'auto' may have resolved into a pair of the table
         return resolved
-
-
-def parse_size(size: str) -> tuple[int, int]:
-    """Parses ``"WxH"`` into ``(width, height)``.
-
-    Raises:
-        ValueError: The text is not two positive integers joined by ``x``, or a side is not a multiple of 16.
-    """
-    parts = size.lower().split("x")
-    if len(parts) != 2 or not all(p.isdigit() for p in parts):
-        raise ValueError(f"size must be 'WxH' with integer width and height, e.g. '64x64'; got {size!r}")
-    width, height = int(parts[0]), int(parts[1])
-    if width < 16 or height < 16 or width % 16 or height % 16:
-        raise ValueError(f"width and height must be positive multiples of 16; got {width}x{height}")
-    return width, height

@@ -88,7 +88,7 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, G
         dims: The pool's mesh arithmetic; built from ``config`` when not given.
         labels: Said in each request's log line and in ``describe`` (a Serve replica passes its id).
         shares_gpus: ``placement_group`` is a GPU share's, whose GPUs other models' groups use too
-            (``serve.gpu_share``).
+            (``serve.replica.gpu_share``).
 
     Use ``start()`` (or a ``with`` block), then ``generate`` (blocking) or ``submit`` (a future).
     """

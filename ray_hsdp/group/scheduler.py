@@ -15,9 +15,9 @@ import ray
 
 from ray_hsdp.group.errors import GroupFailedError, QueueTimeoutError, died, remote_cause
 from ray_hsdp.group.lanes import LaneAsk, LaneRoom, LockStep, Waiting, as_fast, queue_keeps_up, serving_order
+from ray_hsdp.protocol import lane_ticket
 from ray_hsdp.request import GenerationRequest
 from ray_hsdp.runtime import SessionFailedError
-from ray_hsdp.runtime.protocol import lane_ticket
 from ray_hsdp.variant import RequestVariant
 
 logger = logging.getLogger("ray_hsdp")

@@ -7,7 +7,7 @@ say that lane is no faster for its work (``lanes.as_fast``)."""
 from __future__ import annotations
 
 from ray_hsdp.group.lanes import as_fast
-from ray_hsdp.runtime.protocol import widened
+from ray_hsdp.protocol import widened
 
 
 class GroupWidening:

@@ -1,5 +1,5 @@
 """FP8 folders: a diffusers folder whose denoisers keep their units' linears in FP8, each with its
-float32 scale per output row (``ray-hsdp quantize``, ``checkpoints.quantize``). A rank loads them as
+float32 scale per output row (``ray-hsdp quantize``, ``cli.quantize``). A rank loads them as
 they are, without quantizing at its start; its results equal quantizing at the start with the same
 configuration.
 

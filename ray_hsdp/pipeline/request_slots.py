@@ -11,8 +11,8 @@ import queue
 import torch
 
 from ray_hsdp.memory import module_memory
+from ray_hsdp.protocol import lane_of
 from ray_hsdp.request import GenerationRequest, LaneCollectiveError, RequestCancelledError
-from ray_hsdp.runtime.protocol import lane_of
 from ray_hsdp.sharding.policy import decode_split_for
 from ray_hsdp.variant import RequestVariant
 

@@ -11,8 +11,8 @@ import time
 
 import ray
 
+from ray_hsdp.protocol import lane_of
 from ray_hsdp.runtime import RankRuntime
-from ray_hsdp.runtime.protocol import lane_of
 from ray_hsdp.variant import RankFeatures
 
 logger = logging.getLogger("ray_hsdp")

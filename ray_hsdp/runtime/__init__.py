@@ -28,8 +28,9 @@ The contract of :class:`RankRuntime`, which the ``Rank`` actor merely wraps:
   replaceable attributes; fault injection and profiling wrap them (``ray_hsdp.runtime.faults``)
   rather than adding branches to the tick.
 
-Layer: Beside ``variant`` (a request's choices and the lock-step protocol they share), below the
-pipeline: may import variant, sharding, config and the shared modules."""
+Layer: below the pipeline, above ``variant`` (each forward runs inside its request's variant; the
+lock-step protocol they share is ``ray_hsdp.protocol``, in the bottom layer): may import variant,
+sharding, config and the shared modules."""
 
 from ray_hsdp.runtime.core import BUSY, IDLE, Completion, ForwardCall, Job, RankRuntime, SessionFailedError
 

@@ -1,6 +1,6 @@
 """The rank runtime: one tick thread, the request threads, the waiting calls (contract: the
 package docstring). The tick loop lives in ``ticks``, the request threads in ``threads``; the
-protocol's parts in ``protocol``."""
+protocol's parts in ``ray_hsdp.protocol``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ray_hsdp.runtime.protocol import (  # noqa: F401 (the runtime's names, imported from here)
+from ray_hsdp.protocol import (  # noqa: F401 (the runtime's names, imported from here)
     BUSY,
     IDLE,
     KEY_SPACE,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import threading
 
+from ray_hsdp.protocol import Job, SessionFailedError
 from ray_hsdp.request import LaneCollectiveError
-from ray_hsdp.runtime.protocol import Job, SessionFailedError
 
 
 class RequestThreads:

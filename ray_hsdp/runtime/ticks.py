@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from ray_hsdp.runtime.protocol import (
+from ray_hsdp.protocol import (
     BUSY,
     HELP_MODULE,
     IDLE,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ray_hsdp.runtime.protocol import (
+from ray_hsdp.protocol import (
     HELP_MODULE,
     KEY_SPACE,
     STOPPED_MEMORY,

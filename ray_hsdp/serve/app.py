@@ -2,7 +2,7 @@
 
 An endpoint is one ingress (``OpenAIIngress``: HTTP and the handle API, a replica on each node) in
 front of one group deployment per model (``HSDPServer``: a replica per shard group). Their video
-jobs live in the cluster's job store (``job_actor``), which no application owns. Two layouts:
+jobs live in the cluster's job store (``jobs.actor``), which no application owns. Two layouts:
 
 - ``ray_hsdp.serve:build_app``: the endpoint and its models in one application. Serve versions an
   application as a whole (a hash of its ``args``): an edit of any field restarts every group.
@@ -25,12 +25,12 @@ from ray_hsdp.config.topology import PLACEMENT_STRATEGY
 from ray_hsdp.group import check_placeable
 from ray_hsdp.serve.autoscaling import autoscaling_config
 from ray_hsdp.serve.credentials import refuse_inline_secrets
-from ray_hsdp.serve.deployment import HSDPServer
-from ray_hsdp.serve.job_actor import open_store
-from ray_hsdp.serve.keys import KeyCheck
-from ray_hsdp.serve.openai_ingress import OpenAIIngress
+from ray_hsdp.serve.ingress.keys import KeyCheck
+from ray_hsdp.serve.ingress.server import OpenAIIngress
+from ray_hsdp.serve.jobs.actor import open_store
+from ray_hsdp.serve.replica.server import HSDPServer
+from ray_hsdp.serve.replica.warm_up import check_shapes
 from ray_hsdp.serve.routing import SERVER_NAME, GroupAwareRouter
-from ray_hsdp.serve.warm_up import check_shapes
 
 OVERFLOW = 64
 
@@ -80,8 +80,8 @@ def build_application(args: dict, api_key: str | None = None) -> Application:
         args: One model's ``AppConfig`` fields, or the endpoint's fields and ``models`` (a list of
             models' fields; ``config_endpoint``): the ``args`` of a Serve YAML application.
         api_key: The key the ingress asks for, carried from where the application is built
-            (``ray-hsdp serve``'s environment) as its check (``serve.keys.KeyCheck``: the
-            deployment holds no key); ``None``: each ingress replica finds its own (``serve.keys``).
+            (``ray-hsdp serve``'s environment) as its check (``serve.ingress.keys.KeyCheck``: the
+            deployment holds no key); ``None``: each ingress replica finds its own (``serve.ingress.keys``).
 
     Returns:
         The bound ingress, ready for ``serve.run`` or a Serve config.
@@ -144,7 +144,7 @@ def group_deployment(config: AppConfig, models: int) -> Application:
     else:
         scale = {"num_replicas": dims.replicate_size}
     # A replica's placement group holds its group's GPUs; a model of a GPU share places its ranks in
-    # the share's (serve.gpu_share), so that its replica holds none of the GPUs the models take turns on.
+    # the share's (serve.replica.gpu_share), so that its replica holds none of the GPUs the models take turns on.
     placement = (
         {} if config.gpu_share else {"placement_group_bundles": bundles, "placement_group_strategy": PLACEMENT_STRATEGY}
     )

@@ -17,8 +17,7 @@ from ray_hsdp.group import (
     remote_cause,
 )
 from ray_hsdp.request import InvalidRequestError, RequestCancelledError
-from ray_hsdp.serve.job_records import StoreUnavailableError
-from ray_hsdp.serve.schema import ImageTooLargeError, RequestLimitError
+from ray_hsdp.serve.jobs.records import StoreUnavailableError
 from ray_hsdp.variant.lane import UnsplittableRequestError
 
 logger = logging.getLogger("ray_hsdp")
@@ -28,6 +27,14 @@ def error_json(status: int, message: str, kind: str, param: str | None = None, c
     """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
     error = {"message": message, "type": kind, "param": param, "code": code}
     return JSONResponse(status_code=status, content={"error": error})
+
+
+class RequestLimitError(InvalidRequestError):
+    """A request exceeds one of the server's configured limits."""
+
+
+class ImageTooLargeError(RequestLimitError):
+    """An input_reference image has more bytes than ``max_image_bytes`` (HTTP 413)."""
 
 
 class UnknownModelError(LookupError):

@@ -8,8 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BeforeValidator
 
-from ray_hsdp.config.group import parse_size
-from ray_hsdp.request import SAMPLE_SOLVERS, check_sigmas, parse_lora
+from ray_hsdp.request import SAMPLE_SOLVERS, check_sigmas, parse_lora, parse_size
 
 MAX_SEED = 2**63 - 1
 

@@ -21,14 +21,14 @@ from pydantic import (
 
 from ray_hsdp import deadlines
 from ray_hsdp.config.app import AppConfig
-from ray_hsdp.config.group import parse_size
 from ray_hsdp.request import (
     GenerationRequest,
     GenerationResult,
-    InvalidRequestError,
     fit_image,
     parse_lora,
+    parse_size,
 )
+from ray_hsdp.serve.errors import ImageTooLargeError, RequestLimitError
 from ray_hsdp.serve.media import encode_image, frames_for_seconds
 from ray_hsdp.serve.request_fields import (
     BOUNDARY_DESCRIPTION,
@@ -120,14 +120,6 @@ class ImageGenerationRequest(BaseModel):
         solver_of(self)
         guidance_of(self)
         return self
-
-
-class RequestLimitError(InvalidRequestError):
-    """A request exceeds one of the server's configured limits."""
-
-
-class ImageTooLargeError(RequestLimitError):
-    """An input_reference image has more bytes than ``max_image_bytes`` (HTTP 413)."""
 
 
 INLINE_ONLY = "only inline images are taken: a file part of the form, base64, or a data: URL of the image"

@@ -54,7 +54,7 @@ class RequestVariant:
         request: The request as the group accepted it.
         choices: Feature field -> the request's choice, for the features it asked something of.
         ticket: The group's number for it, given when a lane takes it (the same on the lane's
-            ranks; it names the lane, ``ray_hsdp.runtime.protocol.lane_ticket``); step caches key
+            ranks; it names the lane, ``ray_hsdp.protocol.lane_ticket``); step caches key
             the request's state by it. -1 until then.
         lane_sizes: In a group of adaptive lanes, the lane sizes that split its tokens (those it
             may be given); empty for a group of fixed lanes.

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ray_hsdp.protocol import lane_of
 from ray_hsdp.request import GenerationRequest, InvalidRequestError
-from ray_hsdp.runtime.protocol import lane_of
 from ray_hsdp.variant.base import Feature, RankFeatures
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
-from ray_hsdp.runtime.protocol import lane_of
+from ray_hsdp.protocol import lane_of
 from ray_hsdp.variant.base import Feature, RankFeatures
 
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from ray_hsdp.protocol import KEY_SPACE, lane_ticket, widened
 from ray_hsdp.runtime import ForwardCall, RankRuntime, SessionFailedError
 from ray_hsdp.runtime.core import Completion
-from ray_hsdp.runtime.protocol import KEY_SPACE, lane_ticket, widened
 
 MODULES = ("text_encoder", "transformer", "transformer_2")
 DEADLINE_S = 60

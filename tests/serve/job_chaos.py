@@ -119,7 +119,7 @@ def probe(base: str, video_id: str, stop: threading.Event, seen: list) -> None:
 def faults(base: str, server, out: dict, config) -> None:
     import ray
 
-    from ray_hsdp.serve.job_actor import find_store
+    from ray_hsdp.serve.jobs.actor import find_store
 
     stage("kill the store (restarted)")
     ray.kill(find_store(), no_restart=False)  # 1: restarted by Ray

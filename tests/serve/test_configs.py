@@ -43,7 +43,7 @@ STARTED_BY = {
     "tiny_cpu.yaml": "conftest.server",
     "tiny_cpu_usp.yaml": "test_usp.server",
     "tiny_cpu_models.yaml": "test_many_models.models_app",  # as serve deploy deploys it, beside the shared server
-    "tiny_cpu_share.yaml": "test_gpu_share.share_app",  # likewise, its models renamed and on a share of their own
+    "tiny_cpu_share.yaml": "replica.test_gpu_share.share_app",  # likewise, its models renamed, on a share of their own
 }
 
 

@@ -106,7 +106,7 @@ def test_the_password_is_read_from_a_file_or_a_variable_and_named_where_missing(
 def test_the_store_reads_its_password_where_it_runs_and_keeps_it_out_of_its_arguments(tmp_path, monkeypatch):
     """``StoreActor`` (as the store's process runs it) connects to a real PostgreSQL with the
     password of ``job_store_password_env``; what it was started with, and what it reports, carry none."""
-    from ray_hsdp.serve.job_actor import StoreActor
+    from ray_hsdp.serve.jobs.actor import StoreActor
 
     if server_binaries() is None:
         pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl): install Debian's postgresql package")
@@ -153,7 +153,7 @@ def test_the_app_builder_refuses_an_inline_password_and_its_init_args_carry_none
 def test_the_store_refuses_other_locations_without_showing_their_secrets(ray_cluster):
     """The cluster's one store, asked for by an endpoint with other locations: the refusal names
     both with their secrets as ``***``."""
-    from ray_hsdp.serve.job_actor import open_store
+    from ray_hsdp.serve.jobs.actor import open_store
 
     running = open_store(None, None)  # the session's store (its defaults), or started so
     assert running is not None

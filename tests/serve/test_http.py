@@ -18,7 +18,7 @@ from support import reference_frames, wait_until
 from ray_hsdp.request import GenerationRequest
 from ray_hsdp.serve.autoscaling import TARGET_METRIC
 from ray_hsdp.serve.media import encode_image
-from ray_hsdp.serve.metrics import METRICS
+from ray_hsdp.serve.replica.metrics import METRICS
 
 from .prometheus import SAMPLE, samples, scrape, total
 from .served import decode_png, last_step_before_it_left

@@ -9,8 +9,8 @@ import pytest
 from ray_hsdp.config.app import AppConfig
 from ray_hsdp.group import GroupFailedError, QueueTimeoutError
 from ray_hsdp.request import InvalidRequestError, RequestCancelledError
-from ray_hsdp.serve.errors import error_response, job_error_code
-from ray_hsdp.serve.schema import ImageGenerationRequest, RequestLimitError, to_generation_request
+from ray_hsdp.serve.errors import RequestLimitError, error_response, job_error_code
+from ray_hsdp.serve.schema import ImageGenerationRequest, to_generation_request
 from ray_hsdp.variant.lane import UnsplittableRequestError
 
 CONFIG = AppConfig(

@@ -15,8 +15,8 @@ import ray
 import requests
 from support import wait_until
 
-from ray_hsdp.serve.job_actor import find_store
-from ray_hsdp.serve.job_records import pool_of
+from ray_hsdp.serve.jobs.actor import find_store
+from ray_hsdp.serve.jobs.records import pool_of
 
 from .served import deploy
 

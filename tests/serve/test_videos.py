@@ -305,7 +305,7 @@ def test_jobs_and_their_mp4s_outlive_a_redeploy_and_the_apps_deletion(limited, s
     import ray
     from ray import serve
 
-    from ray_hsdp.serve.job_actor import find_store
+    from ray_hsdp.serve.jobs.actor import find_store
 
     url = f"{limited}/v1/videos"
     body = {"prompt": "a", "num_frames": 5}

@@ -181,8 +181,8 @@ def fp8_folder_shard_and_compare(mesh, rank, folder: str, source: str):
 
 
 def test_an_fp8_folder_s_rows_load_in_fp8_and_equal_quantizing_at_the_start(gloo_pair, tmp_path):
-    from ray_hsdp.checkpoints.quantize import write_fp8_folder
     from ray_hsdp.checkpoints.tiny import make_tiny
+    from ray_hsdp.cli.quantize import write_fp8_folder
 
     source = make_tiny(tmp_path / "tiny")
     folder = tmp_path / "tiny-fp8"

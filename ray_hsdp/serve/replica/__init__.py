@@ -1,0 +1,1 @@
+"""The model replica deployment (``HSDPServer``): one replica per shard group, running its requests and jobs."""

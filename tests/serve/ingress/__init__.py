@@ -1,0 +1,1 @@
+"""The ingress' tests (``ray_hsdp.serve.ingress``)."""

@@ -1,0 +1,1 @@
+"""The job store's tests (``ray_hsdp.serve.jobs``)."""

@@ -1,0 +1,1 @@
+"""The model replica's tests (``ray_hsdp.serve.replica``)."""
