@@ -1,6 +1,7 @@
 """One shard group: S rank actors on one placement group, a cost-aware queue, teardown
-(``core.ShardGroup``); its scheduler (``scheduler``), what it tells about itself
-(``inspection``), its errors (``errors``).
+(``core.ShardGroup``); the engine interface a Serve replica calls, which the group implements
+(``engine.Engine``); its scheduler (``scheduler``), what it tells about itself (``inspection``),
+its errors (``errors``).
 
 Plain Python, not Serve code: a notebook or a script can own a group directly, and the Serve
 deployment wraps one group per replica.
@@ -9,6 +10,7 @@ Layer: Below the Serve front: may import rank, pipeline, runtime, variant, loadi
 and the shared modules; not serve or cli."""
 
 from ray_hsdp.group.core import ShardGroup, check_placeable
+from ray_hsdp.group.engine import Engine
 from ray_hsdp.group.errors import (
     GroupBusyError,
     GroupFailedError,
@@ -20,6 +22,7 @@ from ray_hsdp.group.errors import (
 from ray_hsdp.group.scheduler import RequestRecord, pick_next
 
 __all__ = [
+    "Engine",
     "GroupBusyError",
     "GroupFailedError",
     "GroupOverloadedError",

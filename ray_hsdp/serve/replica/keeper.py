@@ -7,12 +7,12 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 
-from ray_hsdp.group import GroupFailedError, ShardGroup
+from ray_hsdp.group import Engine, GroupFailedError
 
 logger = logging.getLogger("ray_hsdp")
 
 
-def _settled(group: ShardGroup | None = None, error: BaseException | None = None) -> Future:
+def _settled(group: Engine | None = None, error: BaseException | None = None) -> Future:
     future: Future = Future()
     if error is None:
         future.set_result(group)
@@ -32,7 +32,7 @@ class GroupKeeper:
         build: Creates and starts a group (in the replica's placement group).
     """
 
-    def __init__(self, build: Callable[[], ShardGroup]):
+    def __init__(self, build: Callable[[], Engine]):
         self._build = build
         self._lock = threading.Lock()
         self.group = build()
@@ -66,7 +66,7 @@ class GroupKeeper:
         with self._lock:
             return not self.broken and self._rebuild is None and not self.group.failure and not self.group.mending
 
-    def _run_rebuild(self, failed: ShardGroup, future: Future) -> None:
+    def _run_rebuild(self, failed: Engine, future: Future) -> None:
         try:
             failed.shutdown()
             group = self._build()

@@ -17,7 +17,7 @@ from ray import serve
 from ray_hsdp import deadlines
 from ray_hsdp.config.app import AppConfig
 from ray_hsdp.config.topology import ParallelDims
-from ray_hsdp.group import GroupFailedError, QueueTimeoutError, ShardGroup
+from ray_hsdp.group import Engine, GroupFailedError, QueueTimeoutError, ShardGroup
 from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
 from ray_hsdp.serve.autoscaling import LOAD_METRIC
 from ray_hsdp.serve.errors import RequestLimitError, UnknownModelError
@@ -92,12 +92,12 @@ class HSDPServer(VideoJobs, ModelFacts):
             raise
         self._start_video_tasks()
 
-    def _build_group(self) -> ShardGroup:
+    def _build_group(self) -> Engine:
         if self.share is not None:
             return self.share.start(self._start_group)
         return self._start_group()
 
-    def _start_group(self) -> ShardGroup:
+    def _start_group(self) -> Engine:
         labels = {"replica": self._replica}
         group = ShardGroup(
             self.config,
@@ -130,11 +130,11 @@ class HSDPServer(VideoJobs, ModelFacts):
                 logger.warning("Metrics poll failed: %s", err)
 
     @property
-    def group(self) -> ShardGroup:
+    def group(self) -> Engine:
         """The replica's current shard group (failed or not)."""
         return self.keeper.group
 
-    def _ready_group(self) -> ShardGroup:
+    def _ready_group(self) -> Engine:
         """The group, or a 503 while a failed one is rebuilt (the rebuild starts here if needed)."""
         current = self.keeper.current()
         if not current.done():
@@ -167,7 +167,7 @@ class HSDPServer(VideoJobs, ModelFacts):
             return group.submit(job)
         return await self._submit_awake(group, job, deadline)
 
-    async def _submit_awake(self, group: ShardGroup, job: GenerationRequest, deadline: float):
+    async def _submit_awake(self, group: Engine, job: GenerationRequest, deadline: float):
         """``group.submit`` once the model is awake on its GPU share (woken here if it slept),
         holding it awake until the request is answered. A wake that fails fails the group, whose
         rebuild the request then waits for, within its deadline."""
@@ -191,7 +191,7 @@ class HSDPServer(VideoJobs, ModelFacts):
         future.add_done_callback(lambda _: self.share.leave(lease))
         return future
 
-    async def _rebuilt(self, deadline: float) -> ShardGroup:
+    async def _rebuilt(self, deadline: float) -> Engine:
         """The group once its rebuild ended (``QueueTimeoutError`` at ``deadline``)."""
         try:
             async with asyncio.timeout(max(0.0, deadline - time.time())):

@@ -12,7 +12,7 @@ import ray
 
 from ray_hsdp.config.app import AppConfig
 from ray_hsdp.config.topology import ParallelDims
-from ray_hsdp.group import QueueTimeoutError, ShardGroup
+from ray_hsdp.group import Engine, QueueTimeoutError
 from ray_hsdp.group.residency import reserve_host
 from ray_hsdp.serve.replica.gpu_share import open_share
 
@@ -39,7 +39,7 @@ class ShareMember:
         #: The share's placement group: the model's group places its ranks there, beside the other models'.
         self.placement = ray.get(self.actor.placement_group.remote(PLACEMENT_WAIT_S), timeout=PLACEMENT_WAIT_S + 10)
 
-    def start(self, build) -> ShardGroup:
+    def start(self, build) -> Engine:
         """Starts the model's group with ``build`` once the share made room for its load (the
         group it replaces, if any, forgotten first: a rebuild shut it down), then reserves its
         ranks' host memory (a sleep's) and tells the share what it holds.

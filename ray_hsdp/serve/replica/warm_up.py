@@ -15,7 +15,7 @@ import logging
 
 from ray_hsdp.config.app import AppConfig
 from ray_hsdp.config.blocks import WarmUpShape
-from ray_hsdp.group import ShardGroup
+from ray_hsdp.group import Engine
 from ray_hsdp.group.warm_up import gray_png
 from ray_hsdp.loading.page_cache import read_ahead_in_background
 from ray_hsdp.request import GenerationRequest, GenerationResult, parse_size
@@ -111,7 +111,7 @@ def check_shapes(config: AppConfig) -> bool:
     return True
 
 
-def start_warm(group: ShardGroup, config: AppConfig) -> ShardGroup:
+def start_warm(group: Engine, config: AppConfig) -> Engine:
     """Starts ``group`` and warms the app's shapes (``AppConfig.warm_up_shapes``); without shapes,
     the group's own start (with compile, its small warm-up per lane). The model's weight files are
     read ahead into the page cache meanwhile (``page_cache``). How a replica builds its group, at
@@ -152,7 +152,7 @@ def refuse_adapter_schedules(config: AppConfig, facts: dict) -> None:
             raise ValueError(f"lora_defaults {name!r}: boundary_ratio on a one-expert model: leave it out")
 
 
-def warm_up(group: ShardGroup, config: AppConfig, shapes: list[WarmUpShape]) -> None:
+def warm_up(group: Engine, config: AppConfig, shapes: list[WarmUpShape]) -> None:
     """Runs each shape on every lane of a started ``group`` (``ShardGroup.warm_up``) and encodes
     one result of each as its response would be.
 
