@@ -115,6 +115,9 @@ def _round(seconds: float | None) -> float | None:
 def run_served(args) -> dict:
     import numpy as np
 
+    if args.requests < 1:
+        raise SystemExit("--requests: at least one few-step request")
+
     size = {"width": args.width, "height": args.height, "num_frames": args.frames}
     overrides = [f"max_steps={max(args.long_steps, 12)}", *args.set]
     server = ServedYaml(args.config, args.model, overrides, args.out, args.name)

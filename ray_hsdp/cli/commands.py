@@ -129,7 +129,11 @@ def _group_options(parser: argparse.ArgumentParser) -> None:
     """``generate``'s group options: its adapters, step cache and quantization (``serve`` takes every
     field from ``serve_cli``)."""
     parser.add_argument(
-        "--lora-file", action="append", default=[], metavar="NAME=PATH", help="register a LoRA adapter (repeatable)"
+        "--lora-file",
+        action="append",
+        default=[],
+        metavar="NAME[.COMPONENT]=PATH",
+        help="register a LoRA adapter (repeatable)",
     )
     parser.add_argument(
         "--fuse-lora",
@@ -494,7 +498,7 @@ def _add_quantize(sub) -> None:
                    help="the sharding policy's size rule, as the serving group's")  # fmt: skip
     p.add_argument("--shard-components", default=None, metavar="NAME,...",
                    help="components that may be quantized (default: the group's default shard_components)")  # fmt: skip
-    p.add_argument("--lora-file", action="append", default=[], metavar="NAME=PATH",
+    p.add_argument("--lora-file", action="append", default=[], metavar="NAME[.COMPONENT]=PATH",
                    help="register a LoRA adapter (repeatable): those of --fuse-lora are merged first")  # fmt: skip
     p.add_argument("--fuse-lora", default=None, metavar="NAME[:SCALE],...",
                    help="adapters merged before quantizing: serve with the same fuse_loras")  # fmt: skip

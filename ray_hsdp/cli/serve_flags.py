@@ -110,7 +110,11 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     short.add_argument("--usp", type=int, help="the same as --ulysses-degree")
     short.add_argument("--ring", type=int, help="the same as --ring-degree")
     short.add_argument(
-        "--lora-file", action="append", default=[], metavar="NAME=PATH", help="register a LoRA adapter (repeatable)"
+        "--lora-file",
+        action="append",
+        default=[],
+        metavar="NAME[.COMPONENT]=PATH",
+        help="register a LoRA adapter (repeatable; .COMPONENT: one component's file, e.g. transformer_2)",
     )
     short.add_argument("--fuse-lora", metavar="NAME[:SCALE],...", help="registered adapters to merge into the weights")
     fields = parser.add_argument_group("configuration fields (docs/configuration.md)")
@@ -176,14 +180,23 @@ def set_dotted(config: dict, dotted: str, value: Any) -> None:
     node[last] = value
 
 
-def lora_files(values: list[str]) -> dict[str, str]:
-    """``--lora-file NAME=PATH`` (repeatable) as a ``loras`` config."""
-    loras = {}
+def lora_files(values: list[str]) -> dict[str, str | dict[str, str]]:
+    """``--lora-file NAME=PATH`` (repeatable) as a ``loras`` config; ``NAME.COMPONENT=PATH`` gives one
+    component its own file (a two-expert model's ``transformer`` and ``transformer_2``), as the YAML's
+    ``loras: {NAME: {COMPONENT: PATH}}`` does."""
+    loras: dict[str, str | dict[str, str]] = {}
     for value in values:
-        name, sep, path = value.partition("=")
-        if not sep or not name or not path:
-            raise UsageError(f"--lora-file {value!r}: expected NAME=PATH")
-        loras[name] = path
+        key, sep, path = value.partition("=")
+        name, _, component = key.partition(".")
+        if not sep or not name or not path or (component == "" and key.endswith(".")):
+            raise UsageError(f"--lora-file {value!r}: expected NAME=PATH or NAME.COMPONENT=PATH")
+        had = loras.get(name)
+        if had is not None and isinstance(had, dict) != bool(component):
+            raise UsageError(f"--lora-file {value!r}: {name!r} is given both whole and per component")
+        if component:
+            loras.setdefault(name, {})[component] = path
+        else:
+            loras[name] = path
     return loras
 
 

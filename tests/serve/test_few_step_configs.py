@@ -89,8 +89,13 @@ def test_a_shipped_few_step_yaml_runs_its_adapters_schedule_as_diffusers_does(ra
     config = AppConfig(**args)
     request = client_request(config, "image_to_video" in CASES[name][0], "qwen" not in name)
     defaults = next(iter(args["lora_defaults"].values()))
+    # The YAML's schedule, whole, is what the request carries (the reference below runs it as given).
     assert request.num_inference_steps == defaults.get("num_inference_steps", len(defaults.get("sigmas", ())))
     assert request.guidance_scale == defaults["guidance_scale"] == 1.0
+    assert request.guidance_scale_2 == defaults.get("guidance_scale_2")
+    assert request.sigmas == (tuple(defaults["sigmas"]) if "sigmas" in defaults else None)
+    assert (request.flow_shift, request.boundary_ratio) == (defaults.get("flow_shift"), defaults.get("boundary_ratio"))
+    assert request.sample_solver in (None, args.get("sample_solver"))
     with ShardGroup(config) as group:
         frames = group.generate([request])[0].frames
     pipe = diffusers_pipeline(args, files)
