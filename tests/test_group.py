@@ -237,3 +237,20 @@ def test_units_kept_gathered_are_counted_once(ray_cluster, tiny_model):
     assert plain["total"]["kept_whole"] == 0
     # Every unit and the root are kept: the transformer gathers nothing per forward.
     assert kept["total"]["gather_buffers"] < plain["total"]["gather_buffers"]
+
+
+def test_a_checked_request_s_variant_is_built_once(batch_group, reference_pipe, monkeypatch):
+    """Issue 85: a caller that checked a request (a replica, to refuse it before anything else) hands
+    the variant to ``submit``, which builds none again."""
+    from ray_hsdp.variant import RequestVariant
+
+    built = []
+    build = RequestVariant.build.__func__
+    monkeypatch.setattr(
+        RequestVariant, "build", classmethod(lambda cls, *a, **k: built.append(1) or build(cls, *a, **k))
+    )
+    ask = request("A lighthouse at dusk", 21)
+    variant = batch_group.check(ask)
+    result = batch_group.submit(variant).result(timeout=120)
+    assert len(built) == 1 and max_abs_diff(result.frames, reference_frames(reference_pipe, ask)) <= TOL
+    assert result.request_id == ask.request_id

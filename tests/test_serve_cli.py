@@ -150,10 +150,11 @@ def test_flags_merge_into_the_files_nested_blocks(tmp_path):
     config = config_of("tiny", "--config", str(path), "--lora-file", "extra=/p")
     assert config.loras == {"style": "/loras/style", "extra": "/p"} and "style" in config.lora_defaults
     # A two-expert model's adapter, a file per expert (the 4-step Wan2.2 YAML's quantize command).
-    experts = config_of("tiny", "--lora-file", "fast.transformer=/high", "--lora-file", "fast.transformer_2=/low")
+    experts = config_of("tiny", "--shard-size", "2", "--lora-file", "fast.transformer=/high",
+                        "--lora-file", "fast.transformer_2=/low")  # fmt: skip
     assert experts.loras == {"fast": {"transformer": "/high", "transformer_2": "/low"}}
     with pytest.raises(UsageError, match="'fast' is given both whole and per component"):
-        config_of("tiny", "--lora-file", "fast=/a", "--lora-file", "fast.transformer_2=/low")
+        config_of("tiny", "--shard-size", "2", "--lora-file", "fast=/a", "--lora-file", "fast.transformer_2=/low")
     scaling = config_of("tiny", "--config", str(path), "--autoscaling", '{"max_groups": 4}').autoscaling
     assert (scaling.min_groups, scaling.max_groups, scaling.upscale_delay_s) == (1, 4, 1)
     assert config_of("tiny", "--config", str(path), "--autoscaling", "null").autoscaling is None

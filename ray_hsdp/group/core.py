@@ -290,9 +290,9 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, G
 
     # ---- requests --------------------------------------------------------------------------
 
-    def submit(self, request: GenerationRequest) -> Future:
-        """Queues a request; the future resolves to its ``GenerationResult``, or to the error that
-        ended it (``GroupFailedError`` when the group failed under it), exactly once.
+    def submit(self, request: GenerationRequest | RequestVariant) -> Future:
+        """Queues a request, or the variant ``check`` made of it (a caller that checked it: built
+        once); the future resolves to its ``GenerationResult`` or the error that ended it, exactly once.
 
         Raises:
             GroupFailedError: The group is shut down or broken.
@@ -301,9 +301,10 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, G
         """
         return self._enqueue(request)
 
-    def _enqueue(self, request: GenerationRequest, warm_up: bool = False) -> Future:
+    def _enqueue(self, ask: GenerationRequest | RequestVariant, warm_up: bool = False) -> Future:
         """``submit``; a ``warm_up`` request (the compile warm-up) is logged, but no listener hears of it."""
-        variant = self.check(request)
+        variant = ask if isinstance(ask, RequestVariant) else self.check(ask)
+        request = variant.request
         future: Future = Future()
         with self._cond:
             if self._closed or self._failure:
@@ -340,8 +341,7 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, G
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Runs requests through the queue and waits for all of them, in the order given."""
-        futures = [self.submit(r) for r in requests]
-        return [f.result() for f in futures]
+        return [f.result() for f in [self.submit(r) for r in requests]]
 
     def cancel(self, request_id: str) -> bool:
         """Cancels a request: a queued one is dropped, a running one stops at the end of its

@@ -55,8 +55,9 @@ class Engine(Protocol):
     def check(self, request: GenerationRequest) -> Any:
         """The request's variant, or the ``InvalidRequestError`` that refuses it."""
 
-    def submit(self, request: GenerationRequest) -> Future:
-        """Queues a request; the future resolves exactly once, to its result or its error."""
+    def submit(self, request: Any) -> Future:
+        """Queues a request, or the variant ``check`` made of it; the future resolves exactly once,
+        to its result or its error."""
 
     def cancel(self, request_id: str) -> bool:
         """Cancels a queued or running request."""

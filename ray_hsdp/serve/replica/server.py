@@ -141,9 +141,9 @@ class HSDPServer(VideoJobs, ModelFacts):
             raise GroupFailedError("the shard group failed and is being rebuilt; retry shortly")
         return current.result()
 
-    async def _submit(self, job: GenerationRequest):
-        """Hands ``job`` to the group; a group being rebuilt is waited for, as a queued request
-        waits, until the job's ``queue_deadline`` (what is left of it is the group queue's).
+    async def _submit(self, job: GenerationRequest, variant=None):
+        """Hands ``job`` (and its ``variant``) to the group; a group being rebuilt is waited for, as a
+        queued request waits, until the job's ``queue_deadline`` (what is left is the group queue's).
 
         Returns:
             The group's future of the result.
@@ -164,10 +164,10 @@ class HSDPServer(VideoJobs, ModelFacts):
             # Cancelled while it waited for the rebuild (the failed group held no record of it).
             raise RequestCancelledError(f"request {job.request_id!r} was cancelled before its group took it")
         if self.share is None:
-            return group.submit(job)
-        return await self._submit_awake(group, job, deadline)
+            return group.submit(variant or job)
+        return await self._submit_awake(group, job, deadline, variant)
 
-    async def _submit_awake(self, group: Engine, job: GenerationRequest, deadline: float):
+    async def _submit_awake(self, group: Engine, job: GenerationRequest, deadline: float, variant=None):
         """``group.submit`` once the model is awake on its GPU share (woken here if it slept),
         holding it awake until the request is answered. A wake that fails fails the group, whose
         rebuild the request then waits for, within its deadline."""
@@ -184,7 +184,7 @@ class HSDPServer(VideoJobs, ModelFacts):
         if entered.get("woke"):
             self.metrics.woke(entered["wake_s"])
         try:
-            future = group.submit(job)
+            future = group.submit(variant or job)
         except BaseException:
             self.share.leave(lease)
             raise
@@ -210,14 +210,14 @@ class HSDPServer(VideoJobs, ModelFacts):
         except Exception as err:  # noqa: BLE001 - a failed group answers the request itself
             logger.warning("Cancelling %s failed: %s", request_id, err)
 
-    async def _result(self, job: GenerationRequest, future=None) -> GenerationResult:
-        """The result of ``job`` (awaiting ``future``, or submitting it). A caller that goes away
-        (the ingress' call is cancelled: its client disconnected, or a retry elsewhere won) stops it
-        here. (A group failing under it raises ``GroupFailedError``: the ingress retries the call on
-        another group, ``OpenAIIngress._call``.)"""
+    async def _result(self, job: GenerationRequest, future=None, variant=None) -> GenerationResult:
+        """The result of ``job`` (awaiting ``future``, or submitting it and its ``variant``). A caller
+        that goes away (the ingress' call is cancelled: its client disconnected, or a retry elsewhere
+        won) stops it here. (A group failing under it raises ``GroupFailedError``: the ingress
+        retries the call on another group, ``OpenAIIngress._call``.)"""
         try:
             if future is None:
-                future = await self._submit(job)
+                future = await self._submit(job, variant)
                 self._held[job.request_id] = future
                 future.add_done_callback(lambda _: self._held.pop(job.request_id, None))
             return await asyncio.shield(asyncio.wrap_future(future))
@@ -258,9 +258,9 @@ class HSDPServer(VideoJobs, ModelFacts):
                 f"{self.model_name} is an image-to-video model: POST /v1/videos with the first frame as input_reference"
             )
         job = to_generation_request(body, self.config, request_id=request_id or uuid.uuid4().hex)
-        self.group.check(job)
+        variant = self.group.check(job)  # built once: the group takes it with the job
         try:
-            result = await self._result(job, self._held.get(job.request_id))
+            result = await self._result(job, self._held.get(job.request_id), variant)
         except GroupFailedError as err:
             err.replica = self._replica  # what the ingress' retry avoids
             raise

@@ -121,7 +121,7 @@ class VideoJobs:
         if not facts.get("video"):
             raise RequestLimitError(f"{self.model_name} makes images, not videos; use /v1/images/generations")
         job, fps = to_video_request(body, self.config, facts["temporal_compression"], request_id="")
-        self.group.check(job)
+        variant = self.group.check(job)
         fields = {
             "model": self.model_name,
             "prompt": job.prompt,
@@ -141,12 +141,12 @@ class VideoJobs:
         # The store's create and the job's start are one step that the caller's cancel (a client
         # gone) cannot split, run as the replica's own work (``serve.detached`` says why): a
         # created job always runs here (a caller that left deletes it).
-        return await self._detached.start(self._create_and_start(endpoint, fields, job, fps, video_id))
+        return await self._detached.start(self._create_and_start(endpoint, fields, variant, fps, video_id))
 
-    async def _create_and_start(self, endpoint: str, fields: dict, job: GenerationRequest, fps: int, video_id) -> dict:
+    async def _create_and_start(self, endpoint: str, fields: dict, variant, fps: int, video_id) -> dict:
         """The job's record in the store (``create``), then its run here; its video object."""
         status, created = await self.store.call(
-            "create", endpoint, self._pool, fields, self._replica, encode_spec(job, fps), video_id
+            "create", endpoint, self._pool, fields, self._replica, encode_spec(variant.request, fps), video_id
         )
         if status == "full":
             raise JobTableFullError(created)
@@ -154,19 +154,19 @@ class VideoJobs:
             raise RequestCancelledError(created)
         if status == "ended":
             return created  # the first call's job: it ran to its end meanwhile
-        job = dataclasses.replace(job, request_id=created["id"])
+        variant = dataclasses.replace(variant, request=dataclasses.replace(variant.request, request_id=created["id"]))
         future = None
         current = self.keeper.current()
         # (A model of a GPU share submits from the job's task: it may have to wake first.)
         if created["id"] not in self._videos and current.done() and current.exception() is None and not self.share:
             try:
-                future = current.result().submit(job)
+                future = current.result().submit(variant)
             except GroupOverloadedError:
                 await self.store.call("delete", endpoint, created["id"])
                 raise
             except GroupFailedError:
                 pass  # it failed just now: the job's task waits for the rebuild, or is released
-        self._start_video(created["id"], created["attempt"], job, fps, future)
+        self._start_video(created["id"], created["attempt"], variant.request, fps, future)
         return created
 
     def _start_video(self, video_id: str, attempt: int, job: GenerationRequest, fps: int, future=None) -> None:
