@@ -308,6 +308,21 @@ def _schedule(body, defaults: dict) -> tuple[int, tuple[float, ...] | None]:
     return body.num_inference_steps or defaults["num_inference_steps"], None
 
 
+def what_ran(request: GenerationRequest) -> dict:
+    """The schedule a request ran with, for its answer (an image response, a video object): its body's,
+    else the app's defaults or an adapter's (``lora_defaults``). ``guidance_scale_2`` None: the
+    low-noise expert ran at ``guidance_scale`` (or the model has one expert)."""
+    return {
+        "num_inference_steps": request.num_inference_steps,
+        "guidance_scale": request.guidance_scale,
+        "guidance_scale_2": request.guidance_scale_2,
+        "flow_shift": request.flow_shift,
+        "boundary_ratio": request.boundary_ratio,
+        "sample_solver": request.sample_solver,
+        "sigmas": list(request.sigmas) if request.sigmas is not None else None,
+    }
+
+
 def with_seed(body: ImageGenerationRequest | VideoCreateRequest):
     """``body`` with a seed drawn now where it has none: where it runs again (a retry on another
     group) it then makes the same output."""

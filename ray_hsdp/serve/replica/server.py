@@ -33,7 +33,7 @@ from ray_hsdp.serve.replica.share_member import ShareMember
 from ray_hsdp.serve.replica.videos import VideoJobs
 from ray_hsdp.serve.replica.warm_up import check_shapes, start_warm
 from ray_hsdp.serve.routing import GROUP_LOAD, GROUP_OK
-from ray_hsdp.serve.schema import ImageGenerationRequest, image_response, to_generation_request
+from ray_hsdp.serve.schema import ImageGenerationRequest, image_response, to_generation_request, what_ran
 
 logger = logging.getLogger("ray_hsdp")
 
@@ -271,15 +271,7 @@ class HSDPServer(VideoJobs, ModelFacts):
         return {
             **encoded,
             "id": job.request_id,
-            # What ran: the request's defaults may come from the app or from an adapter (lora_defaults).
-            "num_inference_steps": job.num_inference_steps,
-            "guidance_scale": job.guidance_scale,
-            # None: the low-noise expert ran at guidance_scale (or the model has one expert).
-            "guidance_scale_2": job.guidance_scale_2,
-            "flow_shift": job.flow_shift,
-            "boundary_ratio": job.boundary_ratio,
-            "sample_solver": job.sample_solver,
-            "sigmas": list(job.sigmas) if job.sigmas is not None else None,
+            **what_ran(job),
         }
 
     # ---- video jobs ------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from ray_hsdp.serve.errors import (
 from ray_hsdp.serve.jobs.records import decode_spec, encode_spec
 from ray_hsdp.serve.jobs.store import DECODED, DENOISED
 from ray_hsdp.serve.media import encode_mp4, encode_png
-from ray_hsdp.serve.schema import VideoCreateRequest, to_video_request
+from ray_hsdp.serve.schema import VideoCreateRequest, to_video_request, what_ran
 
 logger = logging.getLogger("ray_hsdp")
 
@@ -130,13 +130,7 @@ class VideoJobs:
             "num_frames": job.num_frames,
             "fps": fps,
             "seed": job.seed,
-            "num_inference_steps": job.num_inference_steps,
-            "guidance_scale": job.guidance_scale,
-            "guidance_scale_2": job.guidance_scale_2,
-            "flow_shift": job.flow_shift,
-            "boundary_ratio": job.boundary_ratio,
-            "sample_solver": job.sample_solver,
-            "sigmas": list(job.sigmas) if job.sigmas is not None else None,
+            **what_ran(job),
         }
         # The store's create and the job's start are one step that the caller's cancel (a client
         # gone) cannot split, run as the replica's own work (``serve.detached`` says why): a
