@@ -43,6 +43,7 @@ from ray_hsdp.serve.jobs.records import (
     jobs_table,
     metadata,
     public,
+    unexpired,
 )
 from ray_hsdp.serve.jobs.reports import Held, HeldJobs
 from ray_hsdp.serve.jobs.sweep import JobSweep, released_values
@@ -218,10 +219,9 @@ class JobStore(JobSweep, JobViews):
                     return "ended", public(self._row(conn, video_id))
                 return "ok", public(self._row(conn, video_id))
             c = jobs_table.c
-            # The bytes of jobs being written count (``renew``'s media_bytes), not only those kept.
-            held, kept = conn.execute(
-                select(func.count(), func.coalesce(func.sum(c.media_bytes), 0)).where(c.endpoint == endpoint)
-            ).one()
+            # Jobs being written count (``renew``'s media_bytes); expired ones not yet swept do not: no read sees them.
+            counted = select(func.count(), func.coalesce(func.sum(c.media_bytes), 0))
+            held, kept = conn.execute(counted.where(c.endpoint == endpoint, unexpired(now))).one()
             if held >= limit["max_jobs"]:
                 why = f"the video job store holds {held} jobs of this endpoint (max_video_jobs={limit['max_jobs']})"
                 return "full", why
