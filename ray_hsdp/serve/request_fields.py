@@ -1,12 +1,13 @@
-"""The field types of a request body that the image and the video schemas share (``schema``):
-sizes, adapters, step caches, a scheduler's choices and vllm-omni's ``extra_params``, each checked
-as it is read, with the descriptions the generated docs and OpenAPI show."""
+"""The fields of a request body that the image and the video schemas share (``schema``), declared
+once in ``GenerationFields``: sizes, adapters, step caches, a scheduler's choices and vllm-omni's
+``extra_params``, each checked as it is read, with the descriptions OpenAPI and the generated page
+(``docs/requests.md``) show."""
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BeforeValidator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from ray_hsdp.request import SAMPLE_SOLVERS, check_sigmas, parse_lora, parse_size
 
@@ -156,3 +157,60 @@ def solver_of(body) -> str | None:
             f"sample_solver={body.sample_solver!r} and extra_params.sample_solver={given!r} disagree: give one"
         )
     return body.sample_solver or given
+
+
+class GenerationFields(BaseModel):
+    """The body fields of ``POST /v1/images/generations`` and ``POST /v1/videos`` alike: each
+    declared here once; each route's model adds its own (``schema``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(..., min_length=1, description="Text prompt.")
+    model: str | None = Field(None, description="Served model name; the deployment's model when omitted.")
+    size: Size = Field(None, description="'WxH', each a multiple of 16; the server default when omitted.")
+    negative_prompt: str | None = Field(None, description="Negative prompt.")
+    num_inference_steps: int | None = Field(None, ge=1, description="Denoising steps.")
+    guidance_scale: float | None = Field(None, ge=0, description="Classifier-free guidance scale.")
+    true_cfg_scale: float | None = Field(None, ge=0, description=TRUE_CFG_DESCRIPTION)
+    guidance_scale_2: float | None = Field(
+        None, ge=0, description="Guidance of the low-noise expert (Wan2.2 A14B); guidance_scale when omitted."
+    )
+    flow_shift: float | None = Field(
+        None, gt=0, description="The scheduler's timestep shift (Wan's flow_shift); the pipeline's when omitted."
+    )
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Noise seed; random when omitted.")
+    user: str | None = Field(None, description="OpenAI's end-user id; accepted and ignored.")
+    deadline_s: float | None = Field(
+        None,
+        gt=0,
+        description="Target for the answer, in seconds from arrival: the group serves earliest targets first "
+        "and, with adaptive lanes, picks a lane that makes it.",
+    )
+    lane_size: int | None = Field(
+        None,
+        ge=1,
+        description="Ranks to run it on, in a group of adaptive lanes (lane_sizes); the group's choice when omitted.",
+    )
+    lora: Lora = Field(None, description=LORA_DESCRIPTION)
+    cache: Cache = Field(None, description=CACHE_DESCRIPTION)
+    boundary_ratio: float | None = Field(None, gt=0, lt=1, description=BOUNDARY_DESCRIPTION)
+    sample_solver: Literal["unipc", "euler"] | None = Field(None, description=SOLVER_DESCRIPTION)
+    sigmas: Sigmas = Field(None, description=SIGMAS_DESCRIPTION)
+    extra_params: ExtraParams = Field(None, description=EXTRA_PARAMS_DESCRIPTION)
+
+    @model_validator(mode="after")
+    def _one_solver_and_guidance(self) -> GenerationFields:
+        solver_of(self)
+        guidance_of(self)
+        return self
+
+    def generation_fields(self) -> dict:
+        """What a generation request takes of these fields, resolved (vllm-omni's names folded into
+        ours) and without those left out: the image route's body of a video job (``schema``)."""
+        given = self.model_dump(include=set(GenerationFields.model_fields) - SERVER_SIDE, exclude_none=True)
+        resolved = {"guidance_scale": guidance_of(self), "sample_solver": solver_of(self)}
+        return {**given, **{name: value for name, value in resolved.items() if value is not None}}
+
+
+#: The fields a generation request does not carry: the routing's, and vllm-omni's other names of ours.
+SERVER_SIDE = {"model", "user", "true_cfg_scale", "extra_params"}

@@ -6,21 +6,13 @@ import base64
 import dataclasses
 import secrets
 import time
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    StrictFloat,
-    StrictInt,
-    StrictStr,
-    model_validator,
-)
+from pydantic import ConfigDict, Field, model_validator
 
 from ray_hsdp import deadlines
 from ray_hsdp.config.app import AppConfig
+from ray_hsdp.config.blocks import LoraDefaults
 from ray_hsdp.request import (
     GenerationRequest,
     GenerationResult,
@@ -30,95 +22,44 @@ from ray_hsdp.request import (
 )
 from ray_hsdp.serve.errors import ImageTooLargeError, RequestLimitError
 from ray_hsdp.serve.media import encode_image, frames_for_seconds
-from ray_hsdp.serve.request_fields import (
-    BOUNDARY_DESCRIPTION,
-    CACHE_DESCRIPTION,
-    EXTRA_PARAMS_DESCRIPTION,
-    LORA_DESCRIPTION,
-    MAX_SEED,
-    SIGMAS_DESCRIPTION,
-    SOLVER_DESCRIPTION,
-    TRUE_CFG_DESCRIPTION,
-    Cache,
-    ExtraParams,
-    Lora,
-    Sigmas,
-    Size,
-    guidance_of,
-    size_is_wxh,
-    solver_of,
-)
+from ray_hsdp.serve.request_fields import GenerationFields, guidance_of, solver_of
 
 
-class ImageGenerationRequest(BaseModel):
-    """``POST /v1/images/generations``: OpenAI's fields plus the diffusers extensions."""
+class ImageGenerationRequest(GenerationFields):
+    """``POST /v1/images/generations``: OpenAI's fields plus the diffusers extensions (those shared
+    with the video route are ``GenerationFields``'). A JSON body: its values must have their types
+    (no numbers as text)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    prompt: StrictStr = Field(..., min_length=1, description="Text prompt.")
-    model: StrictStr | None = Field(None, description="Served model name; the deployment's model when omitted.")
-    n: StrictInt = Field(1, ge=1, description="Number of images.")
-    size: Annotated[StrictStr | None, AfterValidator(size_is_wxh)] = Field(
-        None, description="'WxH', each a multiple of 16; the server default when omitted."
-    )
+    n: int = Field(1, ge=1, description="Number of images.")
     response_format: Literal["b64_json"] = Field("b64_json", description="Images come back as base64 (b64_json).")
     output_format: Literal["png", "jpeg", "webp"] = Field(
         "png",
         description="File format of each image (OpenAI's): png (lossless, fast zlib level), or jpeg and webp "
         "(lossy, smaller, at output_compression's quality; jpeg is the fastest to encode).",
     )
-    output_compression: StrictInt | None = Field(
+    output_compression: int | None = Field(
         None,
         ge=0,
         le=100,
         description="Quality of a jpeg or webp image, 0-100 (OpenAI's name); 100 when omitted. A png is lossless "
         "and takes none.",
     )
-    user: StrictStr | None = Field(None, description="OpenAI's end-user id; accepted and ignored.")
-    negative_prompt: StrictStr | None = Field(None, description="Negative prompt.")
-    num_inference_steps: StrictInt | None = Field(None, ge=1, description="Denoising steps.")
-    guidance_scale: StrictFloat | StrictInt | None = Field(None, ge=0, description="Classifier-free guidance scale.")
-    true_cfg_scale: StrictFloat | StrictInt | None = Field(None, ge=0, description=TRUE_CFG_DESCRIPTION)
-    guidance_scale_2: StrictFloat | StrictInt | None = Field(
-        None, ge=0, description="Guidance of the low-noise expert (Wan2.2 A14B); guidance_scale when omitted."
-    )
-    flow_shift: StrictFloat | StrictInt | None = Field(
-        None, gt=0, description="The scheduler's timestep shift (Wan's flow_shift); the pipeline's when omitted."
-    )
-    seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED, description="Noise seed; random when omitted.")
-    deadline_s: StrictFloat | StrictInt | None = Field(
-        None,
-        gt=0,
-        description="Target for the answer, in seconds from arrival: the group serves earliest targets first "
-        "and, with adaptive lanes, picks a lane that makes it.",
-    )
-    lane_size: StrictInt | None = Field(
-        None,
-        ge=1,
-        description="Ranks to run it on, in a group of adaptive lanes (lane_sizes); the group's choice when omitted.",
-    )
-    timeout_s: StrictFloat | StrictInt | None = Field(
+    timeout_s: float | None = Field(
         None, gt=0, description="Deadline once a rank takes the request; the server's request_timeout_s when omitted."
     )
-    lora: Lora = Field(None, description=LORA_DESCRIPTION)
-    cache: Cache = Field(None, description=CACHE_DESCRIPTION)
-    input_reference: StrictStr | dict | None = Field(
+    input_reference: str | dict | None = Field(
         None,
         description="A reference image for a model that takes one (FLUX.2: a subject or an edit): PNG, JPEG or WebP "
         "as base64, a data: URL or {'image_url': 'data:...'}; fitted to the size (cover, then centre crop). A model "
         "that makes images from text alone refuses it.",
     )
-    boundary_ratio: StrictFloat | StrictInt | None = Field(None, gt=0, lt=1, description=BOUNDARY_DESCRIPTION)
-    sample_solver: Literal["unipc", "euler"] | None = Field(None, description=SOLVER_DESCRIPTION)
-    sigmas: Sigmas = Field(None, description=SIGMAS_DESCRIPTION)
-    extra_params: ExtraParams = Field(None, description=EXTRA_PARAMS_DESCRIPTION)
 
     @model_validator(mode="after")
     def _compression_of_a_lossy_format(self) -> ImageGenerationRequest:
         if self.output_compression is not None and self.output_format == "png":
             raise ValueError("output_compression is the quality of a jpeg or webp image; a png is lossless")
-        solver_of(self)
-        guidance_of(self)
         return self
 
 
@@ -214,8 +155,10 @@ def reference_image(value: bytes | str | dict, config: AppConfig) -> bytes:
     return data
 
 
-#: The request fields an adapter's ``lora_defaults`` may fill in.
-DEFAULTED = ("num_inference_steps", "guidance_scale", "guidance_scale_2", "flow_shift", "sigmas", "boundary_ratio")
+#: The request fields an adapter's ``lora_defaults`` may fill in: those ``LoraDefaults`` declares.
+DEFAULTED = tuple(LoraDefaults.model_fields)
+#: The schedule a request ran with, as its answer says it: the fields an adapter defaults, and the solver.
+SCHEDULE = (*DEFAULTED, "sample_solver")
 
 
 def to_generation_request(body: ImageGenerationRequest, config: AppConfig, request_id: str) -> GenerationRequest:
@@ -312,15 +255,8 @@ def what_ran(request: GenerationRequest) -> dict:
     """The schedule a request ran with, for its answer (an image response, a video object): its body's,
     else the app's defaults or an adapter's (``lora_defaults``). ``guidance_scale_2`` None: the
     low-noise expert ran at ``guidance_scale`` (or the model has one expert)."""
-    return {
-        "num_inference_steps": request.num_inference_steps,
-        "guidance_scale": request.guidance_scale,
-        "guidance_scale_2": request.guidance_scale_2,
-        "flow_shift": request.flow_shift,
-        "boundary_ratio": request.boundary_ratio,
-        "sample_solver": request.sample_solver,
-        "sigmas": list(request.sigmas) if request.sigmas is not None else None,
-    }
+    ran = {name: getattr(request, name) for name in SCHEDULE}
+    return {**ran, "sigmas": list(request.sigmas) if request.sigmas is not None else None}
 
 
 def with_seed(body: ImageGenerationRequest | VideoCreateRequest):
@@ -349,17 +285,13 @@ def image_response(
     }
 
 
-class VideoCreateRequest(BaseModel):
-    """``POST /v1/videos``: OpenAI's fields plus the diffusers extensions.
+class VideoCreateRequest(GenerationFields):
+    """``POST /v1/videos``: OpenAI's fields plus the diffusers extensions (those shared with the image
+    route are ``GenerationFields``').
 
     Numbers may come as strings: the OpenAI client sends this body as a multipart form.
     """
 
-    model_config = ConfigDict(extra="forbid")
-
-    prompt: str = Field(..., min_length=1, description="Text prompt.")
-    model: str | None = Field(None, description="Served model name; the deployment's model when omitted.")
-    size: Size = Field(None, description="'WxH', each a multiple of 16; the server default when omitted.")
     width: int | None = Field(
         None, ge=16, description="vllm-omni's form of size: with height (both or neither); if size is given too, "
         "they must agree."
@@ -376,40 +308,11 @@ class VideoCreateRequest(BaseModel):
         "says what was made.",
     )
     fps: int | None = Field(None, ge=1, le=120, description="Frame rate of the MP4; the model's when omitted.")
-    num_inference_steps: int | None = Field(None, ge=1, description="Denoising steps.")
-    guidance_scale: float | None = Field(None, ge=0, description="Classifier-free guidance scale.")
-    true_cfg_scale: float | None = Field(None, ge=0, description=TRUE_CFG_DESCRIPTION)
-    guidance_scale_2: float | None = Field(
-        None, ge=0, description="Guidance of the low-noise expert (Wan2.2 A14B); guidance_scale when omitted."
-    )
-    flow_shift: float | None = Field(
-        None, gt=0, description="The scheduler's timestep shift (Wan's flow_shift); the pipeline's when omitted."
-    )
-    negative_prompt: str | None = Field(None, description="Negative prompt.")
-    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Noise seed; random when omitted.")
-    user: str | None = Field(None, description="OpenAI's end-user id; accepted and ignored.")
-    deadline_s: float | None = Field(
-        None,
-        gt=0,
-        description="Target for the answer, in seconds from arrival: the group serves earliest targets first "
-        "and, with adaptive lanes, picks a lane that makes it.",
-    )
-    lane_size: int | None = Field(
-        None,
-        ge=1,
-        description="Ranks to run it on, in a group of adaptive lanes (lane_sizes); the group's choice when omitted.",
-    )
     input_reference: bytes | str | dict | None = Field(
         None,
         description="First frame of an image-to-video model: PNG, JPEG or WebP as a file part of the form, base64, a "
         "data: URL or {'image_url': 'data:...'}; fitted to the size (cover, then centre crop).",
     )
-    lora: Lora = Field(None, description=LORA_DESCRIPTION)
-    cache: Cache = Field(None, description=CACHE_DESCRIPTION)
-    boundary_ratio: float | None = Field(None, gt=0, lt=1, description=BOUNDARY_DESCRIPTION)
-    sample_solver: Literal["unipc", "euler"] | None = Field(None, description=SOLVER_DESCRIPTION)
-    sigmas: Sigmas = Field(None, description=SIGMAS_DESCRIPTION)
-    extra_params: ExtraParams = Field(None, description=EXTRA_PARAMS_DESCRIPTION)
 
     @model_validator(mode="after")
     def _one_size(self) -> VideoCreateRequest:
@@ -421,8 +324,6 @@ class VideoCreateRequest(BaseModel):
                 raise ValueError(
                     f"size={self.size!r} and width x height = {self.width}x{self.height} disagree: give one"
                 )
-        solver_of(self)
-        guidance_of(self)
         return self
 
     @property
@@ -443,29 +344,8 @@ def to_video_request(
         RequestLimitError: A limit is exceeded, the frame count is not one the VAE takes, or the
             input_reference is no image it takes (``reference_image``).
     """
-    image = ImageGenerationRequest.model_validate(
-        {
-            k: v
-            for k, v in {
-                "prompt": body.prompt,
-                "size": body.resolved_size,
-                "negative_prompt": body.negative_prompt,
-                "num_inference_steps": body.num_inference_steps,
-                "guidance_scale": guidance_of(body),
-                "guidance_scale_2": body.guidance_scale_2,
-                "flow_shift": body.flow_shift,
-                "seed": body.seed,
-                "lora": body.lora,
-                "cache": body.cache,
-                "lane_size": body.lane_size,
-                "deadline_s": body.deadline_s,
-                "boundary_ratio": body.boundary_ratio,
-                "sample_solver": solver_of(body),
-                "sigmas": body.sigmas,
-            }.items()
-            if v is not None
-        }
-    )
+    shared = {**body.generation_fields(), "size": body.resolved_size}
+    image = ImageGenerationRequest.model_validate({k: v for k, v in shared.items() if v is not None})
     request = to_generation_request(image, config, request_id)
     fps = body.fps or config.fps
     t = temporal_compression

@@ -73,3 +73,34 @@ def test_a_request_s_lane_size_and_target_arrive_with_it():
     assert arrive().deadline is None and arrive().lane_size is None
     with pytest.raises(ValueError, match="lane_size"):
         ImageGenerationRequest(prompt="a fox", lane_size=0)
+
+
+def test_the_request_fields_page_is_what_the_bodies_declare():
+    """docs/requests.md is what ``python -m ray_hsdp.serve.schema_docs`` writes from the two bodies."""
+    from pathlib import Path
+
+    from ray_hsdp.serve.schema_docs import markdown
+
+    page = Path(__file__).resolve().parents[2] / "docs" / "requests.md"
+    assert page.read_text() == markdown(), "docs/requests.md is stale: python -m ray_hsdp.serve.schema_docs > it"
+
+
+def test_a_field_both_routes_take_is_declared_once_and_means_the_same_on_each():
+    """The shared fields come from one declaration (``GenerationFields``): the same bounds and words on
+    both routes; only the image route's JSON body refuses numbers as text."""
+    from pydantic import ValidationError
+
+    from ray_hsdp.serve.request_fields import GenerationFields
+    from ray_hsdp.serve.schema import VideoCreateRequest
+
+    for name, field in GenerationFields.model_fields.items():
+        for model in (ImageGenerationRequest, VideoCreateRequest):
+            assert model.model_fields[name].description == field.description, (model.__name__, name)
+            assert model.model_fields[name].metadata == field.metadata, (model.__name__, name)
+    video = VideoCreateRequest.model_validate({"prompt": "a fox", "flow_shift": "3", "true_cfg_scale": "4"})
+    assert (video.flow_shift, video.generation_fields()["guidance_scale"]) == (3.0, 4.0)
+    with pytest.raises(ValidationError, match="flow_shift"):
+        ImageGenerationRequest.model_validate({"prompt": "a fox", "flow_shift": "3"})
+    for model in (ImageGenerationRequest, VideoCreateRequest):
+        with pytest.raises(ValidationError, match="greater than 0"):
+            model.model_validate({"prompt": "a fox", "flow_shift": 0})
