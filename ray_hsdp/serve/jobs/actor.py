@@ -33,6 +33,11 @@ STORE_THREADS = 2
 #: counts) run on a thread of their own (Ray's concurrency group ``reads``): never queued behind the
 #: replicas' reports, hundreds a second under load.
 READS = ("get", "list", "locate", "counts")
+#: The calls of ``JobStore`` that its actor takes (each one of its methods: ``StoreClient.call``).
+STORE_CALLS = (
+    "media_location", "configure", "limits_of", "create", "renew", "report", "release", "claim", "unclaim", "adopt",
+    "take_waiting", "complete", "complete_stored", "fail", "delete", "get", "list", "locate", "content", "counts",
+)  # fmt: skip
 
 
 def default_folder() -> Path:
@@ -47,8 +52,9 @@ def default_folder() -> Path:
         return Path(data) / "ray_hsdp" / "video_jobs"
 
 
-class StoreActor(JobStore):
-    """``JobStore`` with the embedded defaults resolved where it runs (the head node).
+class StoreActor:
+    """The store's Ray actor: a ``JobStore`` with the embedded defaults resolved where it runs (the
+    head node), whose calls (``STORE_CALLS``) it runs as its own methods.
 
     Args:
         job_store: The records' SQLAlchemy URL; ``None``: SQLite in ``default_folder()``.
@@ -71,26 +77,35 @@ class StoreActor(JobStore):
             folder.mkdir(parents=True, exist_ok=True)
         url = with_password(job_store, password_file, password_env) if job_store else None
         node = ray.get_runtime_context().get_node_id()  # where a media folder is (``JobMedia.reaches``)
-        super().__init__(url or f"sqlite:///{folder / 'jobs.sqlite'}", media_store or str(folder / "media"), node=node)
+        self.store = JobStore(
+            url or f"sqlite:///{folder / 'jobs.sqlite'}", media_store or str(folder / "media"), node=node
+        )
+
+    @property
+    def engine(self):
+        """The store's database engine (``JobStore.engine``)."""
+        return self.store.engine
 
     def configured(self) -> tuple[str | None, str | None]:
         """The ``job_store`` and ``media_store`` it was started with (``None``: the default)."""
         return self._configured
 
 
-def _on_reads_thread(read):
-    """``read`` as a method of the actor that Ray runs on the ``reads`` thread (a wrapper: ``JobStore``'s
-    own functions, used without Ray too, stay unmarked)."""
+def _store_call(name: str):
+    """``JobStore``'s method ``name`` as a method of the actor that runs it on the actor's store, with
+    its name, signature and docstring (Ray checks a call's arguments against the signature); a read
+    (``READS``) on the ``reads`` thread."""
+    method = getattr(JobStore, name)
 
-    @functools.wraps(read)
-    def on_reads_thread(self, *args, **kwargs):
-        return read(self, *args, **kwargs)
+    @functools.wraps(method)
+    def store_call(self, *args, **kwargs):
+        return getattr(self.store, name)(*args, **kwargs)
 
-    return ray.method(concurrency_group="reads")(on_reads_thread)
+    return ray.method(concurrency_group="reads")(store_call) if name in READS else store_call
 
 
-for _read in READS:
-    setattr(StoreActor, _read, _on_reads_thread(getattr(JobStore, _read)))
+for _name in STORE_CALLS:
+    setattr(StoreActor, _name, _store_call(_name))
 
 
 def open_store(

@@ -35,28 +35,30 @@ def engine_for(url: str, **options):
 
 
 def answering(method):
-    """A store call: the database opened (tables made, columns added) at the first call that
-    reaches it; a database that does not answer raises ``StoreUnavailableError`` (a 503 to a
-    caller; an owner's report waits) and stops every owner's silence from counting (``JobLeases``).
-    A transaction that changed a row (a transition's: the reports' own writes keep what they wrote)
-    forgets the rows the reports hold as it commits (``_transaction``, ``jobs.reports``)."""
+    """A store call (a method of an object whose ``state`` is the store's ``StoreState``): the
+    database opened (tables made, columns added) at the first call that reaches it; a database that
+    does not answer raises ``StoreUnavailableError`` (a 503 to a caller; an owner's report waits)
+    and stops every owner's silence from counting (``JobLeases``). A transaction that changed a row
+    (a transition's: the reports' own writes keep what they wrote) forgets the rows the reports
+    hold as it commits (``StoreState.transaction``, ``jobs.reports``)."""
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        self.leases.called()
-        self._call.reached_database = False
+        state = self.state
+        state.leases.called()
+        state.call.reached_database = False
         try:
-            self._open()
+            state.open()
             out = method(self, *args, **kwargs)
         except DATABASE_DOWN as err:
-            self.leases.unreachable()
+            state.leases.unreachable()
             cause = type(getattr(err, "orig", None) or err).__name__  # the class only: a message may name the URL
             raise StoreUnavailableError(
                 f"the video job store's database does not answer ({cause}); running jobs go on and report once "
                 "it does: retry shortly"
             ) from None
-        if self._call.reached_database:  # (a report answered from memory says nothing of the database)
-            self.leases.reachable()
+        if state.call.reached_database:  # (a report answered from memory says nothing of the database)
+            state.leases.reachable()
         return out
 
     return call

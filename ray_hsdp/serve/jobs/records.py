@@ -22,9 +22,12 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    and_,
     inspect,
     or_,
+    select,
     text,
+    update,
 )
 
 from ray_hsdp.request import GenerationRequest, StepCache
@@ -65,7 +68,7 @@ jobs_table = Table(
     Column("media_bytes", BigInteger, nullable=False, default=0),
     Column("media_key", String(200)),  # the stored files' stem (``jobs.media``)
     # Why each attempt that failed under its job gave it up ("attempt N (code): why"), in order: a
-    # job fails, naming them, once ``max_attempts`` have (``JobStore.release``).
+    # job fails, naming them, once ``max_attempts`` have (``JobEndings.release``).
     Column("attempt_errors", JSON),
 )
 
@@ -106,6 +109,25 @@ def pool_of(app_name: str, deployment: str) -> str:
 
 #: A job's statuses that may still change.
 ACTIVE = ("queued", "in_progress")
+
+
+def job_row(conn, video_id: str, endpoint: str | None = None, *kept):
+    """A job's row (of ``endpoint``, where given, and meeting ``kept``), or ``None``."""
+    query = select(jobs_table).where(jobs_table.c.id == video_id, *kept)
+    if endpoint is not None:
+        query = query.where(jobs_table.c.endpoint == endpoint)
+    return conn.execute(query).first()
+
+
+def guarded(conn, video_id: str, owner: str | None, attempt: int | None, values: dict) -> bool:
+    """One compare-and-set of a job's row: it is active (and, where given, ``owner``'s ``attempt``)."""
+    c = jobs_table.c
+    where = [c.id == video_id, c.status.in_(ACTIVE)]
+    if owner is not None:
+        where.append(c.owner == owner)
+    if attempt is not None:
+        where.append(c.attempt == attempt)
+    return conn.execute(update(jobs_table).where(and_(*where)).values(values)).rowcount == 1
 
 
 def public(row) -> dict:

@@ -29,7 +29,7 @@ def test_a_failed_removal_is_tried_again_by_the_sweep_and_never_raises(tmp_path,
         patch.setattr(store.media.fs, "rm", read_only)
         assert store.delete("app", video["id"])  # answered, not raised
         assert store.media.pending == {f"{video['id']}-1"}
-    store._swept = 0.0
+    store.sweeper.swept_at = 0.0
     store.claim(["pool"], hold_s=1)  # the ingress' poll sweeps
     assert store.media.pending == set() and list((tmp_path / "media").iterdir()) == []
 
@@ -48,7 +48,7 @@ def test_orphans_and_old_partial_files_are_removed_and_held_files_kept(tmp_path)
     for path in folder.iterdir():
         if path.name != "video_new-1.mp4":
             os.utime(path, (old, old))
-    store._swept = store._orphans_swept = 0.0
+    store.sweeper.swept_at = store.sweeper.orphans_swept_at = 0.0
     store.claim(["pool"], hold_s=1)
     left = sorted(p.name for p in folder.iterdir())
     assert left == sorted([f"{done['id']}-1.mp4", f"{done['id']}-1.png", f"{running['id']}-1.mp4",

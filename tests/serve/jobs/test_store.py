@@ -273,18 +273,18 @@ def test_a_stalled_store_releases_no_job_and_a_silent_owner_is_released(tmp_path
     others is released."""
     now = [0.0]
     store = make(f"sqlite:///{tmp_path / 'jobs.sqlite'}", tmp_path / "media", stale_after_s=10, lost_wait_s=600)
-    store.leases = JobLeases(clock=lambda: now[0])
+    store.state.leases = JobLeases(clock=lambda: now[0])
     _, video = store.create("app", "pool", {"model": "m"}, "a", "spec")
     _, other = store.create("app", "pool", {"model": "m"}, "b", "spec")
     now[0] += 60  # the store ran no call for a minute
-    store._swept = 0.0
+    store.sweeper.swept_at = 0.0
     assert store.get("app", video["id"])["status"] == "queued"
     assert store.claim(["pool"], hold_s=1) == []  # nothing was released
     for _ in range(12):  # b reports every second; a says nothing
         now[0] += 1
-        store._swept = 0.0
+        store.sweeper.swept_at = 0.0
         assert store.report(other["id"], "b", 1, running=True)
-    store._swept = 0.0
+    store.sweeper.swept_at = 0.0
     [(video_id, *_)] = store.claim(["pool"], hold_s=1)
     assert video_id == video["id"]
     assert store.report(video["id"], "a", 1) is False  # a's copy, were it alive, stops
