@@ -92,11 +92,20 @@ class RankRuntime:
         if (modules is None) != (exchange is None):
             raise ValueError("modules and exchange go together: both for a sharded rank, neither otherwise")
         #: What the tick loop, the request threads and the widening share.
-        self.state = RankState(run_request, rank, slots, modules, exchange, patience_s, max_batch, lane_decodes)
-        self._threads = RequestThreads(self.state)
+        self.state = RankState(
+            run_request,
+            rank=rank,
+            slots=slots,
+            modules=modules,
+            exchange=exchange,
+            patience_s=patience_s,
+            max_batch=max_batch,
+            lane_decodes=lane_decodes,
+        )
         self._widening = RankWidening(self.state)
-        self._ticks = TickLoop(self.state, self._threads, self._widening)
+        self._tick_loop = TickLoop(self.state, RequestThreads(self.state), self._widening)
 
+    #: The arguments and the seams, read by the parts from the state.
     rank = _OnState()
     slots = _OnState()
     modules = _OnState()
@@ -237,7 +246,7 @@ class RankRuntime:
             SessionFailedError: A forward, ghost pass or tick failed here (or did earlier); every
                 request and call this rank held has been failed with it.
         """
-        return self._ticks.session()
+        return self._tick_loop.session()
 
     def fail(self, cause: BaseException) -> SessionFailedError:
         """Fails the session: every request and call held here gets the error, new ones are refused.

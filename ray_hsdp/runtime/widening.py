@@ -26,8 +26,6 @@ from ray_hsdp.protocol import (
 )
 from ray_hsdp.runtime.state import Help, RankState
 
-__all__ = ["Help", "RankWidening"]
-
 
 class RankWidening:
     """A rank's side of lane widening: the helps its group gives it and the wider lanes its own
