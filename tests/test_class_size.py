@@ -16,7 +16,6 @@ LIMIT = 300
 OVER = {
     "ray_hsdp.group.core.ShardGroup": 1030,
     "ray_hsdp.serve.replica.server.HSDPServer": 699,
-    "ray_hsdp.runtime.core.RankRuntime": 691,
     "ray_hsdp.rank.actor.Rank": 664,
     "ray_hsdp.serve.ingress.server.OpenAIIngress": 432,
     "ray_hsdp.pipeline.sharded.ShardedPipeline": 387,

@@ -1,11 +1,11 @@
 """The rank runtime: one tick thread, the request threads, the waiting calls (contract: the
-package docstring). The tick loop lives in ``ticks``, the request threads in ``threads``; the
-protocol's parts in ``ray_hsdp.protocol``."""
+package docstring). ``RankRuntime`` is the callers' side; what its parts share is one
+``RankState`` (``state``), which the tick loop (``ticks``), the request threads (``threads``) and
+the widening (``widening``) receive; the protocol's parts are in ``ray_hsdp.protocol``."""
 
 from __future__ import annotations
 
 import threading
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -27,12 +27,28 @@ from ray_hsdp.protocol import (  # noqa: F401 (the runtime's names, imported fro
     key_of,
     module_of,
 )
+from ray_hsdp.runtime.state import RankState, stopped_error
 from ray_hsdp.runtime.threads import RequestThreads
 from ray_hsdp.runtime.ticks import TickLoop
 from ray_hsdp.runtime.widening import RankWidening
 
 
-class RankRuntime(TickLoop, RequestThreads, RankWidening):
+class _OnState:
+    """An attribute of the runtime kept on its state, where its parts read it: the seams
+    (``exchange``, ``modules``, ``observer``) are replaced on the runtime (fault injection,
+    profiling) and the tick thread must see the replacement."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, runtime: RankRuntime | None, owner: type | None = None) -> Any:
+        return self if runtime is None else getattr(runtime.state, self.name)
+
+    def __set__(self, runtime: RankRuntime, value: Any) -> None:
+        setattr(runtime.state, self.name, value)
+
+
+class RankRuntime:
     """One rank's execution (see the package docstring for the contract).
 
     A request runs on the lane its ticket names (``lane_ticket``): its rank alone, or a block of
@@ -75,41 +91,39 @@ class RankRuntime(TickLoop, RequestThreads, RankWidening):
     ) -> None:
         if (modules is None) != (exchange is None):
             raise ValueError("modules and exchange go together: both for a sharded rank, neither otherwise")
-        self._run_request = run_request
-        self.rank = rank
-        self.slots = slots
-        self.modules = modules
-        self.exchange = exchange
-        self.observer = Observer()
-        self.patience_s = patience_s
-        self.max_batch = max_batch
-        self.lane_decodes = lane_decodes
-        self.ticks = 0
-        self.idle_ticks = 0  # ticks at which this rank had nothing to do
-        self.forwards = 0
-        self.ghosts = 0
-        self.batched = 0  # calls that ran in a forward together with others
-        self._cond = threading.Condition()
-        self._inbox: deque[Job] = deque()
-        self._calls: deque[ForwardCall] = deque()  # queued by request threads
-        self._waiting: list[ForwardCall] = []  # taken by the tick thread, not yet run
-        self._current: list[ForwardCall] = []  # in the forward that runs now
-        self._running: dict[Job, threading.Thread] = {}
-        self._expecting = 0  # running requests that will call a sharded module again
-        self._failure: SessionFailedError | None = None
-        self._where = "session"
-        self._progress: dict[str, tuple[int, int]] = {}
-        self._threads_started = 0
-        #: Whether a session runs now (its thread may sit in a collective).
-        self.in_session = False
-        self._local = threading.local()  # a request thread's job
-        self._stops: deque[int] = deque()  # tickets this rank asks its lane to stop
-        # Keys of lanes of several ranks that some of their ranks offered at the last tick and the
-        # lane did not agree on (the same set on every rank): offered first at the next tick.
-        self._behind: set[int] = set()
-        self._stopped: dict[int, None] = {}  # tickets stopped here (insertion-ordered, bounded)
-        self._cancelled: dict[str, BaseException] = {}  # request id -> the error of a cancel that came first
-        self._init_widening()
+        #: What the tick loop, the request threads and the widening share.
+        self.state = RankState(
+            run_request,
+            rank=rank,
+            slots=slots,
+            modules=modules,
+            exchange=exchange,
+            patience_s=patience_s,
+            max_batch=max_batch,
+            lane_decodes=lane_decodes,
+        )
+        self._widening = RankWidening(self.state)
+        self._tick_loop = TickLoop(self.state, RequestThreads(self.state), self._widening)
+
+    #: The arguments and the seams, read by the parts from the state.
+    rank = _OnState()
+    slots = _OnState()
+    modules = _OnState()
+    exchange = _OnState()
+    observer = _OnState()
+    patience_s = _OnState()
+    max_batch = _OnState()
+    lane_decodes = _OnState()
+    #: What this rank did: ticks, those at which it had nothing to do, real forwards, ghost
+    #: passes, calls that ran batched with others, forwards it ran as a helper.
+    ticks = _OnState()
+    idle_ticks = _OnState()
+    forwards = _OnState()
+    ghosts = _OnState()
+    batched = _OnState()
+    helped = _OnState()
+    #: Whether a session runs now (its thread may sit in a collective).
+    in_session = _OnState()
 
     # ---- callers' side ---------------------------------------------------------------------
 
@@ -120,25 +134,26 @@ class RankRuntime(TickLoop, RequestThreads, RankWidening):
             request: The request.
             ticket: The group's number for it, the same on every rank of its lane.
         """
+        state = self.state
         job = Job(request, ticket)
-        with self._cond:
-            cancelled = self._cancelled.pop(request.request_id, None)
-            if self._failure is None and ticket in self._stopped:
+        with state.cond:
+            cancelled = state.cancelled.pop(request.request_id, None)
+            if state.failure is None and ticket in state.stopped:
                 # Its lane stopped it before this rank's offer arrived.
                 job.stopped = True
-            elif self._failure is None and cancelled is None:
-                self._inbox.append(job)
-                self._cond.notify_all()
+            elif state.failure is None and cancelled is None:
+                state.inbox.append(job)
+                state.cond.notify_all()
                 return job
-            message = str(self._failure) if self._failure is not None else None
-        self._note_loop_end(request.request_id)  # it never runs here
+            message = str(state.failure) if state.failure is not None else None
+        state.note_loop_end(request.request_id)  # it never runs here
         if message is not None:
             job.complete(error=SessionFailedError(message))
         elif cancelled is not None:
             # Its cancel arrived before it did (they travel on different threads of the actor).
             self.cancel_job(job, cancelled)
         else:
-            job.complete(error=self._stopped_error(job))
+            job.complete(error=stopped_error(job))
         return job
 
     def call(self, module_id: int, args: tuple, kwargs: dict, context: dict | None = None) -> Any:
@@ -147,7 +162,8 @@ class RankRuntime(TickLoop, RequestThreads, RankWidening):
         Args:
             context: Handed to the modules with the call (for example the CFG exchange's part).
         """
-        job: Job | None = getattr(self._local, "job", None)
+        state = self.state
+        job: Job | None = getattr(state.local, "job", None)
         call = ForwardCall(
             module_id,
             args,
@@ -158,16 +174,16 @@ class RankRuntime(TickLoop, RequestThreads, RankWidening):
         )
         modules = self.modules
         modules.before_call(call)
-        with self._cond:
-            failure = self._failure
+        with state.cond:
+            failure = state.failure
             stopped = job is not None and job.stopped
             if failure is None and not stopped:
-                self._calls.append(call)
-                self._cond.notify_all()
+                state.calls.append(call)
+                state.cond.notify_all()
         if failure is not None:  # a failed rank refuses the call, which still completes once
             call.complete(error=SessionFailedError(str(failure)))
         elif stopped:
-            call.complete(error=self._stopped_error(job))
+            call.complete(error=stopped_error(job))
         value = call.get()
         modules.after_call(call)
         return value
@@ -181,51 +197,39 @@ class RankRuntime(TickLoop, RequestThreads, RankWidening):
         Returns:
             Whether the cancel answered a request held here (False for one that had already ended).
         """
-        with self._cond:
-            jobs = [job for job in [*self._inbox, *self._running] if job.request.request_id == request_id]
+        state = self.state
+        with state.cond:
+            jobs = [job for job in [*state.inbox, *state.running] if job.request.request_id == request_id]
             if not jobs:
-                self._cancelled[request_id] = error
-                while len(self._cancelled) > STOPPED_MEMORY:
-                    del self._cancelled[next(iter(self._cancelled))]
+                state.cancelled[request_id] = error
+                while len(state.cancelled) > STOPPED_MEMORY:
+                    del state.cancelled[next(iter(state.cancelled))]
         return any([self.cancel_job(job, error) for job in jobs])
 
     def cancel_job(self, job: Job, error: BaseException) -> bool:
         """Answers ``job`` with ``error`` and stops it (see ``cancel``); False when it had an answer already."""
         answered = job.cancel(error)
         if job.lane_size > 1:
-            self._ask_stop(job.ticket)
+            self.state.ask_stop(job.ticket)
         return answered
-
-    def _ask_stop(self, ticket: int) -> None:
-        with self._cond:
-            if ticket not in self._stopped and ticket not in self._stops:
-                self._stops.append(ticket)
-                self._cond.notify_all()
-
-    @staticmethod
-    def _stopped_error(job: Job) -> RequestStoppedError:
-        return RequestStoppedError(
-            f"request {job.request.request_id!r} was stopped by its lane (cancelled, past its deadline, "
-            "or failed on another rank of the lane)"
-        )
 
     @property
     def failure(self) -> SessionFailedError | None:
         """Why this rank's session failed, or ``None``."""
-        return self._failure
+        return self.state.failure
 
     def current_ticket(self) -> int:
         """On a request thread: the ticket of its request (which names its lane)."""
-        return self._local.job.ticket
+        return self.state.local.job.ticket
 
     def progress(self) -> dict[str, tuple[int, int]]:
         """Request id -> (denoising steps done, steps in all) of the requests running here."""
-        return dict(self._progress)
+        return dict(self.state.progress)
 
     def request_threads(self) -> list[threading.Thread]:
         """The threads of the requests running now."""
-        with self._cond:
-            return list(self._running.values())
+        with self.state.cond:
+            return list(self.state.running.values())
 
     # ---- the tick thread -------------------------------------------------------------------
 
@@ -242,54 +246,14 @@ class RankRuntime(TickLoop, RequestThreads, RankWidening):
             SessionFailedError: A forward, ghost pass or tick failed here (or did earlier); every
                 request and call this rank held has been failed with it.
         """
-        with self._cond:
-            if self._failure is not None:
-                raise SessionFailedError(str(self._failure))
-        before = self._threads_started
-        self.in_session = True
-        try:
-            while True:
-                if self._failure is not None:  # a request thread failed it (a split decode's error)
-                    raise self._failure
-                self._start_requests()  # a lane of several ranks starts its requests at a tick
-                if self.modules is None:
-                    if self._wait_for_requests():
-                        return self._threads_started - before
-                elif self._tick():
-                    return self._threads_started - before
-        except BaseException as err:
-            raise self.fail(err) from err
-        finally:
-            self.in_session = False
+        return self._tick_loop.session()
 
     def fail(self, cause: BaseException) -> SessionFailedError:
         """Fails the session: every request and call held here gets the error, new ones are refused.
 
         Called by ``session`` on its own thread (it reads the tick thread's waiting calls).
         """
-        with self._cond:
-            if self._failure is None:
-                if isinstance(cause, SessionFailedError):
-                    self._failure = cause
-                else:
-                    first = next((line for line in str(cause).splitlines() if line.strip()), "").strip()
-                    self._failure = SessionFailedError(
-                        f"rank {self.rank}: {self._where} failed: {type(cause).__name__}: {first}"[:400]
-                    )
-            message = str(self._failure)
-            jobs = [*self._inbox, *self._running]
-            calls = [*self._current, *self._waiting, *self._calls]
-            self._inbox.clear()
-            self._calls.clear()
-            self._waiting, self._current = [], []
-            self._help = None
-            self._cond.notify_all()
-        # Jobs first: a request thread woken by its call's error must find its job answered.
-        for job in jobs:
-            job.complete(error=SessionFailedError(message))
-        for call in calls:
-            call.complete(error=SessionFailedError(message))
-        return self._failure
+        return self.state.fail(cause)
 
     def recover(self, timeout_s: float) -> None:
         """Takes requests again after a failed session, once the group formed its process groups
@@ -305,17 +269,26 @@ class RankRuntime(TickLoop, RequestThreads, RankWidening):
             thread.join(timeout_s)
             if thread.is_alive():
                 raise RuntimeError(f"rank {self.rank}: a failed request's thread did not end within {timeout_s:g}s")
-        with self._cond:
-            self._failure = None
-            self._running.clear()
-            self._expecting = 0
-            self._progress.clear()
-            self._stops.clear()
-            self._behind.clear()
-            self._stopped.clear()
-            self._cancelled.clear()
-            helped = self.helped  # a counter of the rank's life, not of the session
-            self._init_widening()
-            self.helped = helped
+        with self.state.cond:
+            self.state.forget_session()
+            self._widening.forget()
 
-    # ---- request threads -------------------------------------------------------------------
+    # ---- lane widening (``runtime.widening``) ------------------------------------------------
+
+    def loop_end(self, request_id: str) -> Completion:
+        """Completes once ``request_id``'s denoising loop ended on this rank (it decodes from there,
+        or it stopped): what the group of a widened request waits for to give its helpers back, as
+        its decode runs on its own lane. A request that has not come yet is waited for."""
+        return self.state.loop_end(request_id)
+
+    def help(self, request: Any, ticket: int, source: int) -> None:
+        """Helps ``request`` on the wider lane ``ticket`` until ``release(ticket)`` (``RankWidening.help``).
+
+        Raises:
+            SessionFailedError: This rank's session failed.
+        """
+        self._widening.help(request, ticket, source)
+
+    def release(self, ticket: int) -> None:
+        """Ends this rank's help of the wider lane ``ticket`` (before it starts, when it comes first)."""
+        self._widening.release(ticket)

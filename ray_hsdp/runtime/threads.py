@@ -1,5 +1,5 @@
-"""The request threads of a rank runtime (``RankRuntime``, whose state they share): each runs one
-request's pipeline call, reports its steps, and ends it exactly once."""
+"""The request threads of a rank runtime (``RankRuntime``): each runs one request's pipeline call,
+reports its steps, and ends it exactly once."""
 
 from __future__ import annotations
 
@@ -7,21 +7,31 @@ import threading
 
 from ray_hsdp.protocol import Job, SessionFailedError
 from ray_hsdp.request import LaneCollectiveError
+from ray_hsdp.runtime.state import RankState
 
 
 class RequestThreads:
-    """The request threads' side of ``RankRuntime``."""
+    """The request threads of a rank runtime.
 
-    def _start(self, job: Job) -> None:
+    Args:
+        state: The rank's runtime state: the threads run ``state.run_request`` and keep
+            ``state.running``, ``state.expecting`` and ``state.progress``.
+    """
+
+    def __init__(self, state: RankState) -> None:
+        self.state = state
+
+    def start(self, job: Job) -> None:
         """Starts ``job``'s request thread (called with the lock held)."""
-        if self.modules is not None:
+        state = self.state
+        if state.modules is not None:
             # Before the thread starts: the next tick must already wait for its first call.
-            self._expecting += 1
+            state.expecting += 1
         thread = threading.Thread(
-            target=self._run_job, args=(job,), name=f"rank{self.rank}-request-{self._threads_started}", daemon=True
+            target=self._run_job, args=(job,), name=f"rank{state.rank}-request-{state.threads_started}", daemon=True
         )
-        self._running[job] = thread
-        self._threads_started += 1
+        state.running[job] = thread
+        state.threads_started += 1
         thread.start()
 
     def _await_decode_turn(self, job: Job) -> None:
@@ -34,36 +44,38 @@ class RequestThreads:
         Raises:
             SessionFailedError: The session failed meanwhile.
         """
-        with self._cond:
-            while self._failure is None and any(
-                other.ticket < job.ticket and other.lane_size > 1 for other in self._running
+        state = self.state
+        with state.cond:
+            while state.failure is None and any(
+                other.ticket < job.ticket and other.lane_size > 1 for other in state.running
             ):
-                self._cond.wait()
-            if self._failure is not None:
-                raise SessionFailedError(str(self._failure))
+                state.cond.wait()
+            if state.failure is not None:
+                raise SessionFailedError(str(state.failure))
 
     def _run_job(self, job: Job) -> None:
+        state = self.state
         request_id = job.request.request_id
-        expecting = [self.modules is not None]
-        self._local.job = job
+        expecting = [state.modules is not None]
+        state.local.job = job
         lane = job.lane_size > 1
         follower_done = [False]
         decodes_together = False
 
         def stop_expecting() -> None:
-            self._note_loop_end(request_id)  # (its group may wait for it: a widened request's helpers)
+            state.note_loop_end(request_id)  # (its group may wait for it: a widened request's helpers)
             if expecting[0]:
                 expecting[0] = False
-                with self._cond:
-                    self._expecting -= 1
-                    self._cond.notify_all()
+                with state.cond:
+                    state.expecting -= 1
+                    state.cond.notify_all()
 
         def on_step(done: int, total: int) -> bool:
-            self._progress[request_id] = (done, total)
-            self.observer.request(request_id, "step")
+            state.progress[request_id] = (done, total)
+            state.observer.request(request_id, "step")
             # A lane acts on its stops, decided at a tick; a lone rank on its own cancellation.
             halt = job.stopped if lane else job.cancelled
-            if done >= total and not job.leads(self.rank):
+            if done >= total and not job.leads(state.rank):
                 follower_done[0] = True  # the leader answers; this rank is done once it decoded its part
                 halt = not decodes_together
             if done >= total or halt:
@@ -76,15 +88,15 @@ class RequestThreads:
                 return False
             return halt
 
-        self._progress[request_id] = (0, job.request.num_inference_steps)
-        self.observer.request(request_id, "start")
+        state.progress[request_id] = (0, job.request.num_inference_steps)
+        state.observer.request(request_id, "start")
         try:
-            decodes_together = lane and self.lane_decodes is not None and self.lane_decodes(job.request)
-            job.complete(self._run_request(job.request, on_step))
+            decodes_together = lane and state.lane_decodes is not None and state.lane_decodes(job.request)
+            job.complete(state.run_request(job.request, on_step))
         except LaneCollectiveError as err:
             # Its lane's other ranks may wait in the decode's collectives for this one: the
             # session fails (the tick thread raises it), and with it every request held here.
-            self.fail(SessionFailedError(f"rank {self.rank}: {err}"[:400]))
+            state.fail(SessionFailedError(f"rank {state.rank}: {err}"[:400]))
         except BaseException as err:  # noqa: BLE001 - the request's own error belongs to its caller
             if follower_done[0]:
                 job.complete(None)
@@ -92,12 +104,12 @@ class RequestThreads:
                 job.complete(error=err)
                 if lane and not job.stopped:
                     # The other ranks of the lane may wait on a call this one will never make.
-                    self._ask_stop(job.ticket)
+                    state.ask_stop(job.ticket)
         finally:
-            self._local.job = None
+            state.local.job = None
             stop_expecting()
-            self._progress.pop(request_id, None)
-            self.observer.request(request_id, "end")
-            with self._cond:
-                self._running.pop(job, None)
-                self._cond.notify_all()
+            state.progress.pop(request_id, None)
+            state.observer.request(request_id, "end")
+            with state.cond:
+                state.running.pop(job, None)
+                state.cond.notify_all()

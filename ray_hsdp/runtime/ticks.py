@@ -1,6 +1,6 @@
-"""The tick thread's loop of a rank runtime (``RankRuntime``, whose state it reads): each tick
-all-gathers what every rank offers, applies the stops, starts what its lane agreed on, and runs or
-ghosts the smallest module some lane wants."""
+"""The tick thread's loop of a rank runtime (``RankRuntime``): each tick all-gathers what every
+rank offers, applies the stops, starts what its lane agreed on, and runs or ghosts the smallest
+module some lane wants."""
 
 from __future__ import annotations
 
@@ -17,28 +17,71 @@ from ray_hsdp.protocol import (
     ForwardCall,
     Job,
     RequestStoppedError,
+    SessionFailedError,
     agreed_keys,
     agreed_mine,
     lane_of,
     module_of,
 )
+from ray_hsdp.runtime.state import RankState, stopped_error
+from ray_hsdp.runtime.threads import RequestThreads
+from ray_hsdp.runtime.widening import RankWidening
 
 
 class TickLoop:
-    """The tick thread's side of ``RankRuntime``."""
+    """The tick thread's side of a rank runtime: its sessions.
+
+    Args:
+        state: The rank's runtime state.
+        threads: Starts the requests a tick lets start.
+        widening: The helps this rank gives and the wider lanes its requests run on.
+    """
+
+    def __init__(self, state: RankState, threads: RequestThreads, widening: RankWidening) -> None:
+        self.state = state
+        self._threads = threads
+        self._widening = widening
+
+    def session(self) -> int:
+        """Runs queued requests until every rank is idle (``RankRuntime.session``).
+
+        Returns:
+            How many requests this session started.
+        """
+        state = self.state
+        with state.cond:
+            if state.failure is not None:
+                raise SessionFailedError(str(state.failure))
+        before = state.threads_started
+        state.in_session = True
+        try:
+            while True:
+                if state.failure is not None:  # a request thread failed it (a split decode's error)
+                    raise state.failure
+                self._start_requests()  # a lane of several ranks starts its requests at a tick
+                if state.modules is None:
+                    if self._wait_for_requests():
+                        return state.threads_started - before
+                elif self._tick():
+                    return state.threads_started - before
+        except BaseException as err:
+            raise state.fail(err) from err
+        finally:
+            state.in_session = False
 
     def _start_requests(self) -> None:
         """Starts queued requests of this rank's own lane (of one rank) while it has room; a lane of
         several ranks starts its requests at a tick all of them agree on."""
-        with self._cond:
-            for job in list(self._inbox):
-                if len(self._running) >= self.slots:
+        state = self.state
+        with state.cond:
+            for job in list(state.inbox):
+                if len(state.running) >= state.slots:
                     return
                 if job.lane_size > 1:
                     continue
-                self._inbox.remove(job)
+                state.inbox.remove(job)
                 if not job.done:  # else its caller gave up while it was queued
-                    self._start(job)
+                    self._threads.start(job)
 
     def _lane_state(self, busy: bool) -> int:
         """What this rank offers at a tick: a stop it asks for, else the least of its waiting calls
@@ -59,39 +102,49 @@ class TickLoop:
         comes last: a rank offers it only when none of its own lanes waits on it, so two ranks
         that help each other's lanes still start and run their own requests.
         """
-        with self._cond:
-            self._offered_help = None
-            if self._stops:
-                return STOP - self._stops.popleft()
-            self._retarget_waiting()
-            if behind := {c.key for c in self._waiting} & self._behind:
-                return min(behind)
-            # Starts of lanes of several ranks this rank has room for (a lane of one starts alone).
-            starts = [j.ticket for j in self._inbox if j.lane_size > 1] if len(self._running) < self.slots else []
-            if behind := {ticket % KEY_SPACE for ticket in starts} & self._behind:
-                return min(behind)
-            if self._waiting:
-                return min(c.key for c in self._waiting)
-            if starts:
-                return min(starts) % KEY_SPACE
-            if (help := self._offer_help()) is not None:
-                return help
+        with self.state.cond:
+            own = self._own_offer()
+            help = self._widening.offer_help(free=own is None)
+        if own is not None:
+            return own
+        if help is not None:
+            return help
         return BUSY if busy else IDLE
+
+    def _own_offer(self) -> int | None:
+        """A stop, call or start of this rank's own lanes to offer (``_lane_state``; lock held)."""
+        state = self.state
+        if state.stops:
+            return STOP - state.stops.popleft()
+        self._widening.retarget_waiting()
+        if behind := {c.key for c in state.waiting} & state.behind:
+            return min(behind)
+        # Starts of lanes of several ranks this rank has room for (a lane of one starts alone).
+        starts = [j.ticket for j in state.inbox if j.lane_size > 1] if len(state.running) < state.slots else []
+        if behind := {ticket % KEY_SPACE for ticket in starts} & state.behind:
+            return min(behind)
+        if state.waiting:
+            return min(c.key for c in state.waiting)
+        if starts:
+            return min(starts) % KEY_SPACE
+        return None
 
     def _start_agreed(self, key: int) -> None:
         """Starts the queued request of the start key its lane agreed on at this tick."""
-        with self._cond:
-            job = next(j for j in self._inbox if j.ticket % KEY_SPACE == key)
-            self._inbox.remove(job)
-            self._start(job)
+        state = self.state
+        with state.cond:
+            job = next(j for j in state.inbox if j.ticket % KEY_SPACE == key)
+            state.inbox.remove(job)
+            self._threads.start(job)
 
     def _wait_for_requests(self) -> bool:
         """Unsharded: waits until a request ends or one can start; True when nothing is left."""
-        with self._cond:
-            if not self._running and not self._inbox:
+        state = self.state
+        with state.cond:
+            if not state.running and not state.inbox:
                 return True
-            if not (self._inbox and len(self._running) < self.slots):
-                self._cond.wait()
+            if not (state.inbox and len(state.running) < state.slots):
+                state.cond.wait()
             return False
 
     def _tick(self) -> bool:
@@ -100,20 +153,21 @@ class TickLoop:
         Returns:
             True when every rank was idle at this tick (all ranks see the same answer).
         """
+        state = self.state
         busy = self._take_calls()
-        state = self._lane_state(busy)
-        self._where = "the tick's all-gather"
+        offer = self._lane_state(busy)
+        state.where = "the tick's all-gather"
         start = time.perf_counter()
-        gathered = self.exchange(state)
+        gathered = state.exchange(offer)
         gathered_at = time.perf_counter()
-        self.ticks += 1
-        self.idle_ticks += state == IDLE
+        state.ticks += 1
+        state.idle_ticks += offer == IDLE
         self._apply_stops(STOP - g for g in gathered if g <= STOP)
         agreed = agreed_keys(gathered)
-        self._note_helpers(gathered)
+        self._widening.note_helpers(gathered)
         offered = {g for g in gathered if g >= 0 and lane_of(g % KEY_SPACE)[1] > 1 and module_of(g) != HELP_MODULE}
-        self._behind = offered - set(agreed.values())  # lanes of several ranks that did not agree
-        mine = agreed_mine(agreed, state, self.rank)
+        state.behind = offered - set(agreed.values())  # lanes of several ranks that did not agree
+        mine = agreed_mine(agreed, offer, state.rank)
         if mine is not None and module_of(mine) < 0:
             self._start_agreed(mine)
         module_id = min((module_of(key) for key in agreed.values() if module_of(key) >= 0), default=None)
@@ -121,23 +175,23 @@ class TickLoop:
         if module_id is not None:
             batch = self._batch(mine) if mine is not None and module_of(mine) == module_id else []
             if batch:
-                self._where = f"the forward of {self.modules.names[module_id]}"
+                state.where = f"the forward of {state.modules.names[module_id]}"
                 self._forward(batch)
-            elif self._helps_in(agreed, module_id):
-                self._where = f"a helper's forward of {self.modules.names[module_id]}"
-                self._help_forward(module_id)
+            elif self._widening.helps_in(agreed, module_id):
+                state.where = f"a helper's forward of {state.modules.names[module_id]}"
+                self._widening.help_forward(module_id)
             else:
-                self._where = f"a ghost pass of {self.modules.names[module_id]}"
-                self.modules.ghost(module_id)
-                self.ghosts += 1
-        self._where = "a tick"
-        self.observer.tick(self.ticks, start, state, module_id, bool(batch), gathered_at, time.perf_counter())
+                state.where = f"a ghost pass of {state.modules.names[module_id]}"
+                state.modules.ghost(module_id)
+                state.ghosts += 1
+        state.where = "a tick"
+        state.observer.tick(state.ticks, start, offer, module_id, bool(batch), gathered_at, time.perf_counter())
         if module_id is None:
             if all(g == IDLE for g in gathered):
                 return True
-            with self._cond:
-                if not self._calls:
-                    self._cond.wait(QUIET_TICK_S)
+            with state.cond:
+                if not state.calls:
+                    state.cond.wait(QUIET_TICK_S)
         return False
 
     def _take_calls(self) -> bool:
@@ -147,39 +201,41 @@ class TickLoop:
         Returns:
             Whether this rank has requests running or waiting to start.
         """
-        deadline = time.monotonic() + self.patience_s
-        with self._cond:
+        state = self.state
+        deadline = time.monotonic() + state.patience_s
+        with state.cond:
             while True:
-                self._waiting.extend(self._calls)
-                self._calls.clear()
+                state.waiting.extend(state.calls)
+                state.calls.clear()
                 remaining = deadline - time.monotonic()
-                if len(self._waiting) >= min(self._expecting, self.max_batch) or remaining <= 0:
-                    return bool(self._running or self._inbox)
-                self._cond.wait(remaining)
+                if len(state.waiting) >= min(state.expecting, state.max_batch) or remaining <= 0:
+                    return bool(state.running or state.inbox)
+                state.cond.wait(remaining)
 
     def _apply_stops(self, tickets) -> None:
         """Stops the requests of ``tickets`` at this tick: queued ones never start, waiting calls
         fail, later calls fail at once. Every rank of the lane does this at the same tick."""
+        state = self.state
         failed: list[ForwardCall] = []
         dropped: list[Job] = []
-        with self._cond:
+        with state.cond:
             for ticket in tickets:
-                self._stopped[ticket] = None
-                while len(self._stopped) > STOPPED_MEMORY:
-                    del self._stopped[next(iter(self._stopped))]
-                for job in [*self._inbox, *self._running]:
+                state.stopped[ticket] = None
+                while len(state.stopped) > STOPPED_MEMORY:
+                    del state.stopped[next(iter(state.stopped))]
+                for job in [*state.inbox, *state.running]:
                     if job.ticket != ticket:
                         continue
                     job.stopped = True
-                    if job in self._inbox:
-                        self._inbox.remove(job)
+                    if job in state.inbox:
+                        state.inbox.remove(job)
                         dropped.append(job)
-                for queue in (self._calls, self._waiting):
+                for queue in (state.calls, state.waiting):
                     for call in [c for c in queue if c.home_ticket == ticket]:
                         queue.remove(call)
                         failed.append(call)
         for job in dropped:
-            job.complete(error=self._stopped_error(job))
+            job.complete(error=stopped_error(job))
         for call in failed:
             call.complete(error=RequestStoppedError(f"the request of ticket {call.ticket} was stopped by its lane"))
 
@@ -190,37 +246,39 @@ class TickLoop:
         # batch, and need not import torch.
         from ray_hsdp.runtime.batching import compatible
 
+        state = self.state
         module_id = module_of(key)
         batch: list[ForwardCall] = []
-        with self._cond:
-            first = next((c for c in self._waiting if c.key == key), None)
+        with state.cond:
+            first = next((c for c in state.waiting if c.key == key), None)
             if first is None:
                 return []
             alone = lane_of(first.ticket)[1] == 1
             if alone:  # the oldest call of the module on a lane of this rank alone leads the batch
-                first = next(c for c in self._waiting if c.module_id == module_id and lane_of(c.ticket)[1] == 1)
+                first = next(c for c in state.waiting if c.module_id == module_id and lane_of(c.ticket)[1] == 1)
             batch.append(first)
-            self._waiting.remove(first)
-            for call in list(self._waiting) if alone else ():  # a lane of several ranks runs one call
-                if call.module_id != module_id or len(batch) == self.max_batch or call.batch_key != first.batch_key:
+            state.waiting.remove(first)
+            for call in list(state.waiting) if alone else ():  # a lane of several ranks runs one call
+                if call.module_id != module_id or len(batch) == state.max_batch or call.batch_key != first.batch_key:
                     continue
                 if lane_of(call.ticket)[1] != 1:
                     continue
                 if batch and not compatible((batch[0].args, batch[0].kwargs), (call.args, call.kwargs)):
                     continue
                 batch.append(call)
-                self._waiting.remove(call)
-            self._current = batch
+                state.waiting.remove(call)
+            state.current = batch
         return batch
 
     def _forward(self, batch: list[ForwardCall]) -> None:
+        state = self.state
         # An error here propagates: this rank may have issued part of the forward's collectives,
         # so it is out of step, and ``fail`` answers these calls with everything else.
-        results = self.modules.forward(batch)
-        self.forwards += 1
-        with self._cond:
-            self._current = []
+        results = state.modules.forward(batch)
+        state.forwards += 1
+        with state.cond:
+            state.current = []
         for call, result in zip(batch, results):
             call.complete(result)
         if len(batch) > 1:
-            self.batched += len(batch)
+            state.batched += len(batch)

@@ -17,7 +17,6 @@ from ray_hsdp.protocol import (
     HELP_MODULE,
     KEY_SPACE,
     STOPPED_MEMORY,
-    Completion,
     ForwardCall,
     SessionFailedError,
     help_key,
@@ -25,50 +24,30 @@ from ray_hsdp.protocol import (
     module_of,
     sequence_of,
 )
-
-
-class Help:
-    """What a helping rank holds: the request, the wider lane's ticket, and the rank of that lane
-    (its index there) whose inputs each forward takes."""
-
-    def __init__(self, request: Any, ticket: int, source: int) -> None:
-        self.request = request
-        self.ticket = ticket
-        self.source = source
+from ray_hsdp.runtime.state import Help, RankState
 
 
 class RankWidening:
-    """The widening side of ``RankRuntime`` (whose lock and state it shares)."""
+    """A rank's side of lane widening: the helps its group gives it and the wider lanes its own
+    requests run on.
 
-    def _init_widening(self) -> None:
-        self._help: Help | None = None  # the request this rank helps now
-        self._offered_help: Help | None = None  # the help it offered at the tick that runs
+    Args:
+        state: The rank's runtime state, whose lock guards the help it gives (``state.help``).
+    """
+
+    def __init__(self, state: RankState) -> None:
+        self.state = state
+        self._offered: Help | None = None  # the help it offered at the tick that runs
         self._released: dict[int, None] = {}  # releases that came before their help (bounded)
         #: This rank's requests' tickets -> (the wider lane's ticket, the source's index in it), for
         #: the requests whose helpers all offered their help at the last tick.
         self._widened: dict[int, tuple[int, int]] = {}
-        self.helped = 0  # forwards this rank ran as a helper
-        #: Request id -> completed once its denoising loop ended here (insertion-ordered, bounded).
-        self._loop_ends: dict[str, Completion] = {}
 
-    def loop_end(self, request_id: str) -> Completion:
-        """Completes once ``request_id``'s denoising loop ended on this rank (it decodes from there,
-        or it stopped): what the group of a widened request waits for to give its helpers back, as
-        its decode runs on its own lane. A request that has not come yet is waited for."""
-        with self._cond:
-            end = self._loop_ends.get(request_id)
-            if end is None:
-                end = self._loop_ends[request_id] = Completion()
-            return end
-
-    def _note_loop_end(self, request_id: str) -> None:
-        """``request_id``'s loop ended here; the oldest ended loops beyond ``STOPPED_MEMORY`` are forgotten."""
-        self.loop_end(request_id).complete()
-        with self._cond:
-            excess = len(self._loop_ends) - STOPPED_MEMORY
-            if excess > 0:
-                for ended in [key for key, end in self._loop_ends.items() if end.done][:excess]:
-                    del self._loop_ends[ended]
+    def forget(self) -> None:
+        """Forgets the offers and releases of a failed session (lock held)."""
+        self._offered = None
+        self._released = {}
+        self._widened = {}
 
     def help(self, request: Any, ticket: int, source: int) -> None:
         """Helps ``request`` on the wider lane ``ticket`` until ``release(ticket)``: this rank offers
@@ -82,36 +61,38 @@ class RankWidening:
         Raises:
             SessionFailedError: This rank's session failed.
         """
-        with self._cond:
-            if self._failure is not None:
-                raise SessionFailedError(str(self._failure))
+        state = self.state
+        with state.cond:
+            if state.failure is not None:
+                raise SessionFailedError(str(state.failure))
             if ticket in self._released:
                 del self._released[ticket]
                 return
-            self._help = Help(request, ticket, source)
-            self._cond.notify_all()
+            state.help = Help(request, ticket, source)
+            state.cond.notify_all()
 
     def release(self, ticket: int) -> None:
         """Ends this rank's help of the wider lane ``ticket`` (before it starts, when it comes first)."""
-        with self._cond:
-            if self._help is not None and self._help.ticket == ticket:
-                self._help = None
+        state = self.state
+        with state.cond:
+            if state.help is not None and state.help.ticket == ticket:
+                state.help = None
             else:
                 self._released[ticket] = None
                 while len(self._released) > STOPPED_MEMORY:
                     del self._released[next(iter(self._released))]
-            self._cond.notify_all()
+            state.cond.notify_all()
 
-    def _note_helpers(self, gathered: list[int]) -> None:
+    def note_helpers(self, gathered: list[int]) -> None:
         """From a tick's gathered states: the wider lane each request of this rank runs its next
         calls on (every other rank of that lane offered the lane's help key), or its own."""
         helps = {state % KEY_SPACE for state in gathered if state >= 0 and module_of(state) == HELP_MODULE}
         widened = {}
         if helps:
-            with self._cond:
-                jobs = [*self._running, *self._inbox]
+            with self.state.cond:
+                jobs = [*self.state.running, *self.state.inbox]
             for job in jobs:
-                home = range(self.rank, self.rank + 1) if job.lane_first is None else range(
+                home = range(self.state.rank, self.state.rank + 1) if job.lane_first is None else range(
                     job.lane_first, job.lane_first + job.lane_size
                 )  # fmt: skip
                 for ticket in helps:
@@ -123,31 +104,32 @@ class RankWidening:
                         widened[job.ticket] = (ticket, home.start - first)
         self._widened = widened
 
-    def _retarget_waiting(self) -> None:
+    def retarget_waiting(self) -> None:
         """Puts each waiting call on its request's lane for the next tick (lock held)."""
-        for call in self._waiting:
+        for call in self.state.waiting:
             ticket, source = self._widened.get(call.home_ticket, (call.home_ticket, None))
             if ticket != call.ticket:
                 call.retarget(ticket, source)
 
-    def _offer_help(self) -> int | None:
-        """The help key this rank offers, when it helps (lock held); remembered for the tick."""
-        self._offered_help = self._help
-        return help_key(self._help.ticket) if self._help is not None else None
+    def offer_help(self, free: bool) -> int | None:
+        """The help key this rank offers at this tick, when it helps and is ``free`` (none of its own
+        lanes waits on it); remembered for the tick (lock held)."""
+        self._offered = self.state.help if free else None
+        return help_key(self._offered.ticket) if self._offered is not None else None
 
-    def _helps_in(self, agreed: dict[int, int], module_id: int) -> bool:
+    def helps_in(self, agreed: dict[int, int], module_id: int) -> bool:
         """Whether the lane this rank offered its help to agreed on a call of ``module_id``."""
-        help = self._offered_help
+        help = self._offered
         if help is None:
             return False
         key = agreed.get(lane_of(help.ticket)[0])
         return key is not None and key % KEY_SPACE == help.ticket and module_of(key) == module_id
 
-    def _help_forward(self, module_id: int) -> None:
+    def help_forward(self, module_id: int) -> None:
         """Joins the wider lane's forward of ``module_id``: its inputs come from the lane's source
         rank, its outputs are dropped."""
-        help = self._offered_help
+        help = self._offered
         context = {"widened": (lane_of(help.ticket)[1], help.source)}
-        self.modules.forward([ForwardCall(module_id, (), {}, help.ticket, context, help.request)])
-        self.forwards += 1
-        self.helped += 1
+        self.state.modules.forward([ForwardCall(module_id, (), {}, help.ticket, context, help.request)])
+        self.state.forwards += 1
+        self.state.helped += 1
