@@ -1,7 +1,12 @@
 """One shard group: S rank actors on one placement group, a cost-aware queue, teardown
-(``core.ShardGroup``); the engine interface a Serve replica calls, which the group implements
-(``engine.Engine``); its scheduler (``scheduler``), what it tells about itself (``inspection``),
-its errors (``errors``).
+(``core.ShardGroup``, a façade over its parts); the engine interface a Serve replica calls, which
+the group implements (``engine.Engine``). The group's shared state is one object
+(``state.GroupState``) that its parts receive: its rank actors (``ranks``), its scheduler
+(``scheduler``) and the thread that runs it and answers the jobs (``loop``), lane widening
+(``widening``), the replacement of a lost rank (``mend``), the warm-up (``warm_up``) and its
+failure (``failure``); what enters its queue (``intake``), what it tells about itself
+(``inspection``) and its requests' records (``records``) are functions of that state; its errors
+(``errors``).
 
 Plain Python, not Serve code: a notebook or a script can own a group directly, and the Serve
 deployment wraps one group per replica.

@@ -1,78 +1,51 @@
 """One shard group: S rank actors on one placement group, a cost-aware queue, teardown.
 
+``ShardGroup`` is the façade its callers hold: its state is one ``state.GroupState``, which its
+parts receive (``ranks.RankActors``, ``scheduler.Scheduler`` and its thread ``loop.SchedulerLoop``,
+``widening.Widening``, ``mend.Mend``, ``warm_up.WarmUp``); what it tells about itself is
+``inspection``'s functions of that state, what enters its queue ``intake``'s.
+
 Plain Python, not Serve code: a notebook or a script can own a group directly, and the Serve
 deployment wraps one group per replica.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import PlacementGroup
 
-from ray_hsdp import deadlines
 from ray_hsdp.config.group import GroupConfig
-from ray_hsdp.config.topology import PLACEMENT_STRATEGY, ParallelDims
-from ray_hsdp.group import residency
-from ray_hsdp.group.errors import GroupBusyError, GroupFailedError, GroupOverloadedError, GroupUnplaceableError
-from ray_hsdp.group.inspection import GroupInspection
-from ray_hsdp.group.lanes import LaneTimes, LeanLanes, TickModel
-from ray_hsdp.group.mend import GroupMend
-from ray_hsdp.group.records import GroupRecords
-from ray_hsdp.group.scheduler import GroupScheduler, QueuedJob, RequestRecord, resolve
-from ray_hsdp.group.warm_up import GroupWarmUp
-from ray_hsdp.group.widening import GroupWidening
-from ray_hsdp.phases import Phases
-from ray_hsdp.rank.actor import CONCURRENCY_GROUPS, Rank
-from ray_hsdp.request import GenerationRequest, GenerationResult, RequestCancelledError
+from ray_hsdp.config.topology import ParallelDims
+from ray_hsdp.group import inspection, intake, residency
+from ray_hsdp.group.errors import GroupBusyError, GroupFailedError
+from ray_hsdp.group.failure import fail
+from ray_hsdp.group.loop import SchedulerLoop
+from ray_hsdp.group.mend import Mend
+from ray_hsdp.group.ranks import RankActors, check_placeable
+from ray_hsdp.group.scheduler import Scheduler
+from ray_hsdp.group.state import GroupState, resolve
+from ray_hsdp.group.warm_up import WarmUp
+from ray_hsdp.group.widening import Widening
+from ray_hsdp.request import GenerationRequest, GenerationResult
 from ray_hsdp.variant import RequestVariant
+
+__all__ = ["ShardGroup", "check_placeable"]
 
 logger = logging.getLogger("ray_hsdp")
 
-#: The share of its bundle's GPU a rank of a GPU share asks Ray for: any number of models' ranks fit
-#: on one GPU, and Ray still gives each the bundle's GPU (its CUDA_VISIBLE_DEVICES).
-SHARED_GPU = 0.01
+
+def _shared(name: str, doc: str) -> property:
+    """The group's attribute ``name``, read and set in its state (every part sees a change)."""
+    return property(lambda group: getattr(group.state, name), lambda group, v: setattr(group.state, name, v), doc=doc)
 
 
-def check_placeable(bundles: list[dict[str, float]]) -> None:
-    """Fails at once when no alive node of the cluster has the resources of all of a group's
-    bundles together, instead of leaving Ray to wait for a node that will never come.
-
-    Raises:
-        GroupUnplaceableError: With what a group needs, what the largest node has, and the fix.
-    """
-    need: dict[str, float] = {}
-    for bundle in bundles:
-        for name, amount in bundle.items():
-            need[name] = need.get(name, 0.0) + amount
-    nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
-    if any(all(node.get(name, 0.0) >= amount for name, amount in need.items()) for node in nodes):
-        return
-    largest = max(nodes, key=lambda node: tuple(node.get(name, 0.0) for name in need), default={})
-    have = ", ".join(f"{name}: {largest.get(name, 0.0):g}" for name in need)
-    fixes = []
-    if "GPU" in need and largest.get("GPU", 0.0) < need["GPU"]:
-        fixes.append(f"a smaller shard_size (at most {int(largest.get('GPU', 0.0))})")
-    elif largest.get("CPU", 0.0) < need.get("CPU", 0.0):
-        fits = int(100 * largest.get("CPU", 0.0) / len(bundles)) / 100
-        fixes.append(f"cpus_per_rank: {fits:g}" if fits > 0 else "a smaller shard_size")
-    raise GroupUnplaceableError(
-        f"a shard group needs {len(bundles)} x {bundles[0]} on one node; the largest node has {{{have}}} "
-        f"(cluster: {ray.cluster_resources()}); set {' or '.join(fixes) or 'smaller bundles'}, or add a node "
-        "that large"
-    )
-
-
-class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, GroupWarmUp, GroupMend):
+class ShardGroup:
     """S ranks that together hold one copy of the pipeline and run requests from one queue.
 
     The ranks form lanes (``ParallelDims``): a lane runs each of its requests on all its ranks
@@ -93,6 +66,25 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, G
     Use ``start()`` (or a ``with`` block), then ``generate`` (blocking) or ``submit`` (a future).
     """
 
+    config = _shared("config", "Group configuration (its device resolved at the start).")
+    dims = _shared("dims", "The pool's mesh arithmetic.")
+    group_id = _shared("group_id", "This group's id: in its ranks' actor names and every request's log line.")
+    labels = _shared("labels", "Said in each request's log line and in ``describe``.")
+    listeners = _shared("listeners", "Called with a ``RequestRecord`` once per answered request (metrics).")
+    lane_times = _shared("lane_times", "Seconds its requests ran, per lane size and work.")
+    tick_model = _shared("tick_model", "A step's fixed part and its part that grows with the work.")
+    lane_policy = _shared("lane_policy", "Adaptive lanes: which lane the first waiting request gets.")
+    ranks = _shared("ranks", "The ranks' actor handles, by rank index.")
+    placement = _shared("placement", "Where each rank runs (node, GPU, actor name, bundle).")
+    pipeline_facts = _shared("pipeline_facts", "What the loaded pipeline tells its callers.")
+    phases = _shared("phases", "Seconds per phase of its start.")
+    rank_phases = _shared("rank_phases", "Seconds per phase of each rank's start.")
+    warm_up_stats = _shared("warm_up_stats", "Each rank's ``tick_stats`` once its warm-up ran.")
+    warm_up_record = _shared("warm_up_record", "The warm-up's record, per request warmed.")
+    mend_refusal = _shared("mend_refusal", "Why it cannot replace a lost rank alone, or None.")
+    mends = _shared("mends", "Each mend so far: the rank replaced and the seconds of its phases.")
+    _cond = _shared("cond", "The lock of its state (the scheduler reads the measured times under it).")
+
     def __init__(
         self,
         config: GroupConfig,
@@ -101,54 +93,15 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, G
         labels: dict[str, str] | None = None,
         shares_gpus: bool = False,
     ):
-        self.config = config
+        self.state = GroupState(config, dims or config.parallel_dims(), uuid.uuid4().hex[:8], dict(labels or {}))
         #: Its ranks share their GPUs with other models' groups (a GPU share's placement group, whose
         #: bundles each hold one GPU): each takes a sliver of its bundle's GPU and none of its CPUs.
         self.shares_gpus = shares_gpus
-        self.dims = dims or config.parallel_dims()
-        #: This group's id: in its ranks' actor names, their log prefixes and every request's log line.
-        self.group_id = uuid.uuid4().hex[:8]
-        self.labels = dict(labels or {})
-        #: Called with a ``RequestRecord`` once per accepted request, when it is answered (metrics).
-        self.listeners: list[Callable[[RequestRecord], None]] = []
-        self._tickets = itertools.count()
-        #: Seconds its requests ran, per lane size and work (the serving order and the lane policy read it).
-        self.lane_times = LaneTimes()
-        #: A step's fixed part and its part that grows with the work (the neighbour rule reads it).
-        self.tick_model = TickModel()
-        #: Adaptive lanes: which lane the first waiting request gets (``lanes.LeanLanes``).
-        self.lane_policy = LeanLanes(self.dims, config.requests_per_rank)
-        self._pg = placement_group
-        self._owns_pg = placement_group is None
-        self.ranks: list = []
-        self.placement: list[dict] = []
-        #: What the loaded pipeline tells its callers (``ShardedPipeline.facts``).
-        self.pipeline_facts: dict = {}
-        #: Each rank's ``tick_stats`` once its warm-up ran (none ran: empty): what metrics count from.
-        self.warm_up_stats: list[dict] = []
-        self.warm_up_record: list[dict] = []  # ``GroupWarmUp``
-        self._pending: list[QueuedJob] = []
-        self._inflight: dict[ray.ObjectRef, tuple[int, QueuedJob]] = {}  # offer -> (rank index, job)
-        self._sessions: dict[ray.ObjectRef, int] | None = None  # running session -> rank index
-        self._sessions_done: set[ray.ObjectRef] = set()
-        self._watchers: dict[ray.ObjectRef, int] = {}  # each rank's open ``watch`` call -> rank index
-        self._loop_watches: dict[ray.ObjectRef, QueuedJob] = {}  # a widened request's ``denoised`` call -> it
-        # Offers and sessions that completed, as Ray reports them; the scheduler handles them.
-        self._events: deque[tuple[str, ray.ObjectRef, Future]] = deque()
-        self._wake = False  # a request was submitted
-        # (rank index, request id) of the cancels to send: sent by the scheduler thread, never by the
-        # caller's. A caller is often a Serve request being cancelled, and Ray's cancel of a task
-        # reaches the tasks it submitted (``recursive``): a rank's cancel sent from it was seen
-        # dropped before it ran, and the request ran all its steps.
-        self._cancels: list[tuple[int, str]] = []
-        self._cond = threading.Condition()
-        self._scheduler: threading.Thread | None = None
-        self._failure: str | None = None
-        self._closed = False
-        self.phases = Phases(f"group {self.group_id}")
-        self._started = time.perf_counter()  # (again at ``start``) what the start's total counts from
-        self.rank_phases: list[dict[str, float]] = []
-        self._init_mend()
+        self._actors = RankActors(self.state, placement_group, shares_gpus)
+        self._mend = Mend(self.state, self._actors)
+        widening = Widening(self.state)
+        self._loop = SchedulerLoop(self.state, Scheduler(self.state, widening), widening, self._mend)
+        self._warm_up = WarmUp(self.state, self.shutdown)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -162,125 +115,57 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, G
         """
         if not ray.is_initialized():
             ray.init()
-        self._started = started = time.perf_counter()
-        self.config = self.config.resolve_device(ray.cluster_resources().get("GPU", 0) > 0)
-        bundles = self.dims.bundles(self.config.device, self.config.cpus_per_rank)
+        state = self.state
+        state.started = started = time.perf_counter()
+        state.config = state.config.resolve_device(ray.cluster_resources().get("GPU", 0) > 0)
         try:
-            with self.phases.phase("placement"):
-                if self._pg is None:
-                    check_placeable(bundles)
-                    self._pg = placement_group(bundles, strategy=PLACEMENT_STRATEGY)
-                if not self._pg.wait(timeout_seconds=self.config.rendezvous_timeout_s):
-                    raise GroupFailedError(
-                        f"could not place {self.dims.shard_size} ranks of {bundles[0]} on one node within "
-                        f"{self.config.rendezvous_timeout_s:.0f}s (cluster resources: {ray.available_resources()})"
-                    )
-            self._spawn_and_join()
-            with self.phases.phase("load"):
-                reports = ray.get([r.load.remote() for r in self.ranks], timeout=self.config.load_timeout_s)
-            self.pipeline_facts = reports[0]["pipeline"]
-            self.mend_refusal = reports[0]["mend_refusal"]
-            if self.shares_gpus:
-                # Its other ranks may be asleep when one is lost: the group is rebuilt whole.
-                self.mend_refusal = self.mend_refusal or "the group is on a GPU share (its ranks may sleep)"
-            self.rank_phases = [r["start_phases_s"] for r in reports]
+            self._actors.start()
         except BaseException:
             self.shutdown()
             raise
-        for rank_index in range(len(self.ranks)):
-            self._watch_rank(rank_index)
-        self._scheduler = threading.Thread(target=self._schedule, name="ray_hsdp-scheduler", daemon=True)
-        self._scheduler.start()
-        if warm_up and self.config.compile:
+        for rank_index in range(len(state.ranks)):
+            self._actors.watch(rank_index)
+        self._loop.start()
+        if warm_up and state.config.compile:
             self.compile_warm_up()
-        self.phases.seconds["total"] = round(time.perf_counter() - started, 3)
+        state.phases.seconds["total"] = round(time.perf_counter() - started, 3)
         logger.info(
             "Shard group ready in %.1f s: %d ranks on %s, mode=%s",
-            self.phases.seconds["total"],
-            self.dims.shard_size,
-            sorted({p["node_ip"] for p in self.placement}),
-            self.config.mode,
+            state.phases.seconds["total"],
+            state.dims.shard_size,
+            sorted({p["node_ip"] for p in state.placement}),
+            state.config.mode,
         )
         return self
-
-    def _spawn_rank(self, index: int, spawned_at: float):
-        """Rank ``index``'s actor in bundle ``index`` of the group's placement group."""
-        bundle = self.dims.bundles(self.config.device, self.config.cpus_per_rank)[index]
-        if self.shares_gpus:
-            bundle = {"CPU": 0, "GPU": SHARED_GPU if "GPU" in bundle else 0}
-        return (
-            ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(Rank)
-            .options(
-                name=self._rank_name(index),
-                num_cpus=bundle["CPU"],
-                num_gpus=bundle.get("GPU", 0),
-                max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self._pg, placement_group_bundle_index=index
-                ),
-            )
-            .remote(index, self.config, self.dims, self.group_id, spawned_at)
-        )
-
-    def _rank_name(self, index: int) -> str:
-        """Rank ``index``'s actor name (``ray list actors`` tells the ranks of each group apart by
-        it); a replacement's has its mend's number, as Ray may not have freed the lost one's yet."""
-        return f"ray_hsdp-{self.group_id}-rank{index}" + (f"-mend{len(self.mends) + 1}" if self.mending else "")
-
-    def _watch_rank(self, index: int) -> None:
-        """Keeps rank ``index``'s ``watch`` call open: Ray tells the scheduler at once of its death."""
-        watch = self.ranks[index].watch.remote()
-        self._watchers[watch] = index
-        self._watch("rank", watch)
-
-    def _spawn_and_join(self) -> None:
-        names = [self._rank_name(i) for i in range(self.dims.shard_size)]
-        with self.phases.phase("rank processes and imports"):
-            spawned_at = time.time()  # each rank's "actor start" counts from it
-            self.ranks = [self._spawn_rank(i, spawned_at) for i in range(self.dims.shard_size)]
-            ray.get([r.prepare.remote() for r in self.ranks], timeout=self.config.load_timeout_s)
-        # Rank 0 binds its rendezvous store first and hands out the port it holds: no port race.
-        master, port = ray.get(self.ranks[0].address.remote(), timeout=self.config.rendezvous_timeout_s)
-        with self.phases.phase("rendezvous"):
-            joined = ray.get(
-                [r.join.remote(master, port) for r in self.ranks], timeout=self.config.rendezvous_timeout_s
-            )
-        self.placement = [
-            {**place, "actor_name": name, "bundle": i} for i, (place, name) in enumerate(zip(joined, names))
-        ]
-
-    def _kill_ranks(self) -> None:
-        ranks, self.ranks = self.ranks, []
-        for r in ranks:
-            ray.kill(r, no_restart=True)
 
     def shutdown(self) -> None:
         """Fails queued and running requests, destroys the process group, kills the ranks,
         removes an owned placement group. Safe to call more than once."""
-        with self._cond:
-            self._closed = True
-            jobs = self._pending + [j for _, j in self._inflight.values()]
-            self._pending, self._inflight = [], {}
-            self._cond.notify_all()
+        state = self.state
+        with state.cond:
+            state.closed = True
+            jobs = state.pending + [j for _, j in state.inflight.values()]
+            state.pending, state.inflight = [], {}
+            state.cond.notify_all()
         for job in jobs:
             resolve(job.future, error=GroupFailedError("the shard group was shut down before the request finished"))
-        if self._scheduler is not None and self._scheduler is not threading.current_thread():
-            self._scheduler.join(timeout=30)
-        if self.ranks:
-            if self._failure is None:
-                try:
-                    ray.get([r.leave.remote() for r in self.ranks], timeout=30)
-                except Exception as err:  # noqa: BLE001 - a dead rank cannot leave; it is killed below anyway
-                    logger.warning("Ranks did not leave cleanly: %s", err)
-            self._kill_ranks()
-        if self._pg is not None and self._owns_pg:
-            remove_placement_group(self._pg)
-            self._pg = None
+        self._loop.join(timeout_s=30)
+        self._actors.close()
+
+    @property
+    def _pg(self) -> PlacementGroup | None:
+        """The placement group its ranks run in (``None`` before the start and once removed)."""
+        return self._actors.placement_group
 
     @property
     def failure(self) -> str | None:
         """Why the group failed, or ``None`` while it is healthy."""
-        return self._failure
+        return self.state.failure
+
+    @property
+    def mending(self) -> bool:
+        """Whether a lost rank is being replaced now (requests wait in the queue meanwhile)."""
+        return self.state.mending
 
     def __enter__(self) -> ShardGroup:
         return self.start()
@@ -299,29 +184,7 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, G
             GroupOverloadedError: Every rank is busy and ``max_queue`` requests are already waiting.
             InvalidRequestError: The group cannot run what the request asks (see ``check``).
         """
-        return self._enqueue(request)
-
-    def _enqueue(self, ask: GenerationRequest | RequestVariant, warm_up: bool = False) -> Future:
-        """``submit``; a ``warm_up`` request (the compile warm-up) is logged, but no listener hears of it."""
-        variant = ask if isinstance(ask, RequestVariant) else self.check(ask)
-        request = variant.request
-        future: Future = Future()
-        with self._cond:
-            if self._closed or self._failure:
-                raise GroupFailedError(self._failure or "the shard group is shut down")
-            running = len({id(job) for _, job in self._inflight.values()})
-            if len(self._pending) + running >= self.running_capacity + self.config.max_queue:
-                raise GroupOverloadedError(
-                    f"the shard group's queue is full: {running} requests running, {len(self._pending)} waiting "
-                    f"(max_queue={self.config.max_queue}); retry later"
-                )
-            deadline = deadlines.queue_deadline(request, self.config)
-            job = QueuedJob(variant, future, time.monotonic(), deadline, warm_up=warm_up)
-            self._pending.append(job)
-            self._wake = True
-            self._cond.notify_all()
-        future.add_done_callback(lambda done: self._record(job, done))
-        return future
+        return intake.enqueue(self.state, request)
 
     def check(self, request: GenerationRequest) -> RequestVariant:
         """The request's variant: every per-request choice read and checked once
@@ -332,12 +195,12 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, G
             InvalidRequestError: Naming the field and what to send instead
                 (``UnsplittableRequestError`` for tokens that do not split over a lane).
         """
-        return RequestVariant.build(request, self.config, self.pipeline_facts)
+        return intake.check(self.state, request)
 
     @property
     def running_capacity(self) -> int:
         """Requests the ranks run at once: ``requests_per_rank`` per lane."""
-        return self.dims.num_lanes * self.config.requests_per_rank
+        return self.state.running_capacity
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Runs requests through the queue and waits for all of them, in the order given."""
@@ -351,19 +214,23 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, G
         Returns:
             Whether the group held the request.
         """
-        with self._cond:
-            queued = [j for j in self._pending if j.request.request_id == request_id]
-            self._pending = [j for j in self._pending if j.request.request_id != request_id]
-            # The leader decides for its lane: it stops the request on all the lane's ranks at one tick.
-            holders = {
-                i for i, j in self._inflight.values() if j.request.request_id == request_id and i == j.ranks.start
-            }
-            if holders:
-                self._cancels.extend((rank_index, request_id) for rank_index in holders)
-                self._cond.notify_all()
-        for job in queued:
-            resolve(job.future, error=RequestCancelledError(f"request {request_id!r} was cancelled while queued"))
-        return bool(queued or holders)
+        return intake.cancel(self.state, request_id)
+
+    def warm_up(
+        self,
+        requests: Sequence[GenerationRequest],
+        follow: Callable[[GenerationRequest, GenerationResult], None] | None = None,
+    ) -> None:
+        """Runs each request on every lane of the group (``warm_up.on_every_lane``; each copy under
+        its own id), marked as the warm-up, then ``follow(request, result)`` with one of its results
+        (a caller warms what follows the group: a response's encoding; not after a request of
+        ``decode`` False, whose output is latents), all in the start's ``warm-up`` phase. A warm-up
+        that fails shuts the group down: it would fail a user's request the same way."""
+        self._warm_up.warm_up(requests, follow)
+
+    def compile_warm_up(self) -> None:
+        """Compiles each lane's first forwards with small requests (``warm_up.warm_up_requests``)."""
+        self._warm_up.compile_warm_up()
 
     # ---- sleep and wake --------------------------------------------------------------------
 
@@ -378,24 +245,69 @@ class ShardGroup(GroupScheduler, GroupWidening, GroupInspection, GroupRecords, G
         Raises:
             GroupBusyError: The group holds requests (queued or running).
         """
-        with self._cond:
-            if self._pending or self._inflight:
+        state = self.state
+        with state.cond:
+            if state.pending or state.inflight:
                 raise GroupBusyError(
-                    f"the shard group holds {len(self._pending) + len(self._inflight)} requests; it sleeps once "
+                    f"the shard group holds {len(state.pending) + len(state.inflight)} requests; it sleeps once "
                     "they are answered"
                 )
-            ranks = list(self.ranks)
-        return residency.sleep_ranks(ranks, self.config.load_timeout_s)
+            ranks = list(state.ranks)
+        return residency.sleep_ranks(ranks, state.config.load_timeout_s)
 
     def wake(self) -> dict:
         """Copies every rank's weights back to its device (after ``sleep``); returns as ``sleep``."""
-        with self._cond:
-            ranks = list(self.ranks)
-        return residency.wake_ranks(ranks, self.config.load_timeout_s)
+        with self.state.cond:
+            ranks = list(self.state.ranks)
+        return residency.wake_ranks(ranks, self.state.config.load_timeout_s)
 
     def fail(self, reason: str) -> None:
         """Marks the group failed from outside (its wake failed): its requests fail with ``reason``
         and its ranks are killed, as when a rank dies; its keeper rebuilds it."""
-        self._fail(reason)
+        fail(self.state, reason)
 
-    # ---- inspection ------------------------------------------------------------------------
+    # ---- inspection (``inspection``'s functions of the state) ------------------------------
+
+    def memory(self, units: bool = False) -> list[dict]:
+        """Each rank's memory report merged with where it runs."""
+        return inspection.memory(self.state, units)
+
+    def tick_stats(self) -> list[dict]:
+        """Each rank's counts of ticks, ghost passes and batched calls since it loaded (and, with
+        compile, of the graphs it compiled)."""
+        return inspection.tick_stats(self.state)
+
+    def start_profile(self, trace_dir: str | None = None) -> None:
+        """Starts every rank's profile window (tick log, request phases, GPU kernels)."""
+        inspection.start_profile(self.state, trace_dir)
+
+    def stop_profile(self) -> list[dict]:
+        """Ends the profile windows; each rank's summary (see ``ray_hsdp.rank.profiling``)."""
+        return inspection.stop_profile(self.state)
+
+    def check_health(self, timeout_s: float = 30.0) -> None:
+        """Pings every rank with a deadline (``inspection.check_health``).
+
+        Raises:
+            GroupFailedError: The group is broken, or a rank died or did not answer in time (the
+                group then fails, naming the rank).
+        """
+        inspection.check_health(self.state, self._mend.lost, timeout_s)
+
+    def describe(self) -> dict:
+        """Topology of this group: sizes, mode, device, where each rank runs, its start's phases."""
+        return inspection.describe(self.state)
+
+    def load(self) -> tuple[int, int]:
+        """``(queued, running)``: requests waiting in the queue, and those the lanes run now."""
+        return inspection.load(self.state)
+
+    def idle_lanes(self) -> int:
+        """Lanes where a request would start at once and alone, less the requests waiting for one
+        (``inspection.idle_lanes``)."""
+        return inspection.idle_lanes(self.state)
+
+    def progress(self) -> dict[str, dict]:
+        """Request id -> its state: queued, or running with its leader rank, lane, lane size, step,
+        total and helpers (``inspection.progress``)."""
+        return inspection.progress(self.state)

@@ -1,7 +1,7 @@
 """A group's warm-up: requests run on every lane before the group serves, so that what a first
 request would pay once (``torch.compile``'s tracing and compiling of a shape, the first run of the
 VAE at a size) is paid at the start. The warm-up is marked: no record, listener or lane time
-counts it (``GroupRecords``).
+counts it (``records``).
 
 Shapes and ``torch.compile``: blocks compile with ``dynamic=None`` (torch's automatic dynamic
 shapes). The first shape a block sees compiles a static graph; a later shape compiles a graph in
@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 import ray
 
 from ray_hsdp.config.topology import ParallelDims
+from ray_hsdp.group.intake import enqueue
+from ray_hsdp.group.state import GroupState
 from ray_hsdp.request import GenerationRequest, GenerationResult
 from ray_hsdp.variant.lane import sequence_tokens
 
@@ -107,40 +109,46 @@ def gray_png(width: int, height: int) -> bytes:
     return out.getvalue()
 
 
-class GroupWarmUp:
-    """The warm-up side of ``ShardGroup``. ``warm_up_record`` is the warm-up's own record: per
-    request warmed, its shape, steps, seconds on its lanes, of them the decode's (the pipeline's
-    time after its last step), the encoding that followed it, and whether a rank compiled graphs
-    for it (``GenerationResult.compiled``)."""
+class WarmUp:
+    """A group's warm-up runs. ``state.warm_up_record`` is the warm-up's own record: per request
+    warmed, its shape, steps, seconds on its lanes, of them the decode's (the pipeline's time after
+    its last step), the encoding that followed it, and whether a rank compiled graphs for it
+    (``GenerationResult.compiled``).
+
+    Args:
+        state: The group's state, whose queue runs the warm-up and which keeps its record.
+        shutdown: Ends the group when a warm-up fails: it would fail a user's request the same way.
+    """
+
+    def __init__(self, state: GroupState, shutdown: Callable[[], None]):
+        self.state = state
+        self.shutdown = shutdown
 
     def warm_up(
         self,
         requests: Sequence[GenerationRequest],
         follow: Callable[[GenerationRequest, GenerationResult], None] | None = None,
     ) -> None:
-        """Runs each request on every lane of the group (``on_every_lane``; each copy under its own
-        id), marked as the warm-up, then ``follow(request, result)`` with one of its results (a
-        caller warms what follows the group: a response's encoding; not after a request of
-        ``decode`` False, whose output is latents), all in the start's
-        ``warm-up`` phase. A warm-up that fails shuts the group down: it would fail a user's
-        request the same way."""
+        """Runs each request on every lane (``ShardGroup.warm_up``), then ``follow`` with one of
+        its results."""
+        state = self.state
 
         def run() -> None:
             for request in requests:
-                batches = on_every_lane(self.dims, self.config.requests_per_rank, copies_of(request))
+                batches = on_every_lane(state.dims, state.config.requests_per_rank, copies_of(request))
                 result = self._run_batches(batches)
                 if follow is not None and request.decode:  # latents: nothing follows them
                     started = time.perf_counter()
                     follow(request, result)
-                    self.warm_up_record[-1]["encode_s"] = round(time.perf_counter() - started, 3)
+                    state.warm_up_record[-1]["encode_s"] = round(time.perf_counter() - started, 3)
 
         self._in_warm_up_phase(run)
 
     def compile_warm_up(self) -> None:
         """Compiles each lane's first forwards with small requests (``warm_up_requests``)."""
-        facts = self.pipeline_facts
+        state, facts = self.state, self.state.pipeline_facts
         batches = warm_up_requests(
-            self.dims, self.config.requests_per_rank, bool(facts.get("image_input")), facts["warm_up_steps"],
+            state.dims, state.config.requests_per_rank, bool(facts.get("image_input")), facts["warm_up_steps"],
             facts.get("sequence"),
         )  # fmt: skip
         self._in_warm_up_phase(lambda: self._run_batches(batches))
@@ -151,9 +159,9 @@ class GroupWarmUp:
         first = None
         for batch in batches:
             started = time.perf_counter()
-            results = [future.result() for future in [self._enqueue(r, warm_up=True) for r in batch]]
+            results = [future.result() for future in [enqueue(self.state, r, warm_up=True) for r in batch]]
             request, result = batch[0], results[0]
-            self.warm_up_record.append({
+            self.state.warm_up_record.append({
                 "shape": f"{request.width}x{request.height}x{request.num_frames}",
                 "steps": request.num_inference_steps,
                 "requests": len(batch),
@@ -165,15 +173,16 @@ class GroupWarmUp:
         return first
 
     def _in_warm_up_phase(self, run: Callable[[], None]) -> None:
-        self._rewarm = run  # what a mend runs again for its new rank (``GroupMend``)
-        self.warm_up_record = []
+        state = self.state
+        state.rewarm = run  # what a mend runs again for its new rank (``Mend``)
+        state.warm_up_record = []
         try:
-            with self.phases.phase("warm-up"):
+            with state.phases.phase("warm-up"):
                 run()
             # Each rank's counts once warm: the metrics count from them (no warm-up tick is a user's).
-            ranks = [rank.warm_up_done.remote() for rank in self.ranks]
-            self.warm_up_stats = ray.get(ranks, timeout=self.config.request_timeout_s)
+            ranks = [rank.warm_up_done.remote() for rank in state.ranks]
+            state.warm_up_stats = ray.get(ranks, timeout=state.config.request_timeout_s)
         except BaseException:
             self.shutdown()
             raise
-        self.phases.seconds["total"] = round(time.perf_counter() - self._started, 3)
+        state.phases.seconds["total"] = round(time.perf_counter() - state.started, 3)
