@@ -220,34 +220,21 @@ class RankStart:
 
     def _load_pipeline(self):
         """The pipeline, its sharded components read slice by slice (``ShardedPipeline.load``)."""
-        from ray_hsdp.pipeline.sharded import ShardedPipeline
+        from ray_hsdp.pipeline.sharded import LoadOptions, ShardedPipeline
 
-        return ShardedPipeline.load(
-            self.model_path,
-            dtype=self.config.dtype,
-            device=self.config.device,
-            rank=self.rank,
-            mesh=self.mesh,
-            shard_components=self.config.shard_components,
-            min_num_params=self.config.min_num_params,
-            reshard_after_forward=self.config.reshard_after_forward,
-            forward_prefetch=self.config.forward_prefetch,
-            keep_gathered=self.config.keep_gathered,
-            gather=self.config.gather,
-            allow_pickle=self.config.allow_pickle,
-            dims=self.dims,
-            lane_mesh=self.lane_mesh,
-            lane_meshes=self.lane_meshes,
-            attention_backend=self.config.attention_backend,
-            compile=self.config.compile,
-            fuse_loras={name: (scale, self.lora_paths[name]) for name, scale in self.config.fuse_loras.items()},
-            cache_hooks=self._cache_hooks(),
-            quantization=self.config.quantization,
-            phases=self.phases,
-            pipeline=self.config.pipeline_class,
-            sample_solver=self.config.sample_solver,
-            scheduler_config=self.config.scheduler_config,
-        )
+        config = self.config
+        return ShardedPipeline.load(self.model_path, LoadOptions(
+            dtype=config.dtype, device=config.device, rank=self.rank, mesh=self.mesh,
+            shard_components=config.shard_components, min_num_params=config.min_num_params,
+            reshard_after_forward=config.reshard_after_forward, forward_prefetch=config.forward_prefetch,
+            keep_gathered=config.keep_gathered, gather=config.gather, allow_pickle=config.allow_pickle,
+            dims=self.dims, lane_mesh=self.lane_mesh, lane_meshes=self.lane_meshes,
+            attention_backend=config.attention_backend, compile=config.compile,
+            fuse_loras={name: (scale, self.lora_paths[name]) for name, scale in config.fuse_loras.items()},
+            cache_hooks=self._cache_hooks(), quantization=config.quantization, phases=self.phases,
+            pipeline=config.pipeline_class, sample_solver=config.sample_solver,
+            scheduler_config=config.scheduler_config,
+        ))  # fmt: skip
 
     def _load_adapters(self):
         """The switched adapters (all but the fused ones), or None."""
