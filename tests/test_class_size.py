@@ -17,7 +17,6 @@ OVER = {
     "ray_hsdp.group.core.ShardGroup": 1030,
     "ray_hsdp.serve.replica.server.HSDPServer": 699,
     "ray_hsdp.runtime.core.RankRuntime": 691,
-    "ray_hsdp.rank.actor.Rank": 664,
     "ray_hsdp.serve.jobs.actor.StoreActor": 591,
     "ray_hsdp.serve.jobs.store.JobStore": 562,
     "ray_hsdp.serve.ingress.server.OpenAIIngress": 432,
