@@ -172,39 +172,48 @@ class ShardedPipeline:
         Raises:
             ValueError: A start check's refusal, or none of ``shard_components`` is a module of it.
         """
-        o = options
-        dims = o.dims or ParallelDims(1, 1)
-        phases = o.phases or Phases("pipeline")
-        if o.quantization == "fp8":
-            check_fp8_device(o.device)
+        dims = options.dims or ParallelDims(1, 1)
+        phases = options.phases or Phases("pipeline")
+        if options.quantization == "fp8":
+            check_fp8_device(options.device)
         with phases.phase("start checks"):  # what ray-hsdp check runs too, before any weight loads
-            start = start_facts(Path(path), o.pipeline, o.shard_components, o.dtype)
-            cache_kind = o.cache_hooks["kind"] if o.cache_hooks else "none"
-            refuse_start(start, dims, o.attention_backend, cache_kind, o.sample_solver, dict(o.scheduler_config or {}))
-        fused = dict(o.fuse_loras or {})
+            start = start_facts(Path(path), options.pipeline, options.shard_components, options.dtype)
+            cache_kind = options.cache_hooks["kind"] if options.cache_hooks else "none"
+            refuse_start(
+                start,
+                dims,
+                options.attention_backend,
+                cache_kind,
+                options.sample_solver,
+                dict(options.scheduler_config or {}),
+            )
+        fused = dict(options.fuse_loras or {})
         # An FP8 folder (ray-hsdp quantize) gives its linears as stored, to the configuration it was made with.
         scales = {name: scale for name, (scale, _) in fused.items()}
         fp8_stored = stored_fp8_components(
-            Path(path), o.quantization, o.dtype, o.min_num_params, scales, torch.__version__, o.shard_components,
-            {name: parts for name, (_, parts) in fused.items()},
+            Path(path), options.quantization, options.dtype, options.min_num_params, scales, torch.__version__,
+            options.shard_components, {name: parts for name, (_, parts) in fused.items()},
         )  # fmt: skip
         facts = LoadFacts(
-            dtype=o.dtype, device=o.device, mesh=o.mesh, min_num_params=o.min_num_params, gather=o.gather,
-            reshard_after_forward=o.reshard_after_forward, forward_prefetch=o.forward_prefetch,
-            keep_gathered=o.keep_gathered, allow_pickle=o.allow_pickle, cache_hooks=o.cache_hooks,
-            quantization=o.quantization, fused=fused, pipeline_cls=start.pipeline_cls, fp8_stored=fp8_stored,
+            dtype=options.dtype, device=options.device, mesh=options.mesh, min_num_params=options.min_num_params,
+            gather=options.gather, reshard_after_forward=options.reshard_after_forward,
+            forward_prefetch=options.forward_prefetch, keep_gathered=options.keep_gathered,
+            allow_pickle=options.allow_pickle, cache_hooks=options.cache_hooks, quantization=options.quantization,
+            fused=fused, pipeline_cls=start.pipeline_cls, fp8_stored=fp8_stored,
         )  # fmt: skip
-        backend = attention_backend_for(o.attention_backend, o.device, dims.ring)
+        backend = attention_backend_for(options.attention_backend, options.device, dims.ring)
         parts = load_parts(
-            path, facts, o.shard_components, dims=dims, lane_mesh=o.lane_mesh, backend=backend, compile=o.compile,
-            phases=phases, lane_meshes=o.lane_meshes, meta_models=start.models,
+            path, facts, options.shard_components, dims=dims, lane_mesh=options.lane_mesh, backend=backend,
+            compile=options.compile, phases=phases, lane_meshes=options.lane_meshes, meta_models=start.models,
         )  # fmt: skip
-        if o.scheduler_config:
+        if options.scheduler_config:
             scheduler = parts.pipe.scheduler
-            parts.pipe.scheduler = type(scheduler).from_config(scheduler.config, **o.scheduler_config)
+            parts.pipe.scheduler = type(scheduler).from_config(scheduler.config, **options.scheduler_config)
         release_pinned_memory()  # the reads' staging buffers, cached by torch's host allocator
         with phases.phase("replicated components to device"):
-            pipeline = cls(parts.pipe, o.device, o.rank, parts.shardings, parts.stats, parts.sequence, parts.cfg_split)
+            pipeline = cls(
+                parts.pipe, options.device, options.rank, parts.shardings, parts.stats, parts.sequence, parts.cfg_split
+            )
         # Its models switched per forward to its request's lane (adaptive lanes).
         pipeline.features.lane_parallel = parts.lane_parallel
         pipeline.compiled_modules = parts.compiled_modules
