@@ -41,15 +41,15 @@ def plain_read(folder: Path) -> dict:
 def load(path: Path, phases_name: str):
     from ray_hsdp.config.group import GroupConfig
     from ray_hsdp.phases import Phases
-    from ray_hsdp.pipeline.sharded import ShardedPipeline
+    from ray_hsdp.pipeline.sharded import LoadOptions, ShardedPipeline
 
     phases = Phases(phases_name)
     started = time.perf_counter()
-    pipeline = ShardedPipeline.load(
-        path, dtype="bfloat16", device="cuda", rank=0, mesh=None, shard_components=GroupConfig().shard_components,
+    pipeline = ShardedPipeline.load(path, LoadOptions(
+        dtype="bfloat16", device="cuda", rank=0, mesh=None, shard_components=GroupConfig().shard_components,
         min_num_params=GroupConfig().min_num_params, reshard_after_forward=True, forward_prefetch=1,
         quantization="fp8", phases=phases,
-    )  # fmt: skip
+    ))  # fmt: skip
     return pipeline, round(time.perf_counter() - started, 2), dict(phases.seconds)
 
 

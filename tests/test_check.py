@@ -100,7 +100,7 @@ def test_check_fails_what_the_start_would_fail_with_the_starts_own_message(capsy
 
     from ray_hsdp.config.topology import ParallelDims
     from ray_hsdp.loading.components import resolve_model_path
-    from ray_hsdp.pipeline.sharded import ShardedPipeline
+    from ray_hsdp.pipeline.sharded import LoadOptions, ShardedPipeline
 
     cases = [
         ({"model": "tiny", "shard_size": 4, "ulysses_degree": 4}, ParallelDims(1, 4, ulysses=4),
@@ -114,11 +114,11 @@ def test_check_fails_what_the_start_would_fail_with_the_starts_own_message(capsy
         code, out = check(capsys, serve_yaml(tmp_path, device="cpu", **args))
         assert code == 1 and message in out, (args, out)
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-            ShardedPipeline.load(
-                resolve_model_path(args["model"]), dtype="float32", device="cpu", rank=0, mesh=None, dims=dims,
+            ShardedPipeline.load(resolve_model_path(args["model"]), LoadOptions(
+                dtype="float32", device="cpu", rank=0, mesh=None, dims=dims,
                 shard_components=("transformer", "text_encoder"), min_num_params=1, reshard_after_forward=True,
                 forward_prefetch=0, pipeline=args.get("pipeline_class"),
-            )  # fmt: skip
+            ))  # fmt: skip
     # HunyuanVideo-1.5's attention always gets a mask, which sage's and fa3_fp8's kernels refuse.
     hunyuan = {"model": "tiny-hunyuanvideo-1.5", "shard_size": 2}
     for backend in ("sage", "fa3_fp8"):

@@ -15,9 +15,7 @@ LIMIT = 300
 #: Over the rule when it was written, and by how much then (issue 85 splits them).
 OVER = {
     "ray_hsdp.serve.replica.server.HSDPServer": 699,
-    "ray_hsdp.rank.actor.Rank": 664,
     "ray_hsdp.serve.ingress.server.OpenAIIngress": 432,
-    "ray_hsdp.pipeline.sharded.ShardedPipeline": 387,
     "ray_hsdp.serve.replica.videos.VideoJobs": 333,
 }
 

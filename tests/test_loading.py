@@ -20,18 +20,20 @@ def local_shards(mesh, rank, path, dtype):
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     from ray_hsdp.config.group import DEFAULT_SHARD_COMPONENTS
-    from ray_hsdp.pipeline.sharded import ShardedPipeline
+    from ray_hsdp.pipeline.sharded import LoadOptions, ShardedPipeline
 
     pipe = ShardedPipeline.load(
         Path(path),
-        dtype=dtype,
-        device="cpu",
-        rank=rank,
-        mesh=mesh,
-        shard_components=DEFAULT_SHARD_COMPONENTS,
-        min_num_params=10**9,
-        reshard_after_forward=True,
-        forward_prefetch=1,
+        LoadOptions(
+            dtype=dtype,
+            device="cpu",
+            rank=rank,
+            mesh=mesh,
+            shard_components=DEFAULT_SHARD_COMPONENTS,
+            min_num_params=10**9,
+            reshard_after_forward=True,
+            forward_prefetch=1,
+        ),
     )
     out = {}
     for name, module in pipe.modules.items():

@@ -7,7 +7,7 @@ import pytest
 
 from ray_hsdp.checkpoints.tiny import make_tiny
 from ray_hsdp.loading.components import load_pipeline
-from ray_hsdp.pipeline.sharded import ShardedPipeline, steps_reaching_every_expert
+from ray_hsdp.pipeline.sharded import LoadOptions, ShardedPipeline, steps_reaching_every_expert
 from ray_hsdp.request import GenerationRequest, RequestCancelledError
 from ray_hsdp.variant import RequestVariant
 
@@ -16,14 +16,16 @@ def one_rank(tiny_model) -> ShardedPipeline:
     """The tiny pipeline as a group of one rank loads it (nothing sharded)."""
     return ShardedPipeline.load(
         Path(tiny_model),
-        dtype="float32",
-        device="cpu",
-        rank=0,
-        mesh=None,
-        shard_components=("transformer",),
-        min_num_params=10**9,
-        reshard_after_forward=True,
-        forward_prefetch=1,
+        LoadOptions(
+            dtype="float32",
+            device="cpu",
+            rank=0,
+            mesh=None,
+            shard_components=("transformer",),
+            min_num_params=10**9,
+            reshard_after_forward=True,
+            forward_prefetch=1,
+        ),
     )
 
 

@@ -80,22 +80,24 @@ def count_collectives(mesh, rank, model_dir, forward_prefetch, gather, keep_gath
     """Rank 0 runs a real transformer forward while rank 1 ghosts it; both record their collectives."""
     import torch.distributed as dist
 
-    from ray_hsdp.pipeline.sharded import ShardedPipeline
+    from ray_hsdp.pipeline.sharded import LoadOptions, ShardedPipeline
     from ray_hsdp.runtime import RankRuntime
     from ray_hsdp.runtime.modules import ProcessGroupExchange, ShardedModules
 
     pipe = ShardedPipeline.load(
         Path(model_dir),
-        dtype="float32",
-        device="cpu",
-        rank=rank,
-        mesh=mesh,
-        shard_components=("transformer", "text_encoder"),
-        min_num_params=10**9,
-        reshard_after_forward=True,
-        forward_prefetch=forward_prefetch,
-        keep_gathered=keep_gathered,
-        gather=gather,
+        LoadOptions(
+            dtype="float32",
+            device="cpu",
+            rank=rank,
+            mesh=mesh,
+            shard_components=("transformer", "text_encoder"),
+            min_num_params=10**9,
+            reshard_after_forward=True,
+            forward_prefetch=forward_prefetch,
+            keep_gathered=keep_gathered,
+            gather=gather,
+        ),
     )
     record = []
     originals = {

@@ -7,23 +7,23 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from ray_hsdp.config.topology import ParallelDims
 from ray_hsdp.loading.fp8_folder import stored_fp8_components
 from ray_hsdp.loading.staged_reads import release_pinned_memory
 from ray_hsdp.loading.start_checks import refuse_start, start_facts
-from ray_hsdp.loading.steps import FusedLoras, LoadFacts, load_parts
+from ray_hsdp.loading.steps import LoadFacts, load_parts
 from ray_hsdp.memory import module_memory, peak_device_bytes, unit_memory
 from ray_hsdp.phases import Phases
 from ray_hsdp.pipeline.args import call_kwargs, call_takes, guidance_on, step_end_callback, steps_watched
 from ray_hsdp.pipeline.frames import to_host
-from ray_hsdp.pipeline.request_slots import RequestSlots
+from ray_hsdp.pipeline.load_options import LoadOptions
+from ray_hsdp.pipeline.request_slots import RequestSlots, SlotDecodes
 from ray_hsdp.request import (
     GenerationResult,
     NonFiniteOutputError,
@@ -95,8 +95,19 @@ def components(pipe) -> dict[str, nn.Module]:
     return {name: c for name, c in pipe.components.items() if isinstance(c, nn.Module)}
 
 
-class ShardedPipeline(RequestSlots):
-    """Owns one rank's copy of a pipeline: its sharded and replicated components.
+def _part_attribute(part: str, name: str, doc: str) -> property:
+    """A pipeline attribute that its part ``part`` holds as ``name`` (read and set through the
+    pipeline, as before the part was one)."""
+    return property(
+        lambda self: getattr(getattr(self, part), name),
+        lambda self, value: setattr(getattr(self, part), name, value),
+        doc=doc,
+    )
+
+
+class ShardedPipeline:
+    """Owns one rank's copy of a pipeline: its sharded and replicated components, its request
+    slots (``slots``, ``RequestSlots``) and how each slot decodes (``decodes``, ``SlotDecodes``).
 
     Args:
         pipe: A loaded diffusers pipeline; sharded components already on ``device``.
@@ -106,6 +117,11 @@ class ShardedPipeline(RequestSlots):
             the components that are.
         load_stats: What loading read, per sharded component.
     """
+
+    request_streams = _part_attribute("slots", "streams", "Whether each request slot has a CUDA stream of its own.")
+    vae_tiling = _part_attribute("decodes", "tiling", "``(mode, pixels)``: when a decode uses the VAE's tiling.")
+    vae_parallel = _part_attribute("decodes", "parallel", "When a lane shares a request's decode.")
+    lane_tiles = _part_attribute("decodes", "lane_tiles", "Lane size -> this rank's side of its split decodes.")
 
     def __init__(
         self,
@@ -128,22 +144,11 @@ class ShardedPipeline(RequestSlots):
         self.sequence = sequence
         #: Components whose cond / uncond calls of a step run on the two CFG halves of a lane.
         self.cfg_split = cfg_split
-        self.compiled_modules = 0  # modules whose forward is compiled (``load_steps``)
+        self.compiled_modules = 0  # modules whose forward is compiled (``load``)
         self._running_slot = threading.local()
-        #: Whether each request slot runs its own work (scheduler, VAE) on a CUDA stream of its
-        #: own, so that a decode overlaps the group's forwards instead of queueing before them.
-        self.request_streams = False
-        #: ``("auto" | "on" | "off", pixels)``: when a request's decode uses the VAE's tiling.
-        self.vae_tiling: tuple[str, int] = ("off", 0)
-        #: ``"auto" | "on" | "off"``: when a lane shares a request's decode (with ``lane_tiles``).
-        self.vae_parallel = "off"
-        self._streams: dict[int, torch.cuda.Stream] = {}
         #: What the rank loaded for per-request features (adapters, step caches), which each
         #: request's variant applies its choices to.
         self.features = RankFeatures()
-        #: Lane size -> this rank's side of its lane's split decodes on its lane of that size
-        #: (``LaneTiles``); empty: no split.
-        self.lane_tiles: dict[int, object] = {}
         self._call_params = set(inspect.signature(pipe.__call__).parameters)
         #: How the pipeline's class takes a request's choices (guidance, negative prompt, image).
         self.call = pipeline_call_for(pipe)
@@ -152,102 +157,67 @@ class ShardedPipeline(RequestSlots):
         for name, module in self.modules.items():
             if name not in self.sharded:
                 module.to(device)
-        self.set_request_slots(1, ())
+        self.slots = RequestSlots(pipe, self.modules, device)
+        self.decodes = SlotDecodes(pipe, rank)
 
     @classmethod
-    def load(
-        cls,
-        path,
-        *,
-        dtype: str,
-        device: str,
-        rank: int,
-        mesh: DeviceMesh | None,
-        shard_components: tuple[str, ...],
-        min_num_params: int,
-        reshard_after_forward: bool,
-        forward_prefetch: int,
-        keep_gathered: float = 0.0,
-        gather: str = "fsdp2",
-        allow_pickle: bool = False,
-        dims: ParallelDims | None = None,
-        lane_mesh: DeviceMesh | None = None,
-        lane_meshes: dict | None = None,
-        attention_backend: str = "auto",
-        compile: bool = False,
-        fuse_loras: FusedLoras | None = None,
-        cache_hooks: Mapping | None = None,
-        quantization: str = "none",
-        phases: Phases | None = None,
-        pipeline: str | None = None,
-        sample_solver: str | None = None,
-        scheduler_config: Mapping | None = None,
-    ) -> ShardedPipeline:
-        """Loads a pipeline folder, sharding the named components over ``mesh``, by the steps of
-        ``ray_hsdp.loading.steps``, after the start's checks (``ray_hsdp.loading.start_checks``): a sharded
-        component built on the meta device, sharded, materialised on ``device``, filled with this
-        rank's slices only (nothing sharded without a mesh). Lanes that split the sequence split a
-        model's forwards over the lane's ``ring`` x ``ulysses`` sub-mesh of ``lane_mesh``, or over
-        its request's lane (``lane_meshes``: size -> mesh). ``compile`` compiles the models'
-        repeated blocks; ``fuse_loras`` merges adapters as the rows load; ``cache_hooks``
-        (``step_cache.enable``'s arguments) puts a step cache's hooks on; ``quantization``
-        ``"fp8"`` keeps the units' linears in FP8; ``keep_gathered`` is the share of units kept
-        whole; ``pipeline`` names the class to load the folder as (``None``: the one it names);
-        ``sample_solver`` is the group's default solver (refused for a scheduler without a static shift);
-        ``scheduler_config`` replaces settings of the folder's scheduler.
+    def load(cls, path, options: LoadOptions) -> ShardedPipeline:
+        """Loads a pipeline folder as ``options`` say, sharding the named components over its
+        mesh, by the steps of ``ray_hsdp.loading.steps``, after the start's checks
+        (``ray_hsdp.loading.start_checks``): a sharded component built on the meta device, sharded,
+        materialised on the device, filled with this rank's slices only (nothing sharded without a
+        mesh). Lanes that split the sequence split a model's forwards over the lane's ``ring`` x
+        ``ulysses`` sub-mesh of ``lane_mesh``, or over its request's lane (``lane_meshes``).
 
         Raises:
             ValueError: A start check's refusal, or none of ``shard_components`` is a module of it.
         """
-        dims = dims or ParallelDims(1, 1)
-        phases = phases or Phases("pipeline")
-        if quantization == "fp8":
-            check_fp8_device(device)
+        dims = options.dims or ParallelDims(1, 1)
+        phases = options.phases or Phases("pipeline")
+        if options.quantization == "fp8":
+            check_fp8_device(options.device)
         with phases.phase("start checks"):  # what ray-hsdp check runs too, before any weight loads
-            start = start_facts(Path(path), pipeline, shard_components, dtype)
-            cache_kind = cache_hooks["kind"] if cache_hooks else "none"
-            refuse_start(start, dims, attention_backend, cache_kind, sample_solver, dict(scheduler_config or {}))
-        fused = dict(fuse_loras or {})
+            start = start_facts(Path(path), options.pipeline, options.shard_components, options.dtype)
+            cache_kind = options.cache_hooks["kind"] if options.cache_hooks else "none"
+            refuse_start(
+                start,
+                dims,
+                options.attention_backend,
+                cache_kind,
+                options.sample_solver,
+                dict(options.scheduler_config or {}),
+            )
+        fused = dict(options.fuse_loras or {})
         # An FP8 folder (ray-hsdp quantize) gives its linears as stored, to the configuration it was made with.
         scales = {name: scale for name, (scale, _) in fused.items()}
         fp8_stored = stored_fp8_components(
-            Path(path), quantization, dtype, min_num_params, scales, torch.__version__, shard_components,
-            {name: parts for name, (_, parts) in fused.items()},
+            Path(path), options.quantization, options.dtype, options.min_num_params, scales, torch.__version__,
+            options.shard_components, {name: parts for name, (_, parts) in fused.items()},
         )  # fmt: skip
         facts = LoadFacts(
-            dtype=dtype, device=device, mesh=mesh, min_num_params=min_num_params, gather=gather,
-            reshard_after_forward=reshard_after_forward, forward_prefetch=forward_prefetch,
-            keep_gathered=keep_gathered, allow_pickle=allow_pickle, cache_hooks=cache_hooks,
-            quantization=quantization, fused=fused, pipeline_cls=start.pipeline_cls, fp8_stored=fp8_stored,
+            dtype=options.dtype, device=options.device, mesh=options.mesh, min_num_params=options.min_num_params,
+            gather=options.gather, reshard_after_forward=options.reshard_after_forward,
+            forward_prefetch=options.forward_prefetch, keep_gathered=options.keep_gathered,
+            allow_pickle=options.allow_pickle, cache_hooks=options.cache_hooks, quantization=options.quantization,
+            fused=fused, pipeline_cls=start.pipeline_cls, fp8_stored=fp8_stored,
         )  # fmt: skip
-        backend = attention_backend_for(attention_backend, device, dims.ring)
+        backend = attention_backend_for(options.attention_backend, options.device, dims.ring)
         parts = load_parts(
-            path,
-            facts,
-            shard_components,
-            dims=dims,
-            lane_mesh=lane_mesh,
-            backend=backend,
-            compile=compile,
-            phases=phases,
-            lane_meshes=lane_meshes,
-            meta_models=start.models,
-        )
-        if scheduler_config:
+            path, facts, options.shard_components, dims=dims, lane_mesh=options.lane_mesh, backend=backend,
+            compile=options.compile, phases=phases, lane_meshes=options.lane_meshes, meta_models=start.models,
+        )  # fmt: skip
+        if options.scheduler_config:
             scheduler = parts.pipe.scheduler
-            parts.pipe.scheduler = type(scheduler).from_config(scheduler.config, **scheduler_config)
+            parts.pipe.scheduler = type(scheduler).from_config(scheduler.config, **options.scheduler_config)
         release_pinned_memory()  # the reads' staging buffers, cached by torch's host allocator
         with phases.phase("replicated components to device"):
-            return cls(parts.pipe, device, rank, parts.shardings, parts.stats, parts.sequence, parts.cfg_split)._with(
-                parts.lane_parallel, parts.compiled_modules
+            pipeline = cls(
+                parts.pipe, options.device, options.rank, parts.shardings, parts.stats, parts.sequence, parts.cfg_split
             )
-
-    def _with(self, lane_parallel, compiled_modules: int) -> ShardedPipeline:
-        """This pipeline, its models switched per forward to its request's lane (adaptive lanes),
-        knowing how many of its modules' forwards are compiled."""
-        self.features.lane_parallel = lane_parallel
-        self.compiled_modules = compiled_modules
-        return self
+        # Its models switched per forward to its request's lane (adaptive lanes).
+        pipeline.features.lane_parallel = parts.lane_parallel
+        pipeline.compiled_modules = parts.compiled_modules
+        return pipeline
 
     @property
     def facts(self) -> dict:
@@ -293,21 +263,21 @@ class ShardedPipeline(RequestSlots):
         if self.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        pipe = self._slots.get()
+        pipe = self.slots.take()
         self._running_slot.pipe, self._running_slot.kwargs = pipe, kwargs
         try:
-            self._set_tiling(pipe, variant)
+            self.decodes.set_tiling(pipe, variant)
             with (
                 variant.run(pipe, self.features),
                 guidance_on(pipe, self.call, request.guidance_scale),
                 steps_watched(pipe, self._call_params, kwargs, step_ended),
-                torch.cuda.stream(self._slot_stream(pipe)),
+                torch.cuda.stream(self.slots.stream(pipe)),
             ):
                 output = pipe(**kwargs)
                 host = to_host(output.frames if hasattr(output, "frames") else output.images, request.uint8_frames)
         finally:
             self._running_slot.pipe = None
-            self._slots.put(pipe)
+            self.slots.give_back(pipe)
             released = variant.release(self.features)
         if host.non_finite:  # NaN survives diffusers' clamp to [0, 1]
             raise NonFiniteOutputError(
@@ -338,7 +308,7 @@ class ShardedPipeline(RequestSlots):
         """
         per_component = {name: module_memory(m) for name, m in self.modules.items()}
         total = {key: sum(c[key] for c in per_component.values()) for key in next(iter(per_component.values()))}
-        total["replicated"] += self.slot_copy_bytes  # the other request slots' own VAE, tokenizers...
+        total["replicated"] += self.slots.copy_bytes  # the other request slots' own VAE, tokenizers...
         # In-place gathers hold their buffers at all times (FSDP2 allocates per forward: 0 here).
         total["gather_buffers"] = sum(s.buffer_bytes for s in self.shardings.values())
         # Units kept gathered: whole weights in buffers of their own, which the modules hold as plain
@@ -349,8 +319,47 @@ class ShardedPipeline(RequestSlots):
             "components": per_component,
             "total": total,
             "sharded_components": dict(self.sharded),
-            "request_slots": self.request_slots,
+            "request_slots": self.slots.count,
         }
         if units:
             out["units"] = {name: unit_memory(s.unit_modules) for name, s in self.shardings.items()}
         return out
+
+    @property
+    def request_slots(self) -> int:
+        """How many requests this rank runs at the same time (``set_request_slots``)."""
+        return self.slots.count
+
+    @property
+    def slot_copies(self) -> list:
+        """The other slots' pipelines (the first slot is ``pipe``): their own VAE, scheduler, tokenizers."""
+        return self.slots.copies
+
+    @property
+    def slot_copy_bytes(self) -> int:
+        """The bytes of the other slots' own modules."""
+        return self.slots.copy_bytes
+
+    def set_request_slots(self, slots: int, shared: tuple[str, ...]) -> None:
+        """Prepares ``slots`` pipelines that run requests at the same time on this rank, sharing the
+        modules named in ``shared`` (``RequestSlots.fill``)."""
+        self.slots.fill(slots, shared)
+
+    def splits_decode(self, variant: RequestVariant) -> bool:
+        """Whether the ranks of this rank's lane share the decode of ``variant``'s request
+        (``decode_share``); the same answer on every rank of the lane."""
+        return self.decodes.share(variant) is not None
+
+    def decode_share(self, variant: RequestVariant) -> str | None:
+        """How the ranks of this rank's lane share the decode of ``variant``'s request
+        (``SlotDecodes.share``): ``"rows"``, ``"tiles"``, or ``None``: the leader decodes alone."""
+        return self.decodes.share(variant)
+
+    def vae_channels_last(self) -> int:
+        """Puts the VAE's 3D convolution weights in channels-last memory (``torch.channels_last_3d``);
+        call before ``set_request_slots``, whose copies keep the format. Returns how many."""
+        vae = getattr(self.pipe, "vae", None)
+        if not isinstance(vae, torch.nn.Module):
+            return 0
+        torch.nn.utils.convert_conv3d_weight_memory_format(vae, torch.channels_last_3d)
+        return sum(isinstance(m, torch.nn.Conv3d) for m in vae.modules())

@@ -18,12 +18,13 @@ import ray
 
 from ray_hsdp.config.group import MAX_REQUESTS_PER_RANK, RANK_MODULES, GroupConfig
 from ray_hsdp.config.topology import ParallelDims
-from ray_hsdp.deadlines import run_timeout
 from ray_hsdp.phases import Phases
-from ray_hsdp.rank.start import RankStart
+from ray_hsdp.rank.reports import compiled_graphs, memory_report, tick_stats
+from ray_hsdp.rank.requests import follow, inject_fault, lead
+from ray_hsdp.rank.sleep import RankSleep
+from ray_hsdp.rank.start import LoadedRank, RankStart, mend_refusal, where_it_runs
 from ray_hsdp.request import GenerationResult, RequestCancelledError
-from ray_hsdp.runtime import RankRuntime, SessionFailedError
-from ray_hsdp.runtime.core import RequestStoppedError
+from ray_hsdp.runtime import RankRuntime
 from ray_hsdp.variant import RequestVariant
 
 logger = logging.getLogger("ray_hsdp")
@@ -40,62 +41,11 @@ CONCURRENCY_GROUPS = {
     "residence": 1,
 }  # fmt: skip
 
-#: How long a sleep waits for a rank's session to end (its last request just answered).
-SLEEP_IDLE_WAIT_S = 10.0
 
-#: Faults ``inject_fault`` knows: a rank hung before its next collective, a forward that raises,
-#: a split decode that raises.
-FAULTS = ("stall", "forward", "decode")
-
-
-def compiled_graphs() -> int:
-    """Graphs ``torch.compile`` built in this process so far: a request of a new shape (or, with
-    adaptive lanes, on a new lane size) adds some once; a count that grows with every request means
-    recompiles. (dynamo keeps the count in its counters; torch has no public one.)"""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
-def compile_report(modules: int) -> dict:
-    """What ``torch.compile`` did in this process: the modules whose forward it compiles (each
-    repeated block), the graphs dynamo built for them, and the graph breaks with their most common
-    reasons. A block compiled without breaks is one graph per shape; every break splits it, with
-    eager Python between the pieces. (dynamo keeps these in its counters; torch has no public ones.)"""
-    from torch._dynamo.utils import counters
-
-    breaks = counters["graph_break"]
-    return {
-        "modules": modules,
-        "graphs": compiled_graphs(),
-        "graph_breaks": int(sum(breaks.values())),
-        "graph_break_reasons": dict(breaks.most_common(5)),
-    }
-
-
-def compile_cache_counts() -> dict[str, int]:
-    """Inductor's FX graph cache in this process so far: graphs found in the cache (``hit``) and
-    compiled anew (``miss``). (Inductor keeps them in dynamo's counters; torch has no public ones.)"""
-    from torch._dynamo.utils import counters
-
-    return {f"fxgraph_cache_{kind}": int(counters["inductor"][f"fxgraph_cache_{kind}"]) for kind in ("hit", "miss")}
-
-
-#: How dynamo's counters name a function that reached the recompile limit.
-RECOMPILE_LIMIT_REASON = "Dynamo recompile limit exceeded"
-
-
-def recompile_limit_hits() -> int:
-    """Times a compiled function reached ``torch._dynamo.config.recompile_limit`` graphs in this
-    process and so runs eagerly from then on, silently but for one warning (dynamo counts it with
-    its "unimplemented" reasons; torch has no public count)."""
-    from torch._dynamo.utils import counters
-
-    return sum(n for reason, n in counters["unimplemented"].items() if reason.startswith(RECOMPILE_LIMIT_REASON))
-
-
-class Rank(RankStart):
-    """One rank of a shard group; the group turns this class into a Ray actor.
+class Rank:
+    """One rank of a shard group; the group turns this class into a Ray actor. Its start is a
+    ``RankStart`` (its ``load`` gives the pipeline and runtime the actor keeps, ``loaded``), its
+    sleep a ``RankSleep``, its reports functions of them (``ray_hsdp.rank.reports``).
 
     Args:
         rank: Index in the group (0..S-1), which is also its shard index.
@@ -118,35 +68,61 @@ class Rank(RankStart):
         distributed.apply_nccl_env(config.nccl_max_ctas)
         where = f"group={group_id} rank={rank} lane={dims.lane_of(rank)}"
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(name)s {where} %(message)s")
-        self.group_id = group_id
-        self.rank = rank
-        self.config = config
-        self.dims = dims
-        self.pipeline = None
-        self._rendezvous = None  # rank 0's rendezvous store, bound in ``address``
-        self.runtime: RankRuntime | None = None
-        self.model_path = None
-        self.lora_paths: dict = {}
-        self.decode_groups = {}  # lane size -> the process group of this rank's lane of that size, for split decodes
-        self.tick_group = None  # with tick_exchange "host": the gloo group of the tick's all-gather
-        self.phases = Phases(f"rank {rank}")  # where this rank's part of the group's start went
+        self.group_id, self.rank, self.config, self.dims = group_id, rank, config, dims
+        phases = Phases(f"rank {rank}")  # where this rank's part of the group's start went
         if spawned_at is not None:
-            self.phases.seconds["actor start"] = round(max(0.0, time.time() - spawned_at), 3)
-        self.load_s = 0.0
-        self.load_peak_rss_bytes = 0
+            phases.seconds["actor start"] = round(max(0.0, time.time() - spawned_at), 3)
+        self.start = RankStart(rank, config, dims, phases)
+        self.loaded: LoadedRank | None = None  # the pipeline and its runtime, once ``load`` ran
+        self.sleeper = RankSleep(rank, config, f"{group_id}-{rank}")
         self.last_request_peak_device_bytes = 0
         self._profile = None
         self._leaving = threading.Event()
-        self._residence = None  # where the weights rest while the model sleeps (built at the first sleep)
 
     def __repr__(self) -> str:
         # Ray prefixes the actor's log lines with this: "(Rank(group=..., rank=...) pid=...)".
         return f"Rank(group={self.group_id}, rank={self.rank})"
 
     def _loaded(self) -> RankRuntime:
-        if self.runtime is None:
+        if self.loaded is None:
             raise RuntimeError(f"rank {self.rank} has no pipeline loaded")
-        return self.runtime
+        return self.loaded.runtime
+
+    def prepare(self) -> str:
+        """Finds the model folder on this node and imports its components' classes, before the
+        process group exists (``RankStart.prepare``); returns the folder."""
+        return self.start.prepare()
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and the port of the rendezvous store this rank binds there: rank 0's
+        answer is the group's rendezvous address (0: a group of one rank has none)."""
+        return self.start.address()
+
+    def join(self, master: str, port: int) -> dict:
+        """Joins the process group and builds the meshes (``RankStart.join``); a survivor of a
+        mended group keeps its shards.
+
+        Returns:
+            Where this rank runs: rank, node id and IP, pid, device.
+        """
+        self.start.join(master, port, survivor=self.loaded)
+        return where_it_runs(self.rank, self.config, self.preloaded)
+
+    def load(self) -> dict:
+        """Loads the pipeline, its sharded components slice by slice, and builds the runtime
+        (``RankStart.load``); returns the memory report, with the pipeline's facts under
+        ``pipeline``, the start's phases and why a lost rank could not be replaced alone.
+
+        The report adds ``load_s`` and ``load_peak_rss_bytes``: the most host memory this process
+        held above its level before loading, sampled while loading.
+        """
+        self.loaded = self.start.load()
+        return {
+            **self.memory(),
+            "pipeline": self.loaded.pipeline.facts,
+            "start_phases_s": dict(self.start.phases.seconds),
+            "mend_refusal": mend_refusal(self.config, self.dims, self.start.model_path),
+        }
 
     @ray.method(concurrency_group="intake")
     def offer(self, variant: RequestVariant) -> GenerationResult | None:
@@ -176,23 +152,8 @@ class Rank(RankStart):
         graphs_before = compiled_graphs() if self.config.compile else 0
         job = runtime.submit(variant, variant.ticket)
         if not job.leads(self.rank):
-            try:
-                job.get()
-            except SessionFailedError:
-                raise
-            except RequestStoppedError:
-                pass  # its lane stopped it: the leader answers why
-            except Exception as err:
-                # An error only here stopped the lane: the caller learns its cause from this rank.
-                logger.warning("Request %r failed on rank %d of its lane: %s", request.request_id, self.rank, err)
-                raise
-            return None
-        deadline = run_timeout(request, self.config)
-        if not job.wait(deadline):
-            # Interrupting is safe: the tick protocol takes any number of forwards per request.
-            error = TimeoutError(f"request {request.request_id!r} missed its deadline of {deadline:g}s")
-            runtime.cancel_job(job, error)
-        result = job.get()
+            return follow(job, request.request_id, self.rank)
+        result = lead(runtime, job, request, self.config)
         self.last_request_peak_device_bytes = result.peak_device_bytes
         if self.config.compile and compiled_graphs() > graphs_before:
             result = dataclasses.replace(result, compiled=True)
@@ -219,8 +180,7 @@ class Rank(RankStart):
         """A group woken by its caller never gets here asleep. One used directly wakes at its first
         request: every rank's session and the request's own thread wake their rank first (once:
         the other waits for it), since every rank joins every forward's gathers."""
-        if self._residence is not None:
-            self._residence.wake()  # at once when awake (it looks under its lock: a sleep under way ends first)
+        self.sleeper.wake_if_built()
 
     @ray.method(concurrency_group="control")
     def warm_up_done(self) -> dict[str, int]:
@@ -231,31 +191,9 @@ class Rank(RankStart):
 
     @ray.method(concurrency_group="control")
     def tick_stats(self) -> dict[str, int]:
-        """What this rank did since it loaded (ticks, idle ticks, real forwards, ghost passes,
-        batched calls, forwards it ran as a helper of a widened lane), its device memory (allocated
-        now, and the peak of its latest request), and with ``compile`` its graphs and the compile
-        cache's hits and misses, and how often a compiled block reached its recompile limit."""
-        from ray_hsdp.memory import device_allocated_bytes
-
-        runtime = self.runtime
-        counts = ("ticks", "idle_ticks", "forwards", "ghosts", "batched", "helped")
-        caches = self.pipeline.features.step_caches if self.pipeline is not None else None
-        return {
-            "rank": self.rank,
-            **{name: getattr(runtime, name) if runtime is not None else 0 for name in counts},
-            # Forwards run with a request's step cache, and those that reused it.
-            "step_cache_forwards": caches.forwards if caches is not None else 0,
-            "step_cache_reused": caches.reused if caches is not None else 0,
-            "device_allocated_bytes": device_allocated_bytes(self.config.device),
-            "last_request_peak_device_bytes": self.last_request_peak_device_bytes,
-            "compiled_graphs": compiled_graphs() if self.config.compile else 0,
-            "recompile_limit_hits": recompile_limit_hits() if self.config.compile else 0,
-            **(compile_cache_counts() if self.config.compile else {"fxgraph_cache_hit": 0, "fxgraph_cache_miss": 0}),
-            # Exchanges of the split decodes this rank joined (rows lent, keys gathered).
-            "decode_exchanges": sum(lane.exchanges for lane in self.pipeline.lane_tiles.values())
-            if self.pipeline is not None
-            else 0,
-        }
+        """What this rank did since it loaded, its device memory and compile counts
+        (``ray_hsdp.rank.reports.tick_stats``)."""
+        return tick_stats(self.rank, self.config, self.loaded, self.last_request_peak_device_bytes)
 
     @ray.method(concurrency_group="profile")
     def start_profile(self, trace_dir: str | None = None) -> None:
@@ -276,36 +214,14 @@ class Rank(RankStart):
     @ray.method(concurrency_group="control")
     def progress(self) -> dict[str, tuple[int, int]]:
         """Request id -> (denoising steps done, steps in all) of the requests running here."""
-        return self.runtime.progress() if self.runtime is not None else {}
+        return self.loaded.runtime.progress() if self.loaded is not None else {}
 
     @ray.method(concurrency_group="control")
     def memory(self, units: bool = False) -> dict:
-        """The memory report of this rank (see ``ShardedPipeline.memory``)."""
-        from ray_hsdp.memory import device_allocated_bytes
-
-        report = self.pipeline.memory(units=units) if self.pipeline is not None else {}
-        return {
-            "rank": self.rank,
-            "shard_index": self.rank,
-            "lane": self.dims.lane_of(self.rank),
-            "device": self.config.device,
-            "load_s": round(self.load_s, 3),
-            "load_peak_rss_bytes": self.load_peak_rss_bytes,
-            "load_bytes_read": sum(s["bytes_read"] for s in self.pipeline.load_stats.values()) if self.pipeline else 0,
-            "device_allocated_bytes": device_allocated_bytes(self.config.device),
-            "last_request_peak_device_bytes": self.last_request_peak_device_bytes,
-            # Once the model slept: the bytes it parks, and those of them on the device now (0 asleep).
-            "parked_bytes": self._residence.nbytes if self._residence is not None else 0,
-            "asleep": self._residence is not None and self._residence.asleep,
-            # The pipeline's tensors on the device now, collected afresh (0 asleep: none was missed).
-            "resident_tensor_bytes": self._residence.resident_bytes if self._residence is not None else 0,
-            **report,
-            **(
-                {"compile": compile_report(self.pipeline.compiled_modules)}
-                if self.config.compile and self.pipeline
-                else {}
-            ),
-        }
+        """The memory report of this rank (``ray_hsdp.rank.reports.memory_report``; see
+        ``ShardedPipeline.memory``)."""
+        peak = {"last_request_peak_device_bytes": self.last_request_peak_device_bytes}
+        return memory_report(self.rank, self.config, self.dims, self.loaded, {**peak, **self.sleeper.report()}, units)
 
     @ray.method(concurrency_group="control")
     def inject_fault(self, kind: str, seconds: float = 0.0) -> None:
@@ -316,22 +232,8 @@ class Rank(RankStart):
         - ``"forward"``: the next real forward raises half way through, as an out-of-memory would;
         - ``"decode"``: the next split decode raises on this rank before it hands over its tiles.
         """
-        from ray_hsdp.runtime.faults import FailNextForward, FailNextSplitDecode, StallNextTick
-
-        runtime = self._loaded()
-        if runtime.modules is None:
-            raise RuntimeError("only a sharded rank ticks and runs sharded forwards")
-        if kind == "stall":
-            runtime.exchange = StallNextTick(runtime.exchange, seconds)
-        elif kind == "forward":
-            runtime.modules = FailNextForward(runtime.modules)
-        elif kind == "decode":
-            if not self.pipeline.lane_tiles:
-                raise RuntimeError("this rank's lane does not split its decodes")
-            tiles = self.pipeline.lane_tiles
-            self.pipeline.lane_tiles = {size: FailNextSplitDecode(lane) for size, lane in tiles.items()}
-        else:
-            raise ValueError(f"unknown fault {kind!r}; known: {', '.join(FAULTS)}")
+        self._loaded()  # raises on a rank with no pipeline loaded
+        inject_fault(self.loaded, kind, seconds)
 
     @ray.method(concurrency_group="control")
     def cancel(self, request_id: str) -> bool:
@@ -339,7 +241,7 @@ class Rank(RankStart):
         denoising step, without decoding; not here yet (the cancel overtook the offer), it never
         starts. Returns whether the cancel answered a request held here."""
         error = RequestCancelledError(f"request {request_id!r} was cancelled")
-        return self.runtime.cancel(request_id, error) if self.runtime is not None else False
+        return self.loaded.runtime.cancel(request_id, error) if self.loaded is not None else False
 
     @ray.method(concurrency_group="control")
     def help(self, variant: RequestVariant, ticket: int, source: int) -> None:
@@ -353,47 +255,19 @@ class Rank(RankStart):
         """Ends this rank's help of the wider lane ``ticket`` at its next tick."""
         self._loaded().release(ticket)
 
-    def _parked(self):
-        if self._residence is None:
-            from ray_hsdp.pipeline.residence import pipeline_residence
-            from ray_hsdp.pipeline.spill_file import SpillFile
-
-            if self.pipeline is None:
-                raise RuntimeError(f"rank {self.rank} has no pipeline loaded")
-            spill = None
-            if self.config.sleep_level == 2:
-                spill = SpillFile(self.config.sleep_folder, f"{self.group_id}-{self.rank}", self.config.device)
-            self._residence = pipeline_residence(self.pipeline, pin=self.config.device == "cuda", spill=spill)
-        return self._residence
-
     @ray.method(concurrency_group="residence")
     def host_need(self) -> dict:
         """What this rank's sleep needs of its node: host memory (0 once reserved; level 2: its
         staging buffers) and, at level 2, disk under ``sleep_dir``; with what the node has. The
         group checks a node's ranks together before any pins."""
-        from ray_hsdp import distributed
-        from ray_hsdp.memory import available_host_bytes
-        from ray_hsdp.pipeline.spill_file import SpillFile
-
-        residence = self._parked()
-        need = {
-            "rank": self.rank,
-            "node": distributed.node_ip(),
-            "bytes": residence.host_bytes if residence.spill is not None or not residence.allocated else 0,
-            "available": available_host_bytes(),
-        }
-        if residence.spill is not None:
-            folder = self.config.sleep_folder
-            disk = 0 if residence.allocated else residence.nbytes
-            need.update(disk_bytes=disk, disk_free=SpillFile.free_bytes(folder), folder=folder)
-        return need
+        return self.sleeper.host_need(self.loaded)
 
     @ray.method(concurrency_group="residence")
     def reserve_host(self) -> dict:
         """Allocates the host memory a sleep parks this rank's weights in (once: pinning tens of GB
         takes seconds; level 2: writes its file), so that the first sleep is as fast as the next.
         Returns its bytes and the seconds the allocation took."""
-        residence = self._parked()
+        residence = self.sleeper.parked(self.loaded)
         return {"rank": self.rank, "bytes": residence.nbytes, "allocate_s": round(residence.allocate(), 3)}
 
     @ray.method(concurrency_group="residence")
@@ -406,18 +280,13 @@ class Rank(RankStart):
             The bytes moved, the seconds, and the device's free memory before and after; or
             ``busy``: the rank still held a request, and nothing was moved.
         """
-        deadline = time.monotonic() + SLEEP_IDLE_WAIT_S
-        while self.runtime is not None and (self.runtime.in_session or self.runtime.progress()):
-            if time.monotonic() > deadline:
-                return {"rank": self.rank, "busy": True}
-            time.sleep(0.005)
-        return {"rank": self.rank, **self._parked().sleep().as_dict()}
+        return self.sleeper.sleep(self.loaded)
 
     @ray.method(concurrency_group="residence")
     def wake(self) -> dict:
         """Copies this rank's weights back to the device, components in the order a request
         needs them; returns once all landed (what it moved, as ``sleep``)."""
-        return {"rank": self.rank, **self._parked().wake().as_dict()}
+        return {"rank": self.rank, **self.sleeper.parked(self.loaded).wake().as_dict()}
 
     @ray.method(concurrency_group="control")
     def device_free(self) -> int:
@@ -461,7 +330,6 @@ class Rank(RankStart):
         from ray_hsdp import distributed
 
         self._leaving.set()
-        if self._residence is not None and self._residence.spill is not None:
-            self._residence.spill.remove()
-        if self.runtime is None or not self.runtime.in_session:
+        self.sleeper.remove_spill()
+        if self.loaded is None or not self.loaded.runtime.in_session:
             distributed.destroy_process_group()
