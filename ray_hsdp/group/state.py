@@ -92,7 +92,7 @@ class GroupState:
     #: The group's warm-up, run again after a mend with ``compile``: the new rank loads its graphs
     #: from the compile cache there rather than in a user's request.
     rewarm: Callable[[], None] | None = None
-    #: Why this group cannot replace a lost rank alone (``Rank.mend_refusal``), or None.
+    #: Why this group cannot replace a lost rank alone (``ray_hsdp.rank.start.mend_refusal``), or None.
     mend_refusal: str | None = "the group has not started"
     #: Each mend so far: the rank replaced and the seconds of its phases.
     mends: list[dict] = field(default_factory=list)

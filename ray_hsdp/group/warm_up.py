@@ -9,7 +9,7 @@ which the dimensions that changed are dynamic, and shapes that differ from the w
 those never trace again (measured on the tiny Wan: warmed at 64x64x5 and 96x64x9, 128x64x13 traced
 nothing, 128x96x17 compiled once more for its height). A block gets at most
 ``torch._dynamo.config.recompile_limit`` (8) graphs before it silently runs eagerly;
-``recompile_limit_hits`` (``ray_hsdp.rank.actor``) counts how often that happened.
+``recompile_limit_hits`` (``ray_hsdp.rank.reports``) counts how often that happened.
 """
 
 from __future__ import annotations
