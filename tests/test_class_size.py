@@ -15,14 +15,12 @@ LIMIT = 300
 #: Over the rule when it was written, and by how much then (issue 85 splits them).
 OVER = {
     "ray_hsdp.group.core.ShardGroup": 1030,
-    "ray_hsdp.serve.replica.server.HSDPServer": 699,
     "ray_hsdp.runtime.core.RankRuntime": 691,
     "ray_hsdp.rank.actor.Rank": 664,
     "ray_hsdp.serve.jobs.actor.StoreActor": 591,
     "ray_hsdp.serve.jobs.store.JobStore": 562,
     "ray_hsdp.serve.ingress.server.OpenAIIngress": 432,
     "ray_hsdp.pipeline.sharded.ShardedPipeline": 387,
-    "ray_hsdp.serve.replica.videos.VideoJobs": 333,
 }
 
 
