@@ -19,7 +19,6 @@ OVER = {
     "ray_hsdp.rank.actor.Rank": 664,
     "ray_hsdp.serve.jobs.actor.StoreActor": 591,
     "ray_hsdp.serve.jobs.store.JobStore": 562,
-    "ray_hsdp.serve.ingress.server.OpenAIIngress": 432,
     "ray_hsdp.pipeline.sharded.ShardedPipeline": 387,
 }
 
