@@ -109,6 +109,12 @@ def refusal(state: ReplicaState, message: str) -> GroupFailedError:
     return error
 
 
+def forget_stop(state: ReplicaState, request_id: str) -> None:
+    """A stop of an earlier copy of ``request_id`` here no longer applies (a new attempt of its job runs)."""
+    while request_id in state.cancelled:
+        state.cancelled.remove(request_id)
+
+
 def report_metrics(state: ReplicaState) -> None:
     """Every ``metrics_interval_s`` until the replica stops: the group's state, queue and ranks, its
     failures, the job table (a thread of its own: a poll blocks)."""
@@ -129,9 +135,3 @@ def report_metrics(state: ReplicaState) -> None:
                 state.metrics.video_jobs(counts)
         except Exception as err:  # noqa: BLE001 - a missed poll is reported again at the next one
             logger.warning("Metrics poll failed: %s", err)
-
-
-def forget_stop(state: ReplicaState, request_id: str) -> None:
-    """A stop of an earlier copy of ``request_id`` here no longer applies (a new attempt of its job runs)."""
-    while request_id in state.cancelled:
-        state.cancelled.remove(request_id)
