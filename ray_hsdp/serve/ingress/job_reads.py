@@ -1,18 +1,47 @@
-"""The job reads the ingress answers (``JobReads``): a job's video object and its content, from the
-job store as an endpoint holds them, the content read from the media store directly where the
-process reaches it."""
+"""The job reads the ingress answers (``JobReads``, a part of ``OpenAIIngress``): a page of the
+jobs, a job's video object and its content, from the job store as an endpoint holds them, the
+content read from the media store directly where the process reaches it."""
 
 from __future__ import annotations
 
 import asyncio
 
-from ray_hsdp.serve.errors import RequestLimitError, VideoGoneError, VideoNotFoundError, VideoNotReadyError
-from ray_hsdp.serve.model_health import SHARE_SERVING
+from ray_hsdp.serve.errors import (
+    RequestLimitError,
+    UnknownCursorError,
+    VideoGoneError,
+    VideoNotFoundError,
+    VideoNotReadyError,
+)
+from ray_hsdp.serve.jobs.client import StoreClient
+from ray_hsdp.serve.model_health import SHARE_SERVING, ModelWatch
 
 
 class JobReads:
-    """A job's object and content, read from the job store (``self.store``, a ``StoreClient``) as
-    the endpoint ``self.endpoint`` holds them; its model's state from ``self.watch`` (``ModelWatch``)."""
+    """A job's object and content.
+
+    Args:
+        store: The job store, as the ingress reaches it.
+        endpoint: The name the store keeps this endpoint's jobs under.
+        watch: Each model's state (a queued job's model that sleeps says so).
+    """
+
+    def __init__(self, store: StoreClient, endpoint: str, watch: ModelWatch):
+        self.store = store
+        self.endpoint = endpoint
+        self.watch = watch
+
+    async def page(self, limit: int = 20, after: str | None = None, order: str = "desc") -> dict:
+        """One page of the endpoint's jobs (``GET /v1/videos``): ``limit`` of them after the job
+        ``after``, newest first (``desc``) or oldest first (``asc``)."""
+        if not 1 <= limit <= 100:
+            raise RequestLimitError(f"limit must be between 1 and 100, got {limit}")
+        if order not in ("asc", "desc"):
+            raise RequestLimitError(f"order must be 'asc' or 'desc', got {order!r}")
+        page = await self.store.call("list", self.endpoint, limit, after, order)
+        if page is None:
+            raise UnknownCursorError(f"after={after!r} names no video")
+        return page
 
     async def video(self, video_id: str) -> dict:
         """The video object of a job; a queued one whose model sleeps or wakes on its GPU share says

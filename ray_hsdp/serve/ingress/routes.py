@@ -1,6 +1,6 @@
 """The HTTP side of the application's ingress, as Ray Serve LLM splits it: the FastAPI app, its
 guard (API key, body size), the error answers (``errors``), how a video body is read, and the
-OpenAI-shaped routes (``OpenAIRoutes``, which ``ingress.server.OpenAIIngress`` takes on).
+OpenAI-shaped routes: functions of the ingress replica this process serves (``ingress.server.OpenAIIngress``).
 
 No ``from __future__ import annotations`` here: FastAPI reads the routes' annotations as types."""
 
@@ -17,7 +17,6 @@ from ray_hsdp.config.endpoint import EndpointConfig
 from ray_hsdp.serve.errors import (
     ModelLoadingError,
     RequestLimitError,
-    UnknownCursorError,
     error_json,
     error_response,
 )
@@ -51,11 +50,16 @@ async def _invalid_model(request: Request, exc: ValidationError) -> JSONResponse
 IMAGE_INPUT_ROUTES = ("/v1/images/generations", "/v1/videos", "/v1/videos/sync", "/v1/chat/completions")
 
 
+def _ingress():
+    """The ingress replica this process serves (what Serve hands a class's routes as ``self``; its
+    constructor has run: Serve routes nothing here before)."""
+    return serve.get_replica_context().servable_object
+
+
 @api.middleware("http")
 async def _guard(request: Request, call_next):
     """API key and body size, before any route runs; an error no handler took still answers JSON."""
-    # The ingress replica this process serves (its constructor has run: Serve routes nothing here before).
-    server = serve.get_replica_context().servable_object
+    server = _ingress()
     config: EndpointConfig = server.config
     key: KeyCheck | None = server.key_check
     path = request.url.path.removeprefix(request.scope.get("root_path", ""))  # route prefix of the app
@@ -183,96 +187,102 @@ async def video_body(request: Request) -> VideoCreateRequest:
     return VideoCreateRequest.model_validate(fields)
 
 
-class OpenAIRoutes:
-    """The routes of the HTTP API; each calls the replica's method of the same concern."""
+# The routes of the HTTP API; each calls the ingress replica's method of the same concern.
 
-    @api.post("/v1/images/generations")
-    async def images_generations(self, body: ImageGenerationRequest) -> dict:
-        return await self.generate(body)
 
-    @api.post("/v1/videos")
-    async def videos_create(self, request: Request) -> dict:
-        return await self.create_video(await video_body(request))
+@api.post("/v1/images/generations")
+async def images_generations(body: ImageGenerationRequest) -> dict:
+    return await _ingress().generate(body)
 
-    @api.post("/v1/videos/sync")
-    async def videos_create_sync(self, request: Request) -> Response:
-        started = time.perf_counter()
-        out = await self.generate_video(await video_body(request))
-        video = out["video"]
-        headers = {
-            "X-Video-Id": video["id"],
-            # vllm-omni's names: its clients read these. (X-Request-Id is Serve's own: the id of
-            # this HTTP request in Serve's logs, the client's own when it sent one.)
-            "X-Model": str(video.get("model", "")),
-            "X-Inference-Time-S": f"{time.perf_counter() - started:.3f}",
-        }
-        return Response(out["mp4"], media_type="video/mp4", headers=headers)
 
-    @api.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request) -> dict:
-        """vllm-omni's chat route for an image or video model (``serve.ingress.chat``): the last user
-        message is the prompt, and the answer carries the image(s) or the MP4 as data URLs."""
-        try:
-            body = await request.json()
-        except ValueError as err:
-            raise RequestLimitError(f"the body is not valid JSON: {err}") from None
-        ask = chat.read_chat(body)
-        model = self._model(ask.model)
-        kind = self.watch.entry(model).get("kind")
-        if kind is None:
-            raise ModelLoadingError(f"model {model!r} is loading: no shard group of it has answered yet; retry shortly")
-        if kind == "video":
-            return chat.video_answer(model, await self.generate_video(ask.video_body()))
-        return chat.image_answer(model, await self.generate(ask.image_body()))
+@api.post("/v1/videos")
+async def videos_create(request: Request) -> dict:
+    return await _ingress().create_video(await video_body(request))
 
-    @api.get("/v1/videos")
-    async def videos_list(self, limit: int = 20, after: str | None = None, order: str = "desc") -> dict:
-        if not 1 <= limit <= 100:
-            raise RequestLimitError(f"limit must be between 1 and 100, got {limit}")
-        if order not in ("asc", "desc"):
-            raise RequestLimitError(f"order must be 'asc' or 'desc', got {order!r}")
-        page = await self.store.call("list", self.endpoint, limit, after, order)
-        if page is None:
-            raise UnknownCursorError(f"after={after!r} names no video")
-        return page
 
-    @api.get("/v1/videos/{video_id}")
-    async def videos_retrieve(self, video_id: str) -> dict:
-        return await self.video(video_id)
+@api.post("/v1/videos/sync")
+async def videos_create_sync(request: Request) -> Response:
+    started = time.perf_counter()
+    out = await _ingress().generate_video(await video_body(request))
+    video = out["video"]
+    headers = {
+        "X-Video-Id": video["id"],
+        # vllm-omni's names: its clients read these. (X-Request-Id is Serve's own: the id of
+        # this HTTP request in Serve's logs, the client's own when it sent one.)
+        "X-Model": str(video.get("model", "")),
+        "X-Inference-Time-S": f"{time.perf_counter() - started:.3f}",
+    }
+    return Response(out["mp4"], media_type="video/mp4", headers=headers)
 
-    @api.get("/v1/videos/{video_id}/content")
-    async def videos_content(self, video_id: str, variant: str = "video") -> Response:
-        content = await self.video_content(video_id, variant)
-        return Response(content, media_type="video/mp4" if variant == "video" else "image/png")
 
-    @api.delete("/v1/videos/{video_id}")
-    async def videos_delete(self, video_id: str) -> dict:
-        return await self.delete_video(video_id)
+@api.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> dict:
+    """vllm-omni's chat route for an image or video model (``serve.ingress.chat``): the last user
+    message is the prompt, and the answer carries the image(s) or the MP4 as data URLs."""
+    try:
+        body = await request.json()
+    except ValueError as err:
+        raise RequestLimitError(f"the body is not valid JSON: {err}") from None
+    ask = chat.read_chat(body)
+    ingress = _ingress()
+    model = ingress.model_of(ask.model)
+    kind = ingress.watch.entry(model).get("kind")
+    if kind is None:
+        raise ModelLoadingError(f"model {model!r} is loading: no shard group of it has answered yet; retry shortly")
+    if kind == "video":
+        return chat.video_answer(model, await ingress.generate_video(ask.video_body()))
+    return chat.image_answer(model, await ingress.generate(ask.image_body()))
 
-    @api.get("/v1/models")
-    async def models_list(self) -> dict:
-        return await self.models()
 
-    @api.get("/v1/loras")
-    async def loras_list(self, model: str | None = None) -> dict:
-        """The LoRA adapters of a model (or of each): those requests may name (``lora``) and those
-        merged into the weights (``fused``: the scale every request runs them at), with the
-        components each adapts and the defaults a request gets from it."""
-        return await self.loras(model)
+@api.get("/v1/videos")
+async def videos_list(limit: int = 20, after: str | None = None, order: str = "desc") -> dict:
+    return await _ingress().jobs.page(limit, after, order)
 
-    @api.get("/health")
-    async def health_route(self, request: Request, model: str | None = None) -> JSONResponse:
-        """200 while the endpoint can answer for one model at least (``?model=ID``: while that
-        model has a ready group), else 503 with ``Retry-After``: a readiness probe of the endpoint
-        that one model's outage does not fail, and one of each model. Each model's state; why a
-        model's check failed only for a caller with the key (no key asked for: any caller)."""
-        body = await self.health(model)
-        if not has_key(request, self.key_check):
-            body.pop("errors")
-        if body["status"] == "ok":
-            return JSONResponse(body)
-        return JSONResponse(body, status_code=503, headers={"Retry-After": str(self.config.retry_after_s)})
 
-    @api.get("/v1/pool")
-    async def pool_route(self, model: str | None = None) -> dict:
-        return await self.pool(model)
+@api.get("/v1/videos/{video_id}")
+async def videos_retrieve(video_id: str) -> dict:
+    return await _ingress().video(video_id)
+
+
+@api.get("/v1/videos/{video_id}/content")
+async def videos_content(video_id: str, variant: str = "video") -> Response:
+    content = await _ingress().video_content(video_id, variant)
+    return Response(content, media_type="video/mp4" if variant == "video" else "image/png")
+
+
+@api.delete("/v1/videos/{video_id}")
+async def videos_delete(video_id: str) -> dict:
+    return await _ingress().delete_video(video_id)
+
+
+@api.get("/v1/models")
+async def models_list() -> dict:
+    return await _ingress().models()
+
+
+@api.get("/v1/loras")
+async def loras_list(model: str | None = None) -> dict:
+    """The LoRA adapters of a model (or of each): those requests may name (``lora``) and those
+    merged into the weights (``fused``: the scale every request runs them at), with the
+    components each adapts and the defaults a request gets from it."""
+    return await _ingress().loras(model)
+
+
+@api.get("/health")
+async def health_route(request: Request, model: str | None = None) -> JSONResponse:
+    """200 while the endpoint can answer for one model at least (``?model=ID``: while that
+    model has a ready group), else 503 with ``Retry-After``: a readiness probe of the endpoint
+    that one model's outage does not fail, and one of each model. Each model's state; why a
+    model's check failed only for a caller with the key (no key asked for: any caller)."""
+    ingress = _ingress()
+    body = await ingress.health(model)
+    if not has_key(request, ingress.key_check):
+        body.pop("errors")
+    if body["status"] == "ok":
+        return JSONResponse(body)
+    return JSONResponse(body, status_code=503, headers={"Retry-After": str(ingress.config.retry_after_s)})
+
+
+@api.get("/v1/pool")
+async def pool_route(model: str | None = None) -> dict:
+    return await _ingress().pool(model)

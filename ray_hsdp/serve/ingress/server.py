@@ -1,13 +1,15 @@
 """The application's ingress (Ray Serve LLM's ``OpenAiIngress``): a light deployment, a replica on
-each node, that answers the HTTP API (``ingress.routes``: the key, the limits, the routes) and the handle
-API for every model of the application. It picks the model's pool by the request's ``model`` and
-calls that pool's group deployment (``HSDPServer``, one replica per shard group) by handle.
+each node, that answers the HTTP API (``ingress.routes``: the key, the limits, the routes, functions
+of this replica) and the handle API for every model of the application (its job reads in
+``ingress.job_reads``). It picks the model's pool by the request's ``model`` and calls that pool's
+group deployment (``HSDPServer``, one replica per shard group) by handle.
 
 It is the one place where work moves between groups: a call whose group was lost (its replica's
 process or node died) or failed under it goes once more to another group of the model, with the
 seed the first run had; a video job released in the job store (its replica stopped reporting, its
 group failed under it or filled, its replica was removed) is placed on another group of its model,
-which adopts it in the store. A synchronous video is a job like any other, waited for here.
+which adopts it in the store (``ingress.placement``). A synchronous video is a job like any other,
+waited for here.
 
 Results cross the hop encoded (PNG in the images response, MP4 bytes), never as frames."""
 
@@ -35,10 +37,10 @@ from ray_hsdp.serve.errors import (
 )
 from ray_hsdp.serve.ingress.job_reads import JobReads
 from ray_hsdp.serve.ingress.keys import KeyCheck, ReplicaKey
-from ray_hsdp.serve.ingress.routes import OpenAIRoutes, api, refuse_keyless, serve_http_host
+from ray_hsdp.serve.ingress.placement import JOBS_POLL_S, place_released_jobs
+from ray_hsdp.serve.ingress.routes import api, refuse_keyless, serve_http_host
 from ray_hsdp.serve.jobs.actor import open_store
 from ray_hsdp.serve.jobs.client import STORE_AWAY, StoreClient
-from ray_hsdp.serve.jobs.records import pool_of
 from ray_hsdp.serve.jobs.store import limits
 from ray_hsdp.serve.logs import show_logs
 from ray_hsdp.serve.model_health import CHECK_TIMEOUT_S, LOADING, ModelWatch
@@ -50,23 +52,6 @@ logger = logging.getLogger("ray_hsdp")
 #: How a lost group reaches a caller of its replica: the replica's actor died (its process, its
 #: node), or Ray cannot reach it now (which may pass: the first call is cancelled before the retry).
 LOST_GROUP = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
-
-#: How often an ingress replica asks the job table for released jobs to place, and how often a
-#: synchronous video's caller looks at its job.
-JOBS_POLL_S = 0.25
-
-#: How long a released job the ingress is placing stays its own (another ingress replica skips it).
-CLAIM_HOLD_S = 30.0
-
-#: How soon a job whose placement failed may be placed again (by any ingress replica).
-UNPLACED_RETRY_S = 1.0
-
-#: The longest a group may take to answer one placement (``adopt_video``): a model whose groups
-#: cannot answer (none runs, or all are starting) delays only its own jobs, and only this long.
-PLACE_TIMEOUT_S = 10.0
-
-#: Why a job was released, for which its next group may be any, its last included: it was full.
-ROOM_CODES = ("overloaded",)
 
 #: How often an ingress replica reads its key again (``ray-hsdp key set`` / ``key remove``, a new
 #: ``api_key_file``): a rotation takes effect within this, with no restart. Well under the 10 s a
@@ -88,7 +73,7 @@ async def cancelled_with_caller(response):
 
 @serve.deployment
 @serve.ingress(api)
-class OpenAIIngress(OpenAIRoutes, JobReads):
+class OpenAIIngress:
     """The one ingress of an application of one or several models.
 
     Args:
@@ -134,12 +119,16 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
             password_env=self.config.job_store_password_env,
         )
         self.store = StoreClient(opener)
+        #: A job's object and content, as this endpoint holds them.
+        self.jobs = JobReads(self.store, self.endpoint, self.watch)
         # Serve runs the constructor on the replica's event loop; the loop holds tasks weakly.
         loop = asyncio.get_running_loop()
         # The endpoint's limits apply from now, to its jobs of earlier deployments too; a store whose
         # database does not answer yet gets them once it does (its routes answer 503 meanwhile).
         self._configuring = loop.create_task(self._configure_store(self.config))
-        self._placers = [loop.create_task(self._place_released_jobs(model)) for model in self.servers]
+        self._placers = [
+            loop.create_task(place_released_jobs(self.store, model, server)) for model, server in self.servers.items()
+        ]
         self._watcher = loop.create_task(self.watch.run())
         self._key_reader = loop.create_task(self._read_key_again())
         #: Where the delete of a job whose caller left runs: not in the cancelled call (``serve.detached``).
@@ -182,7 +171,7 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
             await asyncio.sleep(KEY_REFRESH_S)
             self.key_check = await asyncio.to_thread(self._key.refresh, self.config)
 
-    def _model(self, model: str | None) -> str:
+    def model_of(self, model: str | None) -> str:
         """The id of the model a request names; the only one where it names none."""
         if model is None:
             if len(self.servers) == 1:
@@ -239,7 +228,7 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
         body = with_seed(ImageGenerationRequest.model_validate(request))
         # The group's request id, picked here (as a video's id is): a retry after Ray lost sight of
         # the replica joins the run that replica may still hold; a cancel then stops that one run.
-        model, request_id = self._model(body.model), uuid.uuid4().hex
+        model, request_id = self.model_of(body.model), uuid.uuid4().hex
         answer, first_error = await self._call(model, "generate", body, request_id=request_id)
         if first_error is None:
             return {**answer, "retried": False}
@@ -251,7 +240,7 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
         was lost under the call is the same job."""
         body = with_seed(VideoCreateRequest.model_validate(request))
         video_id = video_id or f"video_{uuid.uuid4().hex}"
-        model = self._model(body.model)
+        model = self.model_of(body.model)
         created, _ = await self._call(model, "create_video", body, endpoint=self.endpoint, video_id=video_id)
         return created
 
@@ -294,38 +283,13 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
         except Exception as err:  # noqa: BLE001 - the job then runs to its end, kept as any job
             logger.warning("Deleting video %s, whose caller went away, failed: %s", video_id, err)
 
-    async def _place_released_jobs(self, model: str) -> None:
-        """This replica's share of ``model``'s released jobs (``JobStore.claim``): each is sent to a
-        group of the model other than its last, unless it left that group for want of room
-        (``HSDPServer.adopt_video``), which adopts it as its next attempt. One that no group takes
-        within ``PLACE_TIMEOUT_S`` is claimed again after ``CLAIM_HOLD_S``, until the store fails
-        it (``video_lost_wait_s``). One task per model: a model without groups delays no other's."""
-        pool = pool_of(self.servers[model].app_name, self.servers[model].deployment_name)
-        while True:
-            await asyncio.sleep(JOBS_POLL_S)
-            try:
-                claimed = await self.store.call("claim", [pool], CLAIM_HOLD_S)
-            except Exception as err:  # noqa: BLE001 - the store answers again at the next round
-                logger.warning("Asking the job store for released video jobs failed: %s", err)
-                continue
-            for video_id, _, spec, last, attempt, code in claimed:
-                avoid = None if code in ROOM_CODES else last
-                call = self.servers[model].adopt_video.remote(video_id, spec, attempt, avoid_replica=avoid)
-                try:
-                    if await asyncio.wait_for(call, PLACE_TIMEOUT_S):
-                        logger.info("Placed video job %s on another shard group of %s", video_id, model)
-                except Exception as err:  # noqa: BLE001 - claimed again soon, or failed by the store
-                    call.cancel()
-                    logger.warning("No shard group of %s took video job %s: %r", model, video_id, remote_cause(err))
-                    await self._unclaim(video_id, attempt)
+    async def video(self, video_id: str) -> dict:
+        """The video object of a job (``GET /v1/videos/{id}``: ``JobReads.video``)."""
+        return await self.jobs.video(video_id)
 
-    async def _unclaim(self, video_id: str, attempt: int) -> None:
-        """A placement that failed frees its claim for ``UNPLACED_RETRY_S`` (Serve's router may
-        have picked a group whose replica is gone; the next pick is another), not ``CLAIM_HOLD_S``."""
-        try:
-            await self.store.call("unclaim", video_id, attempt, UNPLACED_RETRY_S)
-        except Exception as err:  # noqa: BLE001 - the claim then runs out at CLAIM_HOLD_S
-            logger.warning("Freeing the claim of video job %s failed: %s", video_id, err)
+    async def video_content(self, video_id: str, variant: str = "video") -> bytes:
+        """The MP4 of a completed job, or its first frame as PNG (``JobReads.video_content``)."""
+        return await self.jobs.video_content(video_id, variant)
 
     async def delete_video(self, video_id: str) -> dict:
         """Deletes a job: afterwards its id is 404; the group running it stops it at its next report."""
@@ -351,7 +315,7 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
         several models and none named, ``{"object": "list", "data": [each model's, with its id]}``
         (a model that cannot answer now has its state and error there)."""
         if model is not None or len(self.servers) == 1:
-            return await self.servers[self._model(model)].pool.remote()
+            return await self.servers[self.model_of(model)].pool.remote()
         return {"object": "list", "data": list(await asyncio.gather(*map(self._pool_entry, self.servers)))}
 
     async def progress(self) -> dict:
@@ -367,7 +331,7 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
         (the endpoint can answer: one model's outage is its own), or, for ``model``, while that
         model has one; ``models``: each model's state; ``errors``: why a model's last check failed."""
         if model is not None:
-            model = self._model(model)
+            model = self.model_of(model)
         healthy = self.watch.healthy(model)
         return {
             "status": "ok" if healthy else "unavailable",
@@ -384,7 +348,7 @@ class OpenAIIngress(OpenAIRoutes, JobReads):
         """The adapters of ``model`` (or of the only model); with several, every model's, each
         entry naming its model."""
         if model is not None or len(self.servers) == 1:
-            return await self.servers[self._model(model)].loras.remote()
+            return await self.servers[self.model_of(model)].loras.remote()
         answers = await self._each("loras")
         return {
             "object": "list",

@@ -1,9 +1,9 @@
-"""The video jobs of a replica (``HSDPServer``, whose group runs them): create, run to an MP4 in
-the cluster's job store, report progress (one poller per replica), take over jobs waiting on busy
-groups, run the jobs the ingress places here, and release the jobs whose group failed, filled or
-was removed (the ingress places them on another group: ``OpenAIIngress``). Every change of a job's
-owner is a transition of the store (``jobs.store``), guarded by the job's attempt, which every
-report here carries."""
+"""The video jobs of a replica (``VideoJobs``, a part of ``HSDPServer``, whose group runs them):
+create, run to an MP4 in the cluster's job store, take over jobs waiting on busy groups, run the
+jobs the ingress places here, and release the jobs whose group failed, filled or was removed (the
+ingress places them on another group: ``OpenAIIngress``); their progress is reported by one poller
+per replica (``video_progress``). Every change of a job's owner is a transition of the store
+(``jobs.store``), guarded by the job's attempt, which every report here carries."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import asyncio
 import dataclasses
 import logging
 
-import ray
 from ray import serve
 
 from ray_hsdp import deadlines
@@ -23,15 +22,16 @@ from ray_hsdp.serve.errors import (
     RequestLimitError,
     job_error_code,
 )
+from ray_hsdp.serve.jobs.client import StoreClient
 from ray_hsdp.serve.jobs.records import decode_spec, encode_spec
-from ray_hsdp.serve.jobs.store import DECODED, DENOISED
+from ray_hsdp.serve.jobs.store import DECODED
 from ray_hsdp.serve.media import encode_mp4, encode_png
+from ray_hsdp.serve.replica.requests import GroupRequests
+from ray_hsdp.serve.replica.state import ReplicaState, check_model, forget_stop, refusal
+from ray_hsdp.serve.replica.video_progress import poll_progress
 from ray_hsdp.serve.schema import VideoCreateRequest, to_video_request, what_ran
 
 logger = logging.getLogger("ray_hsdp")
-
-#: How often a replica reports its video jobs' progress to the table (also their heartbeat).
-PROGRESS_INTERVAL_S = 0.25
 
 
 def _application_going() -> bool:
@@ -43,51 +43,79 @@ def _application_going() -> bool:
     return app is None or app.status == "DELETING"
 
 
+async def runnable(store: StoreClient, video_id: str, spec: str, owner: str | None, attempt: int):
+    """A stored request as ``(job, fps)``; one this version cannot read (an earlier version's, or a
+    broken one) fails its job at once in ``store`` with the reason, and gives ``None``: nothing loops."""
+    try:
+        return decode_spec(spec)
+    except Exception as err:  # noqa: BLE001 - the job says why it failed
+        why = f"its stored request cannot be read by this version ({type(err).__name__}: {err})"
+    logger.warning("Failing video job %s: %s", video_id, why)
+    await store.call("fail", video_id, "internal_error", why, owner, attempt)
+    return None
+
+
+def video_fields(model_name: str, job: GenerationRequest, fps: int) -> dict:
+    """What the store keeps of a new job's request for its video object."""
+    return {
+        "model": model_name,
+        "prompt": job.prompt,
+        "size": f"{job.width}x{job.height}",
+        "seconds": f"{job.num_frames / fps:g}",
+        "num_frames": job.num_frames,
+        "fps": fps,
+        "seed": job.seed,
+        **what_ran(job),
+    }
+
+
 class VideoJobs:
-    """The video-job side of ``HSDPServer``: ``self.store`` reaches the job store (a
-    ``StoreClient``), ``self._attempts`` holds the attempt of each job that runs here."""
+    """A replica's video jobs, run by its group through its request path.
+
+    Serve runs the replica's constructor on its event loop, where this one starts the replica's
+    progress poller and, with ``video_takeover_after_s``, its takeover of waiting jobs (held here:
+    the loop keeps only a weak reference to its tasks).
+
+    Args:
+        state: The replica's state (its store, its keeper, the jobs that run here and their attempts).
+        requests: The replica's request path to its group (a job's run and its cancel).
+    """
+
+    def __init__(self, state: ReplicaState, requests: GroupRequests):
+        self.state = state
+        self.requests = requests
+        loop = asyncio.get_running_loop()
+        #: Where a request's work that outlives its cancel runs (a job's create and start, an adoption).
+        self._detached = Detached()
+        self._poller = loop.create_task(poll_progress(state, requests.cancel))
+        # (A model of a GPU share has one group: no other group of its pool could take a job over.)
+        if state.config.video_takeover_after_s is not None and not state.share:
+            self._takeover = loop.create_task(self._take_waiting_jobs(state.config.video_takeover_after_s))
 
     async def _landed(self, method: str, *args, **kwargs):
         """An owner's store call that must land (a release, a completion, a failure): it waits out a
         store outage for up to ``video_lost_wait_s`` (the job stays this replica's meanwhile)."""
-        return await self.store.landed(method, *args, until_s=self.config.video_lost_wait_s, **kwargs)
+        return await self.state.store.landed(method, *args, until_s=self.state.config.video_lost_wait_s, **kwargs)
 
-    def _refusal(self, message: str) -> GroupFailedError:
-        """A refusal the ingress retries on another group: it names this replica, the one to avoid."""
-        error = GroupFailedError(message)
-        error.replica = self._replica
-        return error
-
-    def _start_video_tasks(self) -> None:
-        """Starts the replica's progress poller and, with ``video_takeover_after_s``, its takeover
-        of waiting jobs. Serve runs the constructor on the replica's event loop: the tasks start
-        once it returns (held here: the loop keeps only a weak reference to its tasks)."""
-        loop = asyncio.get_running_loop()
-        #: Where a request's work that outlives its cancel runs (a job's create and start, an adoption).
-        self._detached = Detached()
-        self._poller = loop.create_task(self._poll_progress())
-        # (A model of a GPU share has one group: no other group of its pool could take a job over.)
-        if self.config.video_takeover_after_s is not None and not self.share:
-            self._takeover = loop.create_task(self._take_waiting_jobs(self.config.video_takeover_after_s))
-
-    async def _drain_videos(self) -> None:
+    async def drain(self) -> None:
         """The replica is removed: its video jobs get ``drain_timeout_s`` to finish; then each is
         released in the store for the ingress to place on another group (its seed makes the same
         video there), and stopped here. When the whole application goes (serve delete), no group
         of it will take them: they fail at once, with that reason."""
-        tasks = dict(getattr(self, "_videos", {}))
+        tasks = dict(self.state.videos)
         if not tasks:
             return
+        state, drain_s = self.state, self.state.config.drain_timeout_s
         if await asyncio.to_thread(_application_going):
-            why = f"the application serving {self.model_name} was deleted"
+            why = f"the application serving {state.model_name} was deleted"
             await asyncio.gather(
-                *(self._landed("fail", v, "group_failed", why, self._replica, self._attempts[v]) for v in tasks),
+                *(self._landed("fail", v, "group_failed", why, state.replica, state.attempts[v]) for v in tasks),
                 return_exceptions=True,
             )
         else:
-            logger.info("Draining %d video jobs (drain_timeout_s=%g)", len(tasks), self.config.drain_timeout_s)
-            await asyncio.wait(tasks.values(), timeout=self.config.drain_timeout_s)
-            why = f"the shard group running it was removed and drain_timeout_s={self.config.drain_timeout_s:g} passed"
+            logger.info("Draining %d video jobs (drain_timeout_s=%g)", len(tasks), drain_s)
+            await asyncio.wait(tasks.values(), timeout=drain_s)
+            why = f"the shard group running it was removed and drain_timeout_s={drain_s:g} passed"
             for video_id, task in tasks.items():
                 if not task.done():
                     await self._release(video_id, "drained", why)
@@ -95,7 +123,7 @@ class VideoJobs:
             task.cancel()
         await asyncio.gather(*tasks.values(), return_exceptions=True)
 
-    async def create_video(
+    async def create(
         self,
         request: dict | VideoCreateRequest,
         endpoint: str,
@@ -113,25 +141,16 @@ class VideoJobs:
                 replica was lost under the call adopts the job that call may have created.
             avoid_replica: The replica whose group failed the first call (it refuses the retry).
         """
-        if avoid_replica == self._replica or self._draining:
-            raise self._refusal("this shard group is failed or being removed; it cannot take the job")
+        if avoid_replica == self.state.replica or self.state.draining:
+            raise refusal(self.state, "this shard group is failed or being removed; it cannot take the job")
         body = VideoCreateRequest.model_validate(request)
-        self._check_model(body.model)
-        facts = self.group.pipeline_facts
+        check_model(self.state, body.model)
+        facts = self.state.group.pipeline_facts
         if not facts.get("video"):
-            raise RequestLimitError(f"{self.model_name} makes images, not videos; use /v1/images/generations")
-        job, fps = to_video_request(body, self.config, facts["temporal_compression"], request_id="")
-        variant = self.group.check(job)
-        fields = {
-            "model": self.model_name,
-            "prompt": job.prompt,
-            "size": f"{job.width}x{job.height}",
-            "seconds": f"{job.num_frames / fps:g}",
-            "num_frames": job.num_frames,
-            "fps": fps,
-            "seed": job.seed,
-            **what_ran(job),
-        }
+            raise RequestLimitError(f"{self.state.model_name} makes images, not videos; use /v1/images/generations")
+        job, fps = to_video_request(body, self.state.config, facts["temporal_compression"], request_id="")
+        variant = self.state.group.check(job)
+        fields = video_fields(self.state.model_name, job, fps)
         # The store's create and the job's start are one step that the caller's cancel (a client
         # gone) cannot split, run as the replica's own work (``serve.detached`` says why): a
         # created job always runs here (a caller that left deletes it).
@@ -139,8 +158,9 @@ class VideoJobs:
 
     async def _create_and_start(self, endpoint: str, fields: dict, variant, fps: int, video_id) -> dict:
         """The job's record in the store (``create``), then its run here; its video object."""
-        status, created = await self.store.call(
-            "create", endpoint, self._pool, fields, self._replica, encode_spec(variant.request, fps), video_id
+        state = self.state
+        status, created = await state.store.call(
+            "create", endpoint, state.pool, fields, state.replica, encode_spec(variant.request, fps), video_id
         )
         if status == "full":
             raise JobTableFullError(created)
@@ -150,13 +170,13 @@ class VideoJobs:
             return created  # the first call's job: it ran to its end meanwhile
         variant = dataclasses.replace(variant, request=dataclasses.replace(variant.request, request_id=created["id"]))
         future = None
-        current = self.keeper.current()
+        current = state.keeper.current()
         # (A model of a GPU share submits from the job's task: it may have to wake first.)
-        if created["id"] not in self._videos and current.done() and current.exception() is None and not self.share:
+        if created["id"] not in state.videos and current.done() and current.exception() is None and not state.share:
             try:
                 future = current.result().submit(variant)
             except GroupOverloadedError:
-                await self.store.call("delete", endpoint, created["id"])
+                await state.store.call("delete", endpoint, created["id"])
                 raise
             except GroupFailedError:
                 pass  # it failed just now: the job's task waits for the rebuild, or is released
@@ -167,20 +187,20 @@ class VideoJobs:
         """Runs ``attempt`` of a video job in the background on this replica's group, to its MP4 in
         the store. Where a copy of the job runs here already (not stopped), it runs on as this
         attempt; a stop of an earlier copy here no longer applies."""
-        self._attempts[video_id] = attempt
-        if video_id in self._videos and video_id not in self._cancelled:
+        self.state.attempts[video_id] = attempt
+        if video_id in self.state.videos and video_id not in self.state.cancelled:
             return
-        self._forget_stop(video_id)
+        forget_stop(self.state, video_id)
         task = asyncio.create_task(self._run_video(video_id, job, fps, future))
-        self._videos[video_id] = task
+        self.state.videos[video_id] = task
         task.add_done_callback(lambda done: self._forget_video(video_id, done))
 
     def _forget_video(self, video_id: str, task: asyncio.Task) -> None:
-        if self._videos.get(video_id) is task:
-            del self._videos[video_id]
-            self._attempts.pop(video_id, None)
+        if self.state.videos.get(video_id) is task:
+            del self.state.videos[video_id]
+            self.state.attempts.pop(video_id, None)
 
-    async def adopt_video(self, video_id: str, spec: str, attempt: int, avoid_replica: str | None = None) -> bool:
+    async def adopt(self, video_id: str, spec: str, attempt: int, avoid_replica: str | None = None) -> bool:
         """Runs a job the ingress placed here (``OpenAIIngress``) as the next attempt of the
         released ``attempt``: its group was lost, failed under it, filled, or was removed; its
         seed makes the same video here. It waits its turn anew. Returns once the job runs here
@@ -193,34 +213,24 @@ class VideoJobs:
         Raises:
             GroupFailedError: This is the replica to avoid, or it is being removed too.
         """
-        if avoid_replica == self._replica or self._draining:
-            raise self._refusal("this shard group is the one the job left, or is being removed; it cannot take it")
+        if avoid_replica == self.state.replica or self.state.draining:
+            why = "this shard group is the one the job left, or is being removed; it cannot take it"
+            raise refusal(self.state, why)
         return await self._detached.start(self._adopt(video_id, spec, attempt))
 
-    async def _runnable(self, video_id: str, spec: str, owner: str | None, attempt: int):
-        """A stored request as ``(job, fps)``; one this version cannot read (an earlier version's,
-        or a broken one) fails its job at once with the reason, and gives ``None``: nothing loops."""
-        try:
-            return decode_spec(spec)
-        except Exception as err:  # noqa: BLE001 - the job says why it failed
-            why = f"its stored request cannot be read by this version ({type(err).__name__}: {err})"
-        logger.warning("Failing video job %s: %s", video_id, why)
-        await self.store.call("fail", video_id, "internal_error", why, owner, attempt)
-        return None
-
     async def _adopt(self, video_id: str, spec: str, attempt: int) -> bool:
-        decoded = await self._runnable(video_id, spec, None, attempt)
+        decoded = await runnable(self.state.store, video_id, spec, None, attempt)
         if decoded is None:
             return False
-        new_attempt = await self.store.call("adopt", video_id, self._replica, attempt)
+        new_attempt = await self.state.store.call("adopt", video_id, self.state.replica, attempt)
         if new_attempt is None:
             return False
         job, fps = decoded
-        job = dataclasses.replace(deadlines.waits_anew(job, self.config), request_id=video_id)
+        job = dataclasses.replace(deadlines.waits_anew(job, self.state.config), request_id=video_id)
         try:
             self._start_video(video_id, new_attempt, job, fps)
         except Exception as err:  # an adoption that does not start is undone, never left owned and idle
-            self._attempts[video_id] = new_attempt
+            self.state.attempts[video_id] = new_attempt
             await self._release(video_id, "group_failed", f"the group that adopted it could not start it ({err})")
             raise
         return True
@@ -231,12 +241,12 @@ class VideoJobs:
         on other, busy groups, one per idle lane (the store picks the oldest; their first
         replicas stop their copies at their next report, refused for its old attempt). No error
         ends it: a round that fails is tried again at the next."""
-        while not self._stopping.is_set():
+        while not self.state.stopping.is_set():
             await asyncio.sleep(waited_s / 2)
-            if self._draining or self.keeper is None or not self.keeper.ready:
+            if self.state.draining or self.state.keeper is None or not self.state.keeper.ready:
                 continue
             try:
-                for _ in range(self.keeper.group.idle_lanes()):
+                for _ in range(self.state.keeper.group.idle_lanes()):
                     if not await self._take_one_waiting(waited_s):
                         break
             except Exception as err:  # noqa: BLE001 - the store or the group answers again at the next round
@@ -244,21 +254,21 @@ class VideoJobs:
 
     async def _take_one_waiting(self, waited_s: float) -> bool:
         """Takes over one waiting job; whether to look for another."""
-        taken = await self.store.call("take_waiting", self._replica, self._pool, waited_s)
+        taken = await self.state.store.call("take_waiting", self.state.replica, self.state.pool, waited_s)
         if taken is None:
             return False
         video_id, spec, attempt = taken
-        decoded = await self._runnable(video_id, spec, self._replica, attempt)
+        decoded = await runnable(self.state.store, video_id, spec, self.state.replica, attempt)
         if decoded is None:
             return True
         job, fps = decoded
         job = dataclasses.replace(job, request_id=video_id)
         try:  # requests that came in while the store answered may have filled the group
-            future = self.keeper.group.submit(job) if video_id not in self._videos else None
+            future = self.state.keeper.group.submit(job) if video_id not in self.state.videos else None
         except (GroupOverloadedError, GroupFailedError) as err:
             logger.info("Could not take over video job %s: %s", video_id, err)
             why = f"a group that took it over could not run it ({err})"
-            await self._landed("release", video_id, self._replica, attempt, job_error_code(err), why)
+            await self._landed("release", video_id, self.state.replica, attempt, job_error_code(err), why)
             return False
         logger.info("Took over video job %s, which waited queued on a busy shard group", video_id)
         self._start_video(video_id, attempt, job, fps, future)
@@ -266,7 +276,7 @@ class VideoJobs:
 
     async def _release(self, video_id: str, code: str, why: str, hold_s: float = 0.0) -> None:
         """Gives this replica's attempt of a job up, for the ingress to place it on another group."""
-        await self._landed("release", video_id, self._replica, self._attempts[video_id], code, why, hold_s)
+        await self._landed("release", video_id, self.state.replica, self.state.attempts[video_id], code, why, hold_s)
 
     async def _run_video(self, video_id: str, job: GenerationRequest, fps: int, future) -> BaseException | None:
         """Runs a job to its MP4 in the store; returns the error that failed it, if any. A job
@@ -279,16 +289,16 @@ class VideoJobs:
         try:
             while True:
                 try:
-                    result = await self._result(job, future)
+                    result = await self.requests.result(job, future)
                     break
                 except GroupOverloadedError as err:
-                    why, hold = f"placed on a full shard group ({err})", self.config.retry_after_s
+                    why, hold = f"placed on a full shard group ({err})", self.state.config.retry_after_s
                     await self._release(video_id, "overloaded", why, hold)
                     return None
                 except GroupFailedError as err:
                     if not await self._after_group_failure(video_id, err):
                         return None
-                    job, future = deadlines.waits_anew(job, self.config), None
+                    job, future = deadlines.waits_anew(job, self.state.config), None
             frames = result.frames[0]
             mp4 = await asyncio.to_thread(encode_mp4, frames, fps)  # off the event loop, far from any tick
             size = f"{frames.shape[2]}x{frames.shape[1]}"  # the output's: a pipeline may pick it from the image
@@ -300,79 +310,42 @@ class VideoJobs:
             err = remote_cause(err)
             logger.warning("Video job %s failed: %s", video_id, err)
             code = job_error_code(err)
-            await self._landed("fail", video_id, code, str(err), self._replica, self._attempts[video_id])
+            await self._landed("fail", video_id, code, str(err), self.state.replica, self.state.attempts[video_id])
             return err
 
     async def _after_group_failure(self, video_id: str, err: GroupFailedError) -> bool:
         """Gives a job whose group failed under it up to another group; where no other group can
         take it (one group in the pool), adopts it again here. Whether it runs again here."""
-        if self._draining:  # (its drain would release it too: whichever comes first does)
+        if self.state.draining:  # (its drain would release it too: whichever comes first does)
             await self._release(video_id, "drained", f"its shard group failed while it was removed ({err})")
             return False
         logger.warning("Releasing video job %s after: %s", video_id, err)
-        attempt = self._attempts[video_id]
-        if not await self._landed("release", video_id, self._replica, attempt, "group_failed", str(err)):
+        attempt = self.state.attempts[video_id]
+        if not await self._landed("release", video_id, self.state.replica, attempt, "group_failed", str(err)):
             return False  # failed at its last attempt, deleted, or no longer this replica's
         if serve.get_replica_context().world_size >= 2:
             return False  # the ingress places it on another group
-        new_attempt = await self._landed("adopt", video_id, self._replica, attempt)
+        new_attempt = await self._landed("adopt", video_id, self.state.replica, attempt)
         if new_attempt is None:
             return False
-        self._attempts[video_id] = new_attempt
+        self.state.attempts[video_id] = new_attempt
         # The poller's report of the released attempt was refused meanwhile and stopped the old
         # copy: that stop is not the new attempt's (a later refusal of it stops it again).
-        self._forget_stop(video_id)
+        forget_stop(self.state, video_id)
         return True
-
-    def _forget_stop(self, video_id: str) -> None:
-        """A stop of an earlier copy of ``video_id`` here no longer applies (a new attempt runs)."""
-        while video_id in self._cancelled:
-            self._cancelled.remove(video_id)
 
     async def _store_video(self, video_id: str, mp4: bytes, thumbnail: bytes, size: str) -> None:
         """Writes this attempt's files to the media store (directly where this process reaches it;
         the store's byte cap counts them from the report before) and completes the job."""
-        attempt = self._attempts[video_id]
+        attempt = self.state.attempts[video_id]
         stored = len(mp4) + len(thumbnail)
         report = dict(video_id=video_id, attempt=attempt, progress=DECODED, media_bytes=stored)
-        if not (await self._landed("renew", self._replica, [report]))[0]:
+        if not (await self._landed("renew", self.state.replica, [report]))[0]:
             return  # deleted, or its attempt is another replica's: its video is not this run's
-        media = await self.store.media()
+        media = await self.state.store.media()
         if media is None:
-            await self._landed("complete", video_id, self._replica, attempt, mp4, thumbnail, size)
+            await self._landed("complete", video_id, self.state.replica, attempt, mp4, thumbnail, size)
             return
         key = f"{video_id}-{attempt}"
         await asyncio.to_thread(media.write, key, mp4, thumbnail)
-        await self._landed("complete_stored", video_id, self._replica, attempt, key, stored, size)
-
-    async def _poll_progress(self) -> None:
-        """The replica's one progress poller: every ``PROGRESS_INTERVAL_S``, one look at the
-        group's progress, and one report of all this replica's video jobs to the store (its lease:
-        queued or running). A job the store refuses (gone, ended, or its attempt no longer this
-        replica's) is stopped here; a store that does not answer refuses nothing."""
-        me = ray.get_runtime_context().current_actor
-        while not self._stopping.is_set():
-            await asyncio.sleep(PROGRESS_INTERVAL_S)
-            videos = list(self._videos)
-            if not videos or self.keeper is None:
-                continue
-            try:
-                states = await asyncio.to_thread(self.group.progress)
-            except Exception:  # noqa: BLE001 - a failed group answers its jobs itself
-                states = {}
-            reports = []
-            for video_id in videos:  # a job's request id is its video id
-                state = states.get(video_id)
-                running = state is not None and state["state"] == "running"
-                progress = DENOISED * state["step"] // max(state["total"], 1) if running else None
-                attempt = self._attempts.get(video_id, 0)
-                reports.append(dict(video_id=video_id, attempt=attempt, progress=progress, running=running))
-            try:
-                kept = await self.store.call("renew", self._replica, reports, me)
-            except Exception as err:  # noqa: BLE001 - reported at the next round; nothing is stopped
-                logger.info("Reporting %d video jobs waits for the job store: %s", len(reports), err)
-                continue
-            for report, still in zip(reports, kept):
-                # (A job adopted here again meanwhile runs on under its new attempt.)
-                if not still and self._attempts.get(report["video_id"]) == report["attempt"]:
-                    self._cancel(report["video_id"])
+        await self._landed("complete_stored", video_id, self.state.replica, attempt, key, stored, size)
