@@ -94,14 +94,17 @@ class ShardGroup:
         shares_gpus: bool = False,
     ):
         self.state = GroupState(config, dims or config.parallel_dims(), uuid.uuid4().hex[:8], dict(labels or {}))
-        #: Its ranks share their GPUs with other models' groups (a GPU share's placement group, whose
-        #: bundles each hold one GPU): each takes a sliver of its bundle's GPU and none of its CPUs.
-        self.shares_gpus = shares_gpus
         self._actors = RankActors(self.state, placement_group, shares_gpus)
         self._mend = Mend(self.state, self._actors)
         widening = Widening(self.state)
         self._loop = SchedulerLoop(self.state, Scheduler(self.state, widening), widening, self._mend)
         self._warm_up = WarmUp(self.state, self.shutdown)
+
+    @property
+    def shares_gpus(self) -> bool:
+        """Its ranks share their GPUs with other models' groups (a GPU share's placement group, whose
+        bundles each hold one GPU): each takes a sliver of its bundle's GPU and none of its CPUs."""
+        return self._actors.shares_gpus
 
     # ---- lifecycle -------------------------------------------------------------------------
 

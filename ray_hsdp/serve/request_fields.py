@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict, model_validator
 
 from ray_hsdp.request import SAMPLE_SOLVERS, check_sigmas, parse_lora, parse_size
 
@@ -42,8 +42,13 @@ def _lora_form(value):
 
 
 #: LoRA adapters: a name, ``"x:0.5,y"``, one ``{"name", "scale"}`` object, or a list of names and
-#: such objects.
-Lora = Annotated[str | list[str | dict] | dict | None, BeforeValidator(_lora_form), AfterValidator(_lora_is_valid)]
+#: such objects; lax even in the image body's strict model (``schema``), as it was: a Python caller's
+#: tuple of names is a list.
+Lora = Annotated[
+    Annotated[str, Strict(False)] | Annotated[list[str | dict], Strict(False)] | dict | None,
+    BeforeValidator(_lora_form),
+    AfterValidator(_lora_is_valid),
+]
 LORA_DESCRIPTION = (
     "LoRA adapters of the deployment to run with (GET /v1/loras lists them): a name, 'name:scale,...', one "
     "{'name', 'scale'} object (vllm-omni's form), or a list of names and such objects; none when omitted."
@@ -77,7 +82,8 @@ def _cache_form(value):
 
 
 #: A request's step cache: ``"on"``, ``"off"``, or an object of its settings.
-Cache = Annotated[Literal["on", "off"] | bool | dict | None, BeforeValidator(_cache_form)]
+#: (Its bool lax even in the image body's strict model, as it was: JSON's 1 or "true" is on.)
+Cache = Annotated[Literal["on", "off"] | Annotated[bool, Strict(False)] | dict | None, BeforeValidator(_cache_form)]
 CACHE_DESCRIPTION = (
     "Step cache (an approximation: faster, frames differ from the uncached run): 'on', 'off', or an object of "
     "settings (threshold for first_block; interval, warmup_steps, full_after_step for taylorseer); the "

@@ -104,3 +104,14 @@ def test_a_field_both_routes_take_is_declared_once_and_means_the_same_on_each():
     for model in (ImageGenerationRequest, VideoCreateRequest):
         with pytest.raises(ValidationError, match="greater than 0"):
             model.model_validate({"prompt": "a fox", "flow_shift": 0})
+
+
+@pytest.mark.parametrize("field, value, read", [("cache", 1, True), ("cache", "true", True), ("cache", 0, False),
+                                                ("lora", ("a", "b:0.5"), ["a", "b:0.5"])])  # fmt: skip
+def test_the_strict_image_body_still_reads_a_cache_switch_and_adapter_names_as_it_did(field, value, read):
+    """The image body is strict (numbers of their type), but not where it never was: a step cache's
+    switch as 1 or "true", a Python caller's tuple of adapter names. The video body reads the same."""
+    from ray_hsdp.serve.schema import VideoCreateRequest
+
+    for model in (ImageGenerationRequest, VideoCreateRequest):
+        assert getattr(model.model_validate({"prompt": "a fox", field: value}), field) == read, model.__name__

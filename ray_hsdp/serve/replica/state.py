@@ -26,7 +26,7 @@ logger = logging.getLogger("ray_hsdp")
 CANCELLED_KEPT = 4096
 
 
-@dataclass
+@dataclass(eq=False)
 class ReplicaState:
     """One replica's state, as its parts share it.
 

@@ -180,18 +180,21 @@ class VideoJobs:
                 raise
             except GroupFailedError:
                 pass  # it failed just now: the job's task waits for the rebuild, or is released
-        self._start_video(created["id"], created["attempt"], variant.request, fps, future)
+        self._start_video(created["id"], created["attempt"], variant.request, fps, future, variant)
         return created
 
-    def _start_video(self, video_id: str, attempt: int, job: GenerationRequest, fps: int, future=None) -> None:
+    def _start_video(
+        self, video_id: str, attempt: int, job: GenerationRequest, fps: int, future=None, variant=None
+    ) -> None:
         """Runs ``attempt`` of a video job in the background on this replica's group, to its MP4 in
-        the store. Where a copy of the job runs here already (not stopped), it runs on as this
-        attempt; a stop of an earlier copy here no longer applies."""
+        the store (its first submit hands the group the ``variant`` its create checked, if any). Where
+        a copy of the job runs here already (not stopped), it runs on as this attempt; a stop of an
+        earlier copy here no longer applies."""
         self.state.attempts[video_id] = attempt
         if video_id in self.state.videos and video_id not in self.state.cancelled:
             return
         forget_stop(self.state, video_id)
-        task = asyncio.create_task(self._run_video(video_id, job, fps, future))
+        task = asyncio.create_task(self._run_video(video_id, job, fps, future, variant))
         self.state.videos[video_id] = task
         task.add_done_callback(lambda done: self._forget_video(video_id, done))
 
@@ -278,7 +281,9 @@ class VideoJobs:
         """Gives this replica's attempt of a job up, for the ingress to place it on another group."""
         await self._landed("release", video_id, self.state.replica, self.state.attempts[video_id], code, why, hold_s)
 
-    async def _run_video(self, video_id: str, job: GenerationRequest, fps: int, future) -> BaseException | None:
+    async def _run_video(
+        self, video_id: str, job: GenerationRequest, fps: int, future, variant=None
+    ) -> BaseException | None:
         """Runs a job to its MP4 in the store; returns the error that failed it, if any. A job
         whose group fails under it is released for the ingress to place on another group; in a
         pool of one group, it runs again here as its next attempt once the group is mended or
@@ -289,7 +294,7 @@ class VideoJobs:
         try:
             while True:
                 try:
-                    result = await self.requests.result(job, future)
+                    result = await self.requests.result(job, future, variant)
                     break
                 except GroupOverloadedError as err:
                     why, hold = f"placed on a full shard group ({err})", self.state.config.retry_after_s
@@ -298,7 +303,8 @@ class VideoJobs:
                 except GroupFailedError as err:
                     if not await self._after_group_failure(video_id, err):
                         return None
-                    job, future = deadlines.waits_anew(job, self.state.config), None
+                    # A new deadline makes a new request: the group checks it again (variant None).
+                    job, future, variant = deadlines.waits_anew(job, self.state.config), None, None
             frames = result.frames[0]
             mp4 = await asyncio.to_thread(encode_mp4, frames, fps)  # off the event loop, far from any tick
             size = f"{frames.shape[2]}x{frames.shape[1]}"  # the output's: a pipeline may pick it from the image
